@@ -1,0 +1,105 @@
+"""Attention layer specs, batch metadata and the backend protocol.
+
+The model describes each attention layer with a frozen :class:`AttentionLayerSpec`; the
+``deepinfer_attention_backend`` hook turns it into an :class:`AttentionBackend`; the model
+runner allocates each layer's KV cache from the backend's :meth:`kv_cache_shape` and calls
+:meth:`AttentionBackend.forward` with a flat token batch and an :class:`AttentionMetadata`.
+
+Flat token batch (requests r0, r1, r2 scheduled with 3, 1 and 2 new tokens)::
+
+    tokens          t0 t1 t2 | t3 | t4 t5
+    query_start_loc 0        3    4     6        [R+1] int32
+    seq_lens        (computed before + new) per request  [R] int32
+    positions       absolute position of each token       [T] int64
+    slot_mapping    block_id * block_size + offset        [T] int64
+    block_tables    [R, max_blocks] int32 (padded with 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class AttentionKind(str, Enum):
+    FULL = "full"  # multi-head / grouped-query attention over the whole context
+    MLA = "mla"  # multi-head latent attention (absorbed: one shared latent K=V head)
+    SLIDING = "sliding"  # full attention restricted to the last `window` positions
+    COMPRESSED_SPARSE = "compressed_sparse"  # DeepSeek-V4 CSA (compressor + indexer top-k)
+    HEAVILY_COMPRESSED = "heavily_compressed"  # DeepSeek-V4 HCA
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static description of one attention layer; hashable, so backends may cache on it.
+
+    For ``MLA`` the model passes queries already absorbed into the latent space: keys are
+    ``head_dim`` wide (latent + rope part), there is one KV head, values are the first
+    ``v_head_dim`` channels of the key (``kv_shared=True``).
+    """
+
+    kind: AttentionKind
+    layer_index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    rope_dim: int = 0
+    kv_shared: bool = False  # V is a prefix of K (MLA latent, DeepSeek-V4 K=V)
+    window: int | None = None  # sliding window length, in tokens
+    compress_ratio: int = 0
+    index_topk: int = 0
+    kv_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step batch layout, shared by every layer of one forward. All tensors live on the
+    model's device; the two ``max_*`` ints are computed on the host when the batch is built so
+    that backends never synchronise to learn shapes."""
+
+    query_start_loc: torch.Tensor  # [R+1] int32
+    seq_lens: torch.Tensor  # [R] int32, tokens in context after this step
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's KV is written
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    batch_invariant: bool = False  # reductions must not depend on the rest of the batch
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Computes one layer kind's attention over a paged KV cache. Called on the hot path."""
+
+    name: str
+
+    def kv_cache_shape(self, spec: AttentionLayerSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of this layer's KV cache tensor (allocated by the runner, dtype ``spec.kv_dtype``)."""
+        ...
+
+    def forward(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,  # [T, H, head_dim]
+        k: torch.Tensor,  # [T, Hkv, head_dim]
+        v: torch.Tensor | None,  # [T, Hkv, v_head_dim]; None when spec.kv_shared
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, v_head_dim]
+        """Write the new tokens' K/V at ``meta.slot_mapping``, then attend causally over each
+        request's cached context. Must write before reading (a request's new tokens see each
+        other)."""
+        ...

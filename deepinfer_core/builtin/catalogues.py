@@ -1,0 +1,30 @@
+"""Builtin catalogues: KV stores, speculative policies, model architectures and sources."""
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from ..speculative import ConfidenceScheduledVerification, FixedLengthVerification
+
+
+@hookimpl(trylast=True)
+def deepinfer_register_kv_stores(register):
+    from ..kv_store.local import LocalDiskKVStore
+    from ..kv_store.memory import MemoryKVStore
+
+    register("memory", MemoryKVStore)
+    register("local", LocalDiskKVStore)
+
+
+@hookimpl(trylast=True)
+def deepinfer_register_spec_policies(register_verification):
+    register_verification("fixed", lambda options=None: FixedLengthVerification())
+    register_verification("confidence", lambda options=None: ConfidenceScheduledVerification())
+
+
+@hookimpl(trylast=True)
+def deepinfer_register_models(register, register_source):
+    from ..models import deepseek_v3, llama
+    from ..models.sources import smollm2_gguf
+
+    register("LlamaForCausalLM", llama.build)
+    register("DeepseekV3ForCausalLM", deepseek_v3.build)
+    register_source("smollm2-135m-instruct", smollm2_gguf)

@@ -1,0 +1,184 @@
+"""The deepinfer hook specifications: the whole contract between the core and its plugins.
+
+pluggy is used for discovery and configuration only. Every hook is called a handful of times
+per process (at start-up or when a model/server is built), never per token: each returns a typed
+object that the engine then calls directly on the hot path.
+
+A plugin is a module (or object) with functions decorated by :data:`hookimpl`, exposed through
+an entry point in the group ``deepinfer``::
+
+    [project.entry-points.deepinfer]
+    my_vendor = "my_vendor_plugin"
+
+Builtins are registered the same way, marked ``trylast``, so any installed plugin wins.
+Hooks marked *firstresult* stop at the first non-None result; registry hooks are called on
+every plugin and receive a ``register`` callback.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .attention import AttentionBackend, AttentionLayerSpec
+    from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
+    from .kv_store import KVStoreFactory
+    from .models import ModelFactory, ModelSource
+    from .moe import MoEDispatcher, MoESpec, ParallelConfig
+    from .platform import Platform, PlatformRequest, ProbeResult
+    from .speculative import DrafterFactory, VerificationPolicyFactory
+
+PROJECT = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------------------------------------
+# plugin status
+# ---------------------------------------------------------------------------------------------
+@hookspec
+def deepinfer_probe() -> ProbeResult:
+    """Say whether this plugin is usable on this machine, from a real probe.
+
+    Called by ``deepinfer plugins`` (and ``PluginHost.status()``) once per plugin, each
+    implementation on its own, so the answer is attributed to the plugin that gave it.
+
+    Must never raise or break the host process (probe risky imports in a subprocess).
+
+    :return: ``ProbeResult(True)``, or ``ProbeResult(False, reason)`` with a short reason such
+        as ``"no CUDA device"``, ``"compute capability 8.0 < 9.0"``, ``"torch_npu not
+        importable"``, ``"no 3FS mount configured"``.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# platform
+# ---------------------------------------------------------------------------------------------
+@hookspec
+def deepinfer_platform(request: PlatformRequest) -> Platform | None:
+    """Offer a platform for the device the user asked for.
+
+    Called by ``PluginHost.platform()`` when an engine is built. Every plugin is asked (not
+    firstresult) so that the host can detect conflicts: if two non-builtin plugins return a
+    platform for the same ``device_type``, start-up fails with an error naming both.
+    ``request.device_type == "auto"`` asks for the best usable device.
+
+    :param request: the device requested (``"auto"``, ``"cpu"``, ``"cuda:0"``...).
+    :return: a :class:`~deepinfer_core.platform.Platform` whose ``device_type`` matches the
+        request (any, for ``"auto"``), or None when this plugin does not drive that device.
+        Return a platform even when its probe fails: the host reports the reason.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform) -> AttentionBackend | None:
+    """Provide the attention implementation for one attention layer kind on one platform.
+
+    Called by the model builder once per distinct layer spec while the model is constructed;
+    the engine then calls ``backend.forward`` directly every step. Stops at the first
+    non-None result; the builtin torch reference answers last for every kind it supports.
+
+    :param layer: frozen spec: ``kind`` (full | mla | sliding | compressed_sparse |
+        heavily_compressed), head counts and sizes, window, compression, dtypes.
+    :param platform: the platform the model runs on.
+    :return: an :class:`~deepinfer_core.attention.AttentionBackend`, or None when this plugin
+        has no implementation for this layer kind on this platform.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: ParallelConfig) -> MoEDispatcher | None:
+    """Provide expert routing, expert compute and the expert-parallel exchange for a MoE layer.
+
+    Called by the model builder once per MoE layer spec; the engine then calls
+    ``select_experts`` and ``forward`` directly. Stops at the first non-None result.
+
+    :param moe: frozen spec: experts, top-k, scoring, groups, widths, clamp.
+    :param platform: the platform the model runs on.
+    :param parallel: tensor/expert/data parallel sizes and this rank.
+    :return: a :class:`~deepinfer_core.moe.MoEDispatcher`, or None when not applicable.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# registries: called on every plugin with a ``register(name, factory)`` callback
+# ---------------------------------------------------------------------------------------------
+@hookspec
+def deepinfer_register_kv_stores(register: Callable[[str, KVStoreFactory], None]) -> None:
+    """Register KV storage backends by name.
+
+    Called once when the host first builds its KV store catalogue (the engine opening a store,
+    ``deepinfer plugins``). ``register(name, factory)`` where ``factory(KVStoreConfig) ->
+    KVStore``. A later registration of the same name by a non-builtin plugin replaces a builtin;
+    two non-builtin plugins registering one name is an error naming both.
+
+    :return: None (results go through ``register``).
+    """
+
+
+@hookspec
+def deepinfer_register_protocols(register: Callable[[str, ProtocolCodecFactory], None]) -> None:
+    """Register HTTP API codecs (e.g. ``"openai.chat_completions"``, ``"anthropic.messages"``).
+
+    Called once when the server is built. ``register(name, factory)`` with ``factory() ->
+    ProtocolCodec``; the server mounts each codec's ``routes``.
+
+    :return: None (results go through ``register``).
+    """
+
+
+@hookspec
+def deepinfer_register_prompt_encodings(register: Callable[[str, PromptEncodingFactory], None]) -> None:
+    """Register prompt encodings (conversation -> token ids) such as ``"deepseek_v4"``.
+
+    Called once when a chat-capable engine is built; the engine picks the first registered
+    encoding whose ``matches(model_config)`` is true, else the model's own chat template.
+    ``register(name, factory)`` with ``factory() -> PromptEncoding``.
+
+    :return: None (results go through ``register``).
+    """
+
+
+@hookspec
+def deepinfer_register_output_parsers(register: Callable[[str, OutputParserFactory], None]) -> None:
+    """Register incremental output parsers (reasoning / tool calls) by name.
+
+    Called once when a chat-capable engine is built. ``register(name, factory)`` with
+    ``factory(options: dict) -> OutputParser``; a prompt encoding names the parser its output
+    needs.
+
+    :return: None (results go through ``register``).
+    """
+
+
+@hookspec
+def deepinfer_register_spec_policies(
+    register_drafter: Callable[[str, DrafterFactory], None],
+    register_verification: Callable[[str, VerificationPolicyFactory], None],
+) -> None:
+    """Register speculative-decoding drafters and verification policies by name.
+
+    Called once when an engine with speculative decoding is built. Builtins: verification
+    policies ``"fixed"`` and ``"confidence"`` (DSpark). A plugin may register only one kind
+    (declare only the argument it uses).
+
+    :return: None (results go through the callbacks).
+    """
+
+
+@hookspec
+def deepinfer_register_models(
+    register: Callable[[str, ModelFactory], None],
+    register_source: Callable[[str, ModelSource], None],
+) -> None:
+    """Register model architectures and model sources.
+
+    Called once when the first model is resolved. ``register(architecture, factory)`` with
+    the Hugging Face architecture name (``"LlamaForCausalLM"``, ``"DeepseekV3ForCausalLM"``)
+    and ``factory(config: dict, ctx: ModelContext) -> CausalLM``.
+    ``register_source(alias, resolve)`` names a model that an installed package ships:
+    ``resolve()`` returns its local path, or None when it is not installed.
+
+    :return: None (results go through the callbacks).
+    """

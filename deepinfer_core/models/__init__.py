@@ -1,0 +1,61 @@
+"""Model architectures: registered by HF architecture name through ``deepinfer_register_models``.
+
+A :data:`ModelFactory` builds a :class:`CausalLM` from a Hugging Face style config dict and a
+:class:`ModelContext`; the loader then streams weights into it under their Hugging Face names.
+Models never pick kernels themselves: attention and MoE go through the objects the context's
+resolvers return (the platform hooks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from ..attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from ..moe import MoEDispatcher, MoESpec
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Everything a model needs from the engine, passed explicitly (no global context)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: Callable[[AttentionLayerSpec], AttentionBackend]
+    moe_dispatcher: Callable[[MoESpec], MoEDispatcher]
+
+
+class WeightsError(ValueError):
+    """Missing, unexpected or mis-shaped tensors; the message names them."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: dict
+    attention_specs: list[AttentionLayerSpec]  # one per KV-cached layer, in cache order
+    vocab_size: int
+    max_position_embeddings: int
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume ``(hf_name, tensor)`` pairs; raise :class:`WeightsError` naming every missing,
+        unexpected or mis-shaped tensor."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per attention_specs entry
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D] final hidden states (after the last norm)
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        ...
+
+
+ModelFactory = Callable[[dict, ModelContext], CausalLM]
+# A model source resolves an alias ("smollm2-135m-instruct") to a local file or directory,
+# or None when the package that ships it is not installed.
+ModelSource = Callable[[], "str | None"]

@@ -1,0 +1,76 @@
+"""Pure-torch reference MoE: grouped routing, token permutation and per-expert matmuls."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ExpertWeights, MoESpec
+
+
+class TorchMoEDispatcher:
+    name = "torch-reference"
+
+    def __init__(self) -> None:
+        self._load: torch.Tensor | None = None
+
+    def select_experts(self, spec: MoESpec, router_logits, correction_bias=None):
+        logits = router_logits.float()
+        if spec.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif spec.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        elif spec.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        else:
+            raise ValueError(f"scoring {spec.scoring!r} is not supported by {self.name}")
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if spec.num_groups > 1:
+            choice = _mask_to_best_groups(choice, spec, use_top2=correction_bias is not None)
+        topk_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices  # [T, k]
+        weights = scores.gather(1, topk_ids)
+        if spec.normalize_topk and spec.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * spec.routed_scaling
+        return topk_ids, weights
+
+    def forward(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights):
+        T, D = hidden.shape
+        flat_ids = topk_ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=spec.num_experts)
+        self._load = counts if self._load is None else self._load + counts
+        token_of = order // spec.top_k  # which token each permuted row came from
+        x = hidden[token_of]  # [T*k, D], grouped by expert
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = x[start : start + n]
+            gate_up = rows @ experts.gate_up[e].t()  # [n, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            if spec.swiglu_limit is not None:
+                gate = gate.clamp(max=spec.swiglu_limit)
+                up = up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+            out[start : start + n] = (F.silu(gate) * up) @ experts.down[e].t()
+            start += n
+        weighted = out * topk_weights.reshape(-1)[order, None].to(out.dtype)
+        result = torch.zeros_like(hidden)
+        result.index_add_(0, token_of, weighted)
+        return result
+
+    def expert_load(self):
+        load, self._load = self._load, None
+        return load
+
+
+def _mask_to_best_groups(choice: torch.Tensor, spec: MoESpec, use_top2: bool) -> torch.Tensor:
+    T, E = choice.shape
+    grouped = choice.view(T, spec.num_groups, E // spec.num_groups)
+    if use_top2:  # DeepSeek-V3: a group's score is the sum of its two best experts
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    best = group_scores.topk(spec.topk_groups, dim=-1, sorted=False).indices  # [T, g]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], 0.0).view(T, E)

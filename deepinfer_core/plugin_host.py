@@ -1,0 +1,286 @@
+"""The plugin host: discovers plugins, and is the typed facade the engine calls.
+
+Engine code never writes ``pm.hook.x(**kw)``; it calls :class:`PluginHost` methods, which say
+what they return. Loading is lazy (first use) and idempotent, and every process builds its own
+host, so worker processes are safe.
+
+Precedence: builtins (``deepinfer_core.builtin``) are registered with ``trylast`` hooks, so an
+installed plugin wins for firstresult hooks; for registries a plugin's entry replaces a builtin
+one of the same name. Two *installed* plugins claiming the same device or registry name is an
+error naming both.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+
+from . import hookspecs
+from .platform import Platform, PlatformRequest, ProbeResult
+
+try:  # Python < 3.12 ships an older importlib.metadata
+    import importlib_metadata as metadata
+except ImportError:  # pragma: no cover
+    from importlib import metadata  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "deepinfer"
+ALLOW_ENV = "DEEPINFER_PLUGINS"
+
+
+class PluginConflictError(RuntimeError):
+    """Two installed plugins claim the same device or the same registry name."""
+
+
+class NoImplementationError(LookupError):
+    """No plugin (builtin included) provides what was asked for."""
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    builtin: bool
+    hooks: list[str] = field(default_factory=list)
+    probe: ProbeResult | None = None
+    error: str | None = None  # import or validation failure; the plugin is not in use
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and (self.probe is None or self.probe.usable)
+
+    @property
+    def reason(self) -> str:
+        if self.error:
+            return self.error
+        return "" if self.probe is None else self.probe.reason
+
+
+def allowed_plugins() -> set[str] | None:
+    """Names from ``DEEPINFER_PLUGINS`` (comma separated), or None when unset (all allowed)."""
+    raw = os.environ.get(ALLOW_ENV)
+    if raw is None:
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+class PluginHost:
+    def __init__(self, *, load_entry_points: bool = True, extra_plugins: dict[str, Any] | None = None) -> None:
+        self._load_entry_points = load_entry_points
+        self._extra = dict(extra_plugins or {})
+        self._pm: pluggy.PluginManager | None = None
+        self._infos: dict[str, PluginInfo] = {}
+        self._registries: dict[str, dict[str, Any]] = {}
+
+    # -- loading ----------------------------------------------------------------------------
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        if self._pm is None:
+            self._pm = self._load()
+        return self._pm
+
+    def _load(self) -> pluggy.PluginManager:
+        from .builtin import BUILTIN_PLUGINS, core_version
+
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        for name, module in BUILTIN_PLUGINS.items():
+            self._register(pm, name, module, "deepinfer-core", core_version(), builtin=True)
+        if self._load_entry_points:
+            allow = allowed_plugins()
+            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if allow is not None and ep.name not in allow:
+                    continue
+                dist = ep.dist.name if ep.dist else "?"
+                version = ep.dist.version if ep.dist else "?"
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # reported, never fatal
+                    log.warning("deepinfer plugin %r failed to import: %s", ep.name, exc)
+                    self._infos[ep.name] = PluginInfo(ep.name, dist, version, False, error=f"import failed: {exc!r}")
+                    continue
+                self._register(pm, ep.name, plugin, dist, version, builtin=False)
+        for name, plugin in self._extra.items():
+            self._register(pm, name, plugin, "(in-process)", "", builtin=False)
+        return pm
+
+    def _register(self, pm, name, plugin, dist, version, *, builtin: bool) -> None:
+        if name in self._infos and self._infos[name].error is None:
+            raise PluginConflictError(f"two plugins are named {name!r} ({self._infos[name].distribution} and {dist})")
+        info = PluginInfo(name, dist, version, builtin)
+        try:
+            pm.register(plugin, name=name)
+            unknown = []
+            for hook_name, caller in vars(pm.hook).items():
+                if not caller.has_spec() and any(impl.plugin is plugin for impl in caller.get_hookimpls()):
+                    unknown.append(hook_name)
+            if unknown:
+                pm.unregister(plugin)
+                raise pluggy.PluginValidationError(plugin, f"unknown hook(s) {sorted(unknown)}: misspelled?")
+        except pluggy.PluginValidationError as exc:
+            log.warning("deepinfer plugin %r rejected: %s", name, exc)
+            info.error = f"invalid plugin: {exc}"
+            self._infos[name] = info
+            return
+        info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
+        self._infos[name] = info
+
+    def is_builtin(self, plugin_name: str) -> bool:
+        return self._infos[plugin_name].builtin
+
+    # -- status -----------------------------------------------------------------------------
+    def plugins(self) -> list[PluginInfo]:
+        """Every discovered plugin, with a fresh probe answer for the ones that loaded."""
+        pm = self.pm
+        for impl in pm.hook.deepinfer_probe.get_hookimpls():
+            info = self._infos[impl.plugin_name]
+            try:
+                info.probe = impl.function()
+            except Exception as exc:
+                info.probe = ProbeResult(False, f"probe raised {exc!r}")
+        return sorted(self._infos.values(), key=lambda i: (not i.builtin, i.name))
+
+    # -- platform ---------------------------------------------------------------------------
+    def platform(self, device: str = "auto") -> Platform:
+        """The platform for ``device``; raises when none is usable or two plugins conflict."""
+        request = PlatformRequest(device)
+        offers: list[tuple[str, Platform]] = []
+        for impl in self.pm.hook.deepinfer_platform.get_hookimpls():
+            platform = impl.function(request=request)
+            if platform is not None:
+                offers.append((impl.plugin_name, platform))
+        by_type: dict[str, list[tuple[str, Platform]]] = {}
+        for plugin_name, platform in offers:
+            by_type.setdefault(platform.device_type, []).append((plugin_name, platform))
+        for device_type, claims in by_type.items():
+            installed = [name for name, _ in claims if not self.is_builtin(name)]
+            if len(installed) > 1:
+                raise PluginConflictError(
+                    f"plugins {installed[0]!r} and {installed[1]!r} both claim device type {device_type!r}; "
+                    f"uninstall one or choose with {ALLOW_ENV}=..."
+                )
+        wanted = [request.device_type] if request.device_type != "auto" else list(by_type)
+        ranked = sorted(
+            (claim for t in wanted for claim in by_type.get(t, [])),
+            key=lambda c: (self.is_builtin(c[0]), c[1].device_type == "cpu"),
+        )
+        reasons = []
+        for plugin_name, platform in ranked:
+            probe = platform.probe()
+            if probe.usable:
+                return platform
+            reasons.append(f"{platform.name} ({plugin_name}): {probe.reason}")
+            if request.device_type != "auto":
+                break
+        if not ranked:
+            raise NoImplementationError(f"no installed plugin provides device {device!r}")
+        raise NoImplementationError(f"device {device!r} is not usable here: " + "; ".join(reasons))
+
+    # -- hot-path objects ---------------------------------------------------------------------
+    def attention_backend(self, layer, platform: Platform):
+        backend = self.pm.hook.deepinfer_attention_backend(layer=layer, platform=platform)
+        if backend is None:
+            raise NoImplementationError(f"no attention backend for {layer.kind.value!r} layers on platform {platform.name!r}")
+        return backend
+
+    def moe_dispatcher(self, moe, platform: Platform, parallel=None):
+        from .moe import ParallelConfig
+
+        dispatcher = self.pm.hook.deepinfer_moe_dispatcher(moe=moe, platform=platform, parallel=parallel or ParallelConfig())
+        if dispatcher is None:
+            raise NoImplementationError(f"no MoE dispatcher for scoring {moe.scoring!r} on platform {platform.name!r}")
+        return dispatcher
+
+    # -- registries -------------------------------------------------------------------------
+    def _registry(self, hook_name: str, arg: str) -> dict[str, Any]:
+        key = f"{hook_name}:{arg}"
+        if key not in self._registries:
+            self._registries[key] = self._collect(hook_name, arg)
+        return self._registries[key]
+
+    def _collect(self, hook_name: str, arg: str) -> dict[str, Any]:
+        entries: dict[str, tuple[str, Any]] = {}
+        caller = getattr(self.pm.hook, hook_name)
+        for impl in caller.get_hookimpls():
+            owner = impl.plugin_name
+            if arg not in impl.argnames:
+                continue
+
+            def register(name: str, factory: Any, _owner: str = owner) -> None:
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"plugin {_owner!r}: registry names must be non-empty strings, got {name!r}")
+                if not callable(factory):
+                    raise TypeError(f"plugin {_owner!r}: factory for {name!r} is not callable")
+                previous = entries.get(name)
+                if previous is not None and not self.is_builtin(previous[0]):
+                    if self.is_builtin(_owner):
+                        return  # an installed plugin already overrides this builtin
+                    raise PluginConflictError(f"plugins {previous[0]!r} and {_owner!r} both register {name!r} ({hook_name})")
+                entries[name] = (_owner, factory)
+
+            kwargs = {name: (register if name == arg else _ignore) for name in impl.argnames}
+            impl.function(**kwargs)
+        return {name: factory for name, (_owner, factory) in entries.items()}
+
+    def registry_owner(self, hook_name: str, arg: str, name: str) -> str:
+        """Which plugin's entry won for ``name`` (for messages and tests)."""
+        self._registry(hook_name, arg)
+        caller = getattr(self.pm.hook, hook_name)
+        owner = None
+        for impl in caller.get_hookimpls():
+            if arg not in impl.argnames:
+                continue
+            found: list[str] = []
+            kwargs = {a: ((lambda n, f, _found=found: _found.append(n)) if a == arg else _ignore) for a in impl.argnames}
+            impl.function(**kwargs)
+            if name in found and (owner is None or self.is_builtin(owner)):
+                owner = impl.plugin_name
+        if owner is None:
+            raise KeyError(name)
+        return owner
+
+    def kv_stores(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_kv_stores", "register")
+
+    def protocols(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_protocols", "register")
+
+    def prompt_encodings(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_prompt_encodings", "register")
+
+    def output_parsers(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_output_parsers", "register")
+
+    def drafters(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_spec_policies", "register_drafter")
+
+    def verification_policies(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_spec_policies", "register_verification")
+
+    def models(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_models", "register")
+
+    def model_sources(self) -> dict[str, Callable]:
+        return self._registry("deepinfer_register_models", "register_source")
+
+    def open_kv_store(self, name: str, config):
+        stores = self.kv_stores()
+        if name not in stores:
+            raise NoImplementationError(f"unknown KV store {name!r}; installed: {', '.join(sorted(stores))}")
+        return stores[name](config)
+
+
+def _ignore(*_args, **_kwargs) -> None:
+    return None
+
+
+@functools.cache
+def default_host() -> PluginHost:
+    """The process's host (built on first use; each worker process builds its own)."""
+    return PluginHost()
