@@ -28,6 +28,14 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    # Additive (recipe plugin): tools / response format attached to this very message, for
+    # prompt formats that render them inside a particular turn (DeepSeek V4 renders a
+    # developer message's tools in that user turn). Request-level ``tools`` stay the usual way.
+    tools: tuple[dict, ...] = ()
+    response_format: dict | None = None
+    # Additive: model-family specific per-message fields a codec passed through (e.g. DeepSeek's
+    # ``task``); encodings ignore keys they do not know.
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,10 @@ class ParsedOutput:
     content: str = ""
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    # Additive: set by the engine on the last event of a stream (parsers leave them None), so
+    # that ``ProtocolCodec.stream`` can emit the protocol's final frame with reason and usage.
+    finish_reason: str | None = None
+    usage: dict | None = None
 
 
 @dataclass(frozen=True)
