@@ -72,3 +72,51 @@ class Rotary(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+
+# -- YaRN (DeepSeek-V2/V3 long-context rope) ------------------------------------------------------
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context-extension ``factor`` (1.0 when not extending)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_rope_inv_freq(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and cos/sin scaling for the "yarn" rope type.
+
+    Frequencies whose wavelength fits the original context many times (high frequency) are
+    kept; those that never completed a rotation there (low frequency) are divided by ``factor``;
+    a linear ramp blends between the ``beta_fast`` / ``beta_slow`` rotation counts. Computed in
+    float32 on purpose: that is how Hugging Face builds the table, and the long-context logits we
+    compare against depend on those exact bits."""
+    orig_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / orig_ctx
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # dimension index completing `rotations` turns
+        return dim * math.log(orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim/2]
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1 -> original frequency, 0 -> interpolated
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    return inv_freq, float(attention_factor)

@@ -1,0 +1,166 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention + sigmoid-routed MoE with shared experts.
+
+Layer ``i`` is MoE when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0`` (original
+DeepSeek configs; transformers' configs omit the frequency, which means 1), otherwise a dense
+SwiGLU MLP. Attention is in ``deepseek_v3_mla``; routing and expert compute go through the
+context's MoE dispatcher; weights arrive under Hugging Face names (``deepseek_v3_weights``).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention import AttentionMetadata
+from ..moe import ExpertWeights, MoEDispatcher, MoESpec
+from . import ModelContext
+from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
+from .deepseek_v3_weights import load_hf_weights
+from .layers import GatedMLP, RMSNorm
+
+
+def is_moe_layer(config: dict, index: int) -> bool:
+    if not config.get("n_routed_experts"):
+        return False
+    freq = config.get("moe_layer_freq") or 1
+    return index >= (config.get("first_k_dense_replace") or 0) and index % freq == 0
+
+
+def moe_spec(config: dict, index: int) -> MoESpec:
+    return MoESpec(
+        layer_index=index,
+        num_experts=config["n_routed_experts"],
+        top_k=config["num_experts_per_tok"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["moe_intermediate_size"],
+        scoring="sigmoid",
+        num_groups=config.get("n_group") or 1,
+        topk_groups=config.get("topk_group") or 1,
+        normalize_topk=bool(config.get("norm_topk_prob", True)),
+        routed_scaling=float(config.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=config.get("n_shared_experts") or 0,
+    )
+
+
+class Router(nn.Module):
+    """Router parameters (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``); the
+    bias shifts which experts are chosen but not their weights (DeepSeek's aux-loss-free
+    balancing), so it is passed to the dispatcher separately. Kept in float32 like the
+    reference, because top-k choices are sensitive to rounding."""
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
+class StackedExperts(nn.Module):
+    """Routed experts stacked along dim 0, named like transformers 5's fused layout."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        E, I, D = spec.num_experts, spec.intermediate_size, spec.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))  # gate rows, then up rows
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config: dict, spec: MoESpec, dispatcher: MoEDispatcher) -> None:
+        super().__init__()
+        self.spec, self.dispatcher = spec, dispatcher
+        self.gate = Router(spec.num_experts, spec.hidden_size)
+        self.experts = StackedExperts(spec)
+        self.shared_experts = (
+            GatedMLP(spec.hidden_size, spec.intermediate_size * spec.num_shared_experts)
+            if spec.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
+        ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
+        experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)
+        out = self.dispatcher.forward(self.spec, x, ids, weights, experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict, index: int, ctx: ModelContext) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        spec = mla_spec(config, index, ctx.dtype)
+        self.self_attn = MLAAttention(config, spec, ctx.attention_backend(spec))
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        if is_moe_layer(config, index):
+            mspec = moe_spec(config, index)
+            self.mlp: nn.Module = DeepseekV3MoE(config, mspec, ctx.moe_dispatcher(mspec))
+        else:
+            self.mlp = GatedMLP(config["hidden_size"], config["intermediate_size"])
+
+    def forward(self, h, positions, rotary, kv_cache, meta):  # h [T, D]
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """``model.*`` in Hugging Face naming."""
+
+    def __init__(self, config: dict, ctx: ModelContext) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ctx) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Implements :class:`~deepinfer_core.models.CausalLM` on a flat token batch."""
+
+    def __init__(self, config: dict, ctx: ModelContext) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config["vocab_size"]
+        self.max_position_embeddings = config["max_position_embeddings"]
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        # Built on the meta device so a large model is not randomly initialised first only to
+        # be overwritten by load_weights (which insists on every tensor being present).
+        with torch.device("meta"):
+            self.model = Backbone(config, ctx)
+            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.to_empty(device=ctx.device)
+        self.to(dtype=ctx.dtype)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.gate.float()
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = build_rotary(config, ctx.device)  # shared by all layers, not a weight
+        self.attention_specs = [layer.self_attn.spec for layer in self.model.layers]
+        self.requires_grad_(False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_hf_weights(self, weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        h = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, positions, self.rotary, cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
+        return self.lm_head(hidden).float()
+
+
+def build(config: dict, ctx: ModelContext) -> DeepseekV3ForCausalLM:
+    """Model factory registered for ``DeepseekV3ForCausalLM``."""
+    return DeepseekV3ForCausalLM(config, ctx)

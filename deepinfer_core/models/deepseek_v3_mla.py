@@ -1,0 +1,148 @@
+"""DeepSeek-V2/V3 multi-head latent attention (MLA), run in the absorbed form.
+
+Hugging Face decompresses the cached latent into per-head keys and values
+(``kv_b_proj``) on every step. We instead cache, per token, one shared "key" of width
+``kv_lora_rank + rope_dim``::
+
+    cache entry  [ c_kv (normalised latent, kv_lora_rank) | k_pe (roped, rope_dim) ]
+
+and move the up-projections to the query and output sides, which is the same arithmetic
+re-associated:
+
+    score(h)  = q_nope[h] . (W_UK[h] c_kv) + q_pe[h] . k_pe
+              = (W_UK[h]^T q_nope[h]) . c_kv + q_pe[h] . k_pe      <- absorbed query
+    out(h)    = W_UV[h] (sum_s p_s c_kv[s])                          <- latent output, then W_UV
+
+so the attention backend sees an MQA layer with one KV head whose values are the first
+``kv_lora_rank`` channels of the key (``AttentionKind.MLA``, ``kv_shared=True``). The cache is
+``kv_lora_rank + rope_dim`` floats per token instead of ``H * (qk_head_dim + v_head_dim)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from .layers import RMSNorm, Rotary, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
+
+
+def rope_parameters(config: dict) -> dict:
+    """The rope dict of a DeepSeek config, whichever spelling wrote it.
+
+    transformers 5 writes ``rope_parameters`` (with ``rope_theta`` inside); original DeepSeek
+    checkpoints write ``rope_scaling`` (``type: yarn``) and a top-level ``rope_theta``."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "yarn":
+        params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return params
+
+
+def build_rotary(config: dict, device: torch.device) -> Rotary:
+    """Rotary tables for the ``qk_rope_head_dim`` channels (default or YaRN)."""
+    params = rope_parameters(config)
+    dim, theta = config["qk_rope_head_dim"], params["rope_theta"]
+    if params["rope_type"] == "yarn":
+        inv_freq, attn_scale = yarn_rope_inv_freq(dim, theta, params, config["max_position_embeddings"])
+    else:
+        inv_freq, attn_scale = rope_inv_freq(dim, theta, params)
+    return Rotary(dim, config["max_position_embeddings"], inv_freq, attn_scale).to(device)
+
+
+def softmax_scale(config: dict) -> float:
+    """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when set:
+    DeepSeek folds the long-context magnitude correction into the softmax scale."""
+    scale = (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) ** -0.5
+    params = rope_parameters(config)
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        m = yarn_get_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def mla_spec(config: dict, layer_index: int, kv_dtype: torch.dtype) -> AttentionLayerSpec:
+    latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    return AttentionLayerSpec(
+        kind=AttentionKind.MLA,
+        layer_index=layer_index,
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=1,
+        head_dim=latent + rope,
+        v_head_dim=latent,
+        scale=softmax_scale(config),
+        rope_dim=rope,
+        kv_shared=True,
+        kv_dtype=kv_dtype,
+    )
+
+
+class MLAAttention(nn.Module):
+    """One MLA layer; parameter names follow Hugging Face (``self_attn.*``) so weights load
+    by name. ``kv_b_proj`` is kept whole and viewed as W_UK / W_UV at run time (no second copy)."""
+
+    def __init__(self, config: dict, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.nope_dim = config["qk_nope_head_dim"]
+        self.rope_dim = config["qk_rope_head_dim"]
+        self.v_dim = config["v_head_dim"]
+        self.latent_dim = config["kv_lora_rank"]
+        self.q_lora_rank = config.get("q_lora_rank")
+        self.interleaved_rope = bool(config.get("rope_interleave", True))
+        self.spec, self.backend = spec, backend
+        bias = bool(config.get("attention_bias", False))
+        qk_dim = self.nope_dim + self.rope_dim
+        eps = config.get("rms_norm_eps", 1e-6)
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, eps)
+        self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        # DeepSeek's checkpoints pair rope channels as (0,1),(2,3),...; putting evens before
+        # odds turns that into the rotate-half layout Rotary implements. q and k get the same
+        # permutation, so their dot product is unchanged.
+        if self.interleaved_rope:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return rotary(x, positions)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D] normalised hidden states
+        positions: torch.Tensor,  # [T]
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        T = x.shape[0]
+        H, C = self.num_heads, self.latent_dim
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
+
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + r]
+        c_kv = self.kv_a_layernorm(kv_a[:, :C])  # [T, C]
+        k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
+        q_pe = self._rope(q_pe, positions, rotary)
+        k_pe = self._rope(k_pe, positions, rotary)
+
+        w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
+        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
+        query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + r]
+        key = torch.cat([c_kv[:, None, :], k_pe], dim=-1)  # [T, 1, C + r]
+
+        out_latent = self.backend.forward(self.spec, query, key, None, kv_cache, meta)  # [T, H, C]
+        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
+        return self.o_proj(out.reshape(T, H * self.v_dim))
