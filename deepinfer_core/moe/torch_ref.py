@@ -28,7 +28,7 @@ class TorchMoEDispatcher:
             choice = _mask_to_best_groups(choice, spec, use_top2=correction_bias is not None)
         topk_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices  # [T, k]
         weights = scores.gather(1, topk_ids)
-        if spec.normalize_topk and spec.top_k > 1:
+        if spec.normalize_topk:  # top-1 normalises to 1.0, as the references do
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * spec.routed_scaling
         return topk_ids, weights
@@ -73,4 +73,6 @@ def _mask_to_best_groups(choice: torch.Tensor, spec: MoESpec, use_top2: bool) ->
         group_scores = grouped.max(dim=-1).values
     best = group_scores.topk(spec.topk_groups, dim=-1, sorted=False).indices  # [T, g]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[..., None], 0.0).view(T, E)
+    # -inf, not 0: with a negative correction bias a kept expert's choice score can be below 0,
+    # and a zero would let an expert from a dropped group win the top-k.
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
