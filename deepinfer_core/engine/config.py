@@ -1,0 +1,39 @@
+"""Engine configuration (explicit, frozen)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"  # float32 on CPU (bf16 matmuls are very slow there), bfloat16 elsewhere
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_blocks: int | None = None  # None: sized from free memory
+    block_size: int = 128
+    max_model_len: int | None = None  # None: the model's context length
+    batch_invariant: bool = False
+    enable_prefix_caching: bool = True
+    seed: int = 0  # draws the per-request seeds of requests that bring none
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+
+    def torch_dtype(self, device_type: str) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.float32 if device_type == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]

@@ -1,0 +1,163 @@
+"""LLMEngine: one instance serving many requests. ``step()`` is the whole loop::
+
+    scheduler.schedule() -> runner.execute() -> scheduler.update() -> outputs (+ stop checks)
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import random
+
+import torch
+
+from ..plugin_host import PluginHost, default_host
+from . import loading
+from .config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner
+from .output_processor import OutputProcessor
+from .request import Request
+from .sampler import SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, host: PluginHost | None = None) -> None:
+        self.config = config
+        self.host = host or default_host()
+        self.platform = self.host.platform(config.device)
+        self.device = self.platform.torch_device(_device_index(config.device))
+        self.dtype = config.torch_dtype(self.platform.device_type)
+        self.files, self.model, ctx = loading.load(config.model, self.host, self.platform, self.device, self.dtype)
+        self.tokenizer = self.files.tokenizer
+        self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
+
+        backends = [ctx.attention_backend(spec) for spec in self.model.attention_specs]
+        bs = config.block_size
+        shapes = [b.kv_cache_shape(spec, 1, bs) for b, spec in zip(backends, self.model.attention_specs)]
+        block_bytes = sum(_numel(s) * spec.kv_dtype.itemsize for s, spec in zip(shapes, self.model.attention_specs))
+        self.num_blocks = config.kv_cache_blocks or self._default_num_blocks(block_bytes)
+        layout = ";".join(f"{b.name}:{s}:{spec.kv_dtype}" for b, s, spec in zip(backends, shapes, self.model.attention_specs))
+        namespace = hashlib.sha256(f"{self.files.fingerprint}|{layout}|bs={bs}|rank=0".encode()).hexdigest()
+        kv_caches = [
+            torch.zeros(b.kv_cache_shape(spec, self.num_blocks, bs), dtype=spec.kv_dtype, device=self.device)
+            for b, spec in zip(backends, self.model.attention_specs)
+        ]
+        self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)
+        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB)", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20)
+
+    def _default_num_blocks(self, block_bytes: int) -> int:
+        free, _total = self.platform.memory_info()
+        fraction, cap = (0.25, 4 << 30) if self.platform.device_type == "cpu" else (0.8, None)
+        budget = free * fraction if cap is None else min(free * fraction, cap)
+        enough = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(int(budget // block_bytes), enough))
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None, request_id: str | None = None) -> str:
+        """Validate and enqueue. Raises ValueError (naming the problem) and changes nothing
+        when the request cannot be served."""
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(prompt_token_ids)
+        eos = () if params.ignore_eos or self.tokenizer is None else tuple(self.tokenizer.stop_token_ids)
+        eos = eos or (() if params.ignore_eos else tuple(_config_eos(self.model.config)))
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            eos_token_ids=eos,
+            max_tokens=min(params.max_tokens or room, room),
+            prompt=prompt,
+            arrival=len(self.scheduler.requests),
+        )
+        self.scheduler.add(req)
+        self.outputs.add(req)
+        return request_id
+
+    def validate(self, prompt_token_ids, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens (the prompt must leave room for at least one new token)")
+        vocab = self.model.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}{' ...' if len(bad) > 5 else ''}")
+        blocks = -(-min(self.max_model_len, n + (params.max_tokens or self.max_model_len)) // self.config.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"the request needs up to {blocks} KV blocks but the cache has {self.num_blocks}; lower max_tokens or raise kv_cache_blocks")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self.outputs.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        rows = {}
+        for s in sched.requests:
+            if s.sample:
+                req = self.scheduler.requests[s.request_id]
+                suppressed = req.eos_token_ids + tuple(req.params.stop_token_ids) if len(req.output_token_ids) < req.params.min_tokens else ()
+                rows[s.request_id] = SamplingRow(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
+        result = self.runner.execute(sched, rows)
+        changed = self.scheduler.update(sched, result.sampled)
+        outputs = []
+        for req in changed:
+            reason, stop_reason = self.outputs.process(req)
+            if reason is not None:
+                self.scheduler.finish(req, reason, stop_reason)
+            outputs.append(self.outputs.snapshot(req))
+        return outputs
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.kv.usage(),
+            "prefix_cache_queries": self.kv.queries,
+            "prefix_cache_hits": self.kv.hits,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _device_index(device: str) -> int | None:
+    _, _, idx = device.partition(":")
+    return int(idx) if idx else None
+
+
+def _config_eos(config: dict) -> list[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

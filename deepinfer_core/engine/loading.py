@@ -1,0 +1,52 @@
+"""Resolve a model name to files, build the architecture through the plugin host, load weights."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..models import ModelContext
+from ..models.files import ModelFiles, open_model_files
+from ..plugin_host import PluginHost
+from ..platform import Platform
+
+
+def resolve_model_path(name: str, host: PluginHost) -> str:
+    """A filesystem path, or an alias registered by a model source (``smollm2-135m-instruct``)."""
+    if os.path.exists(name):
+        return name
+    sources = host.model_sources()
+    if name in sources:
+        path = sources[name]()
+        if path is None:
+            doc = (sources[name].__doc__ or "").strip().splitlines()
+            hint = f" ({' '.join(line.strip() for line in doc)})" if doc else ""
+            raise ValueError(f"model {name!r} is a known alias but its files are not installed{hint}")
+        return path
+    known = ", ".join(sorted(sources)) or "none"
+    raise ValueError(f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})")
+
+
+def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype):
+    archs = files.config.get("architectures") or []
+    models = host.models()
+    arch = next((a for a in archs if a in models), None)
+    if arch is None:
+        raise ValueError(f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}")
+    ctx = ModelContext(
+        device=device,
+        dtype=dtype,
+        attention_backend=lambda spec: host.attention_backend(spec, platform),
+        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
+    )
+    with torch.device(device):
+        model = models[arch](files.config, ctx)
+    model.load_weights(files.weights())
+    return model.to(dtype).eval(), ctx
+
+
+def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype):
+    path = resolve_model_path(name, host)
+    files = open_model_files(path)
+    model, ctx = build_model(files, host, platform, device, dtype)
+    return files, model, ctx

@@ -1,0 +1,29 @@
+"""What the public API returns (vLLM-compatible shapes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    delta_text: str = ""  # new since the previous streamed snapshot
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

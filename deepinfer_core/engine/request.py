@@ -1,0 +1,52 @@
+"""The engine's mutable record of one request (owned by the scheduler)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or drawn at arrival: sampling noise = f(seed, position)
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 0  # resolved against the context length
+    prompt: str | None = None
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    # Invariant: num_computed_tokens <= num_tokens; tokens [0, num_computed_tokens) have KV in
+    # the blocks of `block_ids`. A step schedules some of [num_computed_tokens, num_tokens).
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+    block_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # hash chain of full known blocks
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

@@ -1,0 +1,96 @@
+"""Token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling.
+
+Every operation is row-wise, and the random noise of a row is drawn from a generator seeded
+with (request seed, position): a request's tokens never depend on what else is in the batch.
+Sampling is Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) picks token i
+with probability p_i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of logits to sample: the request's parameters and its history."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # position of the token being sampled
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    suppressed: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+
+
+def row_seed(seed: int, position: int) -> int:
+    """Mix (seed, position) into a 63-bit generator seed (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """logits [N, V] float32 (one row per entry of ``rows``) -> one token id per row."""
+        logits = logits.float()
+        self._apply_penalties(logits, rows)
+        for i, row in enumerate(rows):
+            if row.suppressed:
+                logits[i, list(row.suppressed)] = float("-inf")
+        greedy = [row.params.greedy for row in rows]
+        out = torch.argmax(logits, dim=-1)  # greedy rows are done
+        if not all(greedy):
+            idx = [i for i, g in enumerate(greedy) if not g]
+            sampled = self._sample(logits[idx], [rows[i] for i in idx])
+            out[idx] = sampled
+        return out.tolist()
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long, device=logits.device)
+                if seen.numel():
+                    vals = logits[i, seen]
+                    logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+                ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        logits = logits / temps[:, None]
+        for i, row in enumerate(rows):
+            logits[i] = _filter_row(logits[i], row.params)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            gen = torch.Generator(device=logits.device).manual_seed(row_seed(row.seed, row.position))
+            noise[i].exponential_(generator=gen)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def _filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; [V] -> [V]."""
+    neg_inf = float("-inf")
+    if p.top_k and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p  # keep the token that crosses
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), neg_inf)
+    return logits

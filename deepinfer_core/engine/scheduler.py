@@ -1,0 +1,156 @@
+"""Continuous batching without prefill/decode phases.
+
+Every request has ``num_computed_tokens`` catching up with its known tokens (prompt + output).
+Each step hands out a token budget: running requests first (decode, or the next chunk of a
+long prompt), then waiting ones (after a prefix-cache lookup). When the KV pool runs dry, the
+newest running request is preempted: its blocks are freed and it is recomputed later (its
+computed full blocks usually stay in the prefix cache, so the recompute is cheap).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens whose KV this step computes
+    start_position: int  # position of token_ids[0]
+    block_ids: tuple[int, ...]
+    sample: bool  # the step reaches the last known token: sample the next one
+    seed: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    num_tokens: int
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    long_prefill_threshold: int = 512  # a prefill chunk is capped here while others decode
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        # 1. running requests, oldest first; preempt the newest when blocks run out
+        queue = list(self.running)
+        i = 0
+        while i < len(queue) and budget > 0:
+            req = queue[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if self.kv.allocate(req, num_new):
+                chosen.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            victim = queue.pop()  # newest
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        # 2. waiting requests, in arrival order (preempted ones are at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hits = self.kv.match_prefix(req)
+            cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - cached, budget)
+            if chosen and num_new > self.config.long_prefill_threshold:
+                num_new = self.config.long_prefill_threshold
+            if not self.kv.allocate(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
+                self.kv.queries += len(req.prompt_token_ids)
+                self.kv.hits += cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append((req, num_new))
+            budget -= num_new
+
+        scheduled = tuple(
+            ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=tuple(req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + n]),
+                start_position=req.num_computed_tokens,
+                block_ids=tuple(req.block_ids),
+                sample=req.num_computed_tokens + n == req.num_tokens,
+                seed=req.seed,
+            )
+            for req, n in chosen
+        )
+        return SchedulerOutput(scheduled, sum(n for _, n in chosen), tuple(preempted))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Commit a step: advance computed counts, append sampled tokens, publish full blocks,
+        finish requests. Returns the requests that changed (for output processing)."""
+        changed = []
+        for sched in out.requests:
+            req = self.requests[sched.request_id]
+            req.num_computed_tokens += len(sched.token_ids)
+            self.kv.cache_computed_blocks(req)
+            if sched.request_id in sampled:
+                req.output_token_ids.append(sampled[sched.request_id])
+                changed.append(req)
+        return changed
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        if req.finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req

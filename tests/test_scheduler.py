@@ -1,0 +1,71 @@
+"""Scheduler invariants, driven without a model (tokens are fed back by the test)."""
+from deepinfer_core.engine.kv_cache_manager import KVCacheManager
+from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.sampling_params import SamplingParams
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def drive(sched: Scheduler, max_new: int, max_steps: int = 500):
+    """Run to completion, sampling token 7 each time; return the step outputs."""
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        steps.append(out)
+        sampled = {s.request_id: 7 for s in out.requests if s.sample}
+        for req in sched.update(out, sampled):
+            if len(req.output_token_ids) >= max_new:
+                sched.finish(req, "length")
+    return steps
+
+
+def test_budget_and_chunked_prefill():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10), KVCacheManager(64, BS, "ns"))
+    sched.add(Request("a", list(range(25)), SamplingParams(), 0))
+    steps = drive(sched, max_new=3)
+    assert all(s.num_tokens <= 10 for s in steps)
+    first = [s.requests[0] for s in steps[:3]]
+    assert [len(r.token_ids) for r in first] == [10, 10, 5]
+    assert [r.start_position for r in first] == [0, 10, 20]
+    assert [r.sample for r in first] == [False, False, True]
+
+
+def test_decode_and_prefill_share_a_step():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(64, BS, "ns"))
+    sched.add(Request("a", [1, 2, 3], SamplingParams(), 0))
+    out = sched.schedule()
+    sched.update(out, {"a": 5})
+    sched.add(Request("b", [4, 5, 6, 7, 8], SamplingParams(), 0))
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.requests] == [("a", 1), ("b", 5)]
+
+
+def test_preemption_when_blocks_run_out_and_everyone_finishes():
+    kv = KVCacheManager(6, BS, "ns")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    for i in range(3):
+        sched.add(Request(f"r{i}", list(range(i * 10, i * 10 + 6)), SamplingParams(), 0))
+    drive(sched, max_new=6)
+    assert sched.num_preemptions > 0
+    assert not sched.has_unfinished() and kv.pool.num_free == 6
+
+
+def test_max_num_seqs_limits_running():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), KVCacheManager(64, BS, "ns"))
+    for i in range(5):
+        sched.add(Request(f"r{i}", [i + 1, 2, 3], SamplingParams(), 0))
+    out = sched.schedule()
+    assert len(out.requests) == 2 and len(sched.waiting) == 3
+
+
+def test_abort_frees_blocks():
+    kv = KVCacheManager(8, BS, "ns")
+    sched = Scheduler(SchedulerConfig(), kv)
+    sched.add(Request("a", list(range(9)), SamplingParams(), 0))
+    sched.schedule()
+    assert kv.pool.num_free < 8
+    sched.abort("a")
+    assert kv.pool.num_free == 8 and not sched.has_unfinished()
