@@ -6,6 +6,23 @@ A backend is registered by name through ``deepinfer_register_kv_stores`` as a fa
 Visibility rule (enforced by every backend, checked by the conformance suite): a block is
 visible to ``match_prefix``/``acquire_read`` only after ``reserve_write`` -> ``write_from`` ->
 ``commit`` succeeded for it. A record that fails its header or checksum is a miss, never data.
+
+Alignment rules (why: the caller keeps one list of buffers per request and must not guess):
+
+- ``ReadLease.keys`` are the keys the caller asked for, in order; ``read_into`` takes one
+  buffer per lease key and answers one bool per lease key. Keys that were not committed when
+  the lease was taken are simply not pinned and read as False.
+- ``WriteTicket.keys`` are the keys that still need writing (already committed keys are left
+  out); ``write_from`` and ``commit`` take one buffer / one flag per ticket key.
+- Every buffer is exactly ``KVStoreConfig.block_bytes`` long (a wrong size is a ValueError:
+  it means the caller's layout disagrees with the namespace).
+
+Concurrency: two tickets may reserve the same key; the first commit wins and later commits
+of that key are dropped (blocks are content addressed, so either copy is right; what matters
+is that a reader never sees a mix of two writes).
+
+``remove`` and expiry hide a block at once; a lease taken earlier still reads it, and the
+bytes are deleted when the last lease on it ends.
 """
 from __future__ import annotations
 
@@ -44,6 +61,11 @@ class WriteTicket:
     expires_at: float
 
 
+class StaleTicketError(LookupError):
+    """``write_from``/``commit`` on a ticket that expired (``gc``), was committed already or
+    belongs to another store. The writer drops the blocks; they are recomputed if needed."""
+
+
 @runtime_checkable
 class KVStore(Protocol):
     name: str
@@ -70,11 +92,13 @@ class KVStore(Protocol):
         ...
 
     def write_from(self, ticket: WriteTicket, buffers: Sequence[memoryview]) -> None:
-        """Write the blocks' bytes; still invisible until :meth:`commit`."""
+        """Write the blocks' bytes; still invisible until :meth:`commit`. An I/O failure is
+        raised (``OSError``) after cleaning up, and the blocks it hit are never visible."""
         ...
 
-    def commit(self, ticket: WriteTicket, ok_mask: Sequence[bool]) -> None:
-        """Make the written blocks with ``ok_mask`` True visible; drop the rest."""
+    def commit(self, ticket: WriteTicket, ok_mask: Sequence[bool]) -> int:
+        """Make the written blocks with ``ok_mask`` True visible; drop the rest (and any block
+        that was never written). Returns how many blocks became visible."""
         ...
 
     def remove(self, keys: Sequence[bytes]) -> None:
@@ -86,7 +110,8 @@ class KVStore(Protocol):
         ...
 
     def stats(self) -> dict:
-        """Counters: blocks, bytes, hits, misses, ... (names are the backend's)."""
+        """Counters. ``blocks`` (committed, visible blocks) is required; the rest (bytes,
+        hits, misses, evictions, bad_records, ...) are the backend's own names."""
         ...
 
     def close(self) -> None:

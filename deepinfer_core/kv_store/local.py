@@ -1,0 +1,327 @@
+"""``local``: the embedded default KV store, one file per block in a directory.
+
+Layout (``root`` is ``config.path``, default ``~/.cache/deepinfer/kv``)::
+
+    root/<namespace fp hex>/
+        tmp/<key hex>.<pid>.<token>.<ticket>.tmp      written by write_from, private to a ticket
+        <retention>/<expiry day>/<key hex[:2]>/<key hex>.kv   committed records (records.py)
+
+Why this shape: a commit is one ``os.replace`` of a complete temp file, so a crash leaves
+either nothing or a whole record, never half of one. Records are bucketed by the UTC day they
+expire in, so expiry deletes whole directories (3FS has no TTL; the 3fs plugin reuses this
+class on its mount). The namespace directory keeps models apart; the header check still
+turns a misplaced file into a miss.
+
+The index (key -> path, LRU order) lives in memory and is rebuilt from a directory scan on
+open, so the cache survives restarts. A key missing from the index is looked up on disk
+before it is called a miss, so several processes sharing one directory see each other's
+commits. Leases are per process: another process deleting a file makes a read fail, which is
+a miss (recompute), never wrong data.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
+from .leases import LeaseTable, TicketTable, check_buffers
+from .records import PosixRecordIO, RecordIO, namespace_fingerprint, read_record, record_bytes, write_record
+
+DEFAULT_PATH = "~/.cache/deepinfer/kv"
+DAY = 86400
+DEFAULT_RESERVATION_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: str
+    expires_at: float  # end of the record's day bucket
+
+
+def _bucket_end(day: int) -> float:
+    return float((day + 1) * DAY)
+
+
+class LocalDiskKVStore:
+    """File-per-block store. Options: ``retention_seconds`` (dict overriding
+    :data:`RETENTION_SECONDS`), ``reservation_seconds``. ``io`` swaps the file I/O layer."""
+
+    name = "local"
+
+    def __init__(self, config: KVStoreConfig, *, io: RecordIO | None = None) -> None:
+        self.config = config
+        self.io: RecordIO = io or PosixRecordIO()
+        self.root = Path(os.path.expanduser(config.path or DEFAULT_PATH))
+        self._fp = namespace_fingerprint(config.namespace)
+        self._dir = self.root / self._fp.hex()
+        self._tmp = self._dir / "tmp"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._retention = {**RETENTION_SECONDS, **config.options.get("retention_seconds", {})}
+        self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
+        self._token = secrets.token_hex(4)  # temp names unique across processes on one mount
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU order: oldest first
+        self._leases: LeaseTable[str] = LeaseTable()
+        self._tickets = TicketTable()
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(("hits", "misses", "read_failures", "evictions", "expired", "commits", "dropped_at_scan"), 0)
+        with self._lock:
+            self._rebuild_index()
+            self._evict_to_capacity()
+
+    # -- paths and index ------------------------------------------------------------------
+    def _final_path(self, key: bytes, retention: str, day: int) -> Path:
+        hexkey = key.hex()
+        return self._dir / retention / str(day) / hexkey[:2] / f"{hexkey}.kv"
+
+    def _rebuild_index(self) -> None:
+        """Scan committed records (metadata only: names and sizes), oldest use first."""
+        found: list[tuple[float, bytes, _Entry]] = []
+        for retention in self._retention:
+            for day, day_dir in self._day_dirs(retention):
+                for fan in os.scandir(day_dir):
+                    for item in os.scandir(fan.path) if fan.is_dir() else ():
+                        key = _key_of(item.name)
+                        if key is None:
+                            continue
+                        stat = item.stat()
+                        if stat.st_size != record_bytes(key, self.config.block_bytes):
+                            _unlink(item.path)  # truncated or foreign: never data
+                            self._counters["dropped_at_scan"] += 1
+                            continue
+                        found.append((stat.st_mtime, key, _Entry(item.path, _bucket_end(day))))
+        for _, key, entry in sorted(found, key=lambda f: f[0]):
+            self._index[key] = entry
+            self._index.move_to_end(key)
+
+    def _day_dirs(self, retention: str) -> list[tuple[int, str]]:
+        try:
+            items = list(os.scandir(self._dir / retention))
+        except FileNotFoundError:
+            return []
+        return [(int(d.name), d.path) for d in items if d.name.isdigit() and d.is_dir()]
+
+    def _lookup(self, key: bytes) -> _Entry | None:
+        """Index first, then the disk (another process may have committed it)."""
+        entry = self._index.get(key)
+        if entry is not None or self._leases.retired(key) is not None:
+            return entry
+        now = time.time()
+        for retention in self._retention:
+            for day, _ in self._day_dirs(retention):
+                path = self._final_path(key, retention, day)
+                if _bucket_end(day) > now and path.exists():
+                    entry = self._index[key] = _Entry(str(path), _bucket_end(day))
+                    return entry
+        return None
+
+    def record_path(self, key: bytes) -> str | None:
+        """Where the committed record of ``key`` lives (for tools and tests), else None."""
+        with self._lock:
+            entry = self._lookup(key)
+            return None if entry is None else entry.path
+
+    # -- reads ----------------------------------------------------------------------------
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if self._lookup(key) is None:
+                    break
+                n += 1
+            return n
+
+    def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
+        with self._lock:
+            present = [k for k in keys if self._lookup(k) is not None]
+            for key in present:
+                self._index.move_to_end(key)
+            return self._leases.acquire(keys, present)
+
+    def read_into(self, lease: ReadLease, buffers: Sequence[memoryview]) -> list[bool]:
+        check_buffers(lease.keys, buffers, self.config.block_bytes)
+        with self._lock:
+            pinned = self._leases.pinned_keys(lease)
+            paths = [self._pinned_path(k) if k in pinned else None for k in lease.keys]
+        # I/O outside the lock: pinned files are not deleted by this process meanwhile.
+        results = [
+            path is not None and read_record(self.io, path, self._fp, key, memoryview(buf).cast("B"))
+            for key, path, buf in zip(lease.keys, paths, buffers)
+        ]
+        with self._lock:
+            for key, path, ok in zip(lease.keys, paths, results):
+                self._counters["hits" if ok else "misses"] += 1
+                if path is not None and not ok:
+                    self._counters["read_failures"] += 1
+                    self._discard_bad(key, path)
+        return results
+
+    def _pinned_path(self, key: bytes) -> str | None:
+        entry = self._index.get(key)
+        return entry.path if entry is not None else self._leases.retired(key)
+
+    def _discard_bad(self, key: bytes, path: str) -> None:
+        """A record that failed to read is removed: it would fail every time."""
+        entry = self._index.get(key)
+        if entry is not None and entry.path == path:
+            del self._index[key]
+        self._leases.forget_retired(key)
+        _unlink(path)
+
+    def release(self, lease: ReadLease) -> None:
+        with self._lock:
+            for _key, path in self._leases.release(lease):
+                _unlink(path)
+            self._evict_to_capacity()
+
+    # -- writes ---------------------------------------------------------------------------
+    def reserve_write(self, keys: Sequence[bytes], retention: str = "chat") -> WriteTicket:
+        if retention not in self._retention:
+            raise ValueError(f"unknown retention class {retention!r}; known: {sorted(self._retention)}")
+        with self._lock:
+            needed = [k for k in dict.fromkeys(keys) if self._lookup(k) is None]
+            return self._tickets.open(needed, retention, time.time() + self._reservation_s).ticket
+
+    def write_from(self, ticket: WriteTicket, buffers: Sequence[memoryview]) -> None:
+        check_buffers(ticket.keys, buffers, self.config.block_bytes)
+        with self._lock:
+            retention = self._tickets.get(ticket).retention
+        expires_at = time.time() + self._retention[retention]
+        written: dict[bytes, str] = {}
+        try:
+            for key, buffer in zip(ticket.keys, buffers):
+                tmp = str(self._tmp / f"{key.hex()}.{os.getpid()}.{self._token}.{ticket.ticket_id}.tmp")
+                _unlink(tmp)  # a second write_from on the same ticket replaces the first
+                try:
+                    write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
+                except BaseException:
+                    _unlink(tmp)  # no partial record survives a failed write
+                    raise
+                written[key] = tmp
+        finally:
+            with self._lock:
+                try:
+                    self._tickets.get(ticket).written.update((k, (p, expires_at)) for k, p in written.items())
+                except LookupError:  # expired while we wrote: nobody will commit these
+                    for path in written.values():
+                        _unlink(path)
+                    raise
+
+    def commit(self, ticket: WriteTicket, ok_mask: Sequence[bool]) -> int:
+        if len(ok_mask) != len(ticket.keys):
+            raise ValueError(f"ok_mask has {len(ok_mask)} entries for {len(ticket.keys)} ticket keys")
+        with self._lock:
+            reservation = self._tickets.close(ticket)
+            made = 0
+            for key, ok in zip(ticket.keys, ok_mask):
+                written = reservation.written.get(key)
+                if written is None:
+                    continue
+                tmp, expires_at = written
+                # First commit wins; a retired key's file may still be read through a lease.
+                if not ok or key in self._index or self._leases.retired(key) is not None:
+                    _unlink(tmp)
+                    continue
+                day = int(expires_at // DAY)
+                final = self._final_path(key, reservation.retention, day)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, final)  # atomic: readers see nothing or the whole record
+                self._index[key] = _Entry(str(final), _bucket_end(day))
+                made += 1
+            self._counters["commits"] += made
+            self._evict_to_capacity()
+            return made
+
+    # -- removal --------------------------------------------------------------------------
+    def remove(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                if self._lookup(key) is not None:
+                    self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._index.pop(key)
+        if self._leases.is_pinned(key):
+            self._leases.retire(key, entry.path)
+        else:
+            _unlink(entry.path)
+
+    def _evict_to_capacity(self) -> None:
+        capacity = self.config.capacity_blocks
+        if capacity is None:
+            return
+        # Invariant: a pinned block is never evicted; the store may sit above capacity until
+        # its leases end (release() calls back here).
+        victims = iter([k for k in self._index if not self._leases.is_pinned(k)])
+        while len(self._index) > capacity:
+            key = next(victims, None)
+            if key is None:
+                break
+            _unlink(self._index.pop(key).path)
+            self._counters["evictions"] += 1
+
+    def gc(self, now: float | None = None) -> int:
+        """Expire records whose day bucket has ended, abandoned reservations of this process,
+        and temp files left by dead processes; returns how many went."""
+        now = time.time() if now is None else now
+        with self._lock:
+            count = 0
+            for reservation in self._tickets.expire(now):
+                for tmp, _ in reservation.written.values():
+                    _unlink(tmp)
+                count += 1
+            expired = [k for k, e in self._index.items() if e.expires_at <= now]
+            for key in expired:
+                self._drop(key)
+            self._counters["expired"] += len(expired)
+            count += len(expired)
+            in_use = {os.path.dirname(os.path.dirname(p)) for p in self._leases.retired_values()}
+            for retention in self._retention:
+                for day, day_dir in self._day_dirs(retention):
+                    if _bucket_end(day) <= now and day_dir not in in_use:
+                        shutil.rmtree(day_dir, ignore_errors=True)  # whole bucket, any writer's
+            live = {tmp for tmp, _ in self._tickets.live_temp_values()}
+            for item in os.scandir(self._tmp):
+                if item.path not in live and item.stat().st_mtime + self._reservation_s <= now:
+                    _unlink(item.path)
+                    count += 1
+            return count
+
+    # -- misc -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "blocks": len(self._index),
+                "bytes": sum(record_bytes(k, self.config.block_bytes) for k in self._index),
+                "leases": len(self._leases),
+                "reservations": len(self._tickets),
+                "path": str(self._dir),
+                **self._counters,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+
+
+def _key_of(filename: str) -> bytes | None:
+    stem, dot, ext = filename.partition(".")
+    if ext != "kv" or not dot:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

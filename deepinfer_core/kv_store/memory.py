@@ -1,0 +1,163 @@
+"""``memory``: a KV store in this process's memory (tests, single runs, no persistence).
+
+It implements the whole contract (two-phase writes, leases, LRU capacity, retention expiry)
+so that engine code tested against it behaves the same on the persistent stores.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
+from .leases import LeaseTable, TicketTable, check_buffers
+
+DEFAULT_RESERVATION_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class _Block:
+    data: bytes
+    expires_at: float
+
+
+class MemoryKVStore:
+    """Dict-backed store. Options: ``retention_seconds`` (dict overriding
+    :data:`RETENTION_SECONDS`), ``reservation_seconds`` (how long a write ticket lives)."""
+
+    name = "memory"
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        self.config = config
+        self._retention = {**RETENTION_SECONDS, **config.options.get("retention_seconds", {})}
+        self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
+        self._leases: LeaseTable[_Block] = LeaseTable()
+        self._tickets = TicketTable()
+        self._lock = threading.Lock()
+        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "expired": 0, "commits": 0}
+
+    # -- reads ----------------------------------------------------------------------------
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._blocks:
+                    break
+                n += 1
+            return n
+
+    def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
+        with self._lock:
+            present = [k for k in keys if k in self._blocks]
+            for key in present:
+                self._blocks.move_to_end(key)  # a read is a use (LRU)
+            return self._leases.acquire(keys, present)
+
+    def read_into(self, lease: ReadLease, buffers: Sequence[memoryview]) -> list[bool]:
+        check_buffers(lease.keys, buffers, self.config.block_bytes)
+        with self._lock:
+            pinned = self._leases.pinned_keys(lease)
+            results = []
+            for key, buffer in zip(lease.keys, buffers):
+                block = self._blocks.get(key) if key in pinned else None
+                if block is None and key in pinned:
+                    block = self._leases.retired(key)
+                if block is None:
+                    self._counters["misses"] += 1
+                    results.append(False)
+                    continue
+                memoryview(buffer).cast("B")[:] = block.data
+                self._counters["hits"] += 1
+                results.append(True)
+            return results
+
+    def release(self, lease: ReadLease) -> None:
+        with self._lock:
+            self._leases.release(lease)  # retired bytes are simply dropped
+            self._evict_to_capacity()
+
+    # -- writes ---------------------------------------------------------------------------
+    def reserve_write(self, keys: Sequence[bytes], retention: str = "chat") -> WriteTicket:
+        if retention not in self._retention:
+            raise ValueError(f"unknown retention class {retention!r}; known: {sorted(self._retention)}")
+        with self._lock:
+            needed = [k for k in dict.fromkeys(keys) if k not in self._blocks]
+            return self._tickets.open(needed, retention, time.time() + self._reservation_s).ticket
+
+    def write_from(self, ticket: WriteTicket, buffers: Sequence[memoryview]) -> None:
+        check_buffers(ticket.keys, buffers, self.config.block_bytes)
+        copies = [bytes(memoryview(b).cast("B")) for b in buffers]
+        with self._lock:
+            reservation = self._tickets.get(ticket)
+            reservation.written.update(zip(ticket.keys, copies))
+
+    def commit(self, ticket: WriteTicket, ok_mask: Sequence[bool]) -> int:
+        if len(ok_mask) != len(ticket.keys):
+            raise ValueError(f"ok_mask has {len(ok_mask)} entries for {len(ticket.keys)} ticket keys")
+        now = time.time()
+        with self._lock:
+            reservation = self._tickets.close(ticket)
+            expires_at = now + self._retention[reservation.retention]
+            made = 0
+            for key, ok in zip(ticket.keys, ok_mask):
+                data = reservation.written.get(key)
+                if not ok or data is None or key in self._blocks:
+                    continue  # first commit of a key wins
+                self._blocks[key] = _Block(data, expires_at)
+                made += 1
+            self._counters["commits"] += made
+            self._evict_to_capacity()
+            return made
+
+    # -- removal --------------------------------------------------------------------------
+    def remove(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._drop(key)
+
+    def gc(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        with self._lock:
+            expired = [k for k, b in self._blocks.items() if b.expires_at <= now]
+            for key in expired:
+                self._drop(key)
+            self._counters["expired"] += len(expired)
+            return len(expired) + len(self._tickets.expire(now))
+
+    def _drop(self, key: bytes) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None and self._leases.is_pinned(key):
+            self._leases.retire(key, block)
+
+    def _evict_to_capacity(self) -> None:
+        capacity = self.config.capacity_blocks
+        if capacity is None:
+            return
+        # Invariant: a pinned block is never evicted, so the store may sit above capacity
+        # until leases end (release() calls back here).
+        victims = iter([k for k in self._blocks if not self._leases.is_pinned(k)])
+        while len(self._blocks) > capacity:
+            key = next(victims, None)
+            if key is None:
+                break
+            del self._blocks[key]
+            self._counters["evictions"] += 1
+
+    # -- misc -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "blocks": len(self._blocks),
+                "bytes": sum(len(b.data) for b in self._blocks.values()),
+                "leases": len(self._leases),
+                "reservations": len(self._tickets),
+                **self._counters,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+

@@ -1,0 +1,147 @@
+"""The on-disk record format shared by every file-backed KV store (``local``, the 3fs plugin).
+
+One block is one file::
+
+    +-------------------------- header (44 bytes, little endian) ---------------------------+
+    | magic "DIKV" | version u16 | key_len u16 | namespace fp 16B | payload_len u64 |        |
+    | expires_at f64 | crc32 u32                                                           |
+    +-------------------------------------------------------------------------------------+
+    | key (key_len bytes)                                                                 |
+    +-------------------------------------------------------------------------------------+
+    | payload (payload_len bytes: the block's KV bytes)                                   |
+    +-------------------------------------------------------------------------------------+
+
+Why each field: the namespace fingerprint and the key make a record that landed at the wrong
+path (another model, dtype or rank; a hash collision in a file name) a miss instead of wrong
+KV; the payload length catches truncation; the crc32 over header, key and payload catches torn
+or flipped bytes. ``expires_at`` lets a reader tell an expired record without a directory scan.
+
+The file I/O itself goes through a :class:`RecordIO` so that a backend can swap POSIX calls
+for another client (3FS USRBIO) and keep the format and its checks in one place.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+MAGIC = b"DIKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH16sQdI")
+HEADER_BYTES = _HEADER.size
+
+
+def namespace_fingerprint(namespace: str) -> bytes:
+    """16-byte fingerprint of a namespace string (fixed, unseeded: identical in every process)."""
+    return hashlib.blake2b(namespace.encode(), digest_size=16, person=b"deepinfer-kv-ns").digest()
+
+
+def record_bytes(key: bytes, payload_len: int) -> int:
+    """Total size of a well-formed record file (lets a directory scan spot truncation)."""
+    return HEADER_BYTES + len(key) + payload_len
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    namespace_fp: bytes
+    key: bytes
+    payload_len: int
+    expires_at: float
+    checksum: int
+
+
+def _checksum(namespace_fp: bytes, key: bytes, payload_len: int, expires_at: float, payload) -> int:
+    prefix = _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, payload_len, expires_at, 0)
+    return zlib.crc32(payload, zlib.crc32(key, zlib.crc32(prefix)))
+
+
+def encode_header(namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float) -> bytes:
+    """Header followed by the key; the payload is written after it unchanged (no copy)."""
+    crc = _checksum(namespace_fp, key, len(payload), expires_at, payload)
+    return _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, len(payload), expires_at, crc) + key
+
+
+def decode_header(data: bytes | memoryview, namespace_fp: bytes, key: bytes) -> RecordHeader | None:
+    """Parse header+key; None when it is not a record of this namespace and key."""
+    if len(data) < HEADER_BYTES:
+        return None
+    magic, version, key_len, fp, payload_len, expires_at, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION or fp != namespace_fp or key_len != len(key):
+        return None
+    if bytes(data[HEADER_BYTES : HEADER_BYTES + key_len]) != key:
+        return None
+    return RecordHeader(fp, key, payload_len, expires_at, crc)
+
+
+def payload_matches(header: RecordHeader, payload: memoryview) -> bool:
+    """Length and checksum check of a payload read after ``header``."""
+    if len(payload) != header.payload_len:
+        return False
+    return _checksum(header.namespace_fp, header.key, header.payload_len, header.expires_at, payload) == header.checksum
+
+
+class RecordIO(Protocol):
+    """Whole-file I/O used by file-backed stores (POSIX here, USRBIO in the 3fs plugin)."""
+
+    def write_file(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
+        """Create ``path`` (it does not exist yet) holding ``parts`` back to back; raise
+        ``OSError`` on any failure (the caller removes the partial file)."""
+        ...
+
+    def read_file(self, path: str, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return the count."""
+        ...
+
+
+class PosixRecordIO:
+    """Plain ``os`` calls; the default everywhere, including on a 3FS FUSE mount."""
+
+    def write_file(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+        finally:
+            os.close(fd)
+
+    def read_file(self, path: str, offset: int, out: memoryview) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+
+def write_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float) -> None:
+    """Write one complete record to ``path`` (a temporary name; the caller renames it)."""
+    io.write_file(path, [encode_header(namespace_fp, key, payload, expires_at), payload])
+
+
+def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: memoryview) -> bool:
+    """Read the record at ``path`` into ``out`` (payload only). False, with ``out`` in an
+    unspecified state, when the file is missing, short, of another namespace/key, or fails
+    its checksum: the caller treats that as a miss."""
+    head = bytearray(HEADER_BYTES + len(key))
+    try:
+        if io.read_file(path, 0, memoryview(head)) != len(head):
+            return False
+        header = decode_header(head, namespace_fp, key)
+        if header is None or header.payload_len != len(out):
+            return False
+        if io.read_file(path, len(head), out) != len(out):
+            return False
+    except OSError:
+        return False
+    return payload_matches(header, out)
