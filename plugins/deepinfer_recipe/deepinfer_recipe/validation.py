@@ -1,0 +1,121 @@
+"""Small request-validation helpers shared by the codecs.
+
+Every failure raises :class:`ProtocolError` naming the offending parameter (dotted path such as
+``messages[2].content``), so each codec can render it in its own error shape. ``bool`` is not
+accepted where a number is expected (in Python ``True`` is an ``int``; in JSON it is not).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Sequence
+
+from deepinfer_core.codecs import ProtocolError
+
+_MISSING = object()
+
+
+def fail(param: str, message: str) -> ProtocolError:
+    return ProtocolError(f"{param}: {message}", param=param)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def require_object(body: Any, param: str = "body") -> dict:
+    if not isinstance(body, dict):
+        raise fail(param, "must be a JSON object")
+    return body
+
+
+def get_str(body: dict, key: str, *, required: bool = False, param: str | None = None) -> str | None:
+    value = body.get(key, _MISSING)
+    name = param or key
+    if value is _MISSING or value is None:
+        if required:
+            raise fail(name, "is required")
+        return None
+    if not isinstance(value, str):
+        raise fail(name, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def get_bool(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise fail(key, "must be a boolean")
+    return value
+
+
+def get_number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not is_number(value):
+        raise fail(key, "must be a number")
+    if not lo <= value <= hi:
+        raise fail(key, f"must be between {lo:g} and {hi:g}, got {value}")
+    return float(value)
+
+
+def get_int(body: dict, key: str, *, lo: int | None = None, required: bool = False) -> int | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise fail(key, "is required")
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise fail(key, "must be an integer")
+    if lo is not None and value < lo:
+        raise fail(key, f"must be >= {lo}, got {value}")
+    return value
+
+
+def get_list(body: dict, key: str, *, required: bool = False, non_empty: bool = False) -> list | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise fail(key, "is required")
+        return None
+    if not isinstance(value, list):
+        raise fail(key, "must be an array")
+    if non_empty and not value:
+        raise fail(key, "must not be empty")
+    return value
+
+
+def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None = None) -> str | None:
+    value = get_str(body, key, param=param)
+    if value is not None and value not in choices:
+        raise fail(param or key, f"must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def stop_list(value: Any, param: str, limit: int | None = None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise fail(param, "must be a string or an array of strings")
+    if limit is not None and len(items) > limit:
+        raise fail(param, f"at most {limit} stop sequences")
+    return tuple(items)
+
+
+def json_object_text(text: str, param: str) -> str:
+    """Validate tool-call arguments given as JSON text (must be an object)."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise fail(param, f"is not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise fail(param, "must be a JSON object")
+    return text
+
+
+def new_id(prefix: str, size: int = 24) -> str:
+    """Random id in the style of each API (``chatcmpl-…``, ``msg_…``, ``call_…``)."""
+    return prefix + secrets.token_hex(size // 2)
