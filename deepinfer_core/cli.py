@@ -1,0 +1,120 @@
+"""The ``deepinfer`` command line.
+
+Every subcommand is a ``cmd_<name>(args) -> int`` function plus an ``add_<name>_parser``
+function that adds its subparser and sets ``func``; all are registered in :data:`SUBCOMMANDS`.
+``generate`` lives in the engine (``deepinfer_core.engine.cli_generate``, same convention:
+``add_parser(subparsers)`` setting ``func=run``) and is offered only when that module exists. It
+is imported when the parser is built, so it keeps its top-level imports light and imports the
+engine inside ``run``; ``plugins`` and ``version`` never import the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from typing import Callable, Sequence
+
+GENERATE_MODULE = "deepinfer_core.engine.cli_generate"
+
+
+# -- deepinfer plugins ------------------------------------------------------------------------
+def short_hook_name(hook: str) -> str:
+    """``deepinfer_register_kv_stores`` -> ``kv_stores``; ``deepinfer_platform`` -> ``platform``."""
+    for prefix in ("deepinfer_register_", "deepinfer_"):
+        if hook.startswith(prefix):
+            return hook[len(prefix):]
+    return hook
+
+
+def plugin_rows() -> list[dict]:
+    """One row per discovered plugin, with a fresh probe (what ``deepinfer plugins`` shows)."""
+    from .plugin_host import PluginHost
+
+    rows = []
+    for info in PluginHost().plugins():
+        rows.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "builtin": info.builtin,
+                "hooks": [short_hook_name(h) for h in info.hooks],
+                "usable": info.usable,
+                "reason": info.reason,
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("NAME", "DISTRIBUTION", "VERSION", "HOOKS", "USABLE")
+    lines = [
+        (
+            r["name"],
+            r["distribution"],
+            r["version"] or "-",
+            ",".join(r["hooks"]) or "-",
+            ("yes" if r["usable"] else "no") + (f" ({r['reason']})" if r["reason"] else ""),
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header) - 1)]
+    out = []
+    for row in [header, *lines]:
+        cells = [str(cell).ljust(width) for cell, width in zip(row, widths)]
+        out.append("  ".join([*cells, row[-1]]))
+    return "\n".join(out)
+
+
+def add_plugins_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("plugins", help="list discovered plugins and whether they are usable here")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    rows = plugin_rows()
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+# -- deepinfer version ------------------------------------------------------------------------
+def add_version_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("version", help="print the deepinfer-core version")
+    parser.set_defaults(func=cmd_version)
+    return parser
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    from .builtin import core_version
+
+    import torch
+
+    print(f"deepinfer-core {core_version()} (python {sys.version.split()[0]}, torch {torch.__version__})")
+    return 0
+
+
+# -- registration -----------------------------------------------------------------------------
+SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser]  # the one registration point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer inference engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
+    if importlib.util.find_spec(GENERATE_MODULE) is not None:
+        importlib.import_module(GENERATE_MODULE).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
