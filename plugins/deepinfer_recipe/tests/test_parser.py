@@ -1,0 +1,115 @@
+"""The DeepSeek V4 output parser: golden parses, chunking invariance, held-back markers."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from recipe_testdata import GOLDEN
+
+from deepinfer_core.codecs import ParsedOutput
+from deepinfer_core.testing.codecs import OutputParserSuite
+from deepinfer_recipe.deepseek_v4 import make_parser
+from deepinfer_recipe.deepseek_v4.dsml import V4_1_TAGS
+
+PARSE = {v["name"]: v for v in GOLDEN["parse"]}
+
+
+def run(chunks, thinking: bool, **options) -> dict:
+    """Feed chunks; return the joined result in the golden vectors' message shape."""
+    parser = make_parser({"thinking": thinking, **options})
+    outs = [parser.push(c) for c in chunks] + [parser.finish()]
+    return {
+        "role": "assistant",
+        "content": "".join(o.content for o in outs),
+        "reasoning_content": "".join(o.reasoning for o in outs),
+        "tool_calls": [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for o in outs for c in o.tool_calls
+        ],
+    }
+
+
+def random_split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(1, min(12, len(text) - 1))))
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+@pytest.mark.golden
+def test_all_three_parse_vectors_present():
+    assert len(PARSE) == 3
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("name", sorted(PARSE))
+def test_golden_parse_whole(name):
+    vector = PARSE[name]
+    assert run([vector["completion"]], vector["thinking_mode"] == "thinking") == vector["parsed"]
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("name", sorted(PARSE))
+def test_golden_parse_one_char_at_a_time(name):
+    vector = PARSE[name]
+    assert run(list(vector["completion"]), vector["thinking_mode"] == "thinking") == vector["parsed"]
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("name", sorted(PARSE))
+@pytest.mark.parametrize("seed", range(40))
+def test_golden_parse_random_splits(name, seed):
+    vector = PARSE[name]
+    chunks = random_split(vector["completion"], random.Random(f"{name}-{seed}"))
+    assert run(chunks, vector["thinking_mode"] == "thinking") == vector["parsed"]
+
+
+def test_partial_marker_is_held_back():
+    parser = make_parser({"thinking": True})
+    assert parser.push("Thinking hard</thi") == ParsedOutput(reasoning="Thinking hard")
+    assert parser.push("nk>Answer") == ParsedOutput(content="Answer")
+
+
+def test_lookalike_text_is_released_once_it_cannot_be_a_marker():
+    parser = make_parser({"thinking": False})
+    assert parser.push("a <｜DS") == ParsedOutput(content="a ")
+    assert parser.push("x>") == ParsedOutput(content="<｜DSx>")
+
+
+def test_newlines_before_think_close_and_dsml_are_dropped_others_kept():
+    assert run(["idea\n\n", "</think>line1\n\nline2\n"], True) == {
+        "role": "assistant", "content": "line1\n\nline2\n", "reasoning_content": "idea", "tool_calls": []
+    }
+    block = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    out = run(["ok", "\n", "\n", block], False)
+    assert out["content"] == "ok" and out["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+def test_end_of_sentence_ends_parsing():
+    assert run(["done.<｜end▁of▁sentence｜>ignored"], False)["content"] == "done."
+
+
+def test_unterminated_tool_call_is_dropped_not_half_reported():
+    text = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="q" string="true">par'
+    assert run([text], False)["tool_calls"] == []
+
+
+def test_tool_call_emitted_as_soon_as_its_invoke_closes():
+    parser = make_parser({"thinking": False})
+    parser.push('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">7</｜DSML｜parameter>\n')
+    out = parser.push("</｜DSML｜invoke>\n")
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"n": 7})]
+
+
+def test_v4_1_spelling_with_leading_space():
+    text = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    out = run([text], False, dsml_calls_tag=V4_1_TAGS.calls)
+    assert out["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}]
+
+
+class TestDeepSeekV4ParserConformance(OutputParserSuite):
+    @pytest.fixture(params=[True, False], ids=["thinking", "chat"])
+    def make_parser(self, request):
+        return lambda: make_parser({"thinking": request.param})
+
+    @pytest.fixture
+    def sample_outputs(self):
+        return [v["completion"] for v in GOLDEN["parse"]] + ["plain 🌍 text\n", "a</think>b\n\n<｜DSML｜tool_calls></｜DSML｜tool_calls>"]
