@@ -32,7 +32,8 @@ from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
 from .leases import LeaseTable, TicketTable, check_buffers
-from .records import PosixRecordIO, RecordIO, namespace_fingerprint, read_record, record_bytes, write_record
+from .records import PosixRecordIO, RecordIO, key_from_filename, namespace_fingerprint, read_record, record_bytes
+from .records import record_filename, remove_file, write_record
 
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
 DAY = 86400
@@ -77,28 +78,26 @@ class LocalDiskKVStore:
 
     # -- paths and index ------------------------------------------------------------------
     def _final_path(self, key: bytes, retention: str, day: int) -> Path:
-        hexkey = key.hex()
-        return self._dir / retention / str(day) / hexkey[:2] / f"{hexkey}.kv"
+        return self._dir / retention / str(day) / key.hex()[:2] / record_filename(key)
 
     def _rebuild_index(self) -> None:
         """Scan committed records (metadata only: names and sizes), oldest use first."""
         found: list[tuple[float, bytes, _Entry]] = []
         for retention in self._retention:
             for day, day_dir in self._day_dirs(retention):
-                for fan in os.scandir(day_dir):
-                    for item in os.scandir(fan.path) if fan.is_dir() else ():
-                        key = _key_of(item.name)
-                        if key is None:
-                            continue
-                        stat = item.stat()
-                        if stat.st_size != record_bytes(key, self.config.block_bytes):
-                            _unlink(item.path)  # truncated or foreign: never data
-                            self._counters["dropped_at_scan"] += 1
-                            continue
-                        found.append((stat.st_mtime, key, _Entry(item.path, _bucket_end(day))))
+                for item in _files_under(day_dir):
+                    key = key_from_filename(item.name)
+                    mtime, size = _mtime_size(item)
+                    if key is None or size is None:  # not a record, or another gc removed it
+                        continue
+                    if size != record_bytes(key, self.config.block_bytes):
+                        remove_file(item.path)  # truncated or foreign: never data
+                        self._counters["dropped_at_scan"] += 1
+                        continue
+                    found.append((mtime, key, _Entry(item.path, _bucket_end(day))))
         for _, key, entry in sorted(found, key=lambda f: f[0]):
+            self._index.pop(key, None)  # a key in two buckets: the newest copy wins
             self._index[key] = entry
-            self._index.move_to_end(key)
 
     def _day_dirs(self, retention: str) -> list[tuple[int, str]]:
         try:
@@ -172,12 +171,12 @@ class LocalDiskKVStore:
         if entry is not None and entry.path == path:
             del self._index[key]
         self._leases.forget_retired(key)
-        _unlink(path)
+        remove_file(path)
 
     def release(self, lease: ReadLease) -> None:
         with self._lock:
             for _key, path in self._leases.release(lease):
-                _unlink(path)
+                remove_file(path)
             self._evict_to_capacity()
 
     # -- writes ---------------------------------------------------------------------------
@@ -197,11 +196,11 @@ class LocalDiskKVStore:
         try:
             for key, buffer in zip(ticket.keys, buffers):
                 tmp = str(self._tmp / f"{key.hex()}.{os.getpid()}.{self._token}.{ticket.ticket_id}.tmp")
-                _unlink(tmp)  # a second write_from on the same ticket replaces the first
+                remove_file(tmp)  # a second write_from on the same ticket replaces the first
                 try:
                     write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
                 except BaseException:
-                    _unlink(tmp)  # no partial record survives a failed write
+                    remove_file(tmp)  # no partial record survives a failed write
                     raise
                 written[key] = tmp
         finally:
@@ -210,7 +209,7 @@ class LocalDiskKVStore:
                     self._tickets.get(ticket).written.update((k, (p, expires_at)) for k, p in written.items())
                 except LookupError:  # expired while we wrote: nobody will commit these
                     for path in written.values():
-                        _unlink(path)
+                        remove_file(path)
                     raise
 
     def commit(self, ticket: WriteTicket, ok_mask: Sequence[bool]) -> int:
@@ -226,7 +225,7 @@ class LocalDiskKVStore:
                 tmp, expires_at = written
                 # First commit wins; a retired key's file may still be read through a lease.
                 if not ok or key in self._index or self._leases.retired(key) is not None:
-                    _unlink(tmp)
+                    remove_file(tmp)
                     continue
                 day = int(expires_at // DAY)
                 final = self._final_path(key, reservation.retention, day)
@@ -250,7 +249,7 @@ class LocalDiskKVStore:
         if self._leases.is_pinned(key):
             self._leases.retire(key, entry.path)
         else:
-            _unlink(entry.path)
+            remove_file(entry.path)
 
     def _evict_to_capacity(self) -> None:
         capacity = self.config.capacity_blocks
@@ -263,7 +262,7 @@ class LocalDiskKVStore:
             key = next(victims, None)
             if key is None:
                 break
-            _unlink(self._index.pop(key).path)
+            remove_file(self._index.pop(key).path)
             self._counters["evictions"] += 1
 
     def gc(self, now: float | None = None) -> int:
@@ -274,7 +273,7 @@ class LocalDiskKVStore:
             count = 0
             for reservation in self._tickets.expire(now):
                 for tmp, _ in reservation.written.values():
-                    _unlink(tmp)
+                    remove_file(tmp)
                 count += 1
             expired = [k for k, e in self._index.items() if e.expires_at <= now]
             for key in expired:
@@ -287,9 +286,9 @@ class LocalDiskKVStore:
                     if _bucket_end(day) <= now and day_dir not in in_use:
                         shutil.rmtree(day_dir, ignore_errors=True)  # whole bucket, any writer's
             live = {tmp for tmp, _ in self._tickets.live_temp_values()}
-            for item in os.scandir(self._tmp):
-                if item.path not in live and item.stat().st_mtime + self._reservation_s <= now:
-                    _unlink(item.path)
+            for item in _files_under(str(self._tmp), depth=0):
+                if item.path not in live and _mtime_size(item)[0] + self._reservation_s <= now:
+                    remove_file(item.path)
                     count += 1
             return count
 
@@ -310,18 +309,22 @@ class LocalDiskKVStore:
             self._index.clear()
 
 
-def _key_of(filename: str) -> bytes | None:
-    stem, dot, ext = filename.partition(".")
-    if ext != "kv" or not dot:
-        return None
+def _files_under(directory: str, depth: int = 1) -> list[os.DirEntry]:
+    """Files ``depth`` directory levels below ``directory``; vanished directories are empty
+    (several processes may share, and gc, one root)."""
     try:
-        return bytes.fromhex(stem)
-    except ValueError:
-        return None
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    if depth == 0:
+        return [e for e in entries if not e.is_dir()]
+    return [f for e in entries if e.is_dir() for f in _files_under(e.path, depth - 1)]
 
 
-def _unlink(path: str | os.PathLike) -> None:
+def _mtime_size(entry: os.DirEntry) -> tuple[float, int | None]:
+    """(mtime, size), or (inf, None) for a file that vanished meanwhile: nothing to do."""
     try:
-        os.unlink(path)
+        stat = entry.stat()
     except FileNotFoundError:
-        pass
+        return float("inf"), None
+    return stat.st_mtime, stat.st_size

@@ -83,6 +83,30 @@ def payload_matches(header: RecordHeader, payload: memoryview) -> bool:
     return _checksum(header.namespace_fp, header.key, header.payload_len, header.expires_at, payload) == header.checksum
 
 
+def record_filename(key: bytes) -> str:
+    """A record's file name: the key in hex (so a directory scan recovers keys without reads)."""
+    return f"{key.hex()}.kv"
+
+
+def key_from_filename(filename: str) -> bytes | None:
+    """The key a record file name encodes, or None for anything else (temp files, junk)."""
+    stem, dot, ext = filename.partition(".")
+    if ext != "kv" or not dot:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None
+
+
+def remove_file(path: str | os.PathLike) -> None:
+    """Unlink, tolerating a file that is already gone (another process's gc, a bad record)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class RecordIO(Protocol):
     """Whole-file I/O used by file-backed stores (POSIX here, USRBIO in the 3fs plugin)."""
 
