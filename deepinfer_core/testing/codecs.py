@@ -104,6 +104,7 @@ class ProtocolCodecSuite:
         for body in invalid_bodies:
             with pytest.raises(ProtocolError):
                 codec.parse_request(body)
+                pytest.fail(f"accepted an invalid body: {json.dumps(body)[:300]}")
 
     def test_rejects_non_object_body(self, codec):
         for body in (None, [], "x", 3):

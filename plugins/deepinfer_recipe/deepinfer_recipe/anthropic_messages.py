@@ -159,7 +159,7 @@ class AnthropicMessagesCodec:
             max_tokens=max_tokens,
             temperature=v.get_number(body, "temperature", 0, 1),
             top_p=v.get_number(body, "top_p", 0, 1),
-            stop=v.stop_list(body.get("stop_sequences"), "stop_sequences"),
+            stop=v.stop_list(body.get("stop_sequences"), "stop_sequences", allow_string=False),
             stream=v.get_bool(body, "stream"),
             tools=_tools(v.get_list(body, "tools") or []),
             tool_choice=_tool_choice(body.get("tool_choice")),

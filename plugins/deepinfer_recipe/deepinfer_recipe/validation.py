@@ -94,12 +94,13 @@ def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None =
     return value
 
 
-def stop_list(value: Any, param: str, limit: int | None = None) -> tuple[str, ...]:
+def stop_list(value: Any, param: str, limit: int | None = None, *, allow_string: bool = True) -> tuple[str, ...]:
+    """Stop sequences: an array of strings (OpenAI also allows one bare string)."""
     if value is None:
         return ()
-    items = [value] if isinstance(value, str) else value
+    items = [value] if isinstance(value, str) and allow_string else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise fail(param, "must be a string or an array of strings")
+        raise fail(param, "must be a string or an array of strings" if allow_string else "must be an array of strings")
     if limit is not None and len(items) > limit:
         raise fail(param, f"at most {limit} stop sequences")
     return tuple(items)
