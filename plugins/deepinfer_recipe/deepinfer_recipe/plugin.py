@@ -14,6 +14,7 @@ from .anthropic_messages import AnthropicMessagesCodec
 from .deepseek_v4.encoding import PARSER_NAME, DeepSeekV4Encoding, make_parser
 from .deepseek_v4.tokens import TOKENIZER_ENV, find_tokenizer_json
 from .openai_chat import OpenAIChatCodec
+from .openai_responses import OpenAIResponsesCodec
 
 
 @hookimpl
@@ -31,6 +32,7 @@ def deepinfer_probe() -> ProbeResult:
 def deepinfer_register_protocols(register: Callable) -> None:
     register(OpenAIChatCodec.name, OpenAIChatCodec)
     register(AnthropicMessagesCodec.name, AnthropicMessagesCodec)
+    register(OpenAIResponsesCodec.name, OpenAIResponsesCodec)
 
 
 @hookimpl

@@ -1,0 +1,135 @@
+"""Responses API output items and their streaming event sequence.
+
+Each output item (reasoning, message, function call) streams as::
+
+    response.output_item.added
+      response.content_part.added  response.{reasoning_text|output_text}.delta*  ...done  content_part.done
+      (function calls: response.function_call_arguments.delta / .done instead)
+    response.output_item.done
+
+framed by ``response.created`` / ``response.in_progress`` and ``response.completed`` (or
+``response.incomplete``), every event numbered by ``sequence_number``. One item is open at a
+time; a change of delta kind closes it, as the model's output is reasoning, then text, then calls.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from deepinfer_core.codecs import ConversationRequest, ParsedOutput, ToolCall
+
+from . import validation as v
+from .common import sse_event
+
+if TYPE_CHECKING:
+    from .openai_responses import OpenAIResponsesCodec
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict:
+    call_id = call.id or "call_" + item_id.removeprefix("fc_")
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": call.name, "arguments": arguments, "status": status}
+
+
+def output_items(result: ParsedOutput) -> list[dict]:
+    """The output of a finished (non-streamed) response."""
+    items = []
+    if result.reasoning:
+        items.append(reasoning_item(v.new_id("rs_"), result.reasoning, "completed"))
+    if result.content:
+        items.append(message_item(v.new_id("msg_"), result.content, "completed"))
+    items += [call_item(v.new_id("fc_"), call, call.arguments, "completed") for call in result.tool_calls]
+    return items
+
+
+class ResponseEventStream:
+    def __init__(self, codec: OpenAIResponsesCodec, request: ConversationRequest) -> None:
+        self.codec = codec
+        self.request = request
+        self.response_id = request.extra.get("request_id") or v.new_id("resp_")
+        self.output: list[dict] = []  # finished items
+        self._seq = 0
+        self._open: str | None = None  # "reasoning" | "message"
+        self._item_id = ""
+        self._text = ""
+
+    def _event(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse_event(kind, payload)
+
+    def _where(self) -> dict:
+        return {"item_id": self._item_id, "output_index": len(self.output)}
+
+    def _start(self, kind: str) -> Iterator[str]:
+        if self._open == kind:
+            return
+        yield from self._close()
+        self._open, self._text = kind, ""
+        if kind == "reasoning":
+            self._item_id = v.new_id("rs_")
+            item, part = reasoning_item(self._item_id, None, "in_progress"), {"type": "reasoning_text", "text": ""}
+        else:
+            self._item_id = v.new_id("msg_")
+            item, part = message_item(self._item_id, None, "in_progress"), {"type": "output_text", "text": "", "annotations": []}
+        yield self._event("response.output_item.added", output_index=len(self.output), item=item)
+        yield self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+
+    def _delta(self, text: str) -> str:
+        self._text += text
+        if self._open == "reasoning":
+            return self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
+        return self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+
+    def _close(self) -> Iterator[str]:
+        if self._open is None:
+            return
+        if self._open == "reasoning":
+            item = reasoning_item(self._item_id, self._text, "completed")
+            yield self._event("response.reasoning_text.done", **self._where(), content_index=0, text=self._text)
+        else:
+            item = message_item(self._item_id, self._text, "completed")
+            yield self._event("response.output_text.done", **self._where(), content_index=0, text=self._text, logprobs=[])
+        yield self._event("response.content_part.done", **self._where(), content_index=0, part=item["content"][0])
+        yield self._event("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        self._open = None
+
+    def _call(self, call: ToolCall) -> Iterator[str]:
+        yield from self._close()
+        self._item_id = v.new_id("fc_")
+        where = self._where()
+        yield self._event("response.output_item.added", output_index=where["output_index"], item=call_item(self._item_id, call, "", "in_progress"))
+        yield self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
+        yield self._event("response.function_call_arguments.done", **where, arguments=call.arguments, name=call.name)
+        item = call_item(self._item_id, call, call.arguments, "completed")
+        yield self._event("response.output_item.done", output_index=where["output_index"], item=item)
+        self.output.append(item)
+
+    def frames(self, events: Iterable[ParsedOutput]) -> Iterator[str]:
+        start = self.codec.response(self.request, [], {}, None, self.response_id)
+        yield self._event("response.created", response=start)
+        yield self._event("response.in_progress", response=start)
+        finish_reason, usage = "stop", {}
+        for event in events:
+            if event.reasoning:
+                yield from self._start("reasoning")
+                yield self._delta(event.reasoning)
+            if event.content:
+                yield from self._start("message")
+                yield self._delta(event.content)
+            for call in event.tool_calls:
+                yield from self._call(call)
+            finish_reason = event.finish_reason or finish_reason
+            usage = event.usage if event.usage is not None else usage
+        yield from self._close()
+        final = self.codec.response(self.request, self.output, usage, finish_reason, self.response_id)
+        yield self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
