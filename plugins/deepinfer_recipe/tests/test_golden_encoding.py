@@ -48,6 +48,13 @@ def test_ids_equal_default_encoder_on_normal_prompts(name, encoding, default_tok
     assert list(encoding.encode(conversation(vector)).token_ids) == expected
 
 
+@pytest.mark.parametrize("name", sorted(ENCODE))
+def test_ids_decode_back_to_the_prompt(name, encoding, default_tokenizer):
+    vector = ENCODE[name]
+    ids = encoding.encode(conversation(vector)).token_ids
+    assert default_tokenizer.decode(list(ids), skip_special_tokens=False) == vector["prompt"]
+
+
 def test_user_typed_markers_stay_plain_text(encoding, default_tokenizer):
     vector = ENCODE[INJECTION]
     ids = list(encoding.encode(conversation(vector)).token_ids)

@@ -113,3 +113,23 @@ class TestDeepSeekV4ParserConformance(OutputParserSuite):
     @pytest.fixture
     def sample_outputs(self):
         return [v["completion"] for v in GOLDEN["parse"]] + ["plain 🌍 text\n", "a</think>b\n\n<｜DSML｜tool_calls></｜DSML｜tool_calls>"]
+
+
+PIECES = [
+    "plain words ", "\n", "\n\n", "中文 ", "🌍", "</think>", "</thi", "<｜DSML", "｜DSML｜", "<｜end▁of▁sentence｜>",
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x\ny</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+    '<｜DSML｜invoke name="g">\n<｜DSML｜parameter name="n" string="false">[1, {"k": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+    "</｜DSML｜tool_calls>", "<", "</", "tool_calls>",
+]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_property_random_outputs_random_splits(seed):
+    """Any output text, any split: the joined deltas equal the one-shot parse."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 14)))
+    thinking = rng.random() < 0.5
+    whole = run([text], thinking)
+    assert run(list(text), thinking) == whole
+    if len(text) > 1:
+        assert run(random_split(text, rng), thinking) == whole
