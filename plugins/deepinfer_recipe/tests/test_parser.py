@@ -133,3 +133,18 @@ def test_property_random_outputs_random_splits(seed):
     assert run(list(text), thinking) == whole
     if len(text) > 1:
         assert run(random_split(text, rng), thinking) == whole
+
+
+def test_stop_sequences_apply_to_answer_text_only():
+    text = "think END more</think>answer END ignored"
+    for chunks in ([text], list(text)):
+        parser = make_parser({"thinking": True, "stop": ("END",)})
+        outs = [parser.push(c) for c in chunks] + [parser.finish()]
+        assert "".join(o.reasoning for o in outs) == "think END more"
+        assert "".join(o.content for o in outs) == "answer "
+        assert [o.finish_reason for o in outs if o.finish_reason] == ["stop_sequence"]
+
+
+def test_stop_sequences_do_not_cut_tool_arguments():
+    text = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">STOP</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    assert run([text], False, stop=("STOP",))["tool_calls"][0]["function"]["arguments"] == '{"a": "STOP"}'

@@ -73,7 +73,12 @@ class DeepSeekV4Encoding:
         return EncodedPrompt(
             token_ids=tuple(ids),
             stop_token_ids=(tokenizer.marker_id(EOS),),
-            parser_options={"parser": PARSER_NAME, "thinking": options.thinking, "dsml_calls_tag": self.tags.calls},
+            parser_options={
+                "parser": PARSER_NAME,
+                "thinking": options.thinking,
+                "dsml_calls_tag": self.tags.calls,
+                "stop": tuple(conversation.stop),
+            },
         )
 
     def parser(self, options: dict | None = None) -> OutputParser:
@@ -85,4 +90,4 @@ def make_parser(options: dict) -> DeepSeekV4Parser:
     from .dsml import V4_1_TAGS
 
     tags = V4_1_TAGS if options.get("dsml_calls_tag") == V4_1_TAGS.calls else V4_TAGS
-    return DeepSeekV4Parser(thinking=bool(options.get("thinking", True)), tags=tags)
+    return DeepSeekV4Parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())))

@@ -12,6 +12,10 @@ directly before ``</think>`` or a DSML block are dropped, as in the golden parse
 every decision depends only on complete markers, the concatenated deltas are the same whether
 the text arrives whole, in random chunks or one character at a time.
 
+Stop sequences (option ``stop``) apply to answer text only, never to reasoning or tool-call
+arguments: the delta on which one is found carries ``finish_reason="stop_sequence"`` and the
+parser ignores everything after it (the engine stops generating).
+
 A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived, with its arguments as JSON text
 (``json.dumps``, non-ASCII kept, as the golden parses show).
 """
@@ -46,8 +50,10 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
 class DeepSeekV4Parser:
     """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest."""
 
-    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS) -> None:
+    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = ()) -> None:
         self.tags = tags
+        self.stop = tuple(s for s in stop if s)
+        self._finish: str | None = None
         self.state = REASONING if thinking else CONTENT
         self._buf = ""
         dsml_param = re.escape(tags.parameter_open_prefix) + r'(.*?)" string="(true|false)">(.*?)' + re.escape(tags.parameter_close)
@@ -74,7 +80,7 @@ class DeepSeekV4Parser:
                     break
                 continue
             sink = reasoning if self.state == REASONING else content
-            markers = (THINK_CLOSE, EOS) if self.state == REASONING else (self.tags.calls_open, EOS)
+            markers = (THINK_CLOSE, EOS) if self.state == REASONING else (self.tags.calls_open, EOS, *self.stop)
             hit = _earliest(self._buf, markers)
             if hit is None:
                 if final:
@@ -87,14 +93,18 @@ class DeepSeekV4Parser:
                 break
             pos, marker = hit
             before, self._buf = self._buf[:pos], self._buf[pos + len(marker):]
-            sink.append(before if marker == EOS else before.rstrip("\n"))
+            dropped_newlines = marker in (THINK_CLOSE, self.tags.calls_open)
+            sink.append(before.rstrip("\n") if dropped_newlines else before)
             if marker == EOS:
                 self.state = DONE
+            elif marker in self.stop and self.state == CONTENT:
+                self.state, self._buf, self._finish = DONE, "", "stop_sequence"
             elif marker == THINK_CLOSE:
                 self.state = CONTENT
             else:
                 self.state = TOOL_CALLS
-        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls))
+        finish, self._finish = self._finish, None
+        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish)
 
     def _drain_tool_calls(self, calls: list[ToolCall], final: bool) -> bool:
         """Emit every complete invoke; True when the block ended (state changed)."""
