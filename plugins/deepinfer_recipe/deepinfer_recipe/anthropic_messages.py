@@ -100,11 +100,11 @@ def _tool_choice(raw):
     if raw is None:
         return None
     v.require_object(raw, "tool_choice")
-    kind = v.get_choice(raw, "type", ("auto", "any", "tool", "none"), param="tool_choice.type")
+    kind = v.get_choice(raw, "type", ("auto", "any", "tool", "none"), param="tool_choice.type", required=True)
     if kind == "tool":
         name = v.get_str(raw, "name", required=True, param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}
-    return {"auto": "auto", "any": "required", "none": "none", None: None}[kind]
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
 def _thinking(body: dict, max_tokens: int) -> bool | None:
@@ -112,7 +112,7 @@ def _thinking(body: dict, max_tokens: int) -> bool | None:
     if raw is None:
         return None
     v.require_object(raw, "thinking")
-    kind = v.get_choice(raw, "type", ("enabled", "disabled", "adaptive"), param="thinking.type")
+    kind = v.get_choice(raw, "type", ("enabled", "disabled", "adaptive"), param="thinking.type", required=True)
     if kind == "enabled":
         budget = v.get_int(raw, "budget_tokens", lo=1024, required=True)
         if budget >= max_tokens:
@@ -172,7 +172,7 @@ class AnthropicMessagesCodec:
     @staticmethod
     def _usage(usage: dict) -> dict:
         cached = int(usage.get("cached_tokens", 0))
-        out = {"input_tokens": int(usage.get("prompt_tokens", 0)) - cached, "output_tokens": int(usage.get("completion_tokens", 0))}
+        out = {"input_tokens": max(0, int(usage.get("prompt_tokens", 0)) - cached), "output_tokens": int(usage.get("completion_tokens", 0))}
         if "cached_tokens" in usage:
             out["cache_read_input_tokens"] = cached
         return out

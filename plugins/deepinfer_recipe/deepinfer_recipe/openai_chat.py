@@ -106,7 +106,7 @@ def _thinking(body: dict) -> tuple[bool | None, str | None]:
     raw = body.get("thinking")
     if raw is not None:
         v.require_object(raw, "thinking")
-        thinking = v.get_choice(raw, "type", ("enabled", "disabled"), param="thinking.type") != "disabled"
+        thinking = v.get_choice(raw, "type", ("enabled", "disabled"), param="thinking.type", required=True) != "disabled"
     effort = v.get_choice(body, "reasoning_effort", EFFORT_NAMES + ("none",))
     if effort == "none":
         return False, None

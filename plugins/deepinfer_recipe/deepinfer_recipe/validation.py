@@ -87,8 +87,8 @@ def get_list(body: dict, key: str, *, required: bool = False, non_empty: bool = 
     return value
 
 
-def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None = None) -> str | None:
-    value = get_str(body, key, param=param)
+def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None = None, *, required: bool = False) -> str | None:
+    value = get_str(body, key, param=param, required=required)
     if value is not None and value not in choices:
         raise fail(param or key, f"must be one of {', '.join(choices)}; got {value!r}")
     return value

@@ -53,6 +53,9 @@ class TestAnthropicMessagesConformance(ProtocolCodecSuite):
             {**minimal_body, "tools": [{"name": "f"}]},  # no input_schema
             {**minimal_body, "output_config": {"effort": "ultra"}},
             {**minimal_body, "stop_sequences": "END"},
+            {**minimal_body, "thinking": {}},
+            {**minimal_body, "tool_choice": {}},
+            {**minimal_body, "tool_choice": {"type": "tool"}},  # no name
         ]
 
 

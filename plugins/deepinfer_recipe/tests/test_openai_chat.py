@@ -47,6 +47,8 @@ class TestOpenAIChatConformance(ProtocolCodecSuite):
             {**minimal_body, "reasoning_effort": "ultra"},
             {**minimal_body, "tools": [{"type": "function", "function": {}}]},
             {**minimal_body, "response_format": {"type": "yaml"}},
+            {**minimal_body, "thinking": {}},
+            {**minimal_body, "thinking": {"type": "sometimes"}},
             {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
         ]
 
