@@ -1,0 +1,169 @@
+"""Llama-architecture causal LM (Llama 2/3, Mistral-style GQA, SmolLM2) on a flat token batch.
+
+Parameter names equal Hugging Face's (``model.layers.N.self_attn.q_proj.weight`` ...), so the
+GGUF and safetensors loaders feed the same ``load_weights``. Attention goes through the backend
+the context resolves for each layer's :class:`AttentionLayerSpec`; this module never picks a
+kernel. One forward serves any mix of prefill and decode tokens of many requests::
+
+    input_ids [T] -> embed [T, D] -> N x (norm -> attn(+rope, paged KV) -> +res -> norm -> MLP -> +res)
+              -> norm -> hidden [T, D]        compute_logits: [N, D] -> [N, V] float32
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from . import ModelContext, WeightsError
+from .layers import GatedMLP, RMSNorm, Rotary, rope_inv_freq
+
+# Buffers some checkpoints save that we recompute ourselves.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def rope_settings(config: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = config.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    return float(theta), scaling
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden, bias = config["hidden_size"], bool(config.get("attention_bias", False))
+        self.spec, self.backend = spec, backend
+        self.q_proj = nn.Linear(hidden, spec.num_heads * spec.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # x [T, D] -> [T, D]
+        s, T = self.spec, x.shape[0]
+        q = rotary(self.q_proj(x).view(T, s.num_heads, s.head_dim), positions)  # [T, H, hd]
+        k = rotary(self.k_proj(x).view(T, s.num_kv_heads, s.head_dim), positions)  # [T, Hkv, hd]
+        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        out = self.backend.forward(s, q, k, v, kv_cache, meta)  # [T, H, hd]
+        return self.o_proj(out.reshape(T, s.num_heads * s.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: dict, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = LlamaAttention(config, spec, backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"])
+
+    def forward(self, h, positions, rotary, kv_cache, meta) -> torch.Tensor:  # h [T, D]
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack; a submodule named ``model`` so parameter names match Hugging Face."""
+
+    def __init__(self, config: dict, specs: list[AttentionLayerSpec], backends: list[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, s, b) for s, b in zip(specs, backends))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements :class:`deepinfer_core.models.CausalLM`."""
+
+    def __init__(self, config: dict, ctx: ModelContext) -> None:
+        super().__init__()
+        if config.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"Llama with hidden_act={config['hidden_act']!r} is not supported")
+        if config.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError("Llama with partial rotary embeddings is not supported")
+        self.config = config
+        self.vocab_size = int(config["vocab_size"])
+        self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        self.attention_specs = [
+            AttentionLayerSpec(
+                kind=AttentionKind.FULL, layer_index=i, num_heads=heads, num_kv_heads=kv_heads,
+                head_dim=head_dim, v_head_dim=head_dim, scale=head_dim**-0.5, kv_dtype=ctx.dtype,
+            )
+            for i in range(int(config["num_hidden_layers"]))
+        ]
+        backends = [ctx.attention_backend(spec) for spec in self.attention_specs]
+        theta, scaling = rope_settings(config)
+        inv_freq, attn_scaling = rope_inv_freq(head_dim, theta, scaling)  # fails early on unknown rope types
+
+        # Parameters are created without memory and then allocated uninitialised on the target
+        # device: load_weights overwrites every one of them (and fails if any is missing).
+        with torch.device("meta"):
+            self.model = LlamaModel(config, self.attention_specs, backends)
+            self.lm_head = None if self.tie_word_embeddings else nn.Linear(config["hidden_size"], self.vocab_size, bias=False)
+        self.to_empty(device=ctx.device)
+        self.to(ctx.dtype)
+        self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(ctx.device)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        h = self.model.embed_tokens(input_ids)  # [T, D]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(hf_name, tensor)`` pairs in; report every problem at once in a WeightsError."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        misshaped: list[str] = []
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
+                if not (name == "lm_head.weight" and self.tie_word_embeddings) and not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(param.shape):
+                misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
+                continue
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing or unexpected or misshaped:
+            parts = [f"{label}: {_names(items)}" for label, items in
+                     (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+            raise WeightsError("Llama weights do not match the config; " + "; ".join(parts))
+
+
+def _names(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} ... ({len(items)} in all)"
+
+
+def build(config: dict, ctx: ModelContext) -> LlamaForCausalLM:
+    """ModelFactory registered for ``LlamaForCausalLM``."""
+    return LlamaForCausalLM(config, ctx)
