@@ -17,7 +17,7 @@ from deepinfer_core.models import ModelContext, WeightsError
 from deepinfer_core.models.files import open_model_files
 from deepinfer_core.models.llama import build
 from deepinfer_core.models.sources import smollm2_gguf
-from deepinfer_core.tokenizer import IncrementalDetokenizer
+from deepinfer_core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
 GGUF = smollm2_gguf()
@@ -172,6 +172,19 @@ def test_special_ids(files, hf_tokenizer):
     assert tok.vocab_size == len(hf_tokenizer) == files.config["vocab_size"]
 
 
+def test_tokenizer_from_hf_dir_matches_transformers(hf_tokenizer, tmp_path):
+    """transformers writes its tokenizer out as a Hugging Face directory; we read that back."""
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    for text in TEXTS:
+        assert ours.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False)
+    for chat in CHATS:
+        assert ours.apply_chat_template(chat) == hf_tokenizer.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True
+        )
+    assert (ours.bos_token_id, ours.eos_token_id) == (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id)
+
+
 def test_incremental_detokenizer_holds_back_partial_characters(files, hf_tokenizer):
     text = TEXTS[3] + " " + TEXTS[2]
     ids = hf_tokenizer.encode(text, add_special_tokens=False)
@@ -270,8 +283,8 @@ def test_open_model_files_without_weights_is_a_clear_error(tmp_path):
 
 
 def test_fingerprint_is_stable_and_config_is_hf_style(files, hf_model):
-    again = open_model_files(GGUF)
-    assert again.fingerprint == files.fingerprint
+    again = open_model_files(os.path.dirname(GGUF))  # a directory holding one .gguf opens it
+    assert (again.source, again.fingerprint) == (GGUF, files.fingerprint)
     hf_config = hf_model.config
     assert files.config["architectures"] == ["LlamaForCausalLM"]
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
