@@ -290,3 +290,24 @@ def test_fingerprint_is_stable_and_config_is_hf_style(files, hf_model):
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
                 "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
         assert files.config[key] == getattr(hf_config, key), key
+
+
+# -- the Hugging Face safetensors layout reaches the same model -----------------------------------
+def test_hf_directory_llama_matches_transformers(tmp_path):
+    """A small random Llama saved by transformers (untied head, GQA, llama3 rope scaling), opened
+    through open_model_files' directory path: same logits as transformers over two blocks."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    opened = open_model_files(str(tmp_path))
+    ours = build(opened.config, _context())
+    ours.load_weights(opened.weights())
+    ids = [int(i) for i in torch.randint(0, 300, (200,))]
+    (logits,) = PagedRunner(ours).step([("r", ids)])
+    assert (logits - hf_logits(reference, ids)).abs().max().item() < TOL
