@@ -1,0 +1,115 @@
+"""Opening a Hugging Face model directory (config.json + safetensors, single or sharded).
+
+Weights are streamed one tensor at a time through ``safetensors.safe_open`` (memory-mapped),
+so peak host memory stays near one tensor plus the model. The fingerprint hashes what
+identifies the weights without reading them: config.json's bytes and each shard's safetensors
+header (names, dtypes, shapes, offsets) and size. It goes into the KV-cache namespace, so it
+must be stable across processes and machines (no paths, no mtimes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from typing import Iterator
+
+import torch
+
+from .files import ModelFiles
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def open_hf_dir(path: str | os.PathLike) -> ModelFiles:
+    """Describe the model in ``path``; raise ``FileNotFoundError`` / ``ValueError`` saying
+    exactly what is missing or malformed."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"model directory {root!r} does not exist")
+    config_path = os.path.join(root, CONFIG)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{root!r} has no {CONFIG}; not a Hugging Face model directory")
+    with open(config_path, "rb") as f:
+        config_bytes = f.read()
+    try:
+        config = json.loads(config_bytes)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from exc
+
+    shards = _shard_files(root)
+    fingerprint = _fingerprint(config_bytes, root, shards)
+    paths = [os.path.join(root, s) for s in shards]
+    return ModelFiles(
+        config=config,
+        weights=lambda: _iter_tensors(paths),
+        tokenizer=_load_tokenizer(root),
+        source=root,
+        fingerprint=fingerprint,
+    )
+
+
+def _shard_files(root: str) -> list[str]:
+    """Safetensors file names, in a fixed order: the index's shards, else the single file,
+    else every ``*.safetensors`` in the directory (sorted)."""
+    index_path = os.path.join(root, INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ValueError(f"{index_path} has no readable weight_map: {exc}") from exc
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if not os.path.isfile(os.path.join(root, s))]
+        if absent:
+            raise FileNotFoundError(f"{index_path} names shard(s) that are not in {root!r}: {', '.join(absent)}")
+        return shards
+    if os.path.isfile(os.path.join(root, SINGLE)):
+        return [SINGLE]
+    found = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{root!r} has {CONFIG} but no .safetensors weights")
+    return found
+
+
+def _read_header(path: str) -> bytes:
+    # safetensors layout: u64 little-endian header length, then that many bytes of JSON.
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return f.read(length)
+
+
+def _fingerprint(config_bytes: bytes, root: str, shards: list[str]) -> str:
+    digest = hashlib.sha256()
+    digest.update(b"config.json\0" + config_bytes)
+    for name in shards:
+        path = os.path.join(root, name)
+        digest.update(f"\0{name}\0{os.path.getsize(path)}\0".encode())
+        digest.update(_read_header(path))
+    return digest.hexdigest()
+
+
+def _iter_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` one at a time; floating tensors become float32 (the CPU reference
+    dtype; the model casts to its own dtype on copy), integer tensors keep their dtype."""
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                yield name, tensor.float() if tensor.is_floating_point() else tensor
+
+
+def _load_tokenizer(root: str):
+    """The directory's tokenizer, or None when it ships none (or the tokenizer module is not
+    available in this build)."""
+    if not os.path.isfile(os.path.join(root, "tokenizer.json")):
+        return None
+    try:
+        from ..tokenizer import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_hf_dir(root)
