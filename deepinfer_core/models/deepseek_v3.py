@@ -7,13 +7,13 @@ context's MoE dispatcher; weights arrive under Hugging Face names (``deepseek_v3
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import AttentionMetadata
+from ..attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from . import ModelContext
 from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
@@ -88,17 +88,35 @@ class DeepseekV3MoE(nn.Module):
         return out
 
 
+class LayerKernels(NamedTuple):
+    """The attention backend and (for MoE layers) dispatcher one layer runs on. Resolved
+    before the modules are built on the meta device, so a backend that allocates workspace
+    in its constructor gets real memory."""
+
+    attn_spec: AttentionLayerSpec
+    attention: AttentionBackend
+    moe: tuple[MoESpec, MoEDispatcher] | None
+
+
+def resolve_kernels(config: dict, ctx: ModelContext) -> list[LayerKernels]:
+    kernels = []
+    for i in range(config["num_hidden_layers"]):
+        spec = mla_spec(config, i, ctx.dtype)
+        mspec = moe_spec(config, i) if is_moe_layer(config, i) else None
+        moe = (mspec, ctx.moe_dispatcher(mspec)) if mspec is not None else None
+        kernels.append(LayerKernels(spec, ctx.attention_backend(spec), moe))
+    return kernels
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: dict, index: int, ctx: ModelContext) -> None:
+    def __init__(self, config: dict, kernels: LayerKernels) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
-        spec = mla_spec(config, index, ctx.dtype)
-        self.self_attn = MLAAttention(config, spec, ctx.attention_backend(spec))
+        self.self_attn = MLAAttention(config, kernels.attn_spec, kernels.attention)
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
-        if is_moe_layer(config, index):
-            mspec = moe_spec(config, index)
-            self.mlp: nn.Module = DeepseekV3MoE(config, mspec, ctx.moe_dispatcher(mspec))
+        if kernels.moe is not None:
+            self.mlp: nn.Module = DeepseekV3MoE(config, *kernels.moe)
         else:
             self.mlp = GatedMLP(config["hidden_size"], config["intermediate_size"])
 
@@ -110,10 +128,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """``model.*`` in Hugging Face naming."""
 
-    def __init__(self, config: dict, ctx: ModelContext) -> None:
+    def __init__(self, config: dict, kernels: list[LayerKernels]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ctx) for i in range(config["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DecoderLayer(config, k) for k in kernels)
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
 
@@ -128,8 +146,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         # Built on the meta device so a large model is not randomly initialised first only to
         # be overwritten by load_weights (which insists on every tensor being present).
+        kernels = resolve_kernels(config, ctx)
         with torch.device("meta"):
-            self.model = Backbone(config, ctx)
+            self.model = Backbone(config, kernels)
             self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         self.to_empty(device=ctx.device)
         self.to(dtype=ctx.dtype)
