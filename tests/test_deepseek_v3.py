@@ -306,3 +306,26 @@ def test_directory_errors_are_clear(saved, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
         open_hf_dir(tmp_path)
+
+
+def test_real_v3_rope_config_matches_transformers():
+    """DeepSeek-V3's released config spells rope as legacy ``rope_scaling`` (YaRN, factor 40);
+    our tables and softmax scale must equal transformers' for it, not just for tiny configs."""
+    from deepinfer_core.models.deepseek_v3_mla import build_rotary, softmax_scale
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+    legacy = {
+        "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+    ours = {"rope_scaling": legacy, "rope_theta": 10000, "max_position_embeddings": 4096,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}  # fmt: skip
+    cfg = transformers.DeepseekV3Config(
+        rope_scaling=dict(legacy), rope_theta=10000, max_position_embeddings=4096, qk_rope_head_dim=64
+    )
+    ref = hf_v3.DeepseekV3RotaryEmbedding(cfg)
+    positions = torch.tensor([[0, 1, 17, 1000, 4095]])
+    cos, sin = ref(torch.zeros(1, dtype=torch.float32), positions)
+    table = build_rotary(ours, torch.device("cpu"))
+    assert torch.equal(table.cos[positions[0]], cos[0]) and torch.equal(table.sin[positions[0]], sin[0])
+    assert softmax_scale(ours) == pytest.approx(hf_v3.yarn_apply_mscale(cfg.rope_parameters, 192**-0.5), rel=1e-12)
