@@ -1,13 +1,17 @@
 """Pure-torch reference attention over the paged KV cache (every device torch supports).
 
-Cache layout per layer (one tensor)::
+Cache layout per layer (one tensor, head-major so that a gathered head is a plain matrix)::
 
-    [num_blocks, block_size, num_kv_heads, head_dim (+ v_head_dim unless kv_shared)]
-     block b, offset o  <->  slot b * block_size + o
+    [num_kv_heads, num_blocks, block_size, head_dim (+ v_head_dim unless kv_shared)]
+                   block b, offset o  <->  slot b * block_size + o
 
-The batched path pads queries to ``[R, max_query_len]`` and keys to ``[R, max_seq_len]`` and
-runs one masked SDPA; the batch-invariant path runs each request on its exact lengths so its
-reductions never see another request's padding.
+Three paths:
+
+* decode (every request has one new token): gather each request's slots with one
+  ``index_select`` and run two batched matmuls per KV head group (no padding of queries);
+* mixed / prefill: queries padded to ``[R, max_query_len]``, one masked SDPA;
+* batch invariant: each request on its exact lengths, so its reductions never depend on the
+  rest of the batch.
 """
 from __future__ import annotations
 
@@ -24,28 +28,46 @@ class TorchAttentionBackend:
 
     def kv_cache_shape(self, spec: AttentionLayerSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
         width = spec.head_dim if spec.kv_shared else spec.head_dim + spec.v_head_dim
-        return (num_blocks, block_size, spec.num_kv_heads, width)
+        return (spec.num_kv_heads, num_blocks, block_size, width)
+
+    def cache_rows(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as ``[num_slots, num_kv_heads * width]`` (for inspection and tests)."""
+        return kv_cache.flatten(1, 2).transpose(0, 1).reshape(kv_cache.shape[1] * kv_cache.shape[2], -1)
 
     def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(spec, k, v, kv_cache, meta.slot_mapping)
         if meta.batch_invariant:
             return self._forward_per_request(spec, q, kv_cache, meta)
+        if meta.max_query_len == 1 and q.shape[0] == meta.num_requests:
+            return self._forward_decode(spec, q, kv_cache, meta)
         return self._forward_padded(spec, q, kv_cache, meta)
 
-    # -- batched: one SDPA over padded requests --------------------------------------------
+    def _forward_decode(self, spec, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        R, smax = meta.num_requests, meta.max_seq_len
+        keys, values = gather_kv(spec, kv_cache, meta.block_tables, smax)  # [Hkv, R, S, D]
+        groups = spec.num_heads // spec.num_kv_heads
+        qg = q.view(R, spec.num_kv_heads, groups, spec.head_dim).transpose(0, 1)  # [Hkv, R, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2).to(q.dtype)).float() * spec.scale  # [Hkv, R, G, S]
+        key_pos = torch.arange(smax, device=q.device)
+        masked = key_pos[None, :] > meta.positions[:, None]  # [R, S]
+        if spec.window is not None:
+            masked |= key_pos[None, :] <= meta.positions[:, None] - spec.window
+        probs = scores.masked_fill(masked[None, :, None, :], float("-inf")).softmax(dim=-1)
+        out = torch.matmul(probs.to(q.dtype), values.to(q.dtype))  # [Hkv, R, G, Dv]
+        return out.permute(1, 0, 2, 3).reshape(R, spec.num_heads, spec.v_head_dim)
+
     def _forward_padded(self, spec, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_reqs, qmax, smax = meta.num_requests, meta.max_query_len, meta.max_seq_len
         T = q.shape[0]
         qlens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [R]
         req_of_tok = torch.repeat_interleave(torch.arange(num_reqs, device=q.device), qlens, output_size=T)
         local = torch.arange(T, device=q.device) - meta.query_start_loc[req_of_tok].long()  # [T]
-
         q_pad = q.new_zeros(num_reqs, qmax, spec.num_heads, spec.head_dim)
         q_pad[req_of_tok, local] = q
         pos_pad = torch.full((num_reqs, qmax), -1, dtype=torch.long, device=q.device)
         pos_pad[req_of_tok, local] = meta.positions
 
-        keys, values = gather_kv(spec, kv_cache, meta.block_tables, smax)  # [R, S, Hkv, D]
+        keys, values = gather_kv(spec, kv_cache, meta.block_tables, smax)  # [Hkv, R, S, D]
         key_pos = torch.arange(smax, device=q.device)
         allowed = key_pos[None, None, :] <= pos_pad[:, :, None]  # causal, [R, Q, S]
         allowed &= key_pos[None, None, :] < meta.seq_lens[:, None, None]
@@ -56,12 +78,10 @@ class TorchAttentionBackend:
         out = _sdpa(spec, q_pad, keys, values, allowed)  # [R, Q, H, Dv]
         return out[req_of_tok, local]
 
-    # -- batch invariant: exact lengths per request ------------------------------------------
     def _forward_per_request(self, spec, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = q.new_empty(q.shape[0], spec.num_heads, spec.v_head_dim)
         starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for r, seq_len in enumerate(seq_lens):
+        for r, seq_len in enumerate(meta.seq_lens.tolist()):
             a, b = starts[r], starts[r + 1]
             if a == b:
                 continue
@@ -76,31 +96,31 @@ class TorchAttentionBackend:
 
 
 def write_kv(spec: AttentionLayerSpec, k, v, kv_cache, slot_mapping) -> None:
-    flat = kv_cache.view(-1, spec.num_kv_heads, kv_cache.shape[-1])
+    """Store the new tokens' K (and V) at their slots: [T, Hkv, W] -> cache[:, slot]."""
+    flat = kv_cache.view(spec.num_kv_heads, -1, kv_cache.shape[-1])  # [Hkv, slots, W]
     entry = k if spec.kv_shared else torch.cat([k, v], dim=-1)
-    flat[slot_mapping] = entry.to(kv_cache.dtype)
+    flat[:, slot_mapping] = entry.transpose(0, 1).to(kv_cache.dtype)
 
 
 def gather_kv(spec: AttentionLayerSpec, kv_cache, block_tables, max_len: int):
-    """Contiguous K and V for requests' block tables, truncated to ``max_len`` tokens."""
-    num_reqs, max_blocks = block_tables.shape
-    bs = kv_cache.shape[1]
-    need = min(max_blocks, -(-max_len // bs))
-    kv = kv_cache[block_tables[:, :need].long()]  # [R, nb, bs, Hkv, W]
-    kv = kv.reshape(num_reqs, need * bs, spec.num_kv_heads, -1)[:, :max_len]
+    """Keys and values of the first ``max_len`` positions of each request's block table:
+    ``[Hkv, R, max_len, D]`` and ``[Hkv, R, max_len, Dv]`` (views of one gathered tensor)."""
+    num_reqs = block_tables.shape[0]
+    bs = kv_cache.shape[2]
+    pos = torch.arange(max_len, device=kv_cache.device)
+    slots = block_tables[:, pos // bs].long() * bs + pos % bs  # [R, S]
+    flat = kv_cache.view(spec.num_kv_heads, -1, kv_cache.shape[-1])
+    kv = flat.index_select(1, slots.flatten()).view(spec.num_kv_heads, num_reqs, max_len, -1)
     keys = kv[..., : spec.head_dim]
     values = kv[..., : spec.v_head_dim] if spec.kv_shared else kv[..., spec.head_dim :]
     return keys, values
 
 
 def _sdpa(spec: AttentionLayerSpec, q, keys, values, allowed):
-    # q [R, Q, H, D], keys [R, S, Hkv, D], values [R, S, Hkv, Dv], allowed [R, Q, S]
-    groups = spec.num_heads // spec.num_kv_heads
-    qh = q.transpose(1, 2)
-    kh = keys.transpose(1, 2).to(q.dtype)
-    vh = values.transpose(1, 2).to(q.dtype)
-    if groups > 1:
-        kh = kh.repeat_interleave(groups, dim=1)
-        vh = vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed[:, None], scale=spec.scale)
+    # q [R, Q, H, D], keys [Hkv, R, S, D], values [Hkv, R, S, Dv], allowed [R, Q, S]
+    qh = q.transpose(1, 2)  # [R, H, Q, D]
+    kh = keys.transpose(0, 1).to(q.dtype)  # [R, Hkv, S, D]
+    vh = values.transpose(0, 1).to(q.dtype)
+    gqa = spec.num_heads != spec.num_kv_heads
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed[:, None], scale=spec.scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # [R, Q, H, Dv]

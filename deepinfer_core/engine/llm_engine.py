@@ -58,7 +58,7 @@ class LLMEngine:
 
     def _default_num_blocks(self, block_bytes: int) -> int:
         free, _total = self.platform.memory_info()
-        fraction, cap = (0.25, 4 << 30) if self.platform.device_type == "cpu" else (0.8, None)
+        fraction, cap = (0.25, 1 << 30) if self.platform.device_type == "cpu" else (0.8, None)
         budget = free * fraction if cap is None else min(free * fraction, cap)
         enough = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(int(budget // block_bytes), enough))

@@ -200,8 +200,12 @@ class AttentionBackendSuite:
     def scenario(self, spec, device) -> Scenario:
         return Scenario(spec, device, self.dtype)
 
-    def slot_entries(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as ``[num_slots, -1]`` (one row per token slot); override for other layouts."""
+    def slot_entries(self, kv_cache: torch.Tensor, backend=None) -> torch.Tensor:
+        """The cache as ``[num_slots, -1]`` (one row per token slot): the backend's own
+        ``cache_rows(kv_cache)`` when it has one, else a slot-major layout is assumed
+        (``[num_blocks, block_size, ...]``); override for anything else."""
+        if backend is not None and hasattr(backend, "cache_rows"):
+            return backend.cache_rows(kv_cache)
         return kv_cache.reshape(NUM_BLOCKS * BLOCK_SIZE, -1)
 
     def new_cache(self, backend, spec, device) -> torch.Tensor:
@@ -238,7 +242,7 @@ class AttentionBackendSuite:
         cache = self.new_cache(backend, spec, device)
         q, k, v, meta, _ = scenario.batch(0)
         backend.forward(spec, q, k, v, cache, meta)
-        rows = self.slot_entries(cache).float().cpu()
+        rows = self.slot_entries(cache, backend).float().cpu()
         slots = meta.slot_mapping.tolist()
         for t, slot in enumerate(slots):
             assert torch.isin(k[t].float().cpu().flatten(), rows[slot]).all(), f"K of token {t} not at slot {slot}"
