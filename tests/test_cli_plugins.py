@@ -75,3 +75,15 @@ def test_version():
 
 def test_unknown_subcommand_fails():
     assert deepinfer("no-such-command").returncode == 2
+
+
+def test_generate_is_offered_when_the_engine_provides_it():
+    import importlib.util
+
+    from deepinfer_core.cli import GENERATE_MODULE
+
+    result = deepinfer("--help")
+    offered = importlib.util.find_spec(GENERATE_MODULE) is not None
+    assert ("generate" in result.stdout) == offered
+    if offered:
+        assert deepinfer("generate", "--help").returncode == 0
