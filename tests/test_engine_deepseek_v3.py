@@ -60,8 +60,9 @@ def test_logits_match_transformers_in_one_flat_batch(checkpoint):
     llm = LLM(str(path), device="cpu", kv_cache_blocks=24)
     runner = llm.engine.runner
     ps = prompts()
+    # every prompt in one step, each in its own (non-contiguous, reversed) blocks
     sched = SchedulerOutput(
-        tuple(ScheduledRequest(str(i), tuple(p), 0, (2 * i, 2 * i + 1), True, 0) for i, p in enumerate(ps)),
+        tuple(ScheduledRequest(str(i), tuple(p), 0, (23 - 2 * i, 22 - 2 * i), True, 0) for i, p in enumerate(ps)),
         sum(map(len, ps)),
     )
     input_ids, meta, _ = runner.build_batch(sched)
@@ -72,6 +73,7 @@ def test_logits_match_transformers_in_one_flat_batch(checkpoint):
         for p in ps:
             ref = hf(torch.tensor([p])).logits[0].float()
             assert (ours[start : start + len(p)] - ref).abs().max().item() < 1e-4
+            assert (llm.engine.prompt_logits(p) - ref).abs().max().item() < 1e-4
             start += len(p)
 
 

@@ -20,7 +20,7 @@ from .output_processor import OutputProcessor
 from .request import Request
 from .sampler import SamplingRow
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from .outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,23 @@ class LLMEngine:
                 self.scheduler.finish(req, reason, stop_reason)
             outputs.append(self.outputs.snapshot(req))
         return outputs
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Logits at every prompt position ([T, V] float32), computed in one forward over
+        blocks borrowed from the pool (and returned; nothing is published to the prefix cache).
+        For scoring and for checking the engine against a reference."""
+        self.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+        req = Request("__score__", list(prompt_token_ids), SamplingParams(max_tokens=1), seed=0)
+        if not self.kv.allocate(req, len(prompt_token_ids)):
+            raise RuntimeError("not enough free KV blocks to score this prompt now")
+        try:
+            sched = SchedulerOutput((ScheduledRequest(req.request_id, tuple(prompt_token_ids), 0, tuple(req.block_ids), False, 0),), len(prompt_token_ids))
+            input_ids, meta, _ = self.runner.build_batch(sched)
+            hidden = self.model.forward(input_ids, meta.positions, self.runner.kv_caches, meta)
+            return self.model.compute_logits(hidden)
+        finally:
+            self.kv.free(req)
 
     def stats(self) -> dict:
         return {
