@@ -46,12 +46,18 @@ def exactness(path: str, new_tokens: int) -> None:
     same, worst = 0, 0.0
     for out in outs:
         ids = out.prompt_token_ids
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-            logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float()
-        ref_new = ref[0, len(ids) :].tolist()
+        ref_new, logits = _hf_greedy(hf, ids, new_tokens, set(llm.get_tokenizer().stop_token_ids))
         got = out.outputs[0].token_ids
-        same += int(got == ref_new[: len(got)])
+        same += int(got == ref_new)
+        if got != ref_new:
+            d = next((i for i, (x, y) in enumerate(zip(got, ref_new)) if x != y), min(len(got), len(ref_new)))
+            seq = ids + ref_new[:d]
+            with torch.no_grad():
+                theirs = hf(torch.tensor([seq], device="cuda")).logits[0, -1].float()
+            ours = llm.engine.prompt_logits(seq)[-1]
+            top = theirs.topk(2)
+            print(f"  diverges at token {d}/{len(ref_new)}: ours {got[d:d + 1]} transformers {ref_new[d:d + 1]}, "
+                  f"transformers' top-2 margin there {float(top.values[0] - top.values[1]):.2e}, logits max diff {float((theirs - ours).abs().max()):.2e}")
         mine = _last_logits(llm, ids)
         worst = max(worst, (mine - logits).abs().max().item())
     print("\n| check (float32, CUDA) | result |\n|---|---|")
@@ -59,6 +65,21 @@ def exactness(path: str, new_tokens: int) -> None:
     print(f"| last-position logits, max abs diff | {worst:.2e} |")
     del llm, hf
     torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def _hf_greedy(hf, ids: list[int], new_tokens: int, stop_ids: set[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by full forwards of transformers' model, stopping on the same ids as
+    the engine (transformers versions disagree on the EOS id of this GGUF: 5.17 keeps going
+    after ``<|im_end|>``)."""
+    seq, first_logits = list(ids), None
+    for _ in range(new_tokens):
+        logits = hf(torch.tensor([seq], device="cuda")).logits[0, -1].float()
+        first_logits = logits if first_logits is None else first_logits
+        seq.append(int(logits.argmax()))
+        if seq[-1] in stop_ids:
+            break
+    return seq[len(ids) :], first_logits
 
 
 def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
