@@ -77,6 +77,7 @@ class PluginHost:
         self._pm: pluggy.PluginManager | None = None
         self._infos: dict[str, PluginInfo] = {}
         self._registries: dict[str, dict[str, Any]] = {}
+        self._platform_probes: dict[tuple[str, str], ProbeResult] = {}  # probes can be slow
 
     # -- loading ----------------------------------------------------------------------------
     @property
@@ -123,7 +124,7 @@ class PluginHost:
             if unknown:
                 pm.unregister(plugin)
                 raise pluggy.PluginValidationError(plugin, f"unknown hook(s) {sorted(unknown)}: misspelled?")
-        except pluggy.PluginValidationError as exc:
+        except (pluggy.PluginValidationError, ValueError) as exc:  # ValueError: registered twice
             log.warning("deepinfer plugin %r rejected: %s", name, exc)
             info.error = f"invalid plugin: {exc}"
             self._infos[name] = info
@@ -135,11 +136,14 @@ class PluginHost:
         return self._infos[plugin_name].builtin
 
     # -- status -----------------------------------------------------------------------------
-    def plugins(self) -> list[PluginInfo]:
-        """Every discovered plugin, with a fresh probe answer for the ones that loaded."""
+    def plugins(self, refresh: bool = False) -> list[PluginInfo]:
+        """Every discovered plugin, with its probe answer (asked once per host unless
+        ``refresh``) for the ones that loaded."""
         pm = self.pm
         for impl in pm.hook.deepinfer_probe.get_hookimpls():
             info = self._infos[impl.plugin_name]
+            if info.probe is not None and not refresh:
+                continue
             try:
                 info.probe = impl.function()
             except Exception as exc:
@@ -172,7 +176,10 @@ class PluginHost:
         )
         reasons = []
         for plugin_name, platform in ranked:
-            probe = platform.probe()
+            key = (plugin_name, platform.name)
+            if key not in self._platform_probes:
+                self._platform_probes[key] = platform.probe()
+            probe = self._platform_probes[key]
             if probe.usable:
                 return platform
             reasons.append(f"{platform.name} ({plugin_name}): {probe.reason}")

@@ -289,3 +289,29 @@ def test_two_plugins_with_one_name_conflict(installed):
     installed.append(FakeEntryPoint("dup", StorePlugin("x")))
     with pytest.raises(PluginConflictError, match="dup"):
         PluginHost(extra_plugins={"dup": StorePlugin("y")}).pm
+
+
+def test_same_plugin_object_under_two_names_is_reported_not_fatal(installed):
+    plugin = StorePlugin("twice-store")
+    installed.extend([FakeEntryPoint("first", plugin), FakeEntryPoint("second", plugin)])
+    host = PluginHost()
+    assert "twice-store" in host.kv_stores()
+    infos = {i.name: i for i in host.plugins()}
+    assert infos["first"].usable
+    assert not infos["second"].usable and "already registered" in infos["second"].reason.lower()
+
+
+def test_probes_are_asked_once_per_host_unless_refreshed(installed):
+    calls = []
+
+    class Counting:
+        @hookimpl
+        def deepinfer_probe(self):
+            calls.append(1)
+            return ProbeResult(True)
+
+    host = PluginHost(extra_plugins={"counting": Counting()})
+    host.plugins(), host.plugins()
+    assert len(calls) == 1
+    host.plugins(refresh=True)
+    assert len(calls) == 2
