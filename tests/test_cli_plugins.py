@@ -87,3 +87,18 @@ def test_generate_is_offered_when_the_engine_provides_it():
     assert ("generate" in result.stdout) == offered
     if offered:
         assert deepinfer("generate", "--help").returncode == 0
+
+
+@pytest.mark.skipif("DEEPINFER_EXPECT_PLUGINS" not in os.environ, reason="set by each tox env to the plugins it installs")
+def test_installed_plugins_are_exactly_the_expected_ones():
+    """Core alone lists only builtins; each plugin distribution adds exactly its own entry."""
+    expected = {name for name in os.environ["DEEPINFER_EXPECT_PLUGINS"].split(",") if name}
+    result = deepinfer("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {r["name"] for r in rows if not r["builtin"]} == expected
+    assert {r["name"] for r in rows if r["builtin"]} == {"core.platforms", "core.kernels", "core.catalogues"}
+    if expected:  # the allow-list filters installed plugins down to the named one
+        keep = sorted(expected)[0]
+        filtered = json.loads(deepinfer("plugins", "--json", env_extra={"DEEPINFER_PLUGINS": keep}).stdout)
+        assert {r["name"] for r in filtered if not r["builtin"]} == {keep}
