@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import WeightsError
+from .layers import fused_targets
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -34,7 +35,8 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     """Copy every tensor into place; raise :class:`WeightsError` naming all problems at once."""
     config = model.config
     num_layers = config["num_hidden_layers"]
-    targets = model.state_dict(keep_vars=True)  # name -> Parameter / persistent buffer
+    fused, fused_params = fused_targets(model)
+    targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in fused_params} | fused
     required = set(targets)
     if config.get("tie_word_embeddings", False):
         required.discard("lm_head.weight")

@@ -20,17 +20,57 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class FusedLinear(nn.Linear):
+    """Several projections of the same input computed by one matmul (fewer, larger GEMMs).
+
+    Checkpoints store the projections separately (``q_proj``, ``k_proj``...): ``parts`` maps each
+    of those names to its rows of the fused weight, and :func:`fused_targets` tells a loader
+    where each separate tensor goes."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts: dict[str, slice] = {}
+        start = 0
+        for name, rows in parts.items():
+            self.parts[name] = slice(start, start + rows)
+            start += rows
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [T, sum] -> one [T, rows] per part
+        return tuple(out[..., sl] for sl in self.parts.values())
+
+
+def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``(checkpoint name -> view of the fused parameter it fills, names of fused parameters)``
+    for every :class:`FusedLinear` in ``model``."""
+    targets: dict[str, torch.Tensor] = {}
+    fused: set[str] = set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FusedLinear):
+            continue
+        prefix = module_name.rpartition(".")[0]
+        prefix = f"{prefix}." if prefix else ""
+        for param_name in ("weight", "bias"):
+            param = getattr(module, param_name)
+            if param is None:
+                continue
+            fused.add(f"{module_name}.{param_name}")
+            for part, rows in module.parts.items():
+                targets[f"{prefix}{part}.{param_name}"] = param.data[rows]
+    return targets, fused
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with Hugging Face parameter names (gate_proj, up_proj, down_proj)."""
+    """SwiGLU MLP; gate and up projections fused, loaded from Hugging Face's separate
+    ``gate_proj`` / ``up_proj`` tensors (see :func:`fused_targets`)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from . import ModelContext, WeightsError
-from .layers import GatedMLP, RMSNorm, Rotary, rope_inv_freq
+from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,18 +39,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hidden, bias = config["hidden_size"], bool(config.get("attention_bias", False))
         self.spec, self.backend = spec, backend
-        self.q_proj = nn.Linear(hidden, spec.num_heads * spec.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, spec.num_kv_heads * spec.head_dim, bias=bias)
+        q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = FusedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias=bias)
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=bias)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # x [T, D] -> [T, D]
         s, T = self.spec, x.shape[0]
-        q = rotary(self.q_proj(x).view(T, s.num_heads, s.head_dim), positions)  # [T, H, hd]
-        k = rotary(self.k_proj(x).view(T, s.num_kv_heads, s.head_dim), positions)  # [T, Hkv, hd]
-        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = rotary(q.reshape(T, s.num_heads, s.head_dim), positions)  # [T, H, hd]
+        k = rotary(k.reshape(T, s.num_kv_heads, s.head_dim), positions)  # [T, Hkv, hd]
+        v = v.reshape(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, hd]
         out = self.backend.forward(s, q, k, v, kv_cache, meta)  # [T, H, hd]
         return self.o_proj(out.reshape(T, s.num_heads * s.head_dim))
 
@@ -136,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, tensor)`` pairs in; report every problem at once in a WeightsError."""
-        params = dict(self.named_parameters())
+        fused, fused_params = fused_targets(self)
+        params = {n: p for n, p in self.named_parameters() if n not in fused_params} | fused
         loaded: set[str] = set()
         unexpected: list[str] = []
         misshaped: list[str] = []
