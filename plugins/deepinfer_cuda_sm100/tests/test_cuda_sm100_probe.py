@@ -90,6 +90,7 @@ def test_host_picks_this_plugin_on_sm90_and_falls_back_without_gpu(fake_gpu):
     assert isinstance(host.platform("cuda"), CudaSM100Platform)
     assert isinstance(host.platform("auto"), CudaSM100Platform)
     fake_gpu(None)
+    host = PluginHost(load_entry_points=False, extra_plugins={"cuda_sm100": plugin})  # probes are cached per host
     assert host.platform("auto").name == "cpu"
     with pytest.raises(NoImplementationError, match="no CUDA device"):
         host.platform("cuda")
