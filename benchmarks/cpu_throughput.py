@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-ENGINES = ("deepinfer", "transformers", "llamacpp")
-LABELS = {"deepinfer": "deepinfer", "transformers": "transformers", "llamacpp": "llama.cpp"}
+ENGINES = ("deepinfer", "deepinfer-bf16", "transformers", "llamacpp")
+LABELS = {"deepinfer": "deepinfer fp32", "deepinfer-bf16": "deepinfer bf16", "transformers": "transformers", "llamacpp": "llama.cpp"}
+OURS = ("deepinfer", "deepinfer-bf16")
 RESULT_MARK = "RESULT "
 # Opening of "A Tale of Two Cities" (public domain); repeated and windowed into prompts.
 SOURCE_TEXT = (
@@ -76,7 +77,9 @@ def build_prompts(n: int, length: int) -> Prompts:
 # --- engines: each loads its model, sized for prompts like these, and returns generate() -------
 
 
-def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int) -> Generate:
+def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "float32") -> Generate:
+    """fp32 is the default (exactly transformers' arithmetic); bf16 runs the matmuls on the
+    CPU's bf16 dot-product units where it has them (AVX512-BF16, AMX)."""
     import torch
     from deepinfer_core import LLM, SamplingParams
 
@@ -84,7 +87,7 @@ def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int) -> Gener
     # KV cache sized to this workload, like llama.cpp's context below, not to free memory.
     block_size = inspect.signature(LLM).parameters["block_size"].default
     blocks = len(prompts) * -(-(len(prompts[0]) + max_new_tokens) // block_size)
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -164,7 +167,12 @@ def load_llamacpp(prompts: Prompts, max_new_tokens: int, threads: int) -> Genera
     return generate
 
 
-LOADERS: dict[str, Loader] = {"deepinfer": load_deepinfer, "transformers": load_transformers, "llamacpp": load_llamacpp}
+LOADERS: dict[str, Loader] = {
+    "deepinfer": load_deepinfer,
+    "deepinfer-bf16": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "bfloat16"),
+    "transformers": load_transformers,
+    "llamacpp": load_llamacpp,
+}
 
 
 def run_child(engine: str, prompts: Prompts, new_tokens: int, threads: int, repeats: int) -> Result:
@@ -219,23 +227,28 @@ def agreement(a: Result, b: Result) -> int:
 
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
-    print("| concurrency | engine | output tok/s | peak RSS MiB | deepinfer / this |")
+    """Ratios are for deepinfer's faster row at each level (fp32 or bf16, named in the table)."""
+    def ours_at(level: dict[str, Result]) -> Result | None:
+        rows = [level[e] for e in OURS if e in level and not level[e].error]
+        return max(rows, key=lambda r: r.tokens_per_s, default=None)
+
+    print("| concurrency | engine | output tok/s | peak RSS MiB | best deepinfer / this |")
     print("|---:|---|---:|---:|---:|")
     for n in args.concurrency:
         level = {r.engine: r for r in results if r.concurrency == n}
-        ours = level.get("deepinfer")
+        ours = ours_at(level)
         for r in level.values():
             cells = (f"unavailable: {r.error}", "–") if r.error else (f"{r.tokens_per_s:.1f}", f"{r.peak_rss_mib:.0f}")
             print(f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {ratio(ours, r) if ours else '–'} |")
-    print("\n| concurrency | deepinfer / transformers | deepinfer / llama.cpp | deepinfer / best peer |")
-    print("|---:|---:|---:|---:|")
+    print("\n| concurrency | best deepinfer | / transformers | / llama.cpp | / best peer |")
+    print("|---:|---|---:|---:|---:|")
     for n in args.concurrency:
         level = {r.engine: r for r in results if r.concurrency == n}
-        ours, peers = level.get("deepinfer"), [r for e, r in level.items() if e != "deepinfer" and not r.error]
+        ours, peers = ours_at(level), [r for e, r in level.items() if e not in OURS and not r.error]
         best = max(peers, key=lambda r: r.tokens_per_s, default=None)
         if ours is None:
             continue
-        print(f"| {n} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |")
+        print(f"| {n} | {LABELS[ours.engine]} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |")
     print("\nGreedy agreement, request 0, common prefix in tokens:")
     for n in args.concurrency:
         ok = [r for r in results if r.concurrency == n and not r.error]
