@@ -134,3 +134,14 @@ def check_buffers(keys: Sequence[bytes], buffers: Sequence[memoryview], block_by
         nbytes = memoryview(buffer).nbytes
         if nbytes != block_bytes:
             raise ValueError(f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
+
+
+def eviction_victims(keys_oldest_first, size: int, capacity: int | None, leases: LeaseTable) -> list[bytes]:
+    """The oldest unpinned keys to drop so that ``size`` comes down to ``capacity``.
+
+    Invariant: a pinned block is never evicted, so a store may sit above capacity until its
+    leases end (stores call their eviction again from ``release``)."""
+    if capacity is None or size <= capacity:
+        return []
+    unpinned = (k for k in keys_oldest_first if not leases.is_pinned(k))
+    return list(itertools.islice(unpinned, size - capacity))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers
+from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
 from .records import PosixRecordIO, RecordIO, key_from_filename, namespace_fingerprint, read_record, record_bytes
 from .records import record_filename, remove_file, write_record
 
@@ -252,16 +252,7 @@ class LocalDiskKVStore:
             remove_file(entry.path)
 
     def _evict_to_capacity(self) -> None:
-        capacity = self.config.capacity_blocks
-        if capacity is None:
-            return
-        # Invariant: a pinned block is never evicted; the store may sit above capacity until
-        # its leases end (release() calls back here).
-        victims = iter([k for k in self._index if not self._leases.is_pinned(k)])
-        while len(self._index) > capacity:
-            key = next(victims, None)
-            if key is None:
-                break
+        for key in eviction_victims(self._index, len(self._index), self.config.capacity_blocks, self._leases):
             remove_file(self._index.pop(key).path)
             self._counters["evictions"] += 1
 

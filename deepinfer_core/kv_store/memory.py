@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers
+from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
 
 DEFAULT_RESERVATION_SECONDS = 300.0
 
@@ -133,16 +133,7 @@ class MemoryKVStore:
             self._leases.retire(key, block)
 
     def _evict_to_capacity(self) -> None:
-        capacity = self.config.capacity_blocks
-        if capacity is None:
-            return
-        # Invariant: a pinned block is never evicted, so the store may sit above capacity
-        # until leases end (release() calls back here).
-        victims = iter([k for k in self._blocks if not self._leases.is_pinned(k)])
-        while len(self._blocks) > capacity:
-            key = next(victims, None)
-            if key is None:
-                break
+        for key in eviction_victims(self._blocks, len(self._blocks), self.config.capacity_blocks, self._leases):
             del self._blocks[key]
             self._counters["evictions"] += 1
 
