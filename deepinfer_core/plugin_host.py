@@ -145,7 +145,7 @@ class PluginHost:
             if info.probe is not None and not refresh:
                 continue
             try:
-                info.probe = impl.function()
+                info.probe = as_probe_result(impl.function())
             except Exception as exc:
                 info.probe = ProbeResult(False, f"probe raised {exc!r}")
         return sorted(self._infos.values(), key=lambda i: (not i.builtin, i.name))
@@ -281,6 +281,18 @@ class PluginHost:
         if name not in stores:
             raise NoImplementationError(f"unknown KV store {name!r}; installed: {', '.join(sorted(stores))}")
         return stores[name](config)
+
+
+def as_probe_result(answer) -> ProbeResult:
+    """A probe should return :class:`ProbeResult`; a ``bool`` or ``(usable, reason)`` pair is
+    accepted, anything else is reported as the plugin's mistake rather than crashing the host."""
+    if isinstance(answer, ProbeResult):
+        return answer
+    if isinstance(answer, bool):
+        return ProbeResult(answer, "" if answer else "probe said no")
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool):
+        return ProbeResult(answer[0], str(answer[1]))
+    return ProbeResult(False, f"probe returned {answer!r}, expected a ProbeResult")
 
 
 def _ignore(*_args, **_kwargs) -> None:

@@ -315,3 +315,26 @@ def test_probes_are_asked_once_per_host_unless_refreshed(installed):
     assert len(calls) == 1
     host.plugins(refresh=True)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize(
+    "answer, usable, reason",
+    [((False, "no ACME card"), False, "no ACME card"), (True, True, ""), (None, False, "expected a ProbeResult")],
+)
+def test_probe_answers_that_are_not_probe_results_are_tolerated(installed, answer, usable, reason):
+    class Odd:
+        @hookimpl
+        def deepinfer_probe(self):
+            return answer
+
+    info = {i.name: i for i in PluginHost(extra_plugins={"odd": Odd()}).plugins()}["odd"]
+    assert info.usable is usable and reason in info.reason
+
+
+def test_plugin_guide_documents_every_hook():
+    from pathlib import Path
+
+    from deepinfer_core.testing.hooks import hookspec_functions
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "writing-plugins.md").read_text(encoding="utf-8")
+    assert [h for h in hookspec_functions() if f"`{h}(" not in guide] == []
