@@ -1,9 +1,11 @@
 """Pure-torch reference attention over the paged KV cache (every device torch supports).
 
-Cache layout per layer (one tensor, head-major so that a gathered head is a plain matrix)::
+Cache layout per layer (one tensor; K and V in separate planes, head-major, so that a gathered
+head's keys and values are each a contiguous matrix the matmuls read without copying)::
 
-    [num_kv_heads, num_blocks, block_size, head_dim (+ v_head_dim unless kv_shared)]
-                   block b, offset o  <->  slot b * block_size + o
+    [planes, num_kv_heads, num_blocks, block_size, width]
+     planes = 1 when kv_shared (V is the first v_head_dim channels of K), else 2 (K, V)
+     width = max(head_dim, v_head_dim);  block b, offset o  <->  slot b * block_size + o
 
 Three paths:
 
@@ -27,12 +29,13 @@ class TorchAttentionBackend:
     name = "torch-reference"
 
     def kv_cache_shape(self, spec: AttentionLayerSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        width = spec.head_dim if spec.kv_shared else spec.head_dim + spec.v_head_dim
-        return (spec.num_kv_heads, num_blocks, block_size, width)
+        planes = 1 if spec.kv_shared else 2
+        return (planes, spec.num_kv_heads, num_blocks, block_size, max(spec.head_dim, spec.v_head_dim))
 
     def cache_rows(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as ``[num_slots, num_kv_heads * width]`` (for inspection and tests)."""
-        return kv_cache.flatten(1, 2).transpose(0, 1).reshape(kv_cache.shape[1] * kv_cache.shape[2], -1)
+        """The cache as ``[num_slots, planes * num_kv_heads * width]`` (for inspection and tests)."""
+        planes, heads, blocks, bs, width = kv_cache.shape
+        return kv_cache.permute(2, 3, 0, 1, 4).reshape(blocks * bs, planes * heads * width)
 
     def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(spec, k, v, kv_cache, meta.slot_mapping)
@@ -96,23 +99,24 @@ class TorchAttentionBackend:
 
 
 def write_kv(spec: AttentionLayerSpec, k, v, kv_cache, slot_mapping) -> None:
-    """Store the new tokens' K (and V) at their slots: [T, Hkv, W] -> cache[:, slot]."""
-    flat = kv_cache.view(spec.num_kv_heads, -1, kv_cache.shape[-1])  # [Hkv, slots, W]
-    entry = k if spec.kv_shared else torch.cat([k, v], dim=-1)
-    flat[:, slot_mapping] = entry.transpose(0, 1).to(kv_cache.dtype)
+    """Store the new tokens' K (and V) at their slots: [T, Hkv, D] -> cache[plane, :, slot]."""
+    planes = kv_cache.view(kv_cache.shape[0], spec.num_kv_heads, -1, kv_cache.shape[-1])  # [P, Hkv, slots, W]
+    planes[0, :, slot_mapping, : spec.head_dim] = k.transpose(0, 1).to(kv_cache.dtype)
+    if not spec.kv_shared:
+        planes[1, :, slot_mapping, : spec.v_head_dim] = v.transpose(0, 1).to(kv_cache.dtype)
 
 
 def gather_kv(spec: AttentionLayerSpec, kv_cache, block_tables, max_len: int):
     """Keys and values of the first ``max_len`` positions of each request's block table:
-    ``[Hkv, R, max_len, D]`` and ``[Hkv, R, max_len, Dv]`` (views of one gathered tensor)."""
+    ``[Hkv, R, max_len, D]`` and ``[Hkv, R, max_len, Dv]``, gathered by one ``index_select``."""
     num_reqs = block_tables.shape[0]
-    bs = kv_cache.shape[2]
+    bs = kv_cache.shape[3]
     pos = torch.arange(max_len, device=kv_cache.device)
     slots = block_tables[:, pos // bs].long() * bs + pos % bs  # [R, S]
-    flat = kv_cache.view(spec.num_kv_heads, -1, kv_cache.shape[-1])
-    kv = flat.index_select(1, slots.flatten()).view(spec.num_kv_heads, num_reqs, max_len, -1)
-    keys = kv[..., : spec.head_dim]
-    values = kv[..., : spec.v_head_dim] if spec.kv_shared else kv[..., spec.head_dim :]
+    planes = kv_cache.view(kv_cache.shape[0], spec.num_kv_heads, -1, kv_cache.shape[-1])
+    kv = planes.index_select(2, slots.flatten()).view(kv_cache.shape[0], spec.num_kv_heads, num_reqs, max_len, -1)
+    keys = kv[0, ..., : spec.head_dim]
+    values = kv[0 if spec.kv_shared else 1, ..., : spec.v_head_dim]
     return keys, values
 
 
