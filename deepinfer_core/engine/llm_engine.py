@@ -82,7 +82,6 @@ class LLMEngine:
             eos_token_ids=eos,
             max_tokens=min(params.max_tokens or room, room),
             prompt=prompt,
-            arrival=len(self.scheduler.requests),
         )
         self.scheduler.add(req)
         self.outputs.add(req)

@@ -22,7 +22,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 0  # resolved against the context length
     prompt: str | None = None
-    arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # Invariant: num_computed_tokens <= num_tokens; tokens [0, num_computed_tokens) have KV in
     # the blocks of `block_ids`. A step schedules some of [num_computed_tokens, num_tokens).
