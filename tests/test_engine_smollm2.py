@@ -192,5 +192,13 @@ def test_bad_input_is_rejected_and_other_requests_are_untouched(llm, prompt, par
 def test_unknown_model_and_path_without_weights(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         LLM("no-such-model", device="cpu")
-    with pytest.raises((ValueError, FileNotFoundError), match=str(tmp_path)):
+    with pytest.raises(ValueError, match=str(tmp_path)) as err:  # also a FileNotFoundError
         LLM(str(tmp_path), device="cpu")
+    assert isinstance(err.value, FileNotFoundError)
+
+
+def test_vllm_style_prompts_and_top_k(llm):
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=8, top_k=-1)  # vLLM spells "off" as -1
+    by_ids, by_dict, by_text_dict = llm.generate([ids, {"prompt_token_ids": ids}, {"prompt": "The capital of France is"}], params)
+    assert by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids == by_text_dict.outputs[0].token_ids

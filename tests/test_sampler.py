@@ -84,7 +84,7 @@ def test_penalties():
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-1), dict(min_p=2.0), dict(repetition_penalty=0), dict(n=2)],
+    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-2), dict(min_p=2.0), dict(repetition_penalty=0), dict(n=2)],
 )
 def test_invalid_params_name_the_parameter(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):

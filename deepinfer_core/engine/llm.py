@@ -9,7 +9,7 @@ from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]  # text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 Conversation = Sequence[dict]
 
 
@@ -53,6 +53,12 @@ class LLM:
 
     # -- prompts -----------------------------------------------------------------------------
     def _encode(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self._encode(prompt["prompt"], add_special_tokens)
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             tok = self.engine.tokenizer
             if tok is None:
@@ -64,7 +70,7 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts) -> list[Prompt]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             return [prompts]
         return list(prompts)
 

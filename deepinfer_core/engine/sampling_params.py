@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters.
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters (``top_k=-1``,
+    vLLM's spelling, is accepted and stored as 0).
     ``seed`` makes sampling reproducible per request: the noise for a token depends only on
     (seed, position), never on what else is in the batch.
     """
@@ -35,6 +36,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
         _check(self.n == 1, "n", self.n, "only n=1 is supported (send the prompt several times)")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")

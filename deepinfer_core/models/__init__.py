@@ -30,6 +30,11 @@ class WeightsError(ValueError):
     """Missing, unexpected or mis-shaped tensors; the message names them."""
 
 
+class ModelFilesNotFound(FileNotFoundError, ValueError):
+    """No model where a path points (or a directory without weights). Both a
+    ``FileNotFoundError`` and a ``ValueError``, so callers catching bad input catch it too."""
+
+
 @runtime_checkable
 class CausalLM(Protocol):
     config: dict

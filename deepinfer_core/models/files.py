@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from . import ModelFilesNotFound
+
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
@@ -43,7 +45,7 @@ def open_model_files(path: str) -> ModelFiles:
     of those is there, :class:`ValueError` for a file of another kind."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (expected a .gguf file or a model directory)")
+        raise ModelFilesNotFound(f"model path {path!r} does not exist (expected a .gguf file or a model directory)")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             from .gguf_loader import open_gguf
@@ -61,4 +63,4 @@ def open_model_files(path: str) -> ModelFiles:
         return open_gguf(os.path.join(path, ggufs[0]))
     if len(ggufs) > 1:
         raise ValueError(f"{path!r} holds several .gguf files ({', '.join(ggufs)}); pass the one to load")
-    raise FileNotFoundError(f"no config.json or .gguf weights in {path!r}")
+    raise ModelFilesNotFound(f"no config.json or .gguf weights in {path!r}")

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from . import ModelFilesNotFound
 from .files import ModelFiles
 
 CONFIG = "config.json"
@@ -28,10 +29,10 @@ def open_hf_dir(path: str | os.PathLike) -> ModelFiles:
     exactly what is missing or malformed."""
     root = os.fspath(path)
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"model directory {root!r} does not exist")
+        raise ModelFilesNotFound(f"model directory {root!r} does not exist")
     config_path = os.path.join(root, CONFIG)
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{root!r} has no {CONFIG}; not a Hugging Face model directory")
+        raise ModelFilesNotFound(f"{root!r} has no {CONFIG}; not a Hugging Face model directory")
     with open(config_path, "rb") as f:
         config_bytes = f.read()
     try:
@@ -64,13 +65,13 @@ def _shard_files(root: str) -> list[str]:
         shards = sorted(set(weight_map.values()))
         absent = [s for s in shards if not os.path.isfile(os.path.join(root, s))]
         if absent:
-            raise FileNotFoundError(f"{index_path} names shard(s) that are not in {root!r}: {', '.join(absent)}")
+            raise ModelFilesNotFound(f"{index_path} names shard(s) that are not in {root!r}: {', '.join(absent)}")
         return shards
     if os.path.isfile(os.path.join(root, SINGLE)):
         return [SINGLE]
     found = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
     if not found:
-        raise FileNotFoundError(f"{root!r} has {CONFIG} but no .safetensors weights")
+        raise ModelFilesNotFound(f"{root!r} has {CONFIG} but no .safetensors weights")
     return found
 
 
