@@ -12,19 +12,7 @@ from deepinfer_core.kv_store.local import LocalDiskKVStore
 from deepinfer_core.kv_store.memory import MemoryKVStore
 from deepinfer_core.kv_store.records import PosixRecordIO
 from deepinfer_core.plugin_host import PluginHost
-from deepinfer_core.testing.kv_store import KVStoreSuite, key
-
-
-def corrupt_file(path: str, how: str) -> None:
-    """Flip the last payload byte, or cut the record in half."""
-    with open(path, "r+b") as f:
-        if how == "flip":
-            f.seek(-1, os.SEEK_END)
-            last = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([last[0] ^ 0xFF]))
-        else:
-            f.truncate(os.path.getsize(path) // 2)
+from deepinfer_core.testing.kv_store import KVStoreSuite, corrupt_record_file, key
 
 
 class TestMemoryKVStore(KVStoreSuite):
@@ -43,7 +31,7 @@ class TestLocalDiskKVStore(KVStoreSuite):
     def corrupt(self, store, key, how):
         path = store.record_path(key)
         assert path is not None and os.path.exists(path)
-        corrupt_file(path, how)
+        corrupt_record_file(path, how)
 
 
 def test_builtin_catalogue_registers_memory_and_local():
@@ -79,7 +67,7 @@ def test_restart_applies_capacity_and_drops_truncated_records(tmp_path):
     disk.put(store, [1, 2, 3])
     truncated = store.record_path(key(3))
     store.close()
-    corrupt_file(truncated, "truncate")
+    corrupt_record_file(truncated, "truncate")
     reopened = open_local(tmp_path, capacity_blocks=1)
     assert not os.path.exists(truncated)
     assert reopened.stats()["dropped_at_scan"] == 1

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from .platform import usable_device
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -191,10 +192,7 @@ class AttentionBackendSuite:
 
     @pytest.fixture
     def device(self, platform) -> torch.device:
-        probe = platform.probe()
-        if not probe.usable:
-            pytest.skip(f"{platform.name} not usable here: {probe.reason}")
-        return platform.torch_device()
+        return usable_device(platform)
 
     @pytest.fixture
     def scenario(self, spec, device) -> Scenario:

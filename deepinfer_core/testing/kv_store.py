@@ -19,6 +19,7 @@ Every test checks an outcome that a broken backend would get wrong; none measure
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -28,6 +29,19 @@ from ..kv_store import RETENTION_SECONDS, KVStore, KVStoreConfig, StaleTicketErr
 
 StoreFactory = Callable[[KVStoreConfig], KVStore]
 DAY = 86400
+
+
+def corrupt_record_file(path: str, how: str) -> None:
+    """Damage a record file the way ``KVStoreSuite.corrupt`` asks: ``"flip"`` the last payload
+    byte, or otherwise cut the record in half. For backends that keep one file per block."""
+    with open(path, "r+b") as f:
+        if how == "flip":
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        else:
+            f.truncate(os.path.getsize(path) // 2)
 
 
 def key(i: int) -> bytes:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
+from .platform import usable_device
 
 
 def reference_scores(scoring: str, logits: torch.Tensor) -> torch.Tensor:
@@ -75,10 +76,7 @@ class MoEDispatcherSuite:
 
     @pytest.fixture
     def device(self, platform) -> torch.device:
-        probe = platform.probe()
-        if not probe.usable:
-            pytest.skip(f"{platform.name} not usable here: {probe.reason}")
-        return platform.torch_device()
+        return usable_device(platform)
 
     def logits(self, spec: MoESpec, device, tokens: int = 24, seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)

@@ -85,3 +85,11 @@ class PlatformSuite:
         y = x + 1
         assert usable_platform.synchronize() is None
         assert torch.equal(y.cpu(), torch.full((4,), 2.0))
+
+
+def usable_device(platform: Platform) -> torch.device:
+    """The platform's torch device, or skip the calling test with the probe's reason."""
+    probe = platform.probe()
+    if not probe.usable:
+        pytest.skip(f"{platform.name} not usable here: {probe.reason}")
+    return platform.torch_device()

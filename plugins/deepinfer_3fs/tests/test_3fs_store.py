@@ -11,18 +11,7 @@ from deepinfer_3fs import store as store_module
 from deepinfer_3fs.store import MOUNT_ENV, ThreeFSConfigError, ThreeFSKVStore
 from deepinfer_core.kv_store import KVStoreConfig
 from deepinfer_core.kv_store.local import LocalDiskKVStore
-from deepinfer_core.testing.kv_store import KVStoreSuite, key
-
-
-def corrupt_file(path: str, how: str) -> None:
-    with open(path, "r+b") as f:
-        if how == "flip":
-            f.seek(-1, os.SEEK_END)
-            last = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([last[0] ^ 0xFF]))
-        else:
-            f.truncate(os.path.getsize(path) // 2)
+from deepinfer_core.testing.kv_store import KVStoreSuite, corrupt_record_file, key
 
 
 class _ThreeFSSuite(KVStoreSuite):
@@ -31,7 +20,7 @@ class _ThreeFSSuite(KVStoreSuite):
     def corrupt(self, store, key, how):
         path = store.record_path(key)
         assert path is not None and path.startswith(store.mount)
-        corrupt_file(path, how)
+        corrupt_record_file(path, how)
 
 
 class TestThreeFSPosix(_ThreeFSSuite):
