@@ -1,29 +1,20 @@
-"""Where the golden DeepSeek V4 vectors are: ``$DEEPINFER_TESTDATA`` or a ``testdata`` /
-``shared/testdata`` folder above this file. (A uniquely named module, so it can be imported
-from the test files without making ``tests`` a package that clashes with the core's.)"""
+"""The golden DeepSeek V4 vectors, kept in this repository (``data/deepseek_v4_encoding/``; the
+README there says where they came from). A missing or unreadable file is an error at import,
+so every test that needs them fails instead of skipping. (A uniquely named module, so it can be
+imported from the test files without making ``tests`` a package that clashes with the core's.)"""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-VECTORS = Path("deepseek_v4_encoding") / "vectors.json"
+DATA = Path(__file__).resolve().parent / "data" / "deepseek_v4_encoding"
+VECTORS = DATA / "vectors.json"
 
 
-def _find_vectors() -> Path | None:
-    roots = [Path(os.environ["DEEPINFER_TESTDATA"])] if os.environ.get("DEEPINFER_TESTDATA") else []
-    for parent in Path(__file__).resolve().parents:
-        roots += [parent / "testdata", parent / "shared" / "testdata"]
-    for root in roots:
-        if (root / VECTORS).is_file():
-            return root / VECTORS
-    return None
+def load(path: Path) -> dict:
+    """The vectors file as a dict; raises (FileNotFoundError / ValueError) when it is absent or
+    broken: the tests that use it must fail, not skip."""
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
-def load_vectors() -> dict:
-    path = _find_vectors()
-    return json.loads(path.read_text(encoding="utf-8")) if path else {"encode": [], "parse": []}
-
-
-GOLDEN = load_vectors()
-
+GOLDEN = load(VECTORS)
