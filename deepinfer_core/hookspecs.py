@@ -41,8 +41,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def deepinfer_probe() -> ProbeResult:
     """Say whether this plugin is usable on this machine, from a real probe.
 
-    Called by ``deepinfer plugins`` (and ``PluginHost.status()``) once per plugin, each
+    Called by ``deepinfer plugins`` (through ``PluginHost.plugins()``) once per plugin, each
     implementation on its own, so the answer is attributed to the plugin that gave it.
+
+    The answer is a report, not a switch: a plugin whose probe says no stays registered and its
+    other hooks are still called. Whether a *device* is used is decided by the probe of the
+    :class:`~deepinfer_core.platform.Platform` that ``deepinfer_platform`` returns, and kernel
+    hooks must decline (return None) for platforms they do not drive.
 
     Must never raise or break the host process (probe risky imports in a subprocess).
 
@@ -76,8 +81,10 @@ def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform) -
     """Provide the attention implementation for one attention layer kind on one platform.
 
     Called by the model builder once per distinct layer spec while the model is constructed;
-    the engine then calls ``backend.forward`` directly every step. Stops at the first
-    non-None result; the builtin torch reference answers last for every kind it supports.
+    the engine then calls ``backend.forward`` directly every step. ``PluginHost`` asks the
+    installed plugins in name order, then the builtins, and stops at the first non-None
+    result; ``LLM(attention_backend=NAME)`` asks plugin NAME only (``"builtin"``: the core's).
+    The builtin torch reference answers last for every kind it supports.
 
     :param layer: frozen spec: ``kind`` (full | mla | sliding | compressed_sparse |
         heavily_compressed), head counts and sizes, window, compression, dtypes.
@@ -92,7 +99,9 @@ def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: Paralle
     """Provide expert routing, expert compute and the expert-parallel exchange for a MoE layer.
 
     Called by the model builder once per MoE layer spec; the engine then calls
-    ``select_experts`` and ``forward`` directly. Stops at the first non-None result.
+    ``select_experts`` and ``forward`` directly. Asked in the same order as
+    ``deepinfer_attention_backend`` (``LLM(moe_backend=NAME)`` asks NAME only); stops at the
+    first non-None result.
 
     :param moe: frozen spec: experts, top-k, scoring, groups, widths, clamp.
     :param platform: the platform the model runs on.

@@ -41,6 +41,14 @@ class NoImplementationError(LookupError):
     """No plugin (builtin included) provides what was asked for."""
 
 
+class UnknownBackendError(NoImplementationError, ValueError):
+    """A backend was asked for by a name no installed plugin has (bad input: a ValueError too)."""
+
+
+BUILTIN_BACKEND = "builtin"  # names the core's reference backends in attention_backend=/moe_backend=
+_BACKEND_HOOKS = {"attention": "deepinfer_attention_backend", "moe": "deepinfer_moe_dispatcher"}
+
+
 @dataclass
 class PluginInfo:
     name: str
@@ -190,19 +198,59 @@ class PluginHost:
         raise NoImplementationError(f"device {device!r} is not usable here: " + "; ".join(reasons))
 
     # -- hot-path objects ---------------------------------------------------------------------
-    def attention_backend(self, layer, platform: Platform):
-        backend = self.pm.hook.deepinfer_attention_backend(layer=layer, platform=platform)
+    def attention_backend(self, layer, platform: Platform, name: str | None = None):
+        """The attention backend for ``layer`` on ``platform``. ``name`` (a plugin name, or
+        ``"builtin"``) asks that one plugin only; None asks every provider in
+        :meth:`backend_providers` order and takes the first that answers."""
+        backend = self._first_answer("deepinfer_attention_backend", "attention", name, layer=layer, platform=platform)
         if backend is None:
-            raise NoImplementationError(f"no attention backend for {layer.kind.value!r} layers on platform {platform.name!r}")
+            by = f" from {name!r}" if name else ""
+            raise NoImplementationError(f"no attention backend{by} for {layer.kind.value!r} layers on platform {platform.name!r}")
         return backend
 
-    def moe_dispatcher(self, moe, platform: Platform, parallel=None):
+    def moe_dispatcher(self, moe, platform: Platform, parallel=None, name: str | None = None):
+        """The MoE dispatcher for ``moe`` on ``platform``; ``name`` as in :meth:`attention_backend`."""
         from .moe import ParallelConfig
 
-        dispatcher = self.pm.hook.deepinfer_moe_dispatcher(moe=moe, platform=platform, parallel=parallel or ParallelConfig())
+        dispatcher = self._first_answer("deepinfer_moe_dispatcher", "moe", name, moe=moe, platform=platform, parallel=parallel or ParallelConfig())
         if dispatcher is None:
-            raise NoImplementationError(f"no MoE dispatcher for scoring {moe.scoring!r} on platform {platform.name!r}")
+            by = f" from {name!r}" if name else ""
+            raise NoImplementationError(f"no MoE dispatcher{by} for scoring {moe.scoring!r} on platform {platform.name!r}")
         return dispatcher
+
+    def backend_providers(self, hook_name: str) -> list[str]:
+        """Plugins implementing ``hook_name`` in the order they are asked when no backend is
+        named: installed plugins by name (alphabetical, so the order never depends on how
+        entry points happen to be listed), then the builtins."""
+        names = [impl.plugin_name for impl in getattr(self.pm.hook, hook_name).get_hookimpls()]
+        return sorted(n for n in names if not self.is_builtin(n)) + sorted(n for n in names if self.is_builtin(n))
+
+    def check_backend_name(self, kind: str, name: str | None) -> None:
+        """Raise :class:`UnknownBackendError` listing the choices when ``name`` names no
+        provider of ``kind`` (``"attention"`` or ``"moe"``); None always passes."""
+        if name is None:
+            return
+        hook_name = _BACKEND_HOOKS[kind]
+        providers = self.backend_providers(hook_name)
+        if name != BUILTIN_BACKEND and name not in providers:
+            installed = [n for n in providers if not self.is_builtin(n)]
+            choices = ", ".join([*installed, BUILTIN_BACKEND])
+            raise UnknownBackendError(f"unknown {kind} backend {name!r}; available: {choices}")
+
+    def _first_answer(self, hook_name: str, kind: str, name: str | None, **kwargs: Any) -> Any:
+        self.check_backend_name(kind, name)
+        impls = {impl.plugin_name: impl for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
+        order = self.backend_providers(hook_name)
+        if name == BUILTIN_BACKEND:
+            order = [n for n in order if self.is_builtin(n)]
+        elif name is not None:
+            order = [name]
+        for plugin_name in order:
+            impl = impls[plugin_name]
+            answer = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            if answer is not None:
+                return answer
+        return None
 
     # -- registries -------------------------------------------------------------------------
     def _registry(self, hook_name: str, arg: str) -> dict[str, Any]:

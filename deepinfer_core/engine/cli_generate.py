@@ -22,6 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-blocks", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, help="plugin whose attention kernels to use, or 'builtin' (default: installed plugins by name, then builtin)")
+    p.add_argument("--moe-backend", default=None, help="plugin whose MoE dispatcher to use, or 'builtin' (default: as for --attention-backend)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks, attention_backend=args.attention_backend, moe_backend=args.moe_backend)
         if args.stream and len(prompts) == 1 and not args.chat:
             for out in llm.stream(prompts[0], params):
                 print(out.outputs[0].delta_text, end="", flush=True)

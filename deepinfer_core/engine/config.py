@@ -25,6 +25,8 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0  # draws the per-request seeds of requests that bring none
+    attention_backend: str | None = None  # a plugin name or "builtin"; None: the default order
+    moe_backend: str | None = None  # likewise for the MoE dispatcher
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

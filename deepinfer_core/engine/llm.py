@@ -31,6 +31,8 @@ class LLM:
         batch_invariant: bool = False,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        attention_backend: str | None = None,
+        moe_backend: str | None = None,
         host=None,
     ) -> None:
         config = EngineConfig(
@@ -45,6 +47,8 @@ class LLM:
             batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            attention_backend=attention_backend,
+            moe_backend=moe_backend,
         )
         self.engine = LLMEngine(config, host)
 

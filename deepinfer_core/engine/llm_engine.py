@@ -33,7 +33,7 @@ class LLMEngine:
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
-        self.files, self.model, ctx = loading.load(config.model, self.host, self.platform, self.device, self.dtype)
+        self.files, self.model, ctx = loading.load(config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend)
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
 

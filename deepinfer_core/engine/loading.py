@@ -27,7 +27,7 @@ def resolve_model_path(name: str, host: PluginHost) -> str:
     raise ValueError(f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})")
 
 
-def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype):
+def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None):
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -36,8 +36,8 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     ctx = ModelContext(
         device=device,
         dtype=dtype,
-        attention_backend=lambda spec: host.attention_backend(spec, platform),
-        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
+        attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
+        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
     )
     with torch.device(device):
         model = models[arch](files.config, ctx)
@@ -45,8 +45,12 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     return model.to(dtype).eval(), ctx
 
 
-def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype):
+def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None):
+    """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
+    provider's implementation for every layer; None takes the host's default order."""
+    host.check_backend_name("attention", attention_backend)  # before any file is read
+    host.check_backend_name("moe", moe_backend)
     path = resolve_model_path(name, host)
     files = open_model_files(path)
-    model, ctx = build_model(files, host, platform, device, dtype)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend)
     return files, model, ctx
