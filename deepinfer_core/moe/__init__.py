@@ -4,6 +4,27 @@ The model computes router logits; the :class:`MoEDispatcher` returned by
 ``deepinfer_moe_dispatcher`` selects experts (:meth:`select_experts`) and runs them
 (:meth:`forward`: permute tokens by expert, grouped GEMM, un-permute and weight). Shared experts
 stay in the model: they are an ordinary MLP.
+
+Scoring rules (``MoESpec.scoring``), applied to the router logits ``z`` ([T, E], float32):
+
+- ``softmax``: ``s = softmax(z)`` over the experts of each token.
+- ``sigmoid``: ``s = 1 / (1 + exp(-z))`` (DeepSeek-V3).
+- ``sqrtsoftplus``: ``s = sqrt(log(1 + exp(z)))`` (DeepSeek-V4's learned layers).
+- ``hash``: the experts are not chosen from scores at all: token ``t`` goes to the fixed row
+  ``hash_table[token_ids[t]]`` ([V, top_k] table shipped with the checkpoint, DeepSeek-V4's first
+  ``num_hash_layers`` layers). The logits still weight those experts, scored with
+  ``MoESpec.hash_scoring`` (``sqrtsoftplus`` for V4); ``correction_bias`` and groups do not apply.
+
+Selection (every rule but ``hash``): ``c = s + correction_bias`` (the bias, when given, steers the
+choice only). Group-limited routing (``num_groups > 1``) splits the E experts into ``num_groups``
+equal consecutive groups; a group's score is the sum of its two best ``c`` when a correction
+bias is given (DeepSeek-V3's rule) and its single best ``c`` otherwise (DeepSeek-V2's); only the
+``topk_groups`` best groups stay eligible, and the ``top_k`` best eligible experts by ``c`` are
+chosen. Weights are the chosen experts' ``s`` (never ``c``); with ``normalize_topk`` they are
+divided by their sum (+1e-20), and then multiplied by ``routed_scaling``.
+
+Expert compute: ``down(act(gate x) * up x)``; with ``swiglu_limit`` = L (DeepSeek-V4) the gate
+pre-activation is clamped to ``<= L`` and the up pre-activation to ``[-L, L]`` before the product.
 """
 from __future__ import annotations
 
@@ -30,6 +51,7 @@ class MoESpec:
     num_shared_experts: int = 0
     activation: str = "silu"  # gated: act(gate) * up
     swiglu_limit: float | None = None  # clamp (DeepSeek-V4)
+    hash_scoring: str = "sqrtsoftplus"  # how a `hash` layer weights its table-chosen experts
 
 
 @dataclass(frozen=True)
@@ -59,9 +81,15 @@ class MoEDispatcher(Protocol):
         spec: MoESpec,
         router_logits: torch.Tensor,  # [T, E] float32
         correction_bias: torch.Tensor | None = None,  # [E], added for selection only
+        *,
+        token_ids: torch.Tensor | None = None,  # [T] int, required by `hash` scoring
+        hash_table: torch.Tensor | None = None,  # [V, k] int, token id -> experts (`hash`)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``, weights already
-        normalised and multiplied by ``spec.routed_scaling``."""
+        normalised and multiplied by ``spec.routed_scaling`` (rules in the module docstring).
+
+        ``token_ids`` and ``hash_table`` are keyword-only so that callers of learned layers need
+        not pass them; a ``hash`` layer without them is a ``ValueError``."""
         ...
 
     def forward(

@@ -13,20 +13,17 @@ class TorchMoEDispatcher:
     def __init__(self) -> None:
         self._load: torch.Tensor | None = None
 
-    def select_experts(self, spec: MoESpec, router_logits, correction_bias=None):
+    def select_experts(self, spec: MoESpec, router_logits, correction_bias=None, *, token_ids=None, hash_table=None):
         logits = router_logits.float()
-        if spec.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif spec.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        elif spec.scoring == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
+        if spec.scoring == "hash":
+            topk_ids = _hash_choice(spec, logits, token_ids, hash_table)
+            scores = _scores(spec.hash_scoring, logits, self.name)
         else:
-            raise ValueError(f"scoring {spec.scoring!r} is not supported by {self.name}")
-        choice = scores if correction_bias is None else scores + correction_bias.float()
-        if spec.num_groups > 1:
-            choice = _mask_to_best_groups(choice, spec, use_top2=correction_bias is not None)
-        topk_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices  # [T, k]
+            scores = _scores(spec.scoring, logits, self.name)
+            choice = scores if correction_bias is None else scores + correction_bias.float()
+            if spec.num_groups > 1:
+                choice = _mask_to_best_groups(choice, spec, use_top2=correction_bias is not None)
+            topk_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices  # [T, k]
         weights = scores.gather(1, topk_ids)
         if spec.normalize_topk:  # top-1 normalises to 1.0, as the references do
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -62,6 +59,28 @@ class TorchMoEDispatcher:
     def expert_load(self):
         load, self._load = self._load, None
         return load
+
+
+def _scores(scoring: str, logits: torch.Tensor, name: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    raise ValueError(f"scoring {scoring!r} is not supported by {name}; allowed: softmax, sigmoid, sqrtsoftplus, hash")
+
+
+def _hash_choice(spec: MoESpec, logits: torch.Tensor, token_ids, hash_table) -> torch.Tensor:
+    """The fixed experts of each token: ``hash_table[token_ids]`` (checked, then int64)."""
+    if token_ids is None or hash_table is None:
+        missing = [n for n, v in (("token_ids", token_ids), ("hash_table", hash_table)) if v is None]
+        raise ValueError(f"MoE layer {spec.layer_index}: scoring 'hash' needs {' and '.join(missing)}")
+    if token_ids.reshape(-1).shape[0] != logits.shape[0]:
+        raise ValueError(f"MoE layer {spec.layer_index}: token_ids has {token_ids.numel()} entries for {logits.shape[0]} tokens")
+    if hash_table.dim() != 2 or hash_table.shape[1] != spec.top_k:
+        raise ValueError(f"MoE layer {spec.layer_index}: hash_table must be [vocab, top_k={spec.top_k}], got {tuple(hash_table.shape)}")
+    return hash_table[token_ids.reshape(-1).to(hash_table.device).long()].long().to(logits.device)
 
 
 def _mask_to_best_groups(choice: torch.Tensor, spec: MoESpec, use_top2: bool) -> torch.Tensor:

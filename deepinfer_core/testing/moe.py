@@ -4,8 +4,10 @@ Subclass :class:`MoEDispatcherSuite` and override the ``dispatcher`` and ``platf
 (``dispatcher`` may ask for the ``spec`` fixture); narrow ``supported_scorings`` if needed.
 
 Routing is checked against scores computed here from the definitions (softmax, sigmoid,
-sqrt(softplus)), and ``forward`` against :func:`naive_moe`, a per-token, per-choice loop that
-shares nothing with any dispatcher's permute / grouped-GEMM path.
+sqrt(softplus), the hash table), and ``forward`` against :func:`naive_moe`, a per-token,
+per-choice loop that shares nothing with any dispatcher's permute / grouped-GEMM path. Where
+transformers' DeepSeek-V4 modules import, the V4 routers (learned ``sqrtsoftplus`` with a
+correction bias, and hash) and the clamped-SwiGLU experts are also checked against them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,24 @@ def reference_scores(scoring: str, logits: torch.Tensor) -> torch.Tensor:
     if scoring == "sqrtsoftplus":
         return torch.log1p(torch.exp(x)).sqrt()
     raise ValueError(scoring)
+
+
+def _by_expert(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each token's choices by expert id, so that two routings compare pair by pair."""
+    ids, order = ids.cpu().long().sort(dim=-1)
+    return ids, weights.cpu().double().gather(1, order)
+
+
+def _hf_v4(spec: MoESpec, vocab: int):
+    """transformers' DeepSeek-V4 modeling module and a config matching ``spec``."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    config = modeling.DeepseekV4Config(
+        vocab_size=vocab, hidden_size=spec.hidden_size, moe_intermediate_size=spec.intermediate_size,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.top_k, num_hidden_layers=1,
+        routed_scaling_factor=spec.routed_scaling, swiglu_limit=spec.swiglu_limit or 10.0,
+    )
+    config._experts_implementation = "eager"  # the per-expert loop; standalone modules have none set
+    return modeling, config
 
 
 def naive_moe(spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights) -> torch.Tensor:
@@ -157,6 +177,88 @@ class MoEDispatcherSuite:
         for t, row in enumerate(ids.cpu().tolist()):
             groups = {e // per_group for e in row}
             assert groups <= set(allowed[t].tolist()), f"token {t} routed into a masked group: {row}"
+
+    # -- DeepSeek-V4: hash routing and sqrtsoftplus --------------------------------------------
+    def hash_inputs(self, spec: MoESpec, device, vocab: int = 50, tokens: int = 24):
+        g = torch.Generator().manual_seed(7)
+        table = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k] for _ in range(vocab)])
+        token_ids = torch.randint(0, vocab, (tokens,), generator=g)
+        return token_ids.to(device), table.to(device)
+
+    def test_hash_routing_follows_the_table(self, dispatcher, spec, device):
+        from dataclasses import replace
+
+        spec = replace(spec, scoring="hash", routed_scaling=1.5)
+        logits = self.logits(spec, device)
+        token_ids, table = self.hash_inputs(spec, device)
+        ids, weights = dispatcher.select_experts(spec, logits, token_ids=token_ids, hash_table=table)
+        assert ids.shape == (logits.shape[0], spec.top_k) and ids.dtype == torch.int64
+        assert weights.dtype == torch.float32
+        got_ids, got_w = _by_expert(ids, weights)
+        want_ids = table.cpu()[token_ids.cpu()].long()
+        assert torch.equal(got_ids, want_ids.sort(dim=-1).values), "hash layer did not route by the table"
+        scores = reference_scores("sqrtsoftplus", logits.cpu()).gather(1, got_ids)
+        torch.testing.assert_close(got_w, 1.5 * scores / scores.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+
+    def test_hash_routing_without_token_ids_is_an_error(self, dispatcher, spec, device):
+        from dataclasses import replace
+
+        spec = replace(spec, scoring="hash")
+        _, table = self.hash_inputs(spec, device)
+        with pytest.raises(ValueError, match="token_ids"):
+            dispatcher.select_experts(spec, self.logits(spec, device), hash_table=table)
+
+    @pytest.mark.parametrize("router", ["learned", "hash"])
+    def test_v4_routers_match_transformers(self, dispatcher, spec, device, router):
+        """Same experts and weights as transformers' DeepseekV4TopKRouter / HashRouter."""
+        from dataclasses import replace
+
+        spec = replace(spec, scoring="hash" if router == "hash" else "sqrtsoftplus", routed_scaling=1.5)
+        modeling, config = _hf_v4(spec, vocab=50)
+        g = torch.Generator().manual_seed(11)
+        hidden = torch.randn(24, spec.hidden_size, generator=g)
+        token_ids, table = self.hash_inputs(spec, device)
+        if router == "hash":
+            module = modeling.DeepseekV4HashRouter(config)
+            module.tid2eid.copy_(table.cpu())
+        else:
+            module = modeling.DeepseekV4TopKRouter(config)
+            # a bias large enough to change the choice for many tokens
+            module.e_score_correction_bias.copy_(torch.randn(spec.num_experts, generator=g) * 0.5)
+        with torch.no_grad():
+            module.weight.copy_(torch.randn(spec.num_experts, spec.hidden_size, generator=g) / spec.hidden_size**0.5)
+            args = (hidden, token_ids.cpu()) if router == "hash" else (hidden,)
+            logits, want_w, want_ids = module(*args)
+        if router == "hash":
+            ids, weights = dispatcher.select_experts(spec, logits.to(device), token_ids=token_ids, hash_table=table)
+        else:
+            bias = module.e_score_correction_bias.to(device)
+            ids, weights = dispatcher.select_experts(spec, logits.to(device), bias)
+        got_ids, got_w = _by_expert(ids, weights)
+        ref_ids, ref_w = _by_expert(want_ids, want_w)
+        assert torch.equal(got_ids, ref_ids)
+        torch.testing.assert_close(got_w, ref_w, atol=1e-5, rtol=1e-5)
+
+    def test_v4_clamped_experts_match_transformers(self, dispatcher, spec, device):
+        """``forward`` with ``swiglu_limit`` equals transformers' DeepseekV4Experts."""
+        from dataclasses import replace
+
+        spec = replace(spec, scoring="sqrtsoftplus", swiglu_limit=0.5)
+        modeling, config = _hf_v4(spec, vocab=50)
+        module = modeling.DeepseekV4Experts(config)
+        experts = self.experts(spec, torch.device("cpu"))
+        with torch.no_grad():
+            module.gate_up_proj.copy_(experts.gate_up.float())
+            module.down_proj.copy_(experts.down.float())
+        logits = self.logits(spec, device)
+        hidden = torch.randn(logits.shape[0], spec.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+        ids, weights = dispatcher.select_experts(spec, logits)
+        pre = torch.einsum("td,eod->teo", hidden, experts.gate_up.float())
+        assert (pre.abs() > spec.swiglu_limit).float().mean() > 0.2, "the clamp would not be exercised"
+        with torch.no_grad():
+            want = module(hidden, ids.cpu(), weights.cpu().float())
+        out = dispatcher.forward(spec, hidden.to(device, self.dtype), ids, weights, self.experts(spec, device))
+        torch.testing.assert_close(out.cpu().float(), want, atol=self.atol, rtol=self.rtol)
 
     # -- expert compute -----------------------------------------------------------------------
     @pytest.mark.parametrize("swiglu_limit", [None, 0.5], ids=["plain", "clamped"])
