@@ -20,7 +20,9 @@ a miss (recompute), never wrong data.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -33,8 +35,9 @@ from typing import Sequence
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
 from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
 from .records import PosixRecordIO, RecordIO, key_from_filename, namespace_fingerprint, read_record, record_bytes
-from .records import record_filename, remove_file, write_record
+from .records import is_regular_file, record_filename, remove_file, write_record
 
+log = logging.getLogger(__name__)
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
 DAY = 86400
 DEFAULT_RESERVATION_SECONDS = 300.0
@@ -50,6 +53,21 @@ def _bucket_end(day: int) -> float:
     return float((day + 1) * DAY)
 
 
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_retention_classes(retention: dict) -> dict[str, float]:
+    """Retention class names become directory names under the store root, so each must be one
+    plain path component (why: ``..`` or ``/abs`` made the store write, and ``gc`` delete,
+    outside its root). Raises ValueError naming the offending class."""
+    for name, seconds in retention.items():
+        if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+            raise ValueError(f"retention_seconds: class name {name!r} must be letters, digits, '_' or '-' (it becomes a directory name)")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+            raise ValueError(f"retention_seconds[{name!r}] = {seconds!r}: must be a positive number of seconds")
+    return {name: float(seconds) for name, seconds in retention.items()}
+
+
 class LocalDiskKVStore:
     """File-per-block store. Options: ``retention_seconds`` (dict overriding
     :data:`RETENTION_SECONDS`), ``reservation_seconds``. ``io`` swaps the file I/O layer."""
@@ -63,15 +81,15 @@ class LocalDiskKVStore:
         self._fp = namespace_fingerprint(config.namespace)
         self._dir = self.root / self._fp.hex()
         self._tmp = self._dir / "tmp"
+        self._retention = check_retention_classes({**RETENTION_SECONDS, **config.options.get("retention_seconds", {})})
         self._tmp.mkdir(parents=True, exist_ok=True)
-        self._retention = {**RETENTION_SECONDS, **config.options.get("retention_seconds", {})}
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._token = secrets.token_hex(4)  # temp names unique across processes on one mount
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU order: oldest first
         self._leases: LeaseTable[str] = LeaseTable()
         self._tickets = TicketTable()
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(("hits", "misses", "read_failures", "evictions", "expired", "commits", "dropped_at_scan"), 0)
+        self._counters = dict.fromkeys(("hits", "misses", "read_failures", "evictions", "expired", "commits", "commit_failures", "dropped_at_scan"), 0)
         with self._lock:
             self._rebuild_index()
             self._evict_to_capacity()
@@ -115,7 +133,7 @@ class LocalDiskKVStore:
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
-                if _bucket_end(day) > now and path.exists():
+                if _bucket_end(day) > now and is_regular_file(path):  # a FIFO or directory is a miss
                     entry = self._index[key] = _Entry(str(path), _bucket_end(day))
                     return entry
         return None
@@ -198,7 +216,11 @@ class LocalDiskKVStore:
                 tmp = str(self._tmp / f"{key.hex()}.{os.getpid()}.{self._token}.{ticket.ticket_id}.tmp")
                 remove_file(tmp)  # a second write_from on the same ticket replaces the first
                 try:
-                    write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
+                    try:
+                        write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
+                    except FileNotFoundError:  # the store directory was deleted under us: start over
+                        self._tmp.mkdir(parents=True, exist_ok=True)
+                        write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
                 except BaseException:
                     remove_file(tmp)  # no partial record survives a failed write
                     raise
@@ -229,13 +251,27 @@ class LocalDiskKVStore:
                     continue
                 day = int(expires_at // DAY)
                 final = self._final_path(key, reservation.retention, day)
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp, final)  # atomic: readers see nothing or the whole record
+                try:
+                    self._publish(tmp, final)
+                except OSError as exc:  # ENOSPC, a vanished root: this block is dropped
+                    remove_file(tmp)
+                    self._counters["commit_failures"] += 1
+                    log.warning("KV store %s: commit of %s failed: %s", self._dir, key.hex()[:16], exc)
+                    continue
                 self._index[key] = _Entry(str(final), _bucket_end(day))
                 made += 1
             self._counters["commits"] += made
             self._evict_to_capacity()
             return made
+
+    @staticmethod
+    def _publish(tmp: str, final: Path) -> None:
+        """Rename a complete temp record into place. Whatever is not a regular file at the
+        final path (a directory, a FIFO) is cleared first: it would be a miss forever."""
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(final) and not is_regular_file(final):
+            remove_file(final)
+        os.replace(tmp, final)  # atomic: readers see nothing or the whole record
 
     # -- removal --------------------------------------------------------------------------
     def remove(self, keys: Sequence[bytes]) -> None:

@@ -21,8 +21,11 @@ for another client (3FS USRBIO) and keep the format and its checks in one place.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -100,11 +103,39 @@ def key_from_filename(filename: str) -> bytes | None:
 
 
 def remove_file(path: str | os.PathLike) -> None:
-    """Unlink, tolerating a file that is already gone (another process's gc, a bad record)."""
+    """Remove whatever is at ``path``, tolerating nothing being there (another process's gc,
+    a bad record). A directory found at a record's path is removed too (why: otherwise the
+    key could never be written again, since a rename cannot replace a directory)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except (IsADirectoryError, PermissionError):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def is_regular_file(path: str | os.PathLike) -> bool:
+    """True only for a regular file (not a FIFO, device, directory or symlink): anything else
+    at a record's path is a miss."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """Open a record for reading; ``OSError`` unless it is a regular file. Non-blocking open
+    (why: a FIFO at a record path would otherwise block the reader forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class RecordIO(Protocol):
@@ -116,7 +147,8 @@ class RecordIO(Protocol):
         ...
 
     def read_file(self, path: str, offset: int, out: memoryview) -> int:
-        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return the count."""
+        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return the count. Must
+        open with :func:`open_regular` (anything but a regular file is an ``OSError``)."""
         ...
 
 
@@ -135,7 +167,7 @@ class PosixRecordIO:
             os.close(fd)
 
     def read_file(self, path: str, offset: int, out: memoryview) -> int:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             done = 0
             while done < len(out):

@@ -48,6 +48,16 @@ def mount_path(config: KVStoreConfig) -> str:
     return mount
 
 
+def check_subdir(subdir) -> str:
+    """The ``subdir`` option, validated: a relative path that stays under the mount (why: an
+    absolute path or ``..`` made the store write, and ``gc`` delete, outside it)."""
+    if not isinstance(subdir, str) or not subdir.strip("/"):
+        raise ThreeFSConfigError(f"subdir {subdir!r} must be a non-empty relative path under the mount")
+    if os.path.isabs(subdir) or ".." in subdir.replace("\\", "/").split("/"):
+        raise ThreeFSConfigError(f"subdir {subdir!r} must be a relative path under the mount, without '..'")
+    return subdir
+
+
 def load_usrbio() -> ModuleType | None:
     """``hf3fs_fuse.io`` when it imports, else None (POSIX I/O still works)."""
     try:
@@ -65,9 +75,10 @@ class ThreeFSKVStore(LocalDiskKVStore):
 
     def __init__(self, config: KVStoreConfig, *, usrbio: ModuleType | None = None) -> None:
         mount = mount_path(config)
+        subdir = check_subdir(config.options.get("subdir", DEFAULT_SUBDIR))
         self.mount = mount
         self.io_kind, io = self._choose_io(config, mount, usrbio)
-        root = os.path.join(mount, config.options.get("subdir", DEFAULT_SUBDIR))
+        root = os.path.join(mount, subdir)
         super().__init__(dataclasses.replace(config, path=root), io=io)
 
     @staticmethod

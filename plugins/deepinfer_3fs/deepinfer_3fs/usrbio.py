@@ -11,11 +11,14 @@ interface in tests), so nothing here imports it at module load.
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from multiprocessing.shared_memory import SharedMemory
 from types import ModuleType
 from typing import Sequence
+
+from deepinfer_core.kv_store.records import open_regular
 
 DEFAULT_ENTRIES = 8
 
@@ -63,13 +66,15 @@ class UsrbioRecordIO:
                     at += view.nbytes
                 done = self._transfer(self._write_ring, fd, total, 0, for_read=False)
             if done != total:
-                raise OSError(f"USRBIO short write to {path}: {done} of {total} bytes")
+                # An errno, so that callers can tell a full disk from a bug (EIO: the client
+                # reported no error for the missing bytes).
+                raise OSError(errno.EIO, f"USRBIO short write: {done} of {total} bytes", path)
         finally:
             os.close(fd)
 
     def read_file(self, path: str, offset: int, out: memoryview) -> int:
         nbytes = min(out.nbytes, self.capacity)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)  # a FIFO or directory at the path is an OSError, not a hang
         try:
             with self._lock:
                 done = self._transfer(self._read_ring, fd, nbytes, offset, for_read=True)

@@ -59,6 +59,8 @@ class MockIoring:
                 done = os.preadv(fd, [view], offset)
                 self.client.ops["read"] += 1
             else:
+                if self.client.short_writes:  # a write that stops one byte short, errno-less
+                    view = view[:-1]
                 done = os.pwrite(fd, view, offset)
                 self.client.ops["write"] += 1
             results.append(MockResult(done, userdata))
@@ -74,6 +76,7 @@ class MockUsrbioClient:
         self.registered: set[int] = set()
         self.ops: Counter[str] = Counter()
         self.fail_with: int | None = None  # an errno every I/O returns (negated), when set
+        self.short_writes = False  # when set, writes report one byte less and no error
 
     def make_iovec(self, shm, mount: str, block_size: int = 0, numa: int = -1) -> MockIovec:
         assert mount == self.mount, f"iovec for {mount}, client mounted at {self.mount}"
