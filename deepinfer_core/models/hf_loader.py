@@ -43,13 +43,27 @@ def open_hf_dir(path: str | os.PathLike) -> ModelFiles:
     shards = _shard_files(root)
     fingerprint = _fingerprint(config_bytes, root, shards)
     paths = [os.path.join(root, s) for s in shards]
+    weights = _checkpoint_reader(config, paths)
     return ModelFiles(
         config=config,
-        weights=lambda: _iter_tensors(paths),
+        weights=weights,
         tokenizer=_load_tokenizer(root),
         source=root,
         fingerprint=fingerprint,
     )
+
+
+def _checkpoint_reader(config: dict, paths: list[str]):
+    """The weight stream for this checkpoint. DeepSeek-V4's released layout (FP8 / MXFP4, its own
+    names) is checked against the config from the headers now, before any model is built, and
+    dequantized under transformers' names while streaming."""
+    if "DeepseekV4ForCausalLM" in (config.get("architectures") or []):
+        from .deepseek_v4_weights import check_checkpoint, iter_weights, read_headers
+
+        headers = read_headers(paths)
+        check_checkpoint(config, headers)
+        return lambda: iter_weights(paths, headers)
+    return lambda: _iter_tensors(paths)
 
 
 def _shard_files(root: str) -> list[str]:

@@ -1,0 +1,278 @@
+"""DeepSeek-V4 checkpoints as DeepSeek releases them: expected tensors, header checks, and
+float tensors under transformers' names for the model.
+
+The released safetensors use DeepSeek's own names (``layers.3.attn.wq_a.weight``,
+``layers.3.ffn.experts.7.w1.weight``, ``hc_head_fn``...); transformers renames them when it loads
+(its ``conversion_mapping`` for ``deepseek_v4``) and our model uses transformers' names. Formats
+in the released files (see :mod:`.deepseek_v4_quant`):
+
+=======================================================  ========================================
+tensors                                                  stored as
+=======================================================  ========================================
+``wq_a wq_b wkv wo_a wo_b``, ``indexer.wq_b``,           FP8 e4m3 + ``<name>.scale`` UE8M0 per
+``shared_experts.w1/w2/w3``, MTP ``e_proj h_proj``       128 x 128 tile (BF16 in bf16 releases)
+routed ``experts.E.w1/w2/w3``                            MXFP4 (int8 ``[out, in/2]``) +
+                                                         ``.scale`` UE8M0 ``[out, in/32]``, or FP8
+embed, head, norms, ``gate.weight``, compressor          BF16
+``wkv/wgate``, ``indexer.weights_proj``
+``hc_*``, ``attn_sink``, ``ape``, ``gate.bias``          F32
+``gate.tid2eid`` (hash layers)                           int32 ``[vocab, top_k]``
+=======================================================  ========================================
+
+A transformers-saved checkpoint (names starting ``model.``) is passed through unchanged.
+:func:`check_checkpoint` reads only the safetensors headers, so a missing or mis-shaped tensor,
+or a quantized tensor without its scale, is reported (all of them, by name) before the model
+allocates anything.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from . import WeightsError
+from .deepseek_v4_quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
+
+_RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+_FLOAT = {"BF16", "F16", "F32"}
+_SHOWN = 20
+
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+        "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+# Released suffix inside a block -> transformers' suffix (longest prefixes first where they nest).
+_BLOCK = (
+    ("attn_norm.", "input_layernorm."), ("ffn_norm.", "post_attention_layernorm."),
+    ("hc_attn_", "attn_hc."), ("hc_ffn_", "ffn_hc."),
+    ("attn.indexer.compressor.", "self_attn.compressor.indexer."),
+    ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
+    ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    ("attn.compressor.", "self_attn.compressor."),
+    ("attn.wq_a.", "self_attn.q_a_proj."), ("attn.q_norm.", "self_attn.q_a_norm."),
+    ("attn.wq_b.", "self_attn.q_b_proj."), ("attn.wkv.", "self_attn.kv_proj."), ("attn.kv_norm.", "self_attn.kv_norm."),
+    ("attn.wo_a.", "self_attn.o_a_proj."), ("attn.wo_b.", "self_attn.o_b_proj."), ("attn.attn_sink", "self_attn.sinks"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"), ("ffn.gate.", "mlp.gate."),
+    ("ffn.shared_experts.", "mlp.shared_experts."), ("ffn.experts.", "mlp.experts."),
+)
+_COMPRESSOR_LEAF = {"wkv.": "kv_proj.", "wgate.": "gate_proj.", "norm.": "kv_norm.", "ape": "position_bias"}
+_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_EXPERT_PROJ = re.compile(r"^(mlp\.(?:shared_experts|experts\.\d+)\.)(w[123])(\..*)$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the released layout. ``kind``: ``linear`` (BF16 or FP8 + tile scales),
+    ``expert`` (BF16, FP8 or MXFP4 + scales), ``bf16`` / ``f32`` (plain float), ``int`` (table)."""
+
+    shape: tuple[int, ...]
+    kind: str
+    optional: bool = False  # the MTP module: checked when present, never required
+
+
+def hf_name(name: str) -> str:
+    """transformers' name for a released tensor name (MTP keeps its ``mtp.N.`` prefix)."""
+    if name in _TOP:
+        return _TOP[name]
+    head, sep, rest = name.partition(".")
+    index, _, suffix = rest.partition(".")
+    if head not in ("layers", "mtp") or not sep or not index.isdigit():
+        return name
+    prefix = f"model.layers.{index}." if head == "layers" else f"mtp.{index}."
+    if head == "mtp" and suffix.startswith("hc_head_"):
+        return prefix + "hc_head.hc_" + suffix[len("hc_head_"):]
+    for old, new in _BLOCK:
+        if suffix.startswith(old):
+            suffix = new + suffix[len(old):]
+            break
+    for marker in ("self_attn.compressor.indexer.", "self_attn.compressor."):
+        if suffix.startswith(marker) and ".q_b_proj." not in suffix and ".scorer." not in suffix:
+            leaf = suffix[len(marker):]
+            for old, new in _COMPRESSOR_LEAF.items():
+                if leaf.startswith(old):
+                    suffix = marker + new + leaf[len(old):]
+                    break
+            break
+    expert = _EXPERT_PROJ.match(suffix)
+    if expert:
+        suffix = expert.group(1) + _PROJ[expert.group(2)] + expert.group(3)
+    return prefix + suffix
+
+
+def _layer_kinds(config: dict, count: int) -> list[str]:
+    kinds, field = config.get("layer_types"), "layer_types"
+    if kinds is None and config.get("compress_ratios") is not None:
+        field = "compress_ratios"
+        kinds = [_RATIO_KIND.get(r, f"compress_ratio={r}") for r in config["compress_ratios"]]
+    if kinds is None:
+        kinds = ["heavily_compressed_attention"] * 2 + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(count)]
+    if len(kinds) < count:
+        raise ValueError(f"DeepSeek-V4 config field {field!r} has {len(kinds)} entries, fewer than the {count} layers")
+    bad = sorted({k for k in kinds[:count] if k not in _RATIO_KIND.values()})
+    if bad:
+        raise ValueError(f"DeepSeek-V4 config field {field!r}: unknown layer kind(s) {bad}; allowed: {list(_RATIO_KIND.values())} (compress_ratios 0, 4, 128)")
+    return list(kinds[:count])
+
+
+def released_tensors(config: dict) -> dict[str, TensorSpec]:
+    """Every tensor a released checkpoint for ``config`` holds, by released name."""
+    g = config.get
+    d, v, n = g("hidden_size", 4096), g("vocab_size", 129280), g("num_hidden_layers", 43)
+    heads, hd = g("num_attention_heads", 64), g("head_dim", 512)
+    q_rank, groups, o_rank = g("q_lora_rank", 1024), g("o_groups", 8), g("o_lora_rank", 1024)
+    experts, top_k, inter = g("n_routed_experts", 256), g("num_experts_per_tok", 6), g("moe_intermediate_size", 2048)
+    hc, ih, ihd = g("hc_mult", 4), g("index_n_heads", 64), g("index_head_dim", 128)
+    rates = {"compressed_sparse_attention": g("compress_rate_csa", 4), "heavily_compressed_attention": g("compress_rate_hca", 128)}
+    rates.update(g("compress_rates") or {})
+    n_mtp = g("num_nextn_predict_layers", 1) or 0
+    kinds = _layer_kinds(config, n)
+    schedule = g("layer_types") or g("compress_ratios") or ()
+    # MTP blocks take the schedule's entries past the main layers where it has them (the
+    # released compress_ratios lists them), else a sliding-window block.
+    kinds += _layer_kinds(config, n + n_mtp)[n:] if len(schedule) >= n + n_mtp else ["sliding_attention"] * n_mtp
+    n_hash = g("num_hash_layers", 3) if g("mlp_layer_types") is None else sum(k == "hash_moe" for k in g("mlp_layer_types"))
+    if heads % groups:
+        raise ValueError(f"DeepSeek-V4 config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
+    specs: dict[str, TensorSpec] = {
+        "embed.weight": TensorSpec((v, d), "bf16"), "head.weight": TensorSpec((v, d), "bf16"), "norm.weight": TensorSpec((d,), "bf16"),
+        "hc_head_fn": TensorSpec((hc, hc * d), "f32"), "hc_head_base": TensorSpec((hc,), "f32"), "hc_head_scale": TensorSpec((1,), "f32"),
+    }
+    for i in range(n + n_mtp):
+        mtp = i >= n
+        p = f"mtp.{i - n}." if mtp else f"layers.{i}."
+        block = {
+            "attn_norm.weight": ((d,), "bf16"), "ffn_norm.weight": ((d,), "bf16"),
+            "attn.wq_a.weight": ((q_rank, d), "linear"), "attn.q_norm.weight": ((q_rank,), "bf16"),
+            "attn.wq_b.weight": ((heads * hd, q_rank), "linear"), "attn.wkv.weight": ((hd, d), "linear"),
+            "attn.kv_norm.weight": ((hd,), "bf16"), "attn.wo_a.weight": ((groups * o_rank, heads * hd // groups), "linear"),
+            "attn.wo_b.weight": ((d, groups * o_rank), "linear"), "attn.attn_sink": ((heads,), "f32"),
+            "ffn.gate.weight": ((experts, d), "bf16"),
+            "ffn.shared_experts.w1.weight": ((inter, d), "linear"), "ffn.shared_experts.w3.weight": ((inter, d), "linear"),
+            "ffn.shared_experts.w2.weight": ((d, inter), "linear"),
+        }
+        for mix in ("attn", "ffn"):
+            block |= {f"hc_{mix}_fn": (((2 + hc) * hc, hc * d), "f32"), f"hc_{mix}_base": (((2 + hc) * hc,), "f32"), f"hc_{mix}_scale": ((3,), "f32")}
+        if not mtp and i < n_hash:
+            block["ffn.gate.tid2eid"] = ((v, top_k), "int")
+        else:
+            block["ffn.gate.bias"] = ((experts,), "f32")
+        for e in range(experts):
+            block |= {f"ffn.experts.{e}.w1.weight": ((inter, d), "expert"), f"ffn.experts.{e}.w3.weight": ((inter, d), "expert"),
+                      f"ffn.experts.{e}.w2.weight": ((d, inter), "expert")}
+        if kinds[i] != "sliding_attention":
+            ratio = rates[kinds[i]]
+            csa = kinds[i] == "compressed_sparse_attention"
+            block |= _compressor("attn.compressor.", ratio, hd, d, overlap=ratio == 4)
+            if csa:
+                block |= _compressor("attn.indexer.compressor.", ratio, ihd, d, overlap=ratio == 4)
+                block |= {"attn.indexer.wq_b.weight": ((ih * ihd, q_rank), "linear"), "attn.indexer.weights_proj.weight": ((ih, d), "bf16")}
+        if mtp:
+            block |= {"e_proj.weight": ((d, d), "linear"), "h_proj.weight": ((d, d), "linear"), "enorm.weight": ((d,), "bf16"),
+                      "hnorm.weight": ((d,), "bf16"), "norm.weight": ((d,), "bf16"), "hc_head_fn": ((hc, hc * d), "f32"),
+                      "hc_head_base": ((hc,), "f32"), "hc_head_scale": ((1,), "f32")}
+        specs |= {p + k: TensorSpec(shape, kind, optional=mtp) for k, (shape, kind) in block.items()}
+    if config.get("tie_word_embeddings"):
+        specs.pop("head.weight")
+    return specs
+
+
+def _compressor(prefix: str, ratio: int, width: int, d: int, overlap: bool) -> dict:
+    c = 2 if overlap else 1
+    return {prefix + "ape": ((ratio, c * width), "f32"), prefix + "wkv.weight": ((c * width, d), "bf16"),
+            prefix + "wgate.weight": ((c * width, d), "bf16"), prefix + "norm.weight": ((width,), "bf16")}
+
+
+def read_headers(paths: list[str]) -> dict[str, tuple[str, dict]]:
+    """``name -> (path, {"dtype", "shape", ...})`` from the safetensors headers only."""
+    out: dict[str, tuple[str, dict]] = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        out |= {k: (path, meta) for k, meta in header.items() if k != "__metadata__"}
+    return out
+
+
+def is_released_layout(names) -> bool:
+    return any(n in _TOP or n.startswith("layers.") for n in names)
+
+
+def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None:
+    """Raise :class:`WeightsError` naming every missing, unexpected or mis-shaped tensor and
+    every quantized tensor without (or with a mis-shaped) scale; reads no tensor data."""
+    if not is_released_layout(headers):
+        return
+    specs = released_tensors(config)
+    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "mis-shaped": [], "without scales": []}
+    scales = {n for n in headers if n.endswith(".scale") and n[: -len("scale")] + "weight" in headers}
+    for name, (_, meta) in headers.items():
+        if name in scales:
+            continue
+        spec = specs.get(name)
+        if spec is None:
+            problems["unexpected"].append(name)
+            continue
+        problem = _check_one(name, spec, meta, headers)
+        if problem:
+            problems[problem[0]].append(problem[1])
+    problems["missing"] = [n for n, s in specs.items() if not s.optional and n not in headers]
+    if any(problems.values()):
+        parts = []
+        for label, names in problems.items():
+            if names:
+                more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+                parts.append(f"{label} tensors: {', '.join(names[:_SHOWN])}{more}")
+        raise WeightsError("DeepSeek-V4 checkpoint does not match its config: " + "; ".join(parts))
+
+
+def _check_one(name: str, spec: TensorSpec, meta: dict, headers) -> tuple[str, str] | None:
+    """``(category, message)`` for a tensor that does not fit its spec, else None."""
+    dtype, shape = meta["dtype"], tuple(meta["shape"])
+    scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+    scale = headers.get(scale_name, (None, None))[1] if scale_name else None
+    if spec.kind == "int":
+        ok = dtype in ("I32", "I64") and shape == spec.shape
+        return None if ok else ("mis-shaped", f"{name}: got {dtype} {list(shape)}, expected I32/I64 {list(spec.shape)}")
+    if dtype in _FLOAT and shape == spec.shape:
+        return None
+    quantized = spec.kind in ("linear", "expert") and dtype in ("F8_E4M3", "I8", "U8")
+    if not quantized:
+        return "mis-shaped", f"{name}: got {dtype} {list(shape)}, expected {list(spec.shape)}" + (" (BF16/F32)" if spec.kind in ("bf16", "f32") else "")
+    fp4 = dtype in ("I8", "U8")
+    want = (*spec.shape[:-1], spec.shape[-1] // 2) if fp4 else spec.shape
+    if shape != want:
+        return "mis-shaped", f"{name}: got {dtype} {list(shape)}, expected {list(want)} ({'MXFP4 packs two values per byte' if fp4 else 'FP8'})"
+    if scale is None:
+        return "without scales", f"{name}: {'MXFP4' if fp4 else 'FP8'} weight has no scale tensor {scale_name}"
+    want_scale = fp4_scale_shape(want) if fp4 else fp8_block_shape(want)
+    if tuple(scale["shape"]) != want_scale:
+        return "mis-shaped", f"{scale_name}: got {list(scale['shape'])}, expected {list(want_scale)}"
+    return None
+
+
+def iter_weights(paths: list[str], headers: dict[str, tuple[str, dict]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(transformers name, tensor)`` one at a time: FP8 / MXFP4 weights dequantized with their
+    scales, other floats as float32, integer tables unchanged. Scales are consumed, not yielded."""
+    from safetensors import safe_open
+
+    headers = headers if headers is not None else read_headers(paths)
+    released = is_released_layout(headers)
+    handles = {}
+    try:
+        for path in paths:
+            handles[path] = safe_open(path, framework="pt")
+        for name, (path, meta) in headers.items():
+            scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+            if released and name.endswith(".scale") and name[: -len("scale")] + "weight" in headers:
+                continue
+            tensor = handles[path].get_tensor(name)
+            if released and scale_name in headers and meta["dtype"] in ("F8_E4M3", "I8", "U8"):
+                scale = handles[headers[scale_name][0]].get_tensor(scale_name)
+                tensor = dequant_fp4(tensor, scale) if meta["dtype"] != "F8_E4M3" else dequant_fp8_block(tensor, scale)
+            elif tensor.is_floating_point():
+                tensor = tensor.float()
+            yield (hf_name(name) if released else name), tensor
+    finally:
+        handles.clear()
