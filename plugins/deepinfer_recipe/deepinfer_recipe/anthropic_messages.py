@@ -1,15 +1,19 @@
 """Anthropic Messages codec (``POST /v1/messages``).
 
 Mapping onto the protocol-neutral conversation: ``system`` becomes a leading system message;
-``tool_result`` blocks of a user message become ``tool`` messages (before that message's text,
-as the results answer the previous turn's calls); ``tool_use`` blocks become tool calls with
-their ``input`` as JSON text; ``thinking`` blocks become the turn's reasoning. Tools are turned
+a user message's blocks become ``tool`` (``tool_result``) and ``user`` (``text``) messages in
+block order, which the DeepSeek V4 encoding merges back into one turn (blocks joined by a blank
+line, results ordered like the calls, as DeepSeek's reference encoder does); ``tool_use``
+blocks become tool calls with their ``input`` as JSON text; ``thinking`` blocks become the
+turn's reasoning. A final assistant message is a prefill the model continues (marked
+``wo_eos``: its turn is left open). Tools are turned
 into OpenAI-style function tools, the form encodings render. Thinking: ``enabled`` /
 ``adaptive`` -> on, ``disabled`` -> off; ``output_config.effort`` carries the effort.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Iterable, Iterator
 
 from deepinfer_core.codecs import ConversationRequest, Message, ParsedOutput, ProtocolError, ToolCall
@@ -18,8 +22,9 @@ from . import validation as v
 from .common import EFFORT_NAMES, anthropic_stop_reason, effort_level, sse_event
 
 
-def _text_blocks(content, param: str) -> str:
-    """A tool result's or system prompt's content: a string or text blocks."""
+def _text_blocks(content, param: str, separator: str = "\n") -> str:
+    """A tool result's or system prompt's content: a string or text blocks (a result's blocks
+    are joined by a blank line, as DeepSeek's reference encoder joins a result's parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -29,7 +34,7 @@ def _text_blocks(content, param: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise v.fail(f"{param}[{j}]", "only text blocks are supported here")
         texts.append(block["text"])
-    return "\n".join(texts)
+    return separator.join(texts)
 
 
 def _user_messages(content, where: str) -> list[Message]:
@@ -37,20 +42,20 @@ def _user_messages(content, where: str) -> list[Message]:
         return [Message(role="user", content=content)]
     if not isinstance(content, list):
         raise v.fail(f"{where}.content", "must be a string or an array of content blocks")
-    results, texts = [], []
+    messages = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         v.require_object(block, at)
         kind = block.get("type")
         if kind == "text":
-            texts.append(v.get_str(block, "text", required=True, param=f"{at}.text"))
+            messages.append(Message(role="user", content=v.get_str(block, "text", required=True, param=f"{at}.text")))
         elif kind == "tool_result":
             call_id = v.get_str(block, "tool_use_id", required=True, param=f"{at}.tool_use_id")
-            text = _text_blocks(block.get("content", ""), f"{at}.content")
-            results.append(Message(role="tool", content=text, tool_call_id=call_id))
+            text = _text_blocks(block.get("content", ""), f"{at}.content", "\n\n")
+            messages.append(Message(role="tool", content=text, tool_call_id=call_id))
         else:
             raise v.fail(f"{at}.type", f"unsupported block type {kind!r} in a user message (text, tool_result)")
-    return results + ([Message(role="user", content="\n".join(texts))] if texts else [])
+    return messages
 
 
 def _assistant_message(content, where: str) -> Message:
@@ -125,7 +130,7 @@ class AnthropicMessagesCodec:
     routes = (("POST", "/v1/messages"),)
 
     def parse_request(self, body: dict) -> ConversationRequest:
-        v.require_object(body)
+        v.check_request(body)
         model = v.get_str(body, "model", required=True)
         max_tokens = v.get_int(body, "max_tokens", lo=1, required=True)
         raw_messages = v.get_list(body, "messages", required=True, non_empty=True)
@@ -144,7 +149,10 @@ class AnthropicMessagesCodec:
             if role == "user":
                 messages += _user_messages(raw["content"], where)
             else:
-                messages.append(_assistant_message(raw["content"], where))
+                message = _assistant_message(raw["content"], where)
+                if i == len(raw_messages) - 1:
+                    message = replace(message, extra={"wo_eos": True})
+                messages.append(message)
         extra: dict = {}
         if (top_k := v.get_int(body, "top_k", lo=0)) is not None:
             extra["top_k"] = top_k

@@ -19,9 +19,10 @@ from .common import EFFORT_NAMES, effort_level, openai_finish_reason, parse_func
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _content_text(content, param: str, *, allow_none: bool) -> str:
+def _content_text(content, param: str, *, allow_none: bool, separator: str = "") -> str:
     """String content, or the text parts of a content-part array (others are rejected:
-    DeepSeek V4 is a text model)."""
+    DeepSeek V4 is a text model). A tool result's parts are joined by a blank line, as
+    DeepSeek's reference encoder joins them."""
     if content is None:
         if allow_none:
             return ""
@@ -39,7 +40,7 @@ def _content_text(content, param: str, *, allow_none: bool) -> str:
         if not isinstance(text, str):
             raise v.fail(f"{param}[{j}].text", "must be a string")
         texts.append(text)
-    return "".join(texts)
+    return separator.join(texts)
 
 
 def _tool_calls(raw, param: str) -> tuple[ToolCall, ...]:
@@ -53,14 +54,14 @@ def _tool_calls(raw, param: str) -> tuple[ToolCall, ...]:
         v.require_object(call, where)
         function = v.require_object(call.get("function"), f"{where}.function")
         name = v.get_str(function, "name", required=True, param=f"{where}.function.name")
-        arguments = v.get_str(function, "arguments", param=f"{where}.function.arguments") or "{}"
-        v.json_object_text(arguments, f"{where}.function.arguments")
+        arguments = v.get_str(function, "arguments", param=f"{where}.function.arguments")
+        arguments = "{}" if arguments is None else v.arguments_text(arguments, f"{where}.function.arguments")
         call_id = v.get_str(call, "id", param=f"{where}.id") or ""
         calls.append(ToolCall(name=name, arguments=arguments, id=call_id))
     return tuple(calls)
 
 
-def _message(raw, i: int) -> Message:
+def _message(raw, i: int, last: bool) -> Message:
     where = f"messages[{i}]"
     v.require_object(raw, where)
     role = v.get_choice(raw, "role", ROLES, param=f"{where}.role")
@@ -71,8 +72,14 @@ def _message(raw, i: int) -> Message:
         calls = _tool_calls(raw.get("tool_calls"), f"{where}.tool_calls")
         content = _content_text(raw.get("content"), f"{where}.content", allow_none=True)
         reasoning = v.get_str(raw, "reasoning_content", param=f"{where}.reasoning_content")
-        return Message(role=role, content=content, reasoning=reasoning, tool_calls=calls, name=name)
-    content = _content_text(raw.get("content"), f"{where}.content", allow_none=False)
+        # DeepSeek's chat prefix completion: the last assistant message is continued, not closed
+        prefix = v.get_bool(raw, "prefix", param=f"{where}.prefix")
+        if prefix and not last:
+            raise v.fail(f"{where}.prefix", "only the last message can be a prefix to continue")
+        extra = {"wo_eos": True} if prefix else {}
+        return Message(role=role, content=content, reasoning=reasoning, tool_calls=calls, name=name, extra=extra)
+    separator = "\n\n" if role == "tool" else ""
+    content = _content_text(raw.get("content"), f"{where}.content", allow_none=False, separator=separator)
     if role == "tool":
         call_id = v.get_str(raw, "tool_call_id", required=True, param=f"{where}.tool_call_id")
         return Message(role=role, content=content, tool_call_id=call_id)
@@ -118,10 +125,10 @@ class OpenAIChatCodec:
     routes = (("POST", "/v1/chat/completions"),)
 
     def parse_request(self, body: dict) -> ConversationRequest:
-        v.require_object(body)
+        v.check_request(body)
         model = v.get_str(body, "model", required=True)
         raw_messages = v.get_list(body, "messages", required=True, non_empty=True)
-        messages = tuple(_message(m, i) for i, m in enumerate(raw_messages))
+        messages = tuple(_message(m, i, i == len(raw_messages) - 1) for i, m in enumerate(raw_messages))
         max_tokens = v.get_int(body, "max_completion_tokens", lo=1)
         legacy_max = v.get_int(body, "max_tokens", lo=1)
         if v.get_int(body, "n", lo=1) not in (None, 1):

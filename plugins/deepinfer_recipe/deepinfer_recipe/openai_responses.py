@@ -20,7 +20,9 @@ from .openai_chat import OpenAIChatCodec
 from .openai_responses_stream import ResponseEventStream, output_items
 
 
-def _parts_text(content, param: str, allowed: tuple[str, ...]) -> str:
+def _parts_text(content, param: str, allowed: tuple[str, ...], separator: str = "") -> str:
+    """String content or the allowed parts' text (a tool output's parts joined by a blank line,
+    as DeepSeek's reference encoder joins a result's parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -31,7 +33,12 @@ def _parts_text(content, param: str, allowed: tuple[str, ...]) -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise v.fail(f"{param}[{j}]", f"unsupported content part {kind!r} (only {', '.join(allowed)})")
         texts.append(v.get_str(part, "text", required=True, param=f"{param}[{j}].text"))
-    return "".join(texts)
+    return separator.join(texts)
+
+
+def _arguments(item: dict, param: str) -> str:
+    arguments = v.get_str(item, "arguments", param=param)
+    return "{}" if arguments is None else v.arguments_text(arguments, param)
 
 
 def _input_messages(items: list) -> list[Message]:
@@ -54,7 +61,7 @@ def _input_messages(items: list) -> list[Message]:
         elif kind == "function_call":
             call = ToolCall(
                 name=v.get_str(item, "name", required=True, param=f"{where}.name"),
-                arguments=v.json_object_text(v.get_str(item, "arguments", param=f"{where}.arguments") or "{}", f"{where}.arguments"),
+                arguments=_arguments(item, f"{where}.arguments"),
                 id=v.get_str(item, "call_id", required=True, param=f"{where}.call_id"),
             )
             if messages and messages[-1].role == "assistant":
@@ -67,7 +74,7 @@ def _input_messages(items: list) -> list[Message]:
             output = item.get("output")
             if output is None:
                 raise v.fail(f"{where}.output", "is required")
-            messages.append(Message(role="tool", tool_call_id=call_id, content=_parts_text(output, f"{where}.output", ("input_text",))))
+            messages.append(Message(role="tool", tool_call_id=call_id, content=_parts_text(output, f"{where}.output", ("input_text",), "\n\n")))
         else:
             raise v.fail(f"{where}.type", f"unsupported input item {kind!r}")
     return messages
@@ -119,7 +126,7 @@ class OpenAIResponsesCodec:
     routes = (("POST", "/v1/responses"),)
 
     def parse_request(self, body: dict) -> ConversationRequest:
-        v.require_object(body)
+        v.check_request(body)
         model = v.get_str(body, "model", required=True)
         if body.get("previous_response_id") is not None:
             raise v.fail("previous_response_id", "is not supported (nothing is stored): send the whole conversation in input")

@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 from deepinfer_core.codecs import ProtocolError
 
+from .json_limits import LIMITS, JsonLimits, check_body
+
 _MISSING = object()
 
 
@@ -41,12 +43,12 @@ def get_str(body: dict, key: str, *, required: bool = False, param: str | None =
     return value
 
 
-def get_bool(body: dict, key: str, default: bool = False) -> bool:
+def get_bool(body: dict, key: str, default: bool = False, *, param: str | None = None) -> bool:
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise fail(key, "must be a boolean")
+        raise fail(param or key, "must be a boolean")
     return value
 
 
@@ -106,15 +108,26 @@ def stop_list(value: Any, param: str, limit: int | None = None, *, allow_string:
     return tuple(items)
 
 
-def json_object_text(text: str, param: str) -> str:
-    """Validate tool-call arguments given as JSON text (must be an object)."""
+def arguments_text(text: str, param: str, limits: JsonLimits = LIMITS) -> str:
+    """Tool-call arguments from a conversation's history, kept as written: DeepSeek's reference
+    encoder renders JSON objects as parameters and any other text (empty, not JSON) as one
+    string parameter, so non-JSON text is accepted. JSON the prompt could not carry (nested past
+    the limit, NaN, an escaped lone surrogate) is refused."""
     try:
-        value = json.loads(text) if text.strip() else {}
-    except ValueError as exc:
-        raise fail(param, f"is not valid JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise fail(param, "must be a JSON object")
+        value = json.loads(text)
+    except RecursionError:
+        raise fail(param, f"nested deeper than {limits.max_depth} levels (limit)") from None
+    except ValueError:
+        return text
+    check_body(value, param, limits)
     return text
+
+
+def check_request(body: Any) -> dict:
+    """Every codec's first step: a JSON object within the limits (see :mod:`.json_limits`)."""
+    require_object(body)
+    check_body(body)
+    return body
 
 
 def new_id(prefix: str, size: int = 24) -> str:

@@ -18,3 +18,4 @@ def load(path: Path) -> dict:
 
 
 GOLDEN = load(VECTORS)
+REFERENCE_BEHAVIOUR = DATA / "reference_behaviour.json"

@@ -49,7 +49,9 @@ class TestOpenAIChatConformance(ProtocolCodecSuite):
             {**minimal_body, "response_format": {"type": "yaml"}},
             {**minimal_body, "thinking": {}},
             {**minimal_body, "thinking": {"type": "sometimes"}},
-            {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+            {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]},
+            {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+            {**minimal_body, "messages": [{"role": "assistant", "content": "a", "prefix": True}, {"role": "user", "content": "x"}]},
         ]
 
 

@@ -74,12 +74,14 @@ def test_lookalike_text_is_released_once_it_cannot_be_a_marker():
     assert parser.push("x>") == ParsedOutput(content="<｜DSx>")
 
 
-def test_newlines_before_think_close_and_dsml_are_dropped_others_kept():
+def test_newlines_before_think_close_kept_two_before_dsml_dropped():
+    """As the reference parser (reference_behaviour.json: newlines_before_think_close_kept,
+    three_newlines_before_tool_block)."""
     assert run(["idea\n\n", "</think>line1\n\nline2\n"], True) == {
-        "role": "assistant", "content": "line1\n\nline2\n", "reasoning_content": "idea", "tool_calls": []
+        "role": "assistant", "content": "line1\n\nline2\n", "reasoning_content": "idea\n\n", "tool_calls": []
     }
     block = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
-    out = run(["ok", "\n", "\n", block], False)
+    out = run(["ok", "\n", "\n", block[2:]], False)
     assert out["content"] == "ok" and out["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from deepinfer_core.codecs import ToolCall
 
+from ..json_limits import loads_strict
 from .tokens import DSML, Marker, Part
 
 
@@ -61,14 +62,15 @@ V4_TAGS = DsmlTags()
 V4_1_TAGS = DsmlTags(calls=" calls", invoke=" invoke", parameter=" parameter")
 
 
-def parse_arguments(arguments: str) -> dict[str, Any]:
-    """Tool-call arguments (JSON object text) -> dict; an empty string means no arguments."""
-    if not arguments.strip():
-        return {}
-    value = json.loads(arguments)
-    if not isinstance(value, dict):
-        raise ValueError(f"tool-call arguments must be a JSON object, got {type(value).__name__}")
-    return value
+def call_parameters(arguments: str) -> dict[str, Any]:
+    """The parameters an assistant turn's call renders: the arguments' JSON object; any other
+    text (empty, not JSON) becomes one string parameter ``arguments`` holding it, as in the
+    reference. JSON that is not an object, where the reference raises, is treated the same way."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": arguments}
 
 
 def encode_value(value: Any) -> tuple[str, str]:
@@ -78,27 +80,38 @@ def encode_value(value: Any) -> tuple[str, str]:
     return "false", json.dumps(value, ensure_ascii=False)
 
 
-def decode_value(flag: str, raw: str) -> Any:
-    """Inverse of :func:`encode_value`; JSON that does not parse is kept as the raw string
-    (a model slip should not lose the argument)."""
-    if flag == "true":
-        return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+def argument_json(flag: str, raw: str) -> str:
+    """One parameter of the model's output as JSON text for the call's arguments.
+
+    As in the reference, a ``string="false"`` value is kept exactly as the model wrote it (no
+    re-serialization) and a ``string="true"`` value becomes a JSON string. Where the reference
+    would pass on invalid JSON (``NaN``, a typo, nesting past the limit) the raw text becomes a
+    JSON string instead, so the arguments always parse and never carry a non-finite number."""
+    if flag != "true":
+        try:
+            loads_strict(raw)
+            return raw
+        except ValueError:
+            pass
+    return json.dumps(raw, ensure_ascii=False)
+
+
+def arguments_text(params: dict[str, str]) -> str:
+    """``{"name": VALUE, ...}`` from parameter name -> JSON text, spaced like ``json.dumps``."""
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in params.items()) + "}"
 
 
 def render_tool_calls(calls: tuple[ToolCall, ...], tags: DsmlTags = V4_TAGS) -> list[Part]:
-    """The DSML block for an assistant turn's calls, as prompt parts (``｜DSML｜`` a marker;
-    names and values are untrusted text)."""
+    """``\\n\\n`` and the DSML block for an assistant turn's calls, as prompt parts
+    (``｜DSML｜`` a marker; names and values are untrusted text). Invokes, and parameters inside
+    an invoke, are separated by one newline; an invoke without parameters keeps an empty line."""
     mark = Marker(DSML)
-    parts: list[Part] = ["<", mark, f"{tags.calls}>\n"]
-    for call in calls:
-        parts += ["<", mark, f'{tags.invoke} name="{call.name}">\n']
-        for key, value in parse_arguments(call.arguments).items():
+    parts: list[Part] = ["\n\n<", mark, f"{tags.calls}>\n"]
+    for k, call in enumerate(calls):
+        parts += ["\n<" if k else "<", mark, f'{tags.invoke} name="{call.name}">\n']
+        for j, (key, value) in enumerate(call_parameters(call.arguments).items()):
             flag, text = encode_value(value)
-            parts += ["<", mark, f'{tags.parameter} name="{key}" string="{flag}">{text}</', mark, f"{tags.parameter}>\n"]
-        parts += ["</", mark, f"{tags.invoke}>\n"]
-    parts += ["</", mark, f"{tags.calls}>"]
+            parts += ["\n<" if j else "<", mark, f'{tags.parameter} name="{key}" string="{flag}">{text}</', mark, f"{tags.parameter}>"]
+        parts += ["\n</", mark, f"{tags.invoke}>"]
+    parts += ["\n</", mark, f"{tags.calls}>"]
     return parts

@@ -5,7 +5,9 @@ maps a protocol-neutral :class:`ConversationRequest` onto them and names the out
 
 Reasoning effort follows DeepSeek's API: thinking is on unless the request turns it off;
 ``minimal``/``low`` -> low, ``medium``/``high``/``xhigh`` -> high, ``max`` -> max, ``none`` ->
-thinking off. Only ``max`` changes the prompt (an instruction right after BOS).
+thinking off. Only ``max`` changes the prompt (an instruction right after BOS, in thinking mode
+only, as in the reference). The parser starts in reasoning exactly when the prompt ends with
+``<think>`` (not after a prefix continuation, a task token or a trailing reminder's text).
 """
 from __future__ import annotations
 
@@ -17,11 +19,10 @@ from ..common import EFFORT_LEVELS
 
 from .dsml import V4_TAGS, DsmlTags
 from .parser import DeepSeekV4Parser
-from .prompt import RenderOptions, attach_request_level, render_parts
+from .prompt import RenderOptions, attach_request_level, opens_thinking, render_parts
 from .tokens import EOS, Part, SegmentTokenizer, load_segment_tokenizer, prompt_text
 
 PARSER_NAME = "deepseek_v4"
-
 
 
 def normalize_effort(effort: str | None) -> str:
@@ -68,14 +69,14 @@ class DeepSeekV4Encoding:
 
     def encode(self, conversation: ConversationRequest) -> EncodedPrompt:
         tokenizer = self.tokenizer
-        options = render_options(conversation, self.tags)
-        ids = tokenizer.encode_parts(self.parts(conversation))
+        parts = self.parts(conversation)
+        ids = tokenizer.encode_parts(parts)
         return EncodedPrompt(
             token_ids=tuple(ids),
             stop_token_ids=(tokenizer.marker_id(EOS),),
             parser_options={
                 "parser": PARSER_NAME,
-                "thinking": options.thinking,
+                "thinking": opens_thinking(parts),
                 "dsml_calls_tag": self.tags.calls,
                 "stop": tuple(conversation.stop),
             },

@@ -5,31 +5,51 @@ inside ``<think>``::
 
     REASONING</think>CONTENT\\n\\n<｜DSML｜tool_calls>...</｜DSML｜tool_calls><｜end▁of▁sentence｜>
 
-States: reasoning -> content -> tool_calls -> (content) -> done. Markers are found on text, not
-token ids, so a marker split across chunks must not leak out: any suffix of the buffer that could
-still grow into a marker is held back, together with the newlines in front of it (newlines
-directly before ``</think>`` or a DSML block are dropped, as in the golden parses). Because
-every decision depends only on complete markers, the concatenated deltas are the same whether
-the text arrives whole, in random chunks or one character at a time.
+States: reasoning -> content -> tool_calls -> (content) -> done. What it returns equals DeepSeek's
+reference parser (``parse_message_from_completion_text``) on every text the reference accepts:
+reasoning is everything before ``</think>`` (newlines included); up to two newlines right before
+a tool-call block are dropped; ``\\s*`` may precede ``name=``; ``string="false"`` values are
+kept as the model wrote them. Where the reference raises we go on: text with no end of sentence
+(a length stop), a block with fewer newlines before it, text after the block (more content), a
+block cut short (complete invokes are kept, an unfinished one is dropped), a repeated parameter
+(the last value wins), a non-JSON value (kept as a string, so arguments are always valid JSON).
+
+Markers are found on text, not token ids, so a marker split across chunks must not leak out:
+any suffix of the buffer that could still grow into a marker is held back (in content, with up to
+two newlines before it). Every decision depends only on complete markers, so the concatenated
+deltas are the same however the text is chunked. Inside a tool-call block, text is only joined
+and searched when a chunk completes a closing marker, so a long argument streamed in small
+pieces costs time linear in its length.
 
 Stop sequences (option ``stop``) apply to answer text only, never to reasoning or tool-call
 arguments: the delta on which one is found carries ``finish_reason="stop_sequence"`` and the
 parser ignores everything after it (the engine stops generating).
 
-A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived, with its arguments as JSON text
-(``json.dumps``, non-ASCII kept, as the golden parses show).
+A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived.
 """
 from __future__ import annotations
 
-import json
 import re
 
 from deepinfer_core.codecs import ParsedOutput, ToolCall
 
-from .dsml import V4_TAGS, DsmlTags, decode_value
-from .tokens import EOS, THINK_CLOSE
+from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
+from .tokens import DSML, EOS, THINK_CLOSE
 
 REASONING, CONTENT, TOOL_CALLS, DONE = "reasoning", "content", "tool_calls", "done"
+#: Characters kept to spot a closing marker split across pieces (longer than any marker).
+MARKER_WINDOW = 64
+#: Newlines dropped right before a tool-call block (the reference drops exactly "\\n\\n").
+BLOCK_NEWLINES = 2
+
+
+def _drop_newlines(text: str, *, keep: bool) -> str:
+    """``text`` without up to two trailing newlines (``keep``: while they may still precede a
+    block, i.e. they are held back, not dropped)."""
+    cut = len(text)
+    while cut > 0 and len(text) - cut < BLOCK_NEWLINES and text[cut - 1] == "\n":
+        cut -= 1
+    return text[:cut]
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
@@ -56,20 +76,43 @@ class DeepSeekV4Parser:
         self._finish: str | None = None
         self.state = REASONING if thinking else CONTENT
         self._buf = ""
-        dsml_param = re.escape(tags.parameter_open_prefix) + r'(.*?)" string="(true|false)">(.*?)' + re.escape(tags.parameter_close)
-        self._param_re = re.compile(dsml_param, re.DOTALL)
-        self._invoke_re = re.compile(re.escape(tags.invoke_open_prefix) + r'(.*?)">', re.DOTALL)
+        # tool-call state: pieces not yet joined, and the last characters joined so far
+        self._pieces: list[str] = []
+        self._tail = ""
+        self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
+        self._param_tag = f"<{DSML}{tags.parameter}"
+        self._param_re = re.compile(re.escape(self._param_tag) + r'\s*name="([^"\n]*)"\s*string="(true|false)"\s*>')
+        self._invoke_re = re.compile(re.escape(f"<{DSML}{tags.invoke}") + r'\s*name="(.*?)">')
 
     def push(self, text: str) -> ParsedOutput:
-        self._buf += text
+        if self.state == TOOL_CALLS and not self._completes_marker(text):
+            self._pieces.append(text)
+            self._tail = (self._tail + text)[-MARKER_WINDOW:]
+            return ParsedOutput()
+        self._join(text)
         return self._drain(final=False)
 
     def finish(self) -> ParsedOutput:
+        self._join("")
         out = self._drain(final=True)
         self.state, self._buf = DONE, ""
         return out
 
     # -- internals --------------------------------------------------------------------------
+    def _completes_marker(self, text: str) -> bool:
+        window = self._tail + text
+        return any(m in window for m in self._block_markers)
+
+    def _join(self, text: str) -> None:
+        if self._pieces:
+            self._buf = "".join(self._pieces)
+            self._pieces.clear()
+        self._buf += text
+
+    def _park(self) -> None:
+        """Still inside a block after draining: keep the buffer as one piece."""
+        if self.state == TOOL_CALLS and self._buf:
+            self._pieces, self._tail, self._buf = [self._buf], self._buf[-MARKER_WINDOW:], ""
     def _drain(self, *, final: bool) -> ParsedOutput:
         reasoning: list[str] = []
         content: list[str] = []
@@ -87,14 +130,15 @@ class DeepSeekV4Parser:
                     sink.append(self._buf)
                     self._buf = ""
                     break
-                safe = self._buf[: len(self._buf) - _held_suffix(self._buf, markers)].rstrip("\n")
+                safe = self._buf[: len(self._buf) - _held_suffix(self._buf, markers)]
+                if self.state == CONTENT:
+                    safe = _drop_newlines(safe, keep=True)
                 sink.append(safe)
                 self._buf = self._buf[len(safe):]
                 break
             pos, marker = hit
             before, self._buf = self._buf[:pos], self._buf[pos + len(marker):]
-            dropped_newlines = marker in (THINK_CLOSE, self.tags.calls_open)
-            sink.append(before.rstrip("\n") if dropped_newlines else before)
+            sink.append(_drop_newlines(before, keep=False) if marker == self.tags.calls_open else before)
             if marker == EOS:
                 self.state = DONE
             elif marker in self.stop and self.state == CONTENT:
@@ -103,6 +147,7 @@ class DeepSeekV4Parser:
                 self.state = CONTENT
             else:
                 self.state = TOOL_CALLS
+        self._park()
         finish, self._finish = self._finish, None
         return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish)
 
@@ -131,7 +176,16 @@ class DeepSeekV4Parser:
         head = self._invoke_re.search(segment)
         if head is None:
             return None
-        arguments = {
-            name: decode_value(flag, value) for name, flag, value in self._param_re.findall(segment, head.end())
-        }
-        return ToolCall(name=head.group(1), arguments=json.dumps(arguments, ensure_ascii=False))
+        params: dict[str, str] = {}
+        pos = head.end()
+        while (start := segment.find(self._param_tag, pos)) != -1:
+            match = self._param_re.match(segment, start)
+            if match is None:
+                pos = start + len(self._param_tag)
+                continue
+            end = segment.find(self.tags.parameter_close, match.end())
+            if end == -1:
+                break
+            params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
+            pos = end + len(self.tags.parameter_close)
+        return ToolCall(name=head.group(1), arguments=arguments_text(params))

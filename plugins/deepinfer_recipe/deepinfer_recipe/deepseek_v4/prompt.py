@@ -1,27 +1,30 @@
 """Render a conversation in the DeepSeek V4 prompt layout, as marker/text parts.
 
-Layout (derived from the golden vectors in ``testdata/deepseek_v4_encoding``)::
+Equal to DeepSeek's reference encoder (``encoding/encoding_dsv4.py`` of the V4 release), checked
+against its output in ``tests/data/deepseek_v4_encoding``. After :mod:`.turns` has merged,
+ordered and trimmed the messages, each turn renders as::
 
-    BOS [max-effort instruction "\\n\\n"] SYSTEM [\\n\\n## Tools ...] [\\n\\n## Response Format ...]
-    <｜latest_reminder｜>TEXT                               (role latest_reminder)
-    <｜User｜>TEXT [tools section]                          (user / developer)
-    <｜Assistant｜><think>REASONING</think>CONTENT[\\n\\nDSML]<｜end▁of▁sentence｜>
-    <｜User｜><tool_result>R1</tool_result>\\n\\n<tool_result>R2</tool_result>   (tool results,
-                                                           in the order of the calls)
-    <｜Assistant｜><think>   or   <｜Assistant｜></think>  (generation prompt)
+    system            TEXT [\\n\\n## Tools ...] [\\n\\n## Response Format ...]
+    user              <｜User｜>TEXT                 (merged blocks, see turns.py)
+    developer         <｜User｜>TEXT [sections]
+    latest_reminder   <｜latest_reminder｜>TEXT
+    assistant         [REASONING</think>]CONTENT[\\n\\n<｜DSML｜tool_calls>...][<｜end▁of▁sentence｜>]
 
-Rules the vectors pin down:
-* non-thinking mode: every assistant turn opens with ``</think>`` and no reasoning;
-* thinking mode without tools: assistant turns before the last user turn are rendered as in
-  non-thinking mode (their reasoning dropped); later ones keep ``<think>REASONING</think>``;
-* with tools anywhere in the conversation nothing is dropped;
-* a user turn with ``task`` (DeepSeek's quick instructions) makes the answer open with
-  ``</think><｜task｜>``.
+and the text between turns belongs to the turn before: a user/developer turn that is last or
+followed by an assistant or latest_reminder turn ends with the generation prompt
+``<｜Assistant｜><think>`` (thinking mode, unless history is dropped and a later user turn
+follows) or ``<｜Assistant｜></think>``. So an assistant turn with no user turn before it has no
+``<｜Assistant｜>``, and a trailing latest_reminder comes after the generation prompt. A turn
+with a ``task`` ends with ``<｜TASK｜>`` instead (``action``: ``<｜Assistant｜><think|/think><｜action｜>``),
+and the assistant turn after it renders no reasoning. Reasoning is rendered in thinking mode
+only, for every assistant turn when tools are present and otherwise only after the last user
+turn. The ``max`` effort instruction opens the prompt in thinking mode only. An assistant turn
+with ``wo_eos`` (prefix continuation) ends without ``<｜end▁of▁sentence｜>``.
 
-Choices the vectors do not pin down (documented guesses): a user message right after tool
-results joins that turn after ``\\n\\n``; tools come before the response format in a system
-text; request-level tools / response format attach to the first system message (an empty
-one is created when there is none, as in vector ``thinking_two_parallel_calls...``).
+Where the reference raises we render instead: an empty developer turn renders empty; tool-call
+arguments that are not a JSON object render like non-JSON text (see :mod:`.dsml`).
+Request-level tools / response format (the codecs' form) attach to the first system message,
+created empty when there is none.
 """
 from __future__ import annotations
 
@@ -32,22 +35,8 @@ from deepinfer_core.codecs import Message
 
 from . import templates
 from .dsml import V4_TAGS, DsmlTags, render_tool_calls
-from .tokens import (
-    ASSISTANT,
-    BOS,
-    EOS,
-    LATEST_REMINDER,
-    TASK_NAMES,
-    THINK_CLOSE,
-    THINK_OPEN,
-    USER,
-    Marker,
-    Part,
-    split_trusted,
-    task_marker,
-)
-
-USER_ROLES = ("user", "developer")
+from .tokens import ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_CLOSE, THINK_OPEN, USER, Marker, Part, split_trusted, task_marker
+from .turns import USER_ROLES, Turn, conversation_turns, last_user_index
 
 
 @dataclass(frozen=True)
@@ -90,82 +79,55 @@ def _text_with_sections(message: Message) -> list[Part]:
     return parts
 
 
-def _ordered_results(results: list[Message], previous: Message | None) -> list[Message]:
-    """Tool results in the order of the calls that asked for them (vector
-    ``thinking_two_parallel_calls_results_reordered``); unknown ids keep their place at the end."""
-    if previous is None or not previous.tool_calls:
-        return results
-    order = {call.id: i for i, call in enumerate(previous.tool_calls) if call.id}
-    return sorted(results, key=lambda m: order.get(m.tool_call_id or "", len(order)))
+def _body(turn: Turn, reasoning_shown: bool, tags: DsmlTags) -> list[Part]:
+    message = turn.message
+    if turn.role == "system":
+        return _text_with_sections(message)
+    if turn.role == "developer":
+        return [Marker(USER), *_text_with_sections(message)]
+    if turn.role == "user":  # the reference renders no sections in a user turn
+        return [Marker(USER), message.content]
+    if turn.role == "latest_reminder":
+        return [Marker(LATEST_REMINDER), message.content]
+    parts: list[Part] = [message.reasoning or "", Marker(THINK_CLOSE)] if reasoning_shown else []
+    parts.append(message.content)
+    if message.tool_calls:
+        parts += render_tool_calls(message.tool_calls, tags)
+    if not turn.without_eos:
+        parts.append(Marker(EOS))
+    return parts
 
 
-def _task_of(message: Message) -> str | None:
-    task = message.extra.get("task") if message.extra else None
-    if task is None:
-        return None
-    if task not in TASK_NAMES:
-        raise ValueError(f"unknown DeepSeek task {task!r}; expected one of {', '.join(TASK_NAMES)}")
-    return task
-
-
-def _assistant_opening(thinking_kept: bool, reasoning: str | None, task: str | None) -> list[Part]:
-    if task is not None:
-        return [Marker(THINK_CLOSE), Marker(task_marker(task))]
-    if thinking_kept:
-        return [Marker(THINK_OPEN), reasoning or "", Marker(THINK_CLOSE)]
-    return [Marker(THINK_CLOSE)]
+def _after(turn: Turn, think: bool, thinking_mode: bool) -> list[Part]:
+    """What follows a turn that is last or followed by an assistant / latest_reminder turn;
+    ``think``: whether this generation prompt opens reasoning (not in dropped history)."""
+    if turn.task == "action":
+        return [Marker(ASSISTANT), Marker(THINK_OPEN if thinking_mode else THINK_CLOSE), Marker(task_marker("action"))]
+    if turn.task is not None:
+        return [Marker(task_marker(turn.task))]
+    if turn.role in USER_ROLES:
+        return [Marker(ASSISTANT), Marker(THINK_OPEN if think else THINK_CLOSE)]
+    return []
 
 
 def render_parts(messages: Sequence[Message], options: RenderOptions = RenderOptions()) -> list[Part]:
     """The whole prompt as parts; ``tokens.prompt_text(parts)`` is the reference string."""
+    drop = options.thinking and not any(m.tools for m in messages)
+    turns = conversation_turns(messages, drop_history=drop)
+    last_user = last_user_index(turns)
     parts: list[Part] = [Marker(BOS)]
-    if options.effort == "max":
+    if turns and options.thinking and options.effort == "max":
         parts += split_trusted(templates.MAX_EFFORT_INSTRUCTION + "\n\n")
-    tools_anywhere = any(m.tools for m in messages)
-    drop_old_reasoning = options.thinking and not tools_anywhere
-    last_user = max((i for i, m in enumerate(messages) if m.role in USER_ROLES), default=-1)
-    previous_assistant: Message | None = None
-    pending_task: str | None = None
-    in_tool_turn = False  # the last thing rendered is an open tool-results user turn
-    i = 0
-    while i < len(messages):
-        message = messages[i]
-        role = message.role
-        if role == "system":
-            parts += _text_with_sections(message)
-        elif role == "latest_reminder":
-            parts += [Marker(LATEST_REMINDER), message.content]
-        elif role in USER_ROLES:
-            parts += ["\n\n"] if in_tool_turn else [Marker(USER)]
-            parts += _text_with_sections(message)
-            pending_task = _task_of(message)
-        elif role == "tool":
-            j = i
-            while j < len(messages) and messages[j].role == "tool":
-                j += 1
-            results = _ordered_results(list(messages[i:j]), previous_assistant)
-            parts.append(Marker(USER))
-            parts.append("\n\n".join(f"<tool_result>{m.content}</tool_result>" for m in results))
-            in_tool_turn = True
-            i = j
-            continue
-        elif role == "assistant":
-            kept = options.thinking and not (drop_old_reasoning and i < last_user)
-            parts.append(Marker(ASSISTANT))
-            parts += _assistant_opening(kept, message.reasoning, pending_task)
-            parts.append(message.content)
-            if message.tool_calls:
-                parts.append("\n\n")
-                parts += render_tool_calls(message.tool_calls, options.tags)
-            parts.append(Marker(EOS))
-            previous_assistant, pending_task = message, None
-        else:
-            raise ValueError(f"DeepSeek V4 prompts have no role {role!r}")
-        in_tool_turn = False
-        i += 1
-    if not messages or messages[-1].role != "assistant":
-        parts.append(Marker(ASSISTANT))
-        parts += _assistant_opening(False, None, pending_task) if pending_task else (
-            [Marker(THINK_OPEN)] if options.thinking else [Marker(THINK_CLOSE)]
-        )
+    for i, turn in enumerate(turns):
+        after_task = i > 0 and turns[i - 1].task is not None
+        shown = options.thinking and not after_task and (not drop or i > last_user)
+        parts += _body(turn, shown, options.tags)
+        following = turns[i + 1].role if i + 1 < len(turns) else None
+        if following in (None, "assistant", "latest_reminder"):
+            parts += _after(turn, options.thinking and (not drop or i >= last_user), options.thinking)
     return parts
+
+
+def opens_thinking(parts: Sequence[Part]) -> bool:
+    """Whether the model's output starts inside ``<think>`` (the prompt ends with it)."""
+    return bool(parts) and parts[-1] == Marker(THINK_OPEN)

@@ -15,27 +15,29 @@ from deepinfer_core.codecs import ConversationRequest, Message, ToolCall
 _KNOWN_KEYS = {"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name", "tools", "response_format"}
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, *, tool_result: bool = False) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    # list of OpenAI content parts: keep the text parts, in order
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    parts = [part for part in content if isinstance(part, dict)]
+    if tool_result:  # the reference joins a result's parts with blank lines, naming the others
+        return "\n\n".join(p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]" for p in parts)
+    return "".join(part.get("text", "") for part in parts)
 
 
 def message_from_reference(raw: dict) -> Message:
     calls = tuple(
         ToolCall(
             name=c["function"]["name"],
-            arguments=c["function"].get("arguments") or "{}",
+            arguments="{}" if c["function"].get("arguments") is None else c["function"]["arguments"],
             id=c.get("id", ""),
         )
         for c in raw.get("tool_calls") or ()
     )
     return Message(
         role=raw["role"],
-        content=_text(raw.get("content")),
+        content=_text(raw.get("content"), tool_result=raw["role"] == "tool"),
         reasoning=raw.get("reasoning_content"),
         tool_calls=calls,
         tool_call_id=raw.get("tool_call_id"),
