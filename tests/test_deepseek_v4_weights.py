@@ -101,6 +101,23 @@ def test_released_layout_loads_in_transformers_with_the_same_values(checkpoint):
         assert torch.equal(ours[name].to(tensor.dtype), tensor), name
 
 
+def test_transformers_saved_checkpoint_reads_the_same(tmp_path):
+    """transformers' save_pretrained writes the released names back in its own spelling
+    (``model.`` prefix, ``attn.norm``...); that checkpoint passes the check and reads the same."""
+    from transformers import DeepseekV4ForCausalLM
+
+    write_tiny_v4_checkpoint(tmp_path / "released", weights="bf16")
+    model = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "released", dtype=torch.float32)
+    tmp_path = tmp_path / "saved"
+    model.save_pretrained(tmp_path)
+    files = open_model_files(tmp_path)  # header check included
+    ours = _ours_stacked(str(tmp_path))
+    theirs = model.state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[n].to(t.dtype), t) for n, t in theirs.items())
+    assert files.config["num_hidden_layers"] == TINY_V4_CONFIG["num_hidden_layers"]
+
+
 def test_released_formats_and_dtypes(checkpoint):
     fmt, path = checkpoint
     paths = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]

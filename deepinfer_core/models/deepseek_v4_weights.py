@@ -30,7 +30,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -195,8 +195,38 @@ def read_headers(paths: list[str]) -> dict[str, tuple[str, dict]]:
     return out
 
 
+_RELEASED_BLOCK = re.compile(r"^(?:layers|mtp)\.\d+\.(?:attn\.|ffn\.|attn_norm\.|ffn_norm\.|hc_(?:attn|ffn)_)")
+
+
+# transformers' save_pretrained writes the released names back with a few differences.
+_SAVED_ALIASES = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+                  "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+_SAVED_KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.")
+
+
+def released_name(name: str) -> str:
+    """The released name of a tensor as transformers' ``save_pretrained`` writes it (``model.``
+    prefix, ``attn.norm`` for ``attn.kv_norm``...); other names unchanged."""
+    if name in _SAVED_ALIASES:
+        return _SAVED_ALIASES[name]
+    rest = name[len("model."):] if name.startswith("model.") else None
+    if rest is not None and (rest in _TOP or _RELEASED_BLOCK.match(rest)):
+        name = rest
+    return _SAVED_KV_NORM.sub(r"\1kv_norm.", name)
+
+
 def is_released_layout(names) -> bool:
-    return any(n in _TOP or n.startswith("layers.") for n in names)
+    """Whether a checkpoint uses DeepSeek's released names (else transformers' in-memory ones)."""
+    return any(_RELEASED_BLOCK.match(released_name(n)) for n in names)
+
+
+def renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """For a model's ``load_weights``: every name in transformers' spelling, the MTP module
+    (``mtp.*``, not part of the main model) dropped. Already-renamed names pass unchanged."""
+    for name, tensor in weights:
+        name = hf_name(released_name(name))
+        if not name.startswith("mtp."):
+            yield name, tensor
 
 
 def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None:
@@ -205,6 +235,7 @@ def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None
     if not is_released_layout(headers):
         return
     specs = released_tensors(config)
+    headers = {released_name(n): v for n, v in headers.items()}
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "mis-shaped": [], "without scales": []}
     scales = {n for n in headers if n.endswith(".scale") and n[: -len("scale")] + "weight" in headers}
     for name, (_, meta) in headers.items():
@@ -259,17 +290,20 @@ def iter_weights(paths: list[str], headers: dict[str, tuple[str, dict]] | None =
 
     headers = headers if headers is not None else read_headers(paths)
     released = is_released_layout(headers)
+    canonical = {released_name(n) if released else n: n for n in headers}  # released name -> stored
     handles = {}
     try:
         for path in paths:
             handles[path] = safe_open(path, framework="pt")
-        for name, (path, meta) in headers.items():
+        for stored, (path, meta) in headers.items():
+            name = released_name(stored) if released else stored
             scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
-            if released and name.endswith(".scale") and name[: -len("scale")] + "weight" in headers:
+            if released and name.endswith(".scale") and name[: -len("scale")] + "weight" in canonical:
                 continue
-            tensor = handles[path].get_tensor(name)
-            if released and scale_name in headers and meta["dtype"] in ("F8_E4M3", "I8", "U8"):
-                scale = handles[headers[scale_name][0]].get_tensor(scale_name)
+            tensor = handles[path].get_tensor(stored)
+            if released and scale_name in canonical and meta["dtype"] in ("F8_E4M3", "I8", "U8"):
+                scale_stored = canonical[scale_name]
+                scale = handles[headers[scale_stored][0]].get_tensor(scale_stored)
                 tensor = dequant_fp4(tensor, scale) if meta["dtype"] != "F8_E4M3" else dequant_fp8_block(tensor, scale)
             elif tensor.is_floating_point():
                 tensor = tensor.float()
