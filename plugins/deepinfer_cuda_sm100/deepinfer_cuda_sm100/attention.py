@@ -1,15 +1,42 @@
-"""Attention on CUDA. For now the portable path only: the core's torch reference backend run on
-the GPU. Triton/CUDA kernels for SM100 will replace it kind by kind, behind the same class
-interface and the same conformance suite."""
+"""Attention on CUDA: Triton paged-attention kernels where Triton is importable, else the
+core's torch reference running on the GPU (correct, not fast). Both use the reference cache
+layout, so either can read a cache the other wrote."""
 from __future__ import annotations
 
-from deepinfer_core.attention import AttentionKind
-from deepinfer_core.attention.torch_ref import SUPPORTED, TorchAttentionBackend
+import importlib.util
+
+from deepinfer_core.attention import AttentionKind, AttentionMetadata
+from deepinfer_core.attention.torch_ref import SUPPORTED, TorchAttentionBackend, write_kv
 
 PORTABLE_KINDS: frozenset[AttentionKind] = frozenset(SUPPORTED)
+TRITON_KINDS: frozenset[AttentionKind] = frozenset({AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING})
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be used (checked without importing Triton)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 class PortableCudaAttention(TorchAttentionBackend):
     """The torch reference attention (paged cache, SDPA) on a CUDA device; correct, not fast."""
 
     name = "cuda-sm100-portable"
+
+
+class TritonAttention(TorchAttentionBackend):
+    """Paged attention through :mod:`deepinfer_cuda_sm100.kernels.paged_attention`: one launch
+    per layer for prefill, chunked prefill and decode (split-KV), full/GQA/sliding and MLA.
+    The KV write is the reference's indexed store (one scatter per layer)."""
+
+    name = "cuda-sm100-triton"
+
+    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
+        from .kernels.paged_attention import paged_attention
+
+        write_kv(spec, k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,
+            v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, window=spec.window,
+            batch_invariant=meta.batch_invariant,
+        )  # fmt: skip

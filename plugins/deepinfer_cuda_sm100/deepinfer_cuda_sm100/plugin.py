@@ -1,11 +1,18 @@
-"""The hooks of the ``cuda_sm100`` plugin (entry point group ``deepinfer``)."""
+"""The hooks of the ``cuda_sm100`` plugin (entry point group ``deepinfer``).
+
+Kernel hooks answer only for CUDA platforms. With Triton importable they return the Triton
+backends; without it, attention falls back to the portable torch path and MoE to the builtin.
+Nothing here imports Triton or touches the GPU at import time.
+"""
 from __future__ import annotations
 
 from deepinfer_core.attention import AttentionLayerSpec
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.platform import Platform, PlatformRequest, ProbeResult
 
-from .attention import PORTABLE_KINDS, PortableCudaAttention
+from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, TritonAttention, triton_available
+from .moe import SCORINGS, TritonMoEDispatcher
 from .platform import CudaSM100Platform
 
 
@@ -22,7 +29,18 @@ def deepinfer_platform(request: PlatformRequest) -> Platform | None:
 
 
 @hookimpl
-def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform) -> PortableCudaAttention | None:
-    if platform.device_type != "cuda" or layer.kind not in PORTABLE_KINDS:
+def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform):
+    if platform.device_type != "cuda":
         return None
-    return PortableCudaAttention()
+    if layer.kind in TRITON_KINDS and triton_available():
+        return TritonAttention()
+    if layer.kind in PORTABLE_KINDS:
+        return PortableCudaAttention()
+    return None
+
+
+@hookimpl
+def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: ParallelConfig):
+    if platform.device_type != "cuda" or moe.scoring not in SCORINGS or parallel.ep_size != 1 or not triton_available():
+        return None
+    return TritonMoEDispatcher()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
+from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
 from deepinfer_core.platform import PlatformRequest, TorchPlatform
 from deepinfer_core.plugin_host import NoImplementationError, PluginHost
@@ -77,8 +78,15 @@ def test_platform_hook_answers_cuda_and_auto_only():
     assert plugin.deepinfer_platform(PlatformRequest("npu")) is None
 
 
-def test_attention_hook_only_for_cuda_platforms():
+def test_attention_hook_only_for_cuda_platforms(monkeypatch):
+    from deepinfer_cuda_sm100.attention import TritonAttention
+
+    expected = TritonAttention if plugin.triton_available() else PortableCudaAttention
+    assert isinstance(plugin.deepinfer_attention_backend(SPEC, CudaSM100Platform()), expected)
+    monkeypatch.setattr(plugin, "triton_available", lambda: False)
     assert isinstance(plugin.deepinfer_attention_backend(SPEC, CudaSM100Platform()), PortableCudaAttention)
+    assert plugin.deepinfer_moe_dispatcher(MoESpec(0, 4, 2, 8, 8), CudaSM100Platform(), ParallelConfig()) is None
+    monkeypatch.undo()
     assert plugin.deepinfer_attention_backend(SPEC, TorchPlatform("cpu", "cpu")) is None
     hca = AttentionLayerSpec(AttentionKind.HEAVILY_COMPRESSED, 0, 2, 1, 8, 8, 0.3, compress_ratio=128)
     assert plugin.deepinfer_attention_backend(hca, CudaSM100Platform()) is None
@@ -104,7 +112,7 @@ def test_listed_with_reason_by_the_host(fake_gpu):
     host = PluginHost(load_entry_points=False, extra_plugins={"cuda_sm100": plugin})
     info = {i.name: i for i in host.plugins()}["cuda_sm100"]
     assert not info.usable and info.reason == "compute capability 8.0 < 9.0"
-    assert set(info.hooks) == {"deepinfer_probe", "deepinfer_platform", "deepinfer_attention_backend"}
+    assert {"deepinfer_probe", "deepinfer_platform", "deepinfer_attention_backend", "deepinfer_moe_dispatcher"} <= set(info.hooks)
 
 
 def test_never_imports_another_plugin():
@@ -122,3 +130,25 @@ def test_entry_point_when_installed():
         pytest.skip("deepinfer-cuda-sm100 is not pip-installed")
     (ep,) = [ep for ep in dist.entry_points if ep.group == "deepinfer"]
     assert ep.name == "cuda_sm100" and ep.load() is plugin
+
+
+def test_import_needs_neither_triton_nor_a_gpu():
+    """The CPU-only install: with Triton unimportable the plugin still imports, and its hooks
+    fall back to the portable attention and the builtin MoE."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import importlib.util; importlib.util.find_spec = (lambda f: (lambda n, *a: None if n == 'triton' else f(n, *a)))(importlib.util.find_spec)\n"
+        "from deepinfer_cuda_sm100 import plugin, CudaSM100Platform\n"
+        "from deepinfer_core.attention import AttentionKind, AttentionLayerSpec\n"
+        "from deepinfer_core.moe import MoESpec, ParallelConfig\n"
+        "spec = AttentionLayerSpec(AttentionKind.FULL, 0, 2, 2, 8, 8, 0.3)\n"
+        "print(type(plugin.deepinfer_attention_backend(spec, CudaSM100Platform())).__name__,"
+        " plugin.deepinfer_moe_dispatcher(MoESpec(0, 4, 2, 8, 8), CudaSM100Platform(), ParallelConfig()),"
+        " 'triton' in [m for m in sys.modules if sys.modules[m] is not None])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["PortableCudaAttention", "None", "False"]

@@ -1,0 +1,195 @@
+"""Fused MoE in Triton: tokens sorted by expert and padded to the row tile (the ``moe_align``
+approach), then two grouped GEMMs over the sorted rows:
+
+1. gate/up: ``act = silu(x W_gate^T) * (x W_up^T)`` for both halves in one program, so the
+   ``[rows, 2I]`` product never reaches memory (SiLU-and-mul fused into the epilogue);
+2. down: ``y = act W_down^T`` scaled by the row's routing weight in the epilogue, stored at the
+   row's (token, k) place; the k rows of a token are then summed in float32.
+
+Everything is sized from static bounds (``T*k + E*(BLOCK_M-1)`` padded rows) and no step reads
+a count back to the host, so the whole layer can be captured in a CUDA graph. Each output row
+is computed by the same tile program whatever else is in the batch, and the final sum over a
+token's k rows is a fixed-order reduction: results do not depend on the batch's composition
+as long as the tile configuration is the same (``choose_block_m`` keeps decode batches on one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention import interpreting
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
+    num_rows, top_k, D, I,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M < total:
+        e = tl.load(expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        flat = tl.load(sorted_ptr + rows)
+        row_ok = flat < num_rows
+        tok = (flat // top_k).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < I
+        w_base = w_ptr + e * stride_we
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < D
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            if IEEE:
+                acc_g += tl.dot(a, wg, input_precision="ieee")
+                acc_u += tl.dot(a, wu, input_precision="ieee")
+            else:
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
+        # round to the activation dtype first, as the unfused reference does
+        gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr,
+    num_rows, D, I,
+    stride_ht, stride_we, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M < total:
+        e = tl.load(expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        flat = tl.load(sorted_ptr + rows)
+        row_ok = flat < num_rows
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < D
+        w_base = w_ptr + e * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < I
+            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(weights_ptr + flat, mask=row_ok, other=0.0)
+        tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], y * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(num_rows: int, num_experts: int) -> MoEConfig:
+    """16-row tiles while experts get few rows each (decode), 64 for prefill-sized batches."""
+    if num_rows <= 64 * num_experts:
+        return MoEConfig(16, 64, 64, 4, 3)
+    return MoEConfig(64, 128, 64, 8, 3)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Rows of ``topk_ids.flatten()`` grouped by expert, each group padded to ``block_m``."""
+
+    sorted_rows: torch.Tensor  # [padded] int32: index into the T*k rows, num_rows where padding
+    block_expert: torch.Tensor  # [padded // block_m] int32: the expert of each row tile
+    total: torch.Tensor  # [1] int32: rows in use (padding included), read on the device only
+    counts: torch.Tensor  # [E] int64: rows per expert
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the T*k (token, choice) rows by expert and pad each expert's run to ``block_m``,
+    with tensor ops only (no host read-back, so capturable in a CUDA graph)."""
+    flat = topk_ids.reshape(-1).long()
+    num_rows = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(num_rows, device=dev) - start[flat[order]]
+    capacity = -(-(num_rows + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_rows = torch.full((capacity,), num_rows, dtype=torch.int32, device=dev)
+    sorted_rows[padded_start[flat[order]] + rank] = order.to(torch.int32)
+    tile_start = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True).clamp_max(num_experts - 1).to(torch.int32)
+    return Alignment(sorted_rows, block_expert, padded_end[-1:].to(torch.int32), counts)
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [T, D]
+    gate_up: torch.Tensor,  # [E, 2I, D]
+    down: torch.Tensor,  # [E, D, I]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    swiglu_limit: float | None = None,
+    config: MoEConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``."""
+    T, D = hidden.shape
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    num_rows = T * k
+    config = config or choose_config(num_rows, E)
+    align = moe_align(topk_ids, E, config.block_m)
+    hidden = hidden.contiguous()
+    upcast = interpreting() and hidden.dtype != torch.float32
+    ieee = hidden.dtype == torch.float32 or interpreting()
+    act = torch.empty(align.sorted_rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    tiles = align.block_expert.numel()
+    _gate_up_kernel[(tiles, triton.cdiv(inter, config.block_n))](
+        hidden, gate_up, act, align.sorted_rows, align.block_expert, align.total,
+        num_rows, k, D, inter,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        float(swiglu_limit or 0.0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    rows_out = torch.empty(num_rows, D, dtype=torch.float32, device=hidden.device)
+    _down_kernel[(tiles, triton.cdiv(D, config.block_n))](
+        act, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(),
+        num_rows, D, inter,
+        act.stride(0), down.stride(0), down.stride(1), rows_out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return rows_out.view(T, k, D).sum(dim=1).to(hidden.dtype), align.counts

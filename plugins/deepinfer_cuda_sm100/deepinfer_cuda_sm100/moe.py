@@ -1,0 +1,29 @@
+"""MoE on CUDA: the reference router (a handful of row-wise torch ops, no host sync) and the
+fused Triton expert computation of :mod:`deepinfer_cuda_sm100.kernels.fused_moe`."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.moe import ExpertWeights, MoESpec
+from deepinfer_core.moe.torch_ref import TorchMoEDispatcher
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+class TritonMoEDispatcher(TorchMoEDispatcher):
+    """Routing as the reference (so the same experts are chosen); experts through two grouped
+    GEMMs over expert-sorted rows with SiLU-and-mul and the routing weights fused in."""
+
+    name = "cuda-sm100-triton-moe"
+
+    def forward(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights):
+        from .kernels.fused_moe import fused_moe
+
+        if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
+            raise ValueError("TritonMoEDispatcher: expert weights need a contiguous last dimension")
+        out, counts = fused_moe(hidden, experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit)
+        self._load = counts if self._load is None else self._load + counts
+        return out
+
+    def expert_load(self) -> torch.Tensor | None:
+        return super().expert_load()

@@ -1,0 +1,98 @@
+"""The Triton paged-attention kernel against the conformance suite's float64 dense reference
+(prefill, chunked prefill with a cached prefix, decode, batch invariance), on a real GPU when
+there is one and in Triton's interpreter on the CPU otherwise; plus split-KV and bf16 checks
+against the core's torch reference backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata  # noqa: E402
+from deepinfer_core.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from deepinfer_core.platform import TorchPlatform  # noqa: E402
+from deepinfer_core.testing.attention import AttentionBackendSuite  # noqa: E402
+from deepinfer_cuda_sm100.attention import TritonAttention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TestTritonAttention(AttentionBackendSuite):
+    supported_kinds = (AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING)
+
+    @pytest.fixture
+    def platform(self):
+        return TorchPlatform(DEVICE, DEVICE)
+
+    @pytest.fixture
+    def backend(self, spec, platform):
+        return TritonAttention()
+
+
+def _batch(spec, lens, new, dtype, block_size=16, seed=0):
+    """Random cache contents for requests of context ``lens`` (the last ``new`` tokens of each
+    are this step's queries), scattered over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    need = [-(-n // block_size) for n in lens]
+    blocks = torch.randperm(sum(need) + 2, generator=g).tolist()
+    tables = torch.zeros(R, max(need), dtype=torch.int32)
+    for r, n in enumerate(need):
+        tables[r, :n] = torch.tensor(blocks[:n])
+        blocks = blocks[n:]
+    backend = TorchAttentionBackend()
+    cache = torch.randn(backend.kv_cache_shape(spec, int(tables.max()) + 1, block_size), generator=g).to(dtype)
+    qlens = [min(new, n) for n in lens]
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, qlens)])
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(DEVICE),
+        positions=positions.to(DEVICE),
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        block_size=block_size,
+        max_query_len=max(qlens),
+        max_seq_len=max(lens),
+    )
+    q = torch.randn(starts[-1], spec.num_heads, spec.head_dim, generator=g).to(DEVICE, dtype)
+    return q, cache.to(DEVICE), meta
+
+
+def _reference(spec, q, cache, meta):
+    ref = TorchAttentionBackend()
+    q64 = q.double()
+    return ref._forward_padded(spec, q64, cache.double(), meta) if meta.max_query_len > 1 else ref._forward_decode(spec, q64, cache.double(), meta)
+
+
+MLA = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=16, num_kv_heads=1, head_dim=80, v_head_dim=64, scale=0.1, rope_dim=16, kv_shared=True)
+GQA = AttentionLayerSpec(AttentionKind.FULL, 0, num_heads=9, num_kv_heads=3, head_dim=64, v_head_dim=64, scale=0.125)
+
+
+@pytest.mark.parametrize("spec", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_split_kv_matches_reference(spec, splits):
+    from deepinfer_cuda_sm100.kernels.paged_attention import LaunchConfig, paged_attention
+
+    q, cache, meta = _batch(spec, [1, 40, 130, 77], 1, torch.float32)
+    cfg = LaunchConfig(block_m=16, block_n=16, num_splits=splits, num_warps=4, num_stages=2)
+    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=1, max_seq_len=meta.max_seq_len,
+                          scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
+    torch.testing.assert_close(out.double(), _reference(spec, q, cache, meta), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [GQA, MLA], ids=["gqa", "mla"])
+def test_bf16_prefill_over_cached_prefix_is_close_to_reference(spec):
+    from deepinfer_cuda_sm100.kernels.paged_attention import LaunchConfig, paged_attention
+
+    q, cache, meta = _batch(spec, [20, 45], 19, torch.bfloat16, seed=3)
+    cfg = LaunchConfig(block_m=32, block_n=16, num_splits=1, num_warps=4, num_stages=2)
+    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=meta.max_query_len,
+                          max_seq_len=meta.max_seq_len, scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
+    ref = _reference(spec, q, cache, meta)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
