@@ -1,0 +1,329 @@
+"""deepinfer with the cuda_sm100 plugin vs transformers on one NVIDIA GPU, side by side.
+
+    python benchmarks/gpu_throughput.py --model v3mini            # random DeepSeek-V3-mini, bf16
+    python benchmarks/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
+
+For each model, in one process (each engine measured after the other was freed):
+
+* acceptance checks: float32 greedy tokens of the plugin's kernels == the builtin reference path
+  (``attention_backend="builtin", moe_backend="builtin"``), 8 prompts x 64 tokens; bf16 greedy
+  agreement with transformers' float32 tokens, per prompt, next to transformers' own bf16;
+  batch-invariant mode: a request alone == the same request inside a batch of 64;
+* decode ms/step at 1/16/64/256 concurrent requests (128-token prompts): time of
+  ``1 + steps`` new tokens minus time of 1 new token, over ``steps``;
+* prefill tok/s: 64 prompts x 512 tokens, one new token each;
+* the weight-read floor of a decode step (bytes of the weights a step must read, over the copy
+  bandwidth measured in the same run) and each engine's ratio to it; peak GPU memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+
+V3_MINI = dict(
+    vocab_size=129280, hidden_size=2048, intermediate_size=9216, moe_intermediate_size=1024,
+    num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, n_shared_experts=1,
+    routed_scaling_factor=2.5, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?", "Give me a tip for learning to code.",
+]  # fmt: skip
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 10)."""
+    a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    t = sorted(times[2:])[len(times[2:]) // 2]
+    del a, b
+    return 2 * 2**30 / t
+
+
+# -- models ------------------------------------------------------------------------------------
+def make_v3mini(folder: str) -> None:
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**V3_MINI)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+
+
+def load_hf(path: str, dtype):
+    import transformers
+
+    folder, name = os.path.split(path)
+    kw = {"gguf_file": name} if name.endswith(".gguf") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder if kw else path, dtype=dtype, **kw).cuda().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts_for(args, path) -> list[list[int]]:
+    if args.model == "smollm2":
+        from transformers import AutoTokenizer
+
+        folder, name = os.path.split(path)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in QUESTIONS]
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, V3_MINI["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 33, 60, 90, 128, 150, 200)]
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+# -- engines -----------------------------------------------------------------------------------
+def di(path, dtype, **kw) -> LLM:
+    kw.setdefault("enable_prefix_caching", False)
+    return LLM(path, device="cuda", dtype=dtype, **kw)
+
+
+def di_greedy(llm: LLM, prompts, new) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts, new) -> list[list[int]]:
+    res = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        res.append(out[0, len(p):].tolist())
+    return res
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def di_speed(llm: LLM, vocab: int, levels, steps: int, prompt_len: int) -> dict:
+    res = {}
+    di_greedy(llm, random_prompts(2, prompt_len, vocab, 1), 4)  # warm-up
+    for n in levels:
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        many = SamplingParams(temperature=0, max_tokens=1 + steps, ignore_eos=True)
+        llm.generate(random_prompts(n, prompt_len, vocab, 10 + n), many)  # warm this batch size
+        t1 = timed(lambda: llm.generate(random_prompts(n, prompt_len, vocab, 20 + n), one))
+        t2 = timed(lambda: llm.generate(random_prompts(n, prompt_len, vocab, 30 + n), many))
+        res[n] = 1e3 * (t2 - t1) / steps
+        log(f"  deepinfer decode N={n}: {res[n]:.2f} ms/step")
+    return res
+
+
+def di_prefill(llm: LLM, vocab: int) -> float:
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(random_prompts(64, 512, vocab, 40), one)
+    t = timed(lambda: llm.generate(random_prompts(64, 512, vocab, 41), one))
+    return 64 * 512 / t
+
+
+@torch.inference_mode()
+def hf_speed(model, vocab: int, levels, steps: int, prompt_len: int) -> dict:
+    res = {}
+    for n in levels:
+        def run(new, seed):
+            ids = torch.tensor(random_prompts(n, prompt_len, vocab, seed), device="cuda")
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+        run(2, 50 + n)
+        t1 = timed(lambda: run(1, 60 + n))
+        t2 = timed(lambda: run(1 + steps, 70 + n))
+        res[n] = 1e3 * (t2 - t1) / steps
+        log(f"  transformers decode N={n}: {res[n]:.2f} ms/step")
+    return res
+
+
+@torch.inference_mode()
+def hf_prefill(model, vocab: int) -> float:
+    ids = torch.tensor(random_prompts(64, 512, vocab, 40), device="cuda")
+    model(ids, use_cache=False)
+    ids = torch.tensor(random_prompts(64, 512, vocab, 41), device="cuda")
+    return 64 * 512 / timed(lambda: model(ids, use_cache=False, logits_to_keep=1))
+
+
+def free(*objs) -> None:
+    for o in objs:
+        del o
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def peak_mib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+# -- floor -------------------------------------------------------------------------------------
+def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
+    """Bytes of weights one decode step over ``n`` requests must read: every dense weight once
+    (embedding rows aside), and per MoE layer the experts that n tokens are expected to touch
+    (uniform routing: E * (1 - (1 - k/E)^n))."""
+    D, V = config["hidden_size"], config["vocab_size"]
+    L = config["num_hidden_layers"]
+    if "kv_lora_rank" not in config:  # Llama
+        H, Hkv, I = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
+        hd = D // H
+        per_layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * I
+        return elem * (L * per_layer + V * D)
+    H = config["num_attention_heads"]
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    attn = D * config["q_lora_rank"] + config["q_lora_rank"] * H * qk + D * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    attn += config["kv_lora_rank"] * H * (config["qk_nope_head_dim"] + config["v_head_dim"]) + H * config["v_head_dim"] * D
+    E, k, I = config["n_routed_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
+    dense_layers = config["first_k_dense_replace"]
+    moe_layers = L - dense_layers
+    touched = E * (1 - (1 - k / E) ** n)
+    total = L * attn + dense_layers * 3 * D * config["intermediate_size"]
+    total += moe_layers * (touched * 3 * D * I + config["n_shared_experts"] * 3 * D * I + E * D)
+    return elem * (total + V * D)
+
+
+# -- main --------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["v3mini", "smollm2"], default="v3mini")
+    ap.add_argument("--path", default=None, help="model path (smollm2: the GGUF; default: the installed alias)")
+    ap.add_argument("--levels", default="1,16,64,256")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64, help="tokens per acceptance prompt")
+    ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    levels = [int(x) for x in args.levels.split(",")]
+    bw = copy_bandwidth()
+    log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+
+    tmp = None
+    if args.model == "v3mini":
+        tmp = tempfile.mkdtemp(prefix="v3mini")
+        t = time.perf_counter()
+        make_v3mini(tmp)
+        log(f"V3-mini random checkpoint written in {time.perf_counter() - t:.0f}s")
+        path, config = tmp, V3_MINI
+    else:
+        from deepinfer_core.engine.loading import resolve_model_path
+        from deepinfer_core.plugin_host import default_host
+
+        path = args.path or resolve_model_path("smollm2-135m-instruct", default_host())
+        config = None
+    prompts = prompts_for(args, path)
+    report: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "copy_bw": bw}
+
+    if "accept" not in skip:
+        ref = di(path, "float32", attention_backend="builtin", moe_backend="builtin", kv_cache_blocks=64)
+        ref_tokens = di_greedy(ref, prompts, args.new)
+        free(ref)
+        ours = di(path, "float32", kv_cache_blocks=64)
+        log("fp32 kernels:", sorted({type(m.backend).__name__ for m in ours.engine.model.modules() if hasattr(m, "backend")} | {type(m.dispatcher).__name__ for m in ours.engine.model.modules() if hasattr(m, "dispatcher")}))
+        our_tokens = di_greedy(ours, prompts, args.new)
+        free(ours)
+        same = [a == b for a, b in zip(our_tokens, ref_tokens)]
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(our_tokens, ref_tokens)]
+        log(f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}")
+        report["fp32_identical"] = [sum(same), len(same), first_diff]
+
+        bf = di(path, "bfloat16", kv_cache_blocks=64)
+        bf_tokens = di_greedy(bf, prompts, args.new)
+        free(bf)
+        inv = di(path, "bfloat16", kv_cache_blocks=256, batch_invariant=True, max_num_seqs=64)
+        vocab = (config or {}).get("vocab_size", 49152)
+        batch = random_prompts(63, 40, vocab, 99)
+        alone = di_greedy(inv, [prompts[1]], 32)[0]
+        together = di_greedy(inv, batch[:31] + [prompts[1]] + batch[31:], 32)[31]
+        free(inv)
+        log(f"ACCEPT batch-invariant bf16: alone == in a batch of 64: {alone == together}")
+        report["batch_invariant"] = alone == together
+        if "hf" not in skip:
+            hf32 = load_hf(path, torch.float32)
+            hf32_tokens = hf_greedy(hf32, prompts, args.new)
+            free(hf32)
+            hf16 = load_hf(path, torch.bfloat16)
+            hf16_tokens = hf_greedy(hf16, prompts, args.new)
+            free(hf16)
+
+            def prefix(a, b):
+                return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+            rows = [(prefix(o, h), prefix(t, h)) for o, t, h in zip(bf_tokens, hf16_tokens, hf32_tokens)]
+            log("ACCEPT bf16 agreement with transformers fp32 (common prefix of %d tokens), per prompt:" % args.new)
+            log("| prompt | deepinfer bf16 | transformers bf16 |\n|---:|---:|---:|")
+            for i, (a, b) in enumerate(rows):
+                log(f"| {i} | {a} | {b} |")
+            log(f"| total | {sum(a for a, _ in rows)} | {sum(b for _, b in rows)} |")
+            report["bf16_agreement"] = rows
+            ref32 = [prefix(r, h) for r, h in zip(ref_tokens, hf32_tokens)]
+            log(f"(fp32 reference path vs transformers fp32, common prefix per prompt: {ref32})")
+
+    if "speed" not in skip:
+        vocab = (config or {}).get("vocab_size", 49152)
+        torch.cuda.reset_peak_memory_stats()
+        llm = di(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(levels) * 2 + 300)
+        cfg = llm.engine.model.config
+        di_dec = di_speed(llm, vocab, levels, args.steps, 128)
+        di_pre = di_prefill(llm, vocab)
+        di_peak = peak_mib()
+        free(llm)
+        log(f"  deepinfer prefill {di_pre:,.0f} tok/s, peak {di_peak:.0f} MiB")
+        hf_dec, hf_pre, hf_peak = {}, float("nan"), float("nan")
+        if "hf" not in skip:
+            torch.cuda.reset_peak_memory_stats()
+            hf = load_hf(path, torch.bfloat16)
+            hf_dec = hf_speed(hf, vocab, levels, args.steps, 128)
+            hf_pre = hf_prefill(hf, vocab)
+            hf_peak = peak_mib()
+            free(hf)
+            log(f"  transformers prefill {hf_pre:,.0f} tok/s, peak {hf_peak:.0f} MiB")
+        log(f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; floor = weight bytes per step / {bw / 2e12:.2f} TB/s read")
+        log("| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor |\n|---|---:|---:|---:|---:|---:|")
+        for n in levels:
+            try:
+                floor = 1e3 * weight_bytes_per_step(cfg, n) / (bw / 2)
+            except KeyError:
+                floor = float("nan")
+            h = hf_dec.get(n, float("nan"))
+            log(f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |")
+            log(f"| decode tok/s, {n} req | {1e3 * n / h:,.0f} | {1e3 * n / di_dec[n]:,.0f} | | | |")
+        log(f"| prefill tok/s, 64 x 512 | {hf_pre:,.0f} | {di_pre:,.0f} | {di_pre / hf_pre:.2f}x | | |")
+        log(f"| peak GPU MiB | {hf_peak:.0f} | {di_peak:.0f} | | | |")
+        report.update(di_decode=di_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
