@@ -98,7 +98,9 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 # -- registration -----------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser]  # the one registration point
+from .plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
+
+SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser, add_plan_parser]  # the one registration point
 
 
 def build_parser() -> argparse.ArgumentParser:

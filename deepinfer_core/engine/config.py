@@ -19,7 +19,8 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU (bf16 matmuls are very slow there), bfloat16 elsewhere
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    kv_cache_blocks: int | None = None  # None: sized from free memory
+    kv_cache_blocks: int | None = None  # None: sized from kv_cache_gib, else from free memory
+    kv_cache_gib: float | None = None  # KV budget (block KV + state KV), as `deepinfer plan` sizes it
     block_size: int = 128
     max_model_len: int | None = None  # None: the model's context length
     batch_invariant: bool = False
@@ -34,6 +35,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.dtype != "auto" and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(_DTYPES)}")
 

@@ -15,6 +15,7 @@ from ..plugin_host import PluginHost, default_host
 from . import loading
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
+from .kv_sizing import kv_sizing
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .request import Request
@@ -37,17 +38,17 @@ class LLMEngine:
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
 
-        backends = [ctx.attention_backend(spec) for spec in self.model.attention_specs]
         bs = config.block_size
-        shapes = [b.kv_cache_shape(spec, 1, bs) for b, spec in zip(backends, self.model.attention_specs)]
-        block_bytes = sum(_numel(s) * spec.kv_dtype.itemsize for s, spec in zip(shapes, self.model.attention_specs))
-        self.num_blocks = config.kv_cache_blocks or self._default_num_blocks(block_bytes)
-        layout = ";".join(f"{b.name}:{s}:{spec.kv_dtype}" for b, s, spec in zip(backends, shapes, self.model.attention_specs))
-        namespace = hashlib.sha256(f"{self.files.fingerprint}|{layout}|bs={bs}|rank=0".encode()).hexdigest()
-        kv_caches = [
-            torch.zeros(b.kv_cache_shape(spec, self.num_blocks, bs), dtype=spec.kv_dtype, device=self.device)
-            for b, spec in zip(backends, self.model.attention_specs)
-        ]
+        self.kv_sizing = sizing = kv_sizing(self.model, ctx.attention_backend, bs, config.max_num_seqs)  # also `deepinfer plan`'s
+        block_bytes = sizing.block_bytes
+        if config.kv_cache_blocks:
+            self.num_blocks = config.kv_cache_blocks
+        elif config.kv_cache_gib is not None:
+            self.num_blocks = sizing.blocks_for_budget(config.kv_cache_gib * 2**30)
+        else:
+            self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
+        namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0".encode()).hexdigest()
+        kv_caches = sizing.allocate(self.num_blocks, self.device)
         self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant)
@@ -56,10 +57,11 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB)", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20)
 
-    def _default_num_blocks(self, block_bytes: int) -> int:
+    def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
         fraction, cap = (0.25, 1 << 30) if self.platform.device_type == "cpu" else (0.8, None)
         budget = free * fraction if cap is None else min(free * fraction, cap)
+        budget -= reserved_bytes  # state KV, allocated beside the blocks
         enough = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(int(budget // block_bytes), enough))
 

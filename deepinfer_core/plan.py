@@ -1,0 +1,156 @@
+"""``deepinfer plan``: KV-cache capacity of a model from its config alone, before any weights
+are downloaded or cards bought.
+
+    deepinfer plan --model M --kv-gib N [--max-model-len L] [--dtype bf16] [--max-num-seqs S]
+
+The model is built on the meta device (its config only; no weights read, no memory taken) and
+sized by :func:`deepinfer_core.engine.kv_sizing.kv_sizing`, the function the engine allocates
+from, so the numbers here are the engine's: an engine given ``kv_cache_gib=N`` allocates exactly
+``blocks`` blocks and ``total_bytes`` bytes. Reported: block KV bytes per token for each layer kind,
+state KV per request (DeepSeek-V4), the blocks and tokens of context that fit next to the state
+KV of ``max_num_seqs + 1`` slots, and how many requests of ``L`` tokens fit at once (with
+``--max-num-seqs`` set to that number).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class KindRow:
+    kind: str
+    layers: int
+    bytes_per_token: float  # block KV, all layers of this kind
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    architecture: str
+    dtype: str
+    block_size: int
+    kinds: tuple[KindRow, ...]
+    bytes_per_token: float  # block KV, all layers
+    block_bytes: int
+    state_bytes_per_request: int
+    max_num_seqs: int
+    state_slots: int
+    kv_budget_bytes: int
+    blocks: int  # with max_num_seqs as given
+    context_tokens: int
+    total_bytes: int  # what the engine allocates: blocks + state
+    max_model_len: int
+    blocks_per_request: int
+    concurrent_requests: int  # requests of max_model_len tokens that fit at once
+
+
+def read_config(model: str) -> tuple[dict, str]:
+    """The model's config dict and where it came from: a directory's config.json (weights not
+    needed), else whatever the model files say (GGUF metadata, aliases)."""
+    from .engine.loading import resolve_model_path
+    from .plugin_host import default_host
+
+    path = resolve_model_path(model, default_host())
+    config_json = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(config_json):
+        with open(config_json) as f:
+            return json.load(f), path
+    from .models.files import open_model_files
+
+    return open_model_files(path).config, path
+
+
+def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "bfloat16", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None) -> Plan:
+    """Capacity of ``kv_gib`` GiB of KV cache for ``model``; ``device`` picks whose attention
+    backends' cache shapes count (the platform the deployment will run on)."""
+    import torch
+
+    from .engine.config import EngineConfig
+    from .engine.kv_sizing import kv_sizing
+    from .models import ModelContext
+    from .plugin_host import default_host
+
+    if kv_gib <= 0:
+        raise ValueError(f"--kv-gib must be > 0, got {kv_gib}")
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
+    host = host or default_host()
+    engine = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs)
+    platform = host.platform(device)
+    kv_dtype = engine.torch_dtype(platform.device_type)
+    config, source = read_config(model)
+    archs = config.get("architectures") or []
+    models = host.models()
+    arch = next((a for a in archs if a in models), None)
+    if arch is None:
+        raise ValueError(f"{source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}")
+    meta = torch.device("meta")
+    ctx = ModelContext(
+        device=meta, dtype=kv_dtype,
+        attention_backend=lambda spec: host.attention_backend(spec, platform),
+        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
+    )  # fmt: skip
+    with meta:
+        built = models[arch](config, ctx)
+    sizing = kv_sizing(built, ctx.attention_backend, block_size, max_num_seqs)
+    budget = kv_gib * GIB
+    blocks = sizing.blocks_for_budget(budget)
+    length = min(max_model_len or built.max_position_embeddings, built.max_position_embeddings)
+    per_request = -(-length // block_size)
+    # With max_num_seqs = n the engine reserves n + 1 state slots (0 bytes each for paged-only
+    # models) and needs n * per_request blocks.
+    state = sizing.state_bytes_per_request
+    fit = int((budget - (state if sizing.num_state_slots else 0)) // (per_request * sizing.block_bytes + state))
+    return Plan(
+        model=source, architecture=arch, dtype=str(kv_dtype).removeprefix("torch."), block_size=block_size,
+        kinds=tuple(KindRow(k, n, b / block_size) for k, n, b in sizing.block_bytes_by_kind),
+        bytes_per_token=sizing.block_bytes / block_size, block_bytes=sizing.block_bytes,
+        state_bytes_per_request=state, max_num_seqs=max_num_seqs, state_slots=sizing.num_state_slots,
+        kv_budget_bytes=int(budget), blocks=blocks, context_tokens=blocks * block_size,
+        total_bytes=sizing.total_bytes(blocks), max_model_len=length, blocks_per_request=per_request,
+        concurrent_requests=max(0, fit),
+    )  # fmt: skip
+
+
+def format_plan(p: Plan) -> str:
+    mib = lambda n: f"{n / 2**20:,.2f} MiB"  # noqa: E731
+    lines = [
+        f"model       {p.model} ({p.architecture})",
+        f"KV dtype    {p.dtype}, blocks of {p.block_size} tokens ({mib(p.block_bytes)} of block KV each)",
+        "",
+        f"{'LAYER KIND':<32}{'LAYERS':>7}{'BLOCK KV BYTES/TOKEN':>24}",
+    ]
+    lines += [f"{r.kind:<32}{r.layers:>7}{r.bytes_per_token:>24,.1f}" for r in p.kinds]
+    lines += [f"{'all layers':<32}{sum(r.layers for r in p.kinds):>7}{p.bytes_per_token:>24,.1f}", ""]
+    if p.state_bytes_per_request:
+        lines.append(f"state KV    {mib(p.state_bytes_per_request)} per running request ({p.state_slots} slots with max_num_seqs={p.max_num_seqs}: {mib(p.state_slots * p.state_bytes_per_request)})")
+    lines += [
+        f"budget      {p.kv_budget_bytes / GIB:g} GiB -> {p.blocks:,} blocks = {p.context_tokens:,} tokens of context (allocated {mib(p.total_bytes)})",
+        f"requests    of {p.max_model_len:,} tokens ({p.blocks_per_request:,} blocks each): {p.concurrent_requests:,} fit at once (--max-num-seqs {p.concurrent_requests})",
+    ]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="KV-cache capacity of a model from its config (no weights needed)", description=__doc__.splitlines()[0])
+    p.add_argument("--model", "-m", required=True, help="HF directory (config.json is enough), GGUF file, or installed alias")
+    p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
+    p.add_argument("--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)")
+    p.add_argument("--dtype", default="bfloat16", help="KV / compute dtype (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)")
+    p.add_argument("--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    result = plan(args.model, args.kv_gib, max_model_len=args.max_model_len, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device)
+    print(json.dumps(asdict(result), indent=2) if args.json else format_plan(result))
+    return 0

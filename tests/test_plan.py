@@ -1,0 +1,84 @@
+"""``deepinfer plan`` against the engine: the blocks and bytes it reports are the ones an engine
+given the same budget allocates, and its bytes per token follow each attention kind's definition."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from deepinfer_core.cli import main  # noqa: E402
+from deepinfer_core.engine.config import EngineConfig  # noqa: E402
+from deepinfer_core.engine.kv_sizing import cache_bytes  # noqa: E402
+from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
+from deepinfer_core.plan import plan  # noqa: E402
+
+LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+V3 = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=2048,
+)  # fmt: skip
+
+
+def per_token_bytes(family: str, c: dict, itemsize: int) -> int:
+    """Block KV bytes per token from the architecture's definition."""
+    if family == "llama":  # GQA: K and V, each kv_heads x head_dim, per layer
+        return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * itemsize
+    return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * itemsize  # MLA: latent + rope key
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def checkpoint(request, tmp_path_factory):
+    family = request.param
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**V3))
+    path = tmp_path_factory.mktemp(family)
+    model.save_pretrained(path)
+    return family, str(path)
+
+
+@pytest.mark.parametrize("kv_gib, max_num_seqs", [(0.004, 4), (0.011, 16)])
+def test_plan_is_what_the_engine_allocates(checkpoint, kv_gib, max_num_seqs):
+    family, path = checkpoint
+    p = plan(path, kv_gib, dtype="float32", max_num_seqs=max_num_seqs, max_model_len=300)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs))
+    assert engine.num_blocks == p.blocks
+    assert cache_bytes(engine.runner.kv_caches) == p.total_bytes <= kv_gib * 2**30
+    assert p.context_tokens == engine.num_blocks * engine.config.block_size
+    config = LLAMA if family == "llama" else V3
+    assert p.bytes_per_token == per_token_bytes(family, config, 4)
+    assert p.blocks_per_request == 3  # 300 tokens in blocks of 128
+    assert p.concurrent_requests == p.blocks // 3  # no state KV: blocks alone limit
+
+
+def test_plan_needs_only_the_config(checkpoint, tmp_path):
+    family, path = checkpoint
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights
+    p = plan(str(tmp_path), 1.0, dtype="bfloat16")
+    assert p.bytes_per_token == per_token_bytes(family, LLAMA if family == "llama" else V3, 2)
+    assert p.blocks == 2**30 // p.block_bytes
+    assert p.max_model_len == config["max_position_embeddings"]
+
+
+def test_cli_prints_the_plan(checkpoint, capsys):
+    family, path = checkpoint
+    assert main(["plan", "--model", path, "--kv-gib", "0.5", "--max-model-len", "1000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["blocks"] == plan(path, 0.5, max_model_len=1000).blocks and out["dtype"] == "bfloat16"
+    assert main(["plan", "--model", path, "--kv-gib", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "BLOCK KV BYTES/TOKEN" in text and ("full" in text if family == "llama" else "mla" in text)
+
+
+@pytest.mark.parametrize("kv_gib, message", [(0, r"--kv-gib must be > 0"), (1e-9, r"holds no KV block")])
+def test_bad_budget_is_refused(checkpoint, kv_gib, message):
+    with pytest.raises(ValueError, match=message):
+        plan(checkpoint[1], kv_gib)
