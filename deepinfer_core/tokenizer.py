@@ -10,6 +10,7 @@ Streaming: one character may span several tokens (a 4-byte emoji is often 2 byte
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -173,17 +174,35 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        """``split_special_tokens=True`` encodes special-token text (``<|im_start|>``) as
+        ordinary text rather than as the special token (same meaning as in transformers)."""
+        backend = self._plain_backend if split_special_tokens else self.backend
+        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special-token text as text (a copy, because the
+        flag is a setting of the object and the backend is shared by threads)."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most text characters one token can stand for (its longest spelling: a byte-level
+        token spells one byte per character). A text of N characters has at least
+        N / max_token_chars tokens, which bounds a prompt's length before tokenizing it."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     # -- chat --------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:

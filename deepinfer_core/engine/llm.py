@@ -1,4 +1,10 @@
-"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+One ``LLM`` may be used from several threads and iterators at once (``generate`` on two
+threads, a ``stream`` read between ``generate`` calls, a stream dropped half-way): they share
+the engine's batches through :class:`.request_streams.RequestStreams`, and each gets exactly
+the outputs it would get alone.
+"""
 from __future__ import annotations
 
 import sys
@@ -7,6 +13,7 @@ from typing import Iterator, Sequence, Union
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .request_streams import RequestStreams
 from .sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]  # text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
@@ -51,36 +58,48 @@ class LLM:
             moe_backend=moe_backend,
         )
         self.engine = LLMEngine(config, host)
+        self._streams = RequestStreams(self.engine)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     # -- prompts -----------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[list[int], str | None]:
+    def _encode(self, prompt: Prompt, split_special_tokens: bool = False) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"a prompt dict's 'prompt' is a string, got {type(text).__name__}")
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+                    raise TypeError(f"a prompt dict's 'prompt_token_ids' is a list of integers, got {type(ids).__name__}")
+                return list(ids), text
             if "prompt" in prompt:
-                return self._encode(prompt["prompt"], add_special_tokens)
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+                return self._encode(text, split_special_tokens)
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(map(str, prompt))}")
         if isinstance(prompt, str):
             tok = self.engine.tokenizer
             if tok is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return tok.encode(prompt, add_special_tokens=add_special_tokens), prompt
+            self.engine.check_prompt_text(prompt)
+            return tok.encode(prompt, add_special_tokens=True, split_special_tokens=split_special_tokens), prompt
         if isinstance(prompt, (list, tuple)):
             return list(prompt), None
-        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
 
     @staticmethod
     def _as_list(prompts) -> list[Prompt]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            return [prompts]
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (str, dict, list, tuple))):
+            return [prompts]  # one prompt (a list of token ids is one prompt)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts are a string, a list of token ids, a prompt dict, or a list of those; got {type(prompts).__name__}")
         return list(prompts)
 
     def _submit(self, encoded: list[tuple[list[int], str | None]], params) -> list[str]:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(encoded)
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got {type(params).__name__}")
         if len(params) != len(encoded):
             raise ValueError(f"got {len(params)} sampling params for {len(encoded)} prompts")
         for i, ((ids, _), p) in enumerate(zip(encoded, params)):  # all or nothing
@@ -88,18 +107,37 @@ class LLM:
                 self.engine.validate(ids, p)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"prompt {i}: {exc}") from None
-        return [self.engine.add_request(ids, p, prompt=text) for (ids, text), p in zip(encoded, params)]
+
+        def add_all() -> list[str]:
+            ids: list[str] = []
+            try:
+                for (prompt_ids, text), p in zip(encoded, params):
+                    ids.append(self.engine.add_request(prompt_ids, p, prompt=text))
+            except BaseException:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                raise
+            return ids
+
+        return self._streams.submit(add_all)
 
     # -- running -----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in the order of ``prompts``."""
-        encoded = [self._encode(p) for p in self._as_list(prompts)]
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None, *, split_special_tokens: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of ``prompts``.
+
+        Text prompts are tokenized like vLLM does: special-token text in them (``<|im_start|>``)
+        becomes the special token. ``split_special_tokens=True`` encodes it as plain text
+        instead (for text from users). A request the engine gives up on comes back with
+        ``finish_reason="error"`` and the reason in ``outputs[0].error``."""
+        encoded = [self._encode(p, split_special_tokens) for p in self._as_list(prompts)]
         return self._run(self._submit(encoded, sampling_params), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
         rendered with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         encoded = [self._encode_chat(c, add_generation_prompt) for c in conversations]
         return self._run(self._submit(encoded, sampling_params), use_tqdm)
 
@@ -107,26 +145,34 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer or chat template")
-        text = tok.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+        from ..chat_prompt import check_conversation, render_chat
+
+        conversation = check_conversation(conversation)
+        for message in conversation:
+            self.engine.check_prompt_text(message["content"] or "")
+        text = render_chat(tok, conversation, add_generation_prompt)
+        self.engine.check_prompt_text(text)
         return tok.encode(text, add_special_tokens=False), text
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, *, split_special_tokens: bool = False) -> Iterator[RequestOutput]:
         """Yield a snapshot each time a request gains tokens (``.outputs[0].delta_text`` holds
         the new text); the last snapshot of a request has ``finished=True``. Breaking out of the
-        loop aborts what is still running."""
-        encoded = [self._encode(p) for p in self._as_list(prompts)]
+        loop (or dropping the iterator) aborts what is still running. The prompts are
+        validated and queued at the call, before the first ``next()``."""
+        encoded = [self._encode(p, split_special_tokens) for p in self._as_list(prompts)]
         ids = self._submit(encoded, sampling_params)
-        pending = set(ids)
+        return self._stream(ids)
+
+    def _stream(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = list(ids)
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.request_id in pending:
-                        if out.finished:
-                            pending.discard(out.request_id)
-                        yield out
+                for out in self._streams.next_outputs(pending):
+                    if out.finished:
+                        pending.remove(out.request_id)
+                    yield out
         finally:
-            for request_id in pending:
-                self.engine.abort_request(request_id)
+            self._streams.abort(pending)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         if use_tqdm is None:
@@ -137,17 +183,15 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Generating", unit="req", dynamic_ncols=True)
         done: dict[str, RequestOutput] = {}
-        wanted = set(ids)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self._streams.next_outputs([i for i in ids if i not in done]):
+                    if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for request_id in wanted - set(done):
-                self.engine.abort_request(request_id)
+            self._streams.abort([i for i in ids if i not in done])
             raise
         finally:
             if bar is not None:

@@ -1,6 +1,11 @@
 """LLMEngine: one instance serving many requests. ``step()`` is the whole loop::
 
     scheduler.schedule() -> runner.execute() -> scheduler.update() -> outputs (+ stop checks)
+
+Every public method holds one re-entrant lock, so threads may add, abort and step at once.
+A request is validated in full when it enters (:mod:`.validation`); inside a step, a failure
+is contained to the request that caused it, or fails every request when it belongs to none
+(:mod:`.isolation`).
 """
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ import hashlib
 import itertools
 import logging
 import random
+import threading
 
 import torch
 
 from ..plugin_host import PluginHost, default_host
-from . import loading
+from . import loading, validation
 from .config import EngineConfig
+from .isolation import describe
 from .kv_cache_manager import KVCacheManager
 from .kv_sizing import kv_sizing
 from .model_runner import ModelRunner
@@ -55,6 +62,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
+        self.limits = validation.ModelLimits(self.model.vocab_size, self.max_model_len, bs, self.num_blocks, self.tokenizer is not None)
+        self._lock = threading.RLock()
+        self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
+        self._deferred_aborts: list[str] = []
         log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB)", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20)
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
@@ -67,9 +78,18 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None, request_id: str | None = None) -> str:
-        """Validate and enqueue. Raises ValueError (naming the problem) and changes nothing
-        when the request cannot be served."""
-        self.validate(prompt_token_ids, params)
+        """Validate and enqueue. Raises ValueError or TypeError (naming the problem) and
+        changes nothing when the request cannot be served. The engine keeps its own validated
+        copy of ``params`` and of the prompt: changing them afterwards has no effect."""
+        with self._lock:
+            return self._add(prompt_token_ids, params, prompt, request_id)
+
+    def _add(self, prompt_token_ids, params, prompt, request_id) -> str:
+        prompt_token_ids, params = self._checked(prompt_token_ids, params)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or None, got {type(prompt).__name__}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -90,56 +110,92 @@ class LLMEngine:
         return request_id
 
     def validate(self, prompt_token_ids, params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens (the prompt must leave room for at least one new token)")
-        vocab = self.model.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}{' ...' if len(bad) > 5 else ''}")
-        blocks = -(-min(self.max_model_len, n + (params.max_tokens or self.max_model_len)) // self.config.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(f"the request needs up to {blocks} KV blocks but the cache has {self.num_blocks}; lower max_tokens or raise kv_cache_blocks")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+        """Raise what :meth:`add_request` would raise for this request; change nothing."""
+        self._checked(prompt_token_ids, params)
 
-    def abort_request(self, request_id: str) -> None:
-        req = self.scheduler.abort(request_id)
-        if req is not None:
-            self.outputs.finish(req)
+    def _checked(self, prompt_token_ids, params) -> tuple[list[int], SamplingParams]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = params.checked()
+        ids = validation.prompt_token_ids(prompt_token_ids, self.limits)
+        validation.check_params(params, len(ids), self.limits)
+        return ids, params
+
+    def check_prompt_text(self, text: str) -> None:
+        """Refuse a text prompt that is surely longer than the context, before tokenizing it."""
+        if self.tokenizer is not None:
+            validation.check_text_size(text, self.max_model_len, self.tokenizer.max_token_chars)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now (``finish_reason="abort"``); returns its last output, or None
+        when it is unknown or already finished. Called re-entrantly from inside a step (a
+        stream closed by the garbage collector there), the abort happens at the next step."""
+        with self._lock:
+            if self._stepping:
+                self._deferred_aborts.append(request_id)
+                return None
+            req = self.scheduler.abort(request_id)
+            return self.outputs.finish(req) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            return self.scheduler.has_unfinished()
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with self._lock:
+            for request_id in self._deferred_aborts:
+                self.abort_request(request_id)
+            self._deferred_aborts.clear()
+            self._stepping = True
+            try:
+                try:
+                    sched = self.scheduler.schedule()
+                    result = self.runner.execute(sched, self._sampling_rows(sched))
+                    changed = self.scheduler.update(sched, result.sampled)
+                except Exception as exc:  # no single request is at fault: fail them all
+                    log.exception("engine step failed; failing every request")
+                    return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
+                outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items()]
+                return outputs + [self._process(req) for req in changed]
+            finally:
+                self._stepping = False
+
+    def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}
         for s in sched.requests:
             if s.sample:
                 req = self.scheduler.requests[s.request_id]
                 suppressed = req.eos_token_ids + tuple(req.params.stop_token_ids) if len(req.output_token_ids) < req.params.min_tokens else ()
                 rows[s.request_id] = SamplingRow(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
-        result = self.runner.execute(sched, rows)
-        changed = self.scheduler.update(sched, result.sampled)
-        outputs = []
-        for req in changed:
+        return rows
+
+    def _process(self, req: Request) -> RequestOutput:
+        """Stop checks and detokenization of the request's new token, contained to it."""
+        try:
             reason, stop_reason = self.outputs.process(req)
             if reason is not None:
                 self.scheduler.finish(req, reason, stop_reason)
-            outputs.append(self.outputs.snapshot(req))
-        return outputs
+            return self.outputs.snapshot(req)
+        except Exception as exc:
+            log.exception("request %s failed", req.request_id)
+            return self._fail(req, describe(exc))
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish ``req`` with ``finish_reason="error"`` and free its blocks."""
+        self.scheduler.finish(req, "error", None)
+        return self.outputs.error(req, message)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position ([T, V] float32), computed in one forward over
         blocks borrowed from the pool (and returned; nothing is published to the prefix cache).
         For scoring and for checking the engine against a reference."""
-        self.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+        with self._lock:
+            return self._prompt_logits(prompt_token_ids)
+
+    def _prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        prompt_token_ids, _ = self._checked(prompt_token_ids, SamplingParams(max_tokens=1))
         req = Request("__score__", list(prompt_token_ids), SamplingParams(max_tokens=1), seed=0)
         if not self.kv.allocate(req, len(prompt_token_ids)):
             raise RuntimeError("not enough free KV blocks to score this prompt now")
@@ -152,6 +208,10 @@ class LLMEngine:
             self.kv.free(req)
 
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

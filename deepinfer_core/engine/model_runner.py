@@ -6,12 +6,13 @@ mapping). Nothing per request crosses into the forward as a Python list.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionMetadata
 from ..models import CausalLM
+from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow
 from .scheduler import SchedulerOutput
 
@@ -19,6 +20,7 @@ from .scheduler import SchedulerOutput
 @dataclass(frozen=True)
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token, for requests that reached their end
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
 
 
 class ModelRunner:
@@ -76,5 +78,6 @@ class ModelRunner:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
         sampling = [s for s in out.requests if s.sample]
-        tokens = self.sampler(logits, [rows[s.request_id] for s in sampling])
-        return RunnerOutput({s.request_id: t for s, t in zip(sampling, tokens)})
+        ids = [s.request_id for s in sampling]
+        sampled, failed = sample_isolated(self.sampler, logits, ids, [rows[i] for i in ids])
+        return RunnerOutput(sampled, failed)

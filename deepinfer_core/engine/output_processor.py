@@ -80,6 +80,22 @@ class OutputProcessor:
     def finish(self, req: Request) -> RequestOutput:
         return self.snapshot(req)
 
+    def error(self, req: Request, message: str) -> RequestOutput:
+        """The last output of a request the engine gave up on: the text already streamed, no
+        new delta (detokenizing may be what failed), and the reason."""
+        prog = self._progress.pop(req.request_id, None)
+        text = prog.text[: prog.sent_text] if prog is not None else ""
+        sent = prog.sent_tokens if prog is not None else len(req.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason="error",
+            delta_token_ids=list(req.output_token_ids[sent:]),
+            error=message,
+        )
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0)
+
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
     best = None

@@ -9,10 +9,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     delta_text: str = ""  # new since the previous streamed snapshot
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why the engine gave up on this request (finish_reason "error")
 
     @property
     def finished(self) -> bool:

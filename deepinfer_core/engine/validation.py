@@ -1,0 +1,70 @@
+"""Checks a request against the model before it enters the engine.
+
+:class:`SamplingParams` checks what can be checked alone (types, ranges); this module checks
+what depends on the model: every token id (prompt and ``stop_token_ids``) inside the vocabulary,
+the prompt inside the context, the request inside the KV pool. Whatever passes here cannot
+fail inside a step because of its inputs; each refusal names the field and the allowed values.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int  # context length in tokens (prompt + output)
+    block_size: int
+    num_blocks: int
+    has_tokenizer: bool
+
+
+def prompt_token_ids(ids, limits: ModelLimits) -> list[int]:
+    """The prompt as a fresh list of plain ints, or a TypeError/ValueError naming the problem."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    n = len(ids)
+    if n >= limits.max_model_len:
+        raise ValueError(f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens (the prompt must leave room for at least one new token)")
+    wrong_type = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if wrong_type:
+        raise TypeError(f"prompt token ids must be integers in [0, {limits.vocab_size}), got {_few(wrong_type)}")
+    out = [int(t) for t in ids]
+    bad = [t for t in out if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}")
+    return out
+
+
+def check_params(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
+    bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise ValueError(f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}")
+    total = min(limits.max_model_len, num_prompt_tokens + (params.max_tokens or limits.max_model_len))
+    blocks = -(-total // limits.block_size)
+    if blocks > limits.num_blocks:
+        raise ValueError(f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or raise kv_cache_blocks")
+    if params.stop and not limits.has_tokenizer:
+        raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+
+
+def check_text_size(text: str, max_model_len: int, max_token_chars: int) -> None:
+    """Refuse a text prompt that cannot fit, before tokenizing it: no token spells more than
+    ``max_token_chars`` characters, so a text longer than that many per context position has
+    too many tokens whatever its content (a 12 MB prompt is refused at once, not after 17 s
+    of tokenization)."""
+    if len(text) > max_model_len * max_token_chars:
+        raise ValueError(
+            f"the prompt has {len(text)} characters, so at least {-(-len(text) // max_token_chars)} tokens, "
+            f"but the model's context is {max_model_len} tokens"
+        )
+
+
+def _few(values: list) -> str:
+    shown = ", ".join(repr(v) for v in values[:5])
+    return f"[{shown}{', ...' if len(values) > 5 else ''}]"

