@@ -37,8 +37,8 @@ from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
 from .tokens import DSML, EOS, THINK_CLOSE
 
 REASONING, CONTENT, TOOL_CALLS, DONE = "reasoning", "content", "tool_calls", "done"
-#: Characters kept to spot a closing marker split across pieces (longer than any marker).
-MARKER_WINDOW = 64
+#: Returned by a push that completes nothing (immutable, so one instance serves every parser).
+NOTHING = ParsedOutput()
 #: Newlines dropped right before a tool-call block (the reference drops exactly "\\n\\n").
 BLOCK_NEWLINES = 2
 
@@ -76,19 +76,30 @@ class DeepSeekV4Parser:
         self._finish: str | None = None
         self.state = REASONING if thinking else CONTENT
         self._buf = ""
-        # tool-call state: pieces not yet joined, and the last characters joined so far
+        # tool-call state: pieces not yet joined, and how many characters arrived since the last
+        # full-width bar (every closing marker contains one, so none can be in progress once
+        # that count reaches the longest marker)
         self._pieces: list[str] = []
-        self._tail = ""
+        self._since_bar = 0
+        self._quiet = False  # no bar among the last ``_window`` characters
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
+        # every closing marker contains the full-width bar, so a window without one completes none
+        self._window = max(len(m) for m in self._block_markers) - 1
         self._param_tag = f"<{DSML}{tags.parameter}"
         self._param_re = re.compile(re.escape(self._param_tag) + r'\s*name="([^"\n]*)"\s*string="(true|false)"\s*>')
         self._invoke_re = re.compile(re.escape(f"<{DSML}{tags.invoke}") + r'\s*name="(.*?)">')
 
     def push(self, text: str) -> ParsedOutput:
-        if self.state == TOOL_CALLS and not self._completes_marker(text):
-            self._pieces.append(text)
-            self._tail = (self._tail + text)[-MARKER_WINDOW:]
-            return ParsedOutput()
+        if self.state is TOOL_CALLS:
+            if self._quiet and "｜" not in text:  # hot path while an argument streams in
+                self._pieces.append(text)
+                return NOTHING
+            bar = text.rfind("｜")
+            self._since_bar = len(text) - bar - 1 if bar != -1 else self._since_bar + len(text)
+            self._quiet = self._since_bar >= self._window
+            if not self._completes_marker(text):
+                self._pieces.append(text)
+                return NOTHING
         self._join(text)
         return self._drain(final=False)
 
@@ -100,7 +111,14 @@ class DeepSeekV4Parser:
 
     # -- internals --------------------------------------------------------------------------
     def _completes_marker(self, text: str) -> bool:
-        window = self._tail + text
+        """Whether a closing marker ends inside ``text`` (looks at most one marker back)."""
+        recent, size = [text], len(text)
+        for piece in reversed(self._pieces):
+            if size >= self._window + len(text):
+                break
+            recent.append(piece)
+            size += len(piece)
+        window = "".join(reversed(recent))
         return any(m in window for m in self._block_markers)
 
     def _join(self, text: str) -> None:
@@ -112,7 +130,7 @@ class DeepSeekV4Parser:
     def _park(self) -> None:
         """Still inside a block after draining: keep the buffer as one piece."""
         if self.state == TOOL_CALLS and self._buf:
-            self._pieces, self._tail, self._buf = [self._buf], self._buf[-MARKER_WINDOW:], ""
+            self._pieces, self._buf, self._since_bar, self._quiet = [self._buf], "", 0, False
     def _drain(self, *, final: bool) -> ParsedOutput:
         reasoning: list[str] = []
         content: list[str] = []

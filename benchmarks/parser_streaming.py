@@ -1,0 +1,61 @@
+"""DeepSeek-V4 output parser: a long tool argument streamed in small pieces vs fed whole.
+
+A served model streams its tool-call arguments a few characters at a time; the parser must not
+re-scan everything it holds on each piece (issue 7 measured 9.9 s for a 200 KB argument fed
+4 characters at a time). The peer is the same parser fed the whole text in one call, measured
+in the same run: streaming should stay within a small factor of it, at every size.
+
+    python benchmarks/parser_streaming.py                # 64 KB .. 1 MB, 4-character pieces
+    python benchmarks/parser_streaming.py --sizes 1048576 --piece 1 --repeats 5
+
+Needs only the recipe plugin (``pip install -e plugins/deepinfer_recipe``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from deepinfer_recipe.deepseek_v4 import make_parser
+
+D = "｜DSML｜"
+
+
+def completion(size: int) -> str:
+    """A tool call whose one string argument is ``size`` characters (multi-line, no markers)."""
+    line = "The quick brown fox jumps over the lazy dog 0123456789.\n"
+    value = (line * (size // len(line) + 1))[:size]
+    return (f"Let me save it.\n\n<{D}tool_calls>\n<{D}invoke name=\"write_file\">\n"
+            f"<{D}parameter name=\"path\" string=\"true\">notes.txt</{D}parameter>\n"
+            f"<{D}parameter name=\"text\" string=\"true\">{value}</{D}parameter>\n"
+            f"</{D}invoke>\n</{D}tool_calls><｜end▁of▁sentence｜>")
+
+
+def run(pieces: list[str]) -> tuple[float, int]:
+    start = time.perf_counter()
+    parser = make_parser({"thinking": False})
+    calls = [c for p in pieces for c in parser.push(p).tool_calls] + list(parser.finish().tool_calls)
+    elapsed = time.perf_counter() - start
+    assert len(calls) == 1
+    return elapsed, len(json.loads(calls[0].arguments)["text"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="65536,262144,1048576", help="argument sizes in characters")
+    ap.add_argument("--piece", type=int, default=4, help="characters per streamed piece")
+    ap.add_argument("--repeats", type=int, default=3, help="best of R runs each")
+    args = ap.parse_args()
+    print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole |")
+    print("|---:|---:|---:|---:|---:|")
+    for size in (int(s) for s in args.sizes.split(",")):
+        text = completion(size)
+        pieces = [text[i:i + args.piece] for i in range(0, len(text), args.piece)]
+        whole = min(run([text])[0] for _ in range(args.repeats))
+        streamed, got = min(run(pieces) for _ in range(args.repeats))
+        assert got == size
+        print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {streamed:.3f} | {whole:.4f} | {streamed / whole:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
