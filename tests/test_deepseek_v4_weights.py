@@ -206,3 +206,17 @@ def test_bad_config_is_refused_before_loading(fresh, monkeypatch, change, messag
 def test_good_checkpoint_passes_the_header_check(fresh):
     files = open_model_files(fresh)
     assert files.config["num_hidden_layers"] == TINY_V4_CONFIG["num_hidden_layers"]
+
+
+def test_engine_refuses_a_bad_checkpoint_before_building_the_model(fresh, monkeypatch):
+    from deepinfer_core import LLM
+    from deepinfer_core.engine import loading
+
+    _rewrite(fresh, lambda t: t.pop("layers.0.ffn.gate.tid2eid", None))
+
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loading, "build_model", build)
+    with pytest.raises(WeightsError, match=r"missing tensors: layers\.0\.ffn\.gate\.tid2eid"):
+        LLM(fresh, device="cpu")
