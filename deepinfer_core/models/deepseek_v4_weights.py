@@ -132,7 +132,8 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
     # MTP blocks take the schedule's entries past the main layers where it has them (the
     # released compress_ratios lists them), else a sliding-window block.
     kinds += _layer_kinds(config, n + n_mtp)[n:] if len(schedule) >= n + n_mtp else ["sliding_attention"] * n_mtp
-    n_hash = g("num_hash_layers", 3) if g("mlp_layer_types") is None else sum(k == "hash_moe" for k in g("mlp_layer_types"))
+    mlp_kinds = g("mlp_layer_types") or ["hash_moe"] * g("num_hash_layers", 3)
+    hashed = {i for i, k in enumerate(mlp_kinds[:n]) if k == "hash_moe"}
     if heads % groups:
         raise ValueError(f"DeepSeek-V4 config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
     specs: dict[str, TensorSpec] = {
@@ -154,7 +155,7 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
         }
         for mix in ("attn", "ffn"):
             block |= {f"hc_{mix}_fn": (((2 + hc) * hc, hc * d), "f32"), f"hc_{mix}_base": (((2 + hc) * hc,), "f32"), f"hc_{mix}_scale": ((3,), "f32")}
-        if not mtp and i < n_hash:
+        if i in hashed:
             block["ffn.gate.tid2eid"] = ((v, top_k), "int")
         else:
             block["ffn.gate.bias"] = ((experts,), "f32")
