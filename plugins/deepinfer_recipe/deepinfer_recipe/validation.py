@@ -96,6 +96,12 @@ def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None =
     return value
 
 
+#: Stop sequences: at most this many, each at most this long. The streaming parser holds back
+#: any suffix that could still grow into one, so their size bounds its work per delta.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 1000
+
+
 def stop_list(value: Any, param: str, limit: int | None = None, *, allow_string: bool = True) -> tuple[str, ...]:
     """Stop sequences: an array of strings (OpenAI also allows one bare string)."""
     if value is None:
@@ -103,8 +109,12 @@ def stop_list(value: Any, param: str, limit: int | None = None, *, allow_string:
     items = [value] if isinstance(value, str) and allow_string else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise fail(param, "must be a string or an array of strings" if allow_string else "must be an array of strings")
-    if limit is not None and len(items) > limit:
-        raise fail(param, f"at most {limit} stop sequences")
+    limit = MAX_STOP_SEQUENCES if limit is None else limit
+    if len(items) > limit:
+        raise fail(param, f"at most {limit} stop sequences (limit)")
+    for i, item in enumerate(items):
+        if len(item) > MAX_STOP_LENGTH:
+            raise fail(f"{param}[{i}]" if isinstance(value, list) else param, f"longer than {MAX_STOP_LENGTH} characters (limit)")
     return tuple(items)
 
 

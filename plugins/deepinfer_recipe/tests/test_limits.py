@@ -152,3 +152,12 @@ def test_encoding_renders_every_accepted_deep_value():
     """The deepest value a codec accepts still renders (no RecursionError later)."""
     request = OpenAIChatCodec().parse_request(chat(tools=SCHEMA_TOOLS["chat"](nested(LIMITS.max_depth - 5))))
     assert DeepSeekV4Encoding().render(request).count('{"a": ') == LIMITS.max_depth - 5
+
+
+def test_stop_sequences_are_bounded():
+    error = refused(AnthropicMessagesCodec(), anthropic(stop_sequences=[f"s{i}" for i in range(17)]))
+    assert error.param == "stop_sequences" and "16 stop sequences (limit)" in error.message
+    error = refused(OpenAIChatCodec(), chat(stop=["ok", "x" * 1001]))
+    assert error.param == "stop[1]" and "1000 characters (limit)" in error.message
+    assert refused(OpenAIChatCodec(), chat(stop="x" * 1001)).param == "stop"
+    assert OpenAIChatCodec().parse_request(chat(stop=["x" * 1000])).stop == ("x" * 1000,)

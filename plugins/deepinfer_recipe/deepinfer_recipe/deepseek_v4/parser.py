@@ -58,13 +58,18 @@ def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
 
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
-    longest = max(len(m) for m in markers) - 1
-    for size in range(min(len(text), longest), 0, -1):
-        tail = text[-size:]
-        if any(m.startswith(tail) for m in markers):
-            return size
-    return 0
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker. Only
+    places where a marker's first character occurs are tried, so ordinary text costs a few
+    ``find`` calls, not one comparison per suffix length."""
+    best = 0
+    for marker in markers:
+        pos = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+        while pos != -1 and len(text) - pos > best:
+            if marker.startswith(text[pos:]):
+                best = len(text) - pos
+                break
+            pos = text.find(marker[0], pos + 1)
+    return best
 
 
 class DeepSeekV4Parser:
