@@ -53,6 +53,9 @@ class AttentionLayerSpec:
     compress_ratio: int = 0
     index_topk: int = 0
     kv_dtype: torch.dtype = torch.float32
+    # DeepSeek-V4 layout: the window lives in per-request state KV, compressed entries in block
+    # KV, the cache is a ``V4LayerCache`` and the backend implements ``V4AttentionBackend``.
+    state_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     batch_invariant: bool = False  # reductions must not depend on the rest of the batch
+    state_slots: torch.Tensor | None = None  # [R] int64, each request's state-KV slot (V4)
 
     @property
     def num_requests(self) -> int:
@@ -102,4 +106,29 @@ class AttentionBackend(Protocol):
         """Write the new tokens' K/V at ``meta.slot_mapping``, then attend causally over each
         request's cached context. Must write before reading (a request's new tokens see each
         other)."""
+        ...
+
+
+@runtime_checkable
+class V4AttentionBackend(Protocol):
+    """Attention of one DeepSeek-V4 layer kind (``spec.state_kv``): SLIDING (window only),
+    COMPRESSED_SPARSE (window + the indexer's chosen compressed entries) or HEAVILY_COMPRESSED
+    (window + every visible compressed entry). One K=V head, per-head softmax sinks."""
+
+    name: str
+
+    def forward_v4(
+        self,
+        spec: AttentionLayerSpec,
+        q: torch.Tensor,  # [T, H, D] roped queries
+        kv: torch.Tensor,  # [T, D] the new tokens' roped key (= value)
+        sinks: torch.Tensor,  # [H] float32 sink logits
+        cache,  # deepinfer_core.models.deepseek_v4_kv.V4LayerCache
+        meta: AttentionMetadata,
+        selected: torch.Tensor | None = None,  # [T, k] entry ids (-1: none), COMPRESSED_SPARSE only
+    ) -> torch.Tensor:  # [T, H, D]
+        """Read each request's last ``window - 1`` keys from its state ring (``meta.state_slots``),
+        attend over them, the new keys and the compressed entries, then store the new keys in
+        the ring. Entries of window ``w`` are visible to position ``p`` when ``(w + 1) * ratio
+        <= p + 1``; they are read from ``cache.entries`` through ``meta.block_tables``."""
         ...

@@ -22,9 +22,10 @@ def deepinfer_register_spec_policies(register_verification):
 
 @hookimpl(trylast=True)
 def deepinfer_register_models(register, register_source):
-    from ..models import deepseek_v3, llama
+    from ..models import deepseek_v3, deepseek_v4, llama
     from ..models.sources import smollm2_gguf
 
     register("LlamaForCausalLM", llama.build)
     register("DeepseekV3ForCausalLM", deepseek_v3.build)
+    register("DeepseekV4ForCausalLM", deepseek_v4.build)
     register_source("smollm2-135m-instruct", smollm2_gguf)

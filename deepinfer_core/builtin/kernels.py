@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..attention import AttentionLayerSpec
 from ..attention.torch_ref import SUPPORTED, TorchAttentionBackend
+from ..attention.v4_ref import SUPPORTED_V4, TorchV4AttentionBackend
 from ..hookspecs import hookimpl
 from ..moe import MoESpec
 from ..moe.torch_ref import TorchMoEDispatcher
@@ -10,6 +11,8 @@ from ..moe.torch_ref import TorchMoEDispatcher
 
 @hookimpl(trylast=True)
 def deepinfer_attention_backend(layer: AttentionLayerSpec, platform):
+    if layer.state_kv:
+        return TorchV4AttentionBackend() if layer.kind in SUPPORTED_V4 else None
     if layer.kind in SUPPORTED:
         return TorchAttentionBackend()
     return None

@@ -69,6 +69,7 @@ class KVCacheManager:
         self.namespace = (namespace or "").encode()
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # ... and found
+        self.state = None  # StateKVSlots of models with per-request state KV (released in free)
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
@@ -129,3 +130,5 @@ class KVCacheManager:
         for block in reversed(req.block_ids):
             self.pool.release(block)
         req.block_ids.clear()
+        if self.state is not None:
+            self.state.release(req.request_id)

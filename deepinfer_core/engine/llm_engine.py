@@ -24,6 +24,7 @@ from .isolation import describe
 from .kv_cache_manager import KVCacheManager
 from .kv_sizing import kv_sizing
 from .model_runner import ModelRunner
+from .state_kv_manager import StateKVSlots
 from .output_processor import OutputProcessor
 from .request import Request
 from .sampler import SamplingRow
@@ -56,9 +57,12 @@ class LLMEngine:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
         namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0".encode()).hexdigest()
         kv_caches = sizing.allocate(self.num_blocks, self.device)
-        self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
+        state = StateKVSlots(sizing.num_state_slots) if sizing.num_state_slots else None  # DeepSeek-V4
+        prefix_caching = config.enable_prefix_caching and state is None  # state KV is not rebuilt on a hit yet
+        self.kv = KVCacheManager(self.num_blocks, bs, namespace if prefix_caching else None)
+        self.kv.state = state
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
-        self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant)
+        self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)

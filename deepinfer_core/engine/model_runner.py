@@ -24,8 +24,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, batch_invariant: bool = False) -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, batch_invariant: bool = False, state=None) -> None:
         self.model = model
+        self.state = state  # StateKVSlots when the model keeps per-request state KV
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -65,6 +66,7 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             batch_invariant=self.batch_invariant,
+            state_slots=None if self.state is None else torch.tensor([self.state.slot(s.request_id) for s in out.requests], dtype=torch.long).to(dev),
         )
         return torch.tensor(ids, dtype=torch.long).to(dev), meta, last_token_rows
 

@@ -1,0 +1,81 @@
+"""Pure-torch reference attention for the DeepSeek-V4 kinds (sliding, CSA, HCA).
+
+Per request (exact lengths, so results never depend on the rest of the batch):
+
+    keys = [ ring rows of positions max(0, s-W+1)..s-1 | new keys s..e-1 | compressed entries ]
+    score(t, j) = q_t . key_j * scale, masked to the window (p - W < pos <= p) and, for
+                  entries, to visibility (HCA) or the indexer's choice (CSA)
+    softmax over the scores plus one sink logit per head; the sink takes mass but adds nothing
+    out_t = sum_j prob(t, j) key_j        (K = V)
+
+then the new keys go into the ring at ``pos % rows``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import AttentionKind, AttentionLayerSpec, AttentionMetadata
+
+SUPPORTED_V4 = {AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED}
+
+
+class TorchV4AttentionBackend:
+    name = "torch-reference-v4"
+
+    def forward_v4(self, spec: AttentionLayerSpec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
+        if spec.kind not in SUPPORTED_V4:
+            raise ValueError(f"{self.name} does not implement attention kind {spec.kind.value!r}")
+        out = q.new_empty(q.shape)
+        starts = meta.query_start_loc.tolist()
+        ends = meta.seq_lens.tolist()
+        slots = meta.state_slots.tolist()
+        ring = cache.window  # [slots, rows, D]
+        rows = ring.shape[1]
+        W = spec.window
+        for r, slot in enumerate(slots):
+            a, b = starts[r], starts[r + 1]
+            if a == b:
+                continue
+            e = ends[r]
+            s = e - (b - a)
+            lo = max(0, s - W + 1)
+            old = ring[slot, torch.arange(lo, s, device=q.device) % rows].to(kv.dtype)
+            keys = torch.cat([old, kv[a:b]], dim=0)  # positions lo..e-1
+            pos = meta.positions[a:b]
+            key_pos = torch.arange(lo, e, device=q.device)
+            mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
+            if spec.kind is not AttentionKind.SLIDING:
+                ents, visible = self._entries(spec, cache, meta, r, e, pos, selected[a:b] if selected is not None else None)
+                keys = torch.cat([keys, ents.to(kv.dtype)], dim=0)
+                mask = torch.cat([mask, visible], dim=1)
+            out[a:b] = _attend(q[a:b], keys, mask, sinks, spec.scale)
+            keep = max(s, e - rows)
+            ring[slot, torch.arange(keep, e, device=q.device) % rows] = kv[keep - s : b - a].to(ring.dtype)
+        return out
+
+    @staticmethod
+    def _entries(spec, cache, meta, r: int, e: int, pos, selected):
+        ratio = spec.compress_ratio
+        n = e // ratio
+        ids = torch.arange(n, device=pos.device)
+        per_block = meta.block_size // ratio
+        blocks = meta.block_tables[r].long()[ids // per_block]
+        ents = cache.entries[blocks, ids % per_block, : spec.head_dim]  # [n, D]
+        if selected is None:  # HCA: every finished window up to the query
+            visible = ids[None, :] < ((pos + 1) // ratio)[:, None]
+        else:  # CSA: only what the indexer chose (-1 = nothing)
+            visible = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=pos.device)
+            visible.scatter_(1, torch.where(selected >= 0, selected, n), True)
+            visible = visible[:, :n]
+        return ents, visible
+
+
+def _attend(q, keys, mask, sinks, scale):
+    # q [t, H, D], keys [K, D] (K = V), mask [t, K] -> [t, H, D]; as transformers' eager path
+    scores = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, t, K]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)

@@ -1,0 +1,192 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): shared-K=V MQA with sliding window, compressed sparse
+(CSA) and heavily compressed (HCA) layers, hash / sqrtsoftplus MoE, hyper-connections.
+
+Per layer, following transformers' ``modeling_deepseek_v4``::
+
+    q  = unweighted_rms(q_b(rms(q_a(x)))) , roped on its trailing rope_dim channels
+    kv = rms(kv_proj(x)), roped                          (one head, key = value)
+    compressed entries (CSA / HCA) from the compressor; CSA's indexer picks top-k of them
+    o  = attention(q, window keys + entries, sinks) , un-roped at the query position
+    out = o_b(grouped o_a(o))
+
+Sliding layers rope with ``rope_theta``; CSA / HCA layers and their compressors with
+``compress_rope_theta`` (+ YaRN). Attention runs on the backend the attention hook returns for
+each layer's spec (``state_kv=True``); MoE through the MoE hook. The cache is the V4 split of
+``deepseek_v4_kv`` (block KV + per-request state KV), sized by :meth:`kv_layout`.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from . import ModelContext
+from .deepseek_v3_weights import load_hf_weights
+from .deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
+from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
+from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
+from .deepseek_v4_weights import renamed
+from .deepseek_v4_layers import (
+    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, hc_merge, moe_spec, unweighted_rms_norm,
+)  # fmt: skip
+
+
+def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> AttentionLayerSpec:
+    kind = cfg.layer_kinds[index]
+    return AttentionLayerSpec(
+        kind=LAYER_KINDS[kind],
+        layer_index=index,
+        num_heads=cfg.num_heads,
+        num_kv_heads=1,
+        head_dim=cfg.head_dim,
+        v_head_dim=cfg.head_dim,
+        scale=cfg.head_dim**-0.5,
+        rope_dim=cfg.rope_dim,
+        kv_shared=True,
+        window=cfg.window,
+        compress_ratio=cfg.compress_ratios[index],
+        index_topk=cfg.index_topk if kind == CSA else 0,
+        kv_dtype=kv_dtype,
+        state_kv=True,
+    )
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: V4Config, spec: AttentionLayerSpec, backend) -> None:
+        super().__init__()
+        self.cfg, self.spec, self.backend = cfg, spec, backend
+        kind = cfg.layer_kinds[spec.layer_index]
+        self.compressed = kind != SLIDING
+        H, D, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = V4RMSNorm(cfg.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, D, bias=False)
+        self.kv_norm = V4RMSNorm(D, eps)
+        self.o_a_proj = GroupedLinear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        if self.compressed:
+            ratio = spec.compress_ratio
+            self.compressor = Compressor(cfg.hidden_size, D, ratio, kind == CSA, eps)
+            if kind == CSA:
+                self.compressor.indexer = Indexer(cfg, ratio)
+
+    def forward(self, x, positions, ropes, cache: V4LayerCache, meta: AttentionMetadata, batch: V4Batch) -> torch.Tensor:
+        T, H, D, eps = x.shape[0], self.cfg.num_heads, self.cfg.head_dim, self.cfg.rms_norm_eps
+        rope = ropes["compress" if self.compressed else "main"]
+        cos, sin = rope.cos_sin(positions, x.dtype)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, H, D), eps)
+        q = V4Rope.apply(q, cos, sin)
+        kv = V4Rope.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
+        selected = None
+        if self.compressed:
+            comp = self.compressor
+            parts = [(comp, 0)]
+            indexer = getattr(comp, "indexer", None)
+            if indexer is not None:
+                parts.append((indexer, D))
+            update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope)
+            if indexer is not None:
+                selected = indexer.select(x, q_residual, positions, cache, batch, rope, D)
+        out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
+        out = V4Rope.apply(out, cos, -sin)  # undo the values' rope at the query position
+        grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)
+        return self.o_b_proj(grouped)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: V4Config, spec, backend, moe) -> None:
+        super().__init__()
+        self.self_attn = V4Attention(cfg, spec, backend)
+        self.mlp = V4MoE(cfg, *moe)
+        self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, h, input_ids, positions, ropes, cache, meta, batch):  # h [T, hc, D]
+        post, comb, collapsed = self.attn_hc(h)
+        out = self.self_attn(self.input_layernorm(collapsed), positions, ropes, cache, meta, batch)
+        h = hc_merge(h, out, post, comb)
+        post, comb, collapsed = self.ffn_hc(h)
+        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        return hc_merge(h, out, post, comb)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: V4Config, layers: list[V4DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Implements :class:`~deepinfer_core.models.CausalLM`; ``kv_caches`` are ``V4LayerCache``s."""
+
+    def __init__(self, config: dict, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = parse_config(config)
+        self.config, self.cfg = config, cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_position_embeddings = cfg.max_position_embeddings
+        self.attention_specs = [attention_spec(cfg, i, ctx.dtype) for i in range(cfg.num_layers)]
+        backends = [ctx.attention_backend(spec) for spec in self.attention_specs]
+        for spec, backend in zip(self.attention_specs, backends):
+            if not hasattr(backend, "forward_v4"):
+                raise ValueError(f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer {spec.layer_index} ({spec.kind.value}) lacks forward_v4")
+        moes = []
+        for i in range(cfg.num_layers):
+            spec = moe_spec(cfg, i)
+            moes.append((spec, ctx.moe_dispatcher(spec)))
+        with torch.device("meta"):
+            layers = [V4DecoderLayer(cfg, s, b, m) for s, b, m in zip(self.attention_specs, backends, moes)]
+            self.model = Backbone(cfg, layers)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to_empty(device=ctx.device)
+        self.to(dtype=ctx.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.ropes = {
+            "main": V4Rope(cfg.rope_dim, cfg.main_rope, cfg.max_position_embeddings, ctx.device),
+            "compress": V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, ctx.device),
+        }
+        self.requires_grad_(False)
+
+    def kv_layout(self, block_size: int, num_speculative_tokens: int = 0) -> V4KVLayout:
+        dtype = self.attention_specs[0].kv_dtype
+        return v4_kv_layout(self.cfg, dtype, block_size, num_speculative_tokens)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_hf_weights(self, renamed(weights))
+
+    def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state_slots is None:
+            raise ValueError("DeepSeek-V4 needs per-request state KV: AttentionMetadata.state_slots is missing")
+        starts = meta.query_start_loc.tolist()
+        ends = meta.seq_lens.tolist()
+        batch = V4Batch(
+            token_ranges=tuple(zip(starts[:-1], starts[1:])),
+            starts=tuple(e - (b - a) for e, a, b in zip(ends, starts[:-1], starts[1:])),
+            slots=tuple(meta.state_slots.tolist()),
+            block_tables=meta.block_tables,
+            block_size=meta.block_size,
+        )
+        e = self.model.embed_tokens(input_ids)
+        h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, input_ids, positions, self.ropes, cache, meta, batch)
+        return self.model.norm(self.model.hc_head(h))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def build(config: dict, ctx: ModelContext) -> DeepseekV4ForCausalLM:
+    """Model factory registered for ``DeepseekV4ForCausalLM``."""
+    return DeepseekV4ForCausalLM(config, ctx)

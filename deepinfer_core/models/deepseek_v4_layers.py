@@ -1,0 +1,205 @@
+"""DeepSeek-V4 building blocks on a flat token batch: norms, interleaved partial RoPE,
+hyper-connections (mHC with Sinkhorn), the grouped low-rank output projection and the MoE block.
+
+Each mirrors transformers' ``modeling_deepseek_v4`` operation for operation (same op order and
+float32 islands), because the acceptance bar is logits within 1e-4 of it; shapes drop the batch
+axis (``[T, ...]`` instead of ``[B, S, ...]``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..moe import ExpertWeights, MoEDispatcher, MoESpec
+from .deepseek_v4_config import V4Config
+from .layers import FusedLinear, yarn_rope_inv_freq
+
+
+class V4RMSNorm(nn.Module):
+    """Weighted RMSNorm; weight kept in float32 and applied before the cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4Rope:
+    """Interleaved RoPE on the trailing ``rope_dim`` channels of each head (pairs (0,1),(2,3)...).
+    cos/sin are computed per call from positions, like the reference (no table to keep)."""
+
+    def __init__(self, rope_dim: int, params: dict, max_positions: int, device=None) -> None:
+        theta = params["rope_theta"]
+        if params["rope_type"] == "yarn":
+            inv_freq, scale = yarn_rope_inv_freq(rope_dim, theta, params, max_positions)
+        else:
+            inv_freq, scale = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)), 1.0
+        self.inv_freq = inv_freq.float().to(device)
+        self.scale = scale
+        self.rope_dim = rope_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [T, rope/2]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H, D] (or [T, D] with cos [T, r/2] broadcast per head)."""
+        cos = cos.repeat_interleave(2, dim=-1)
+        sin = sin.repeat_interleave(2, dim=-1)
+        if x.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        r = cos.shape[-1]
+        nope, rope = x[..., :-r], x[..., -r:]
+        rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+        out = (rope.float() * cos + rotated.float() * sin).to(x.dtype)
+        return torch.cat([nope, out], dim=-1)
+
+
+class HyperConnection(nn.Module):
+    """mHC weights from the ``hc_mult`` streams: pre (collapse), post (expand), comb (mix,
+    Sinkhorn-projected towards doubly stochastic). Parameters ``fn``, ``base``, ``scale``."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        hc = cfg.hc_mult
+        self.hc, self.iters, self.eps, self.norm_eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * cfg.hidden_size))
+        self.base = nn.Parameter(torch.empty((2 + hc) * hc))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor):  # [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]
+        hc = self.hc
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        comb_w = comb_w.view(-1, hc, hc)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w * comb_s + comb_b.view(hc, hc), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand a block's output into the streams and add the comb-mixed residual streams."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams (``model.hc_head``)."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.hc_base = nn.Parameter(torch.empty(cfg.hc_mult))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hc, D] -> [T, D]
+        flat = unweighted_rms_norm(x.flatten(1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+class GroupedLinear(nn.Linear):
+    """Block-diagonal projection: group g of the input maps through its own rows of ``weight``."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__(in_per_group, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in] -> [T, G, out/G]
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)
+        y = torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+        return y
+
+
+class ClampedMLP(nn.Module):
+    """Shared expert: SwiGLU with gate clamped above and up clamped both sides at ``limit``."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def moe_spec(cfg: V4Config, index: int) -> MoESpec:
+    hashed = cfg.mlp_kinds[index] == "hash_moe"
+    return MoESpec(
+        layer_index=index,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        scoring="hash" if hashed else cfg.scoring,
+        normalize_topk=True,  # V4 always renormalises the chosen weights
+        routed_scaling=cfg.routed_scaling,
+        num_shared_experts=1,
+        swiglu_limit=cfg.swiglu_limit,
+    )
+
+
+class V4Router(nn.Module):
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+
+class V4Experts(nn.Module):
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        E, I, D = spec.num_experts, spec.intermediate_size, spec.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+
+class V4MoE(nn.Module):
+    """Routed experts through the MoE hook (learned sqrtsoftplus or hash routing) + shared expert."""
+
+    def __init__(self, cfg: V4Config, spec: MoESpec, dispatcher: MoEDispatcher) -> None:
+        super().__init__()
+        self.spec, self.dispatcher = spec, dispatcher
+        self.hashed = spec.scoring == "hash"
+        self.gate = V4Router(cfg, self.hashed)
+        self.experts = V4Experts(spec)
+        self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, D]
+        logits = F.linear(x, self.gate.weight)  # model dtype, as the reference
+        if self.hashed:
+            ids, weights = self.dispatcher.select_experts(self.spec, logits, None, token_ids=input_ids, hash_table=self.gate.tid2eid)
+        else:
+            ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
+        experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)
+        routed = self.dispatcher.forward(self.spec, x, ids, weights, experts)
+        return routed + self.shared_experts(x)
