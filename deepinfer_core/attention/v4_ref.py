@@ -16,6 +16,7 @@ import torch
 
 from . import AttentionKind, AttentionLayerSpec, AttentionMetadata
 
+_QUERY_CHUNK = 256
 SUPPORTED_V4 = {AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED}
 
 
@@ -42,15 +43,25 @@ class TorchV4AttentionBackend:
             old = ring[slot, torch.arange(lo, s, device=q.device) % rows].to(kv.dtype)
             keys = torch.cat([old, kv[a:b]], dim=0)  # positions lo..e-1
             pos = meta.positions[a:b]
-            key_pos = torch.arange(lo, e, device=q.device)
-            mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
+            ents = visible = None
             if spec.kind is not AttentionKind.SLIDING:
                 ents, visible = self._entries(spec, cache, meta, r, e, pos, selected[a:b] if selected is not None else None)
-                keys = torch.cat([keys, ents.to(kv.dtype)], dim=0)
-                mask = torch.cat([mask, visible], dim=1)
-            out[a:b] = _attend(q[a:b], keys, mask, sinks, spec.scale)
+                ents = ents.to(kv.dtype)
+            # queries in chunks: a chunk only needs its own window of keys, not the whole prompt
+            for c in range(0, b - a, _QUERY_CHUNK):
+                c_end = min(c + _QUERY_CHUNK, b - a)
+                k_lo = max(lo, s + c - W + 1)
+                k_hi = s + c_end
+                ck = keys[k_lo - lo : k_hi - lo]
+                key_pos = torch.arange(k_lo, k_hi, device=q.device)
+                cpos = pos[c:c_end]
+                mask = (key_pos[None, :] <= cpos[:, None]) & (key_pos[None, :] > cpos[:, None] - W)
+                if ents is not None:
+                    ck = torch.cat([ck, ents], dim=0)
+                    mask = torch.cat([mask, visible[c:c_end]], dim=1)
+                out[a + c : a + c_end] = _attend(q[a + c : a + c_end], ck, mask, sinks, spec.scale)
             keep = max(s, e - rows)
-            ring[slot, torch.arange(keep, e, device=q.device) % rows] = kv[keep - s : b - a].to(ring.dtype)
+            ring[slot, torch.arange(keep, e, device=q.device) % rows] = kv[a + keep - s : b].to(ring.dtype)
         return out
 
     @staticmethod

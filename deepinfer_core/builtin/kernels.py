@@ -20,6 +20,6 @@ def deepinfer_attention_backend(layer: AttentionLayerSpec, platform):
 
 @hookimpl(trylast=True)
 def deepinfer_moe_dispatcher(moe: MoESpec, platform, parallel):
-    if moe.scoring in ("softmax", "sigmoid", "sqrtsoftplus") and parallel.ep_size == 1:
+    if moe.scoring in ("softmax", "sigmoid", "sqrtsoftplus", "hash") and parallel.ep_size == 1:
         return TorchMoEDispatcher()
     return None

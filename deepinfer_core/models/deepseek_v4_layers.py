@@ -158,6 +158,7 @@ def moe_spec(cfg: V4Config, index: int) -> MoESpec:
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.moe_intermediate_size,
         scoring="hash" if hashed else cfg.scoring,
+        hash_scoring=cfg.scoring,
         normalize_topk=True,  # V4 always renormalises the chosen weights
         routed_scaling=cfg.routed_scaling,
         num_shared_experts=1,

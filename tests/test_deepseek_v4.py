@@ -1,0 +1,138 @@
+"""DeepSeek-V4 through the public offline API, against transformers' ``DeepseekV4ForCausalLM``.
+
+A tiny random config has every attention kind (sliding, compressed sparse with its indexer,
+heavily compressed), hash-routed and learned MoE layers and 3 hyper-connection streams; the
+window (16), compress rates (4 / 16) and index_topk (6) are small so that prompts of up to 1,500
+tokens span many windows, compressed entries and 128-token KV blocks. Parameters transformers
+initialises to zero (sinks, position biases, mHC biases, the hash table) are randomised so a
+mistake in them shows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4Config"):
+    pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+
+PROMPT_LENS = [10, 37, 130, 257, 600, 900, 1200, 1500]
+NEW = 12
+VOCAB = 320
+
+
+def tiny_config(**overrides):
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
+        num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
+        num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5, swiglu_limit=0.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        hc_mult=3, hc_sinkhorn_iters=6, sliding_window=16, o_groups=2, o_lora_rank=16,
+        index_n_heads=16, index_head_dim=16, index_topk=6, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "beta_fast": 32, "beta_slow": 1},
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    kw.update(overrides)
+    return transformers.DeepseekV4Config(**kw)
+
+
+def randomise(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, model.config.n_routed_experts, b.shape, generator=g))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(1234)
+    model = transformers.DeepseekV4ForCausalLM(tiny_config()).eval()
+    randomise(model, 5)
+    path = tmp_path_factory.mktemp("dsv4")
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # compare full-length continuations
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=64)
+
+
+def prompts(lens=PROMPT_LENS, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy(max_tokens=NEW):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(checkpoint):
+    _, hf = checkpoint
+    out = []
+    with torch.no_grad():
+        for p in prompts():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
+            out.append(ref[0, len(p) :].tolist())
+    return out
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_tokens_match_transformers_generate(llm, reference_tokens):
+    assert tokens(llm.generate(prompts(), greedy())) == reference_tokens
+
+
+def test_logits_match_transformers_at_every_prompt_position(llm, checkpoint):
+    _, hf = checkpoint
+    for p in prompts():
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        ours = llm.engine.prompt_logits(p)
+        assert (ours - ref).abs().max().item() < 1e-4, f"prompt of {len(p)} tokens"
+
+
+@pytest.mark.parametrize("budget", [64, 128, 1000])
+def test_chunked_prefill_gives_the_same_tokens(checkpoint, reference_tokens, budget):
+    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=64, max_num_batched_tokens=budget)
+    assert tokens(llm.generate(prompts(), greedy())) == reference_tokens
+
+
+def test_mixed_batch_equals_each_request_alone(llm):
+    ps = prompts([3, 9, 16, 17, 31, 64, 100, 127, 128, 129, 150, 200, 255, 256, 300, 400], seed=11)
+    batched = tokens(llm.generate(ps, greedy(10)))
+    alone = [tokens(llm.generate([p], greedy(10)))[0] for p in ps]
+    assert batched == alone
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(checkpoint, llm):
+    ps = prompts([120, 250, 370, 120], seed=13)  # the first three fill 6 blocks; growing needs a 7th
+    want = tokens(llm.generate(ps, greedy(40)))
+    tight = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=6)
+    got = tokens(tight.generate(ps, greedy(40)))
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
