@@ -59,10 +59,12 @@ def test_mxfp4_representable_values_round_trip_exactly():
     assert torch.equal(dequant_fp4(q, s), w)
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "fp8-experts"])
 def checkpoint(request, tmp_path_factory):
+    """bf16; FP8 with MXFP4 experts (the release); FP8 experts too (``expert_dtype: fp8``)."""
     path = tmp_path_factory.mktemp(f"v4_{request.param}")
-    write_tiny_v4_checkpoint(path, weights=request.param)
+    weights, experts = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp4"), "fp8-experts": ("fp8", "fp8")}[request.param]
+    write_tiny_v4_checkpoint(path, weights=weights, experts=experts)
     return request.param, str(path)
 
 
@@ -90,7 +92,7 @@ def test_released_layout_loads_in_transformers_with_the_same_values(checkpoint):
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
     fmt, path = checkpoint
-    extra = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if fmt == "fp8" else {}
+    extra = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if fmt != "bf16" else {}
     model, info = DeepseekV4ForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32, **extra)
     assert not any(info.values()), info
     theirs = model.state_dict()
@@ -124,9 +126,10 @@ def test_released_formats_and_dtypes(checkpoint):
     headers = {n: meta["dtype"] for n, (_, meta) in read_headers(paths).items()}
     assert headers["layers.0.ffn.gate.tid2eid"] == "I32" and headers["layers.1.attn.compressor.ape"] == "F32"
     assert headers["layers.1.attn.compressor.wkv.weight"] == "BF16" and headers["embed.weight"] == "BF16"
-    if fmt == "fp8":
+    if fmt != "bf16":
+        expert = "I8" if fmt == "fp8" else "F8_E4M3"
         assert headers["layers.0.attn.wq_a.weight"] == "F8_E4M3" and headers["layers.0.attn.wq_a.scale"] == "F8_E8M0"
-        assert headers["layers.2.ffn.experts.3.w2.weight"] == "I8" and headers["layers.2.ffn.experts.3.w2.scale"] == "F8_E8M0"
+        assert headers["layers.2.ffn.experts.3.w2.weight"] == expert and headers["layers.2.ffn.experts.3.w2.scale"] == "F8_E8M0"
         assert headers["mtp.0.e_proj.weight"] == "F8_E4M3"
     else:
         assert not any(n.endswith(".scale") for n in headers)
