@@ -85,8 +85,9 @@ class DeepSeekV4Parser:
         # full-width bar (every closing marker contains one, so none can be in progress once
         # that count reaches the longest marker)
         self._pieces: list[str] = []
+        self._append = self._pieces.append  # the one list, cleared and refilled, never replaced
         self._since_bar = 0
-        self._quiet = False  # no bar among the last ``_window`` characters
+        self._fast = False  # in a block, and no bar among the last ``_window`` characters
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
         # every closing marker contains the full-width bar, so a window without one completes none
         self._window = max(len(m) for m in self._block_markers) - 1
@@ -95,15 +96,15 @@ class DeepSeekV4Parser:
         self._invoke_re = re.compile(re.escape(f"<{DSML}{tags.invoke}") + r'\s*name="(.*?)">')
 
     def push(self, text: str) -> ParsedOutput:
+        if self._fast and "｜" not in text:  # hot path while an argument streams in
+            self._append(text)
+            return NOTHING
         if self.state is TOOL_CALLS:
-            if self._quiet and "｜" not in text:  # hot path while an argument streams in
-                self._pieces.append(text)
-                return NOTHING
             bar = text.rfind("｜")
             self._since_bar = len(text) - bar - 1 if bar != -1 else self._since_bar + len(text)
-            self._quiet = self._since_bar >= self._window
+            self._fast = self._since_bar >= self._window
             if not self._completes_marker(text):
-                self._pieces.append(text)
+                self._append(text)
                 return NOTHING
         self._join(text)
         return self._drain(final=False)
@@ -133,9 +134,11 @@ class DeepSeekV4Parser:
         self._buf += text
 
     def _park(self) -> None:
-        """Still inside a block after draining: keep the buffer as one piece."""
+        """After draining: still inside a block, keep the buffer as one piece."""
+        self._fast, self._since_bar = False, 0
         if self.state == TOOL_CALLS and self._buf:
-            self._pieces, self._buf, self._since_bar, self._quiet = [self._buf], "", 0, False
+            self._append(self._buf)
+            self._buf = ""
     def _drain(self, *, final: bool) -> ParsedOutput:
         reasoning: list[str] = []
         content: list[str] = []
