@@ -1,0 +1,82 @@
+"""A tiny DeepSeek-V4 checkpoint in the released FP8 / MXFP4 layout, end to end: the engine
+loads it and matches transformers run on the weights transformers itself dequantizes; and
+``deepinfer plan`` agrees with the V4 engine's allocation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4Config"):
+    pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.engine.config import EngineConfig  # noqa: E402
+from deepinfer_core.engine.kv_sizing import cache_bytes  # noqa: E402
+from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
+from deepinfer_core.plan import plan  # noqa: E402
+from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint  # noqa: E402
+
+PROMPT_LENS = [10, 45, 150]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """The FP8 / MXFP4 checkpoint, and transformers' model loaded from it with its own dequant."""
+    path = tmp_path_factory.mktemp("v4_fp8")
+    write_tiny_v4_checkpoint(path, weights="fp8", experts="fp4", seed=3)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    return str(path), hf
+
+
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, TINY_V4_CONFIG["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def test_fp8_fp4_checkpoint_logits_match_transformers(quantized):
+    path, hf = quantized
+    llm = LLM(path, device="cpu", kv_cache_blocks=16)
+    for p in prompts():
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        ours = llm.engine.prompt_logits(p)
+        assert (ours - ref).abs().max().item() < 1e-4, f"prompt of {len(p)} tokens"
+
+
+def test_fp8_fp4_checkpoint_greedy_tokens_match_transformers(quantized):
+    path, hf = quantized
+    llm = LLM(path, device="cpu", kv_cache_blocks=16)
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    for p, out in zip(prompts(), outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt of {len(p)} tokens"
+
+
+@pytest.mark.parametrize("kv_gib, max_num_seqs", [(0.02, 2), (0.05, 8)])
+def test_v4_plan_is_what_the_engine_allocates(quantized, kv_gib, max_num_seqs):
+    path, _ = quantized
+    p = plan(path, kv_gib, dtype="float32", max_num_seqs=max_num_seqs, max_model_len=1000)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs))
+    assert engine.num_blocks == p.blocks
+    assert cache_bytes(engine.runner.kv_caches) == p.total_bytes <= kv_gib * 2**30
+    assert p.state_bytes_per_request > 0 and p.state_slots == max_num_seqs + 1
+    # Block KV per token from the definition of compressed entries: a CSA layer keeps one
+    # (head_dim + index_head_dim)-wide entry per `ratio` tokens, an HCA layer one head_dim-wide
+    # entry per `ratio'` tokens, a sliding layer nothing (its window is state KV).
+    c = TINY_V4_CONFIG
+    per_kind = {r.kind: r.bytes_per_token for r in p.kinds}
+    assert per_kind["compressed_sparse_attention"] == 2 * (c["head_dim"] + c["index_head_dim"]) / 4 * 4  # 2 CSA layers, ratio 4, fp32
+    assert per_kind["heavily_compressed_attention"] == 1 * c["head_dim"] / c["compress_rate_hca"] * 4
+    assert per_kind.get("sliding_attention", 0) == 0
+    # `concurrent_requests` of 1000 tokens fit with max_num_seqs set to that number, one more does not.
+    n, per_request = p.concurrent_requests, p.blocks_per_request
+    fits = plan(path, kv_gib, dtype="float32", max_num_seqs=n, max_model_len=1000)
+    assert fits.blocks >= n * per_request
+    more = plan(path, kv_gib, dtype="float32", max_num_seqs=n + 1, max_model_len=1000)
+    assert more.blocks < (n + 1) * per_request
