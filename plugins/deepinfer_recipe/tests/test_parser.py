@@ -150,3 +150,22 @@ def test_stop_sequences_apply_to_answer_text_only():
 def test_stop_sequences_do_not_cut_tool_arguments():
     text = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">STOP</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     assert run([text], False, stop=("STOP",))["tool_calls"][0]["function"]["arguments"] == '{"a": "STOP"}'
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_long_arguments_with_bars_streamed_in_small_pieces(seed):
+    """Long argument text with full-width bars and near-markers (the streaming fast path turns
+    on and off): any chunking gives the one-shot parse."""
+    rng = random.Random(seed)
+    words = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "</｜DSML｜tool_call", "中文 "]
+    value = "".join(rng.choice(words) for _ in range(rng.randint(20, 200)))
+    text = (f'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">{value}</｜DSML｜parameter>\n'
+            f'</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail')
+    whole = run([text], False)
+    assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"a": value}
+    pieces, i = [], 0
+    while i < len(text):
+        step = rng.randint(1, 7)
+        pieces.append(text[i:i + step])
+        i += step
+    assert run(pieces, False) == whole

@@ -30,6 +30,7 @@ A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from deepinfer_core.codecs import ParsedOutput, ToolCall
 
@@ -87,7 +88,7 @@ class DeepSeekV4Parser:
         self._pieces: list[str] = []
         self._append = self._pieces.append  # the one list, cleared and refilled, never replaced
         self._since_bar = 0
-        self._fast = False  # in a block, and no bar among the last ``_window`` characters
+        self._quiet_push = self._make_quiet_push()
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
         # every closing marker contains the full-width bar, so a window without one completes none
         self._window = max(len(m) for m in self._block_markers) - 1
@@ -96,15 +97,13 @@ class DeepSeekV4Parser:
         self._invoke_re = re.compile(re.escape(f"<{DSML}{tags.invoke}") + r'\s*name="(.*?)">')
 
     def push(self, text: str) -> ParsedOutput:
-        if self._fast and "｜" not in text:  # hot path while an argument streams in
-            self._append(text)
-            return NOTHING
         if self.state is TOOL_CALLS:
             bar = text.rfind("｜")
             self._since_bar = len(text) - bar - 1 if bar != -1 else self._since_bar + len(text)
-            self._fast = self._since_bar >= self._window
             if not self._completes_marker(text):
                 self._append(text)
+                if self._since_bar >= self._window:  # no marker can be in progress
+                    self.push = self._quiet_push  # shadows this method until a bar arrives
                 return NOTHING
         self._join(text)
         return self._drain(final=False)
@@ -116,6 +115,23 @@ class DeepSeekV4Parser:
         return out
 
     # -- internals --------------------------------------------------------------------------
+    def _make_quiet_push(self) -> Callable[[str], ParsedOutput]:
+        """``push`` while an argument streams in and no closing marker can be in progress.
+
+        A served model pushes a few characters at a time, so per-call cost is what a long
+        argument costs: this closure only tests for the bar and stores the piece (no attribute
+        lookups). A piece with a bar hands control back to the general :meth:`push`."""
+        append = self._append
+
+        def quiet_push(text: str) -> ParsedOutput:
+            if "｜" in text:
+                del self.push
+                return self.push(text)
+            append(text)
+            return NOTHING
+
+        return quiet_push
+
     def _completes_marker(self, text: str) -> bool:
         """Whether a closing marker ends inside ``text`` (looks at most one marker back)."""
         recent, size = [text], len(text)
@@ -135,7 +151,8 @@ class DeepSeekV4Parser:
 
     def _park(self) -> None:
         """After draining: still inside a block, keep the buffer as one piece."""
-        self._fast, self._since_bar = False, 0
+        self.__dict__.pop("push", None)
+        self._since_bar = 0
         if self.state == TOOL_CALLS and self._buf:
             self._append(self._buf)
             self._buf = ""
