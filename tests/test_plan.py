@@ -82,3 +82,22 @@ def test_cli_prints_the_plan(checkpoint, capsys):
 def test_bad_budget_is_refused(checkpoint, kv_gib, message):
     with pytest.raises(ValueError, match=message):
         plan(checkpoint[1], kv_gib)
+
+
+def test_plan_for_the_deepseek_v4_flash_config_alone(tmp_path):
+    """The real V4-Flash config (transformers' DeepseekV4Config defaults), no weights: block KV
+    per token per kind follows the compressed-entry definition, state KV is reported."""
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.fail("transformers >= 5.24 (DeepseekV4) is required")
+    config = transformers.DeepseekV4Config().to_dict() | {"architectures": ["DeepseekV4ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = plan(str(tmp_path), 80, max_model_len=131072)
+    kinds = config["layer_types"]
+    csa, hca = kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")
+    rows = {r.kind: r for r in p.kinds}
+    hd, ihd = config["head_dim"], config["index_head_dim"]
+    assert rows["compressed_sparse_attention"].layers == csa and rows["heavily_compressed_attention"].layers == hca
+    assert rows["compressed_sparse_attention"].bytes_per_token == csa * (hd + ihd) / 4 * 2  # bf16
+    assert rows["heavily_compressed_attention"].bytes_per_token == hca * hd / 128 * 2
+    assert p.state_bytes_per_request > 0 and p.blocks_per_request == 1024
+    assert p.total_bytes <= 80 * 2**30 < p.total_bytes + p.block_bytes
