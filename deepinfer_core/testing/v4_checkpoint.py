@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -19,7 +20,7 @@ from ..models.deepseek_v4_weights import released_tensors
 
 # Every layer kind (sliding, CSA, HCA), two hash layers, hyper-connections, one MTP block; dims
 # that give several FP8 tiles (256 = 2 x 128) and whole MXFP4 groups.
-TINY_V4_CONFIG: dict[str, Any] = {
+TINY_V4_CONFIG: Mapping[str, Any] = MappingProxyType({
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
     "vocab_size": 512,
@@ -60,11 +61,11 @@ TINY_V4_CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
-}
+})  # read-only: callers copy it (dict(TINY_V4_CONFIG) | overrides)
 FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
 
 
-def random_released_weights(config: dict, *, weights: str = "fp8", experts: str = "fp4", seed: int = 0) -> dict[str, torch.Tensor]:
+def random_released_weights(config: Mapping, *, weights: str = "fp8", experts: str = "fp4", seed: int = 0) -> dict[str, torch.Tensor]:
     """Released-name tensors for ``config``. ``weights``: ``bf16`` or ``fp8`` (dense projections);
     ``experts``: ``fp4``, ``fp8`` or ``bf16`` (routed experts; ``bf16`` when weights is bf16)."""
     if weights not in ("bf16", "fp8") or experts not in ("fp4", "fp8", "bf16"):
@@ -99,7 +100,7 @@ def random_released_weights(config: dict, *, weights: str = "fp8", experts: str 
     return out
 
 
-def write_tiny_v4_checkpoint(path: str | os.PathLike, *, weights: str = "fp8", experts: str = "fp4", config: dict | None = None, seed: int = 0, shards: int = 2) -> dict:
+def write_tiny_v4_checkpoint(path: str | os.PathLike, *, weights: str = "fp8", experts: str = "fp4", config: Mapping | None = None, seed: int = 0, shards: int = 2) -> dict:
     """Write ``config.json``, ``shards`` safetensors files and their index to ``path``; return the
     config. Consecutive tensors go to alternating shards, so a weight and its scale can sit in
     different files (loaders must pair them by name)."""
