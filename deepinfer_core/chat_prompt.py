@@ -20,6 +20,8 @@ from typing import Any
 
 import jinja2
 
+from .engine.validation import check_unicode
+
 _ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _PRIVATE_USE = range(0xE000, 0xF900)
 
@@ -44,9 +46,11 @@ def check_conversation(conversation: Any) -> list[dict]:
 
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the model's chat template refused the conversation: {exc}") from None
+    check_unicode(text, "the conversation")
+    return text
 
 
 def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> tuple[list[int], str]:

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir, device="cpu", kv_cache_blocks=16, block_size=16, max_num_seqs=8)
 
@@ -130,6 +130,8 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenized(llm, monkeypatch)
         (lambda llm: llm.chat([["user", "hi"]]), TypeError, "message 0 is"),
         (lambda llm: llm.chat("hi"), TypeError, "messages are"),
         (lambda llm: llm.chat([]), TypeError, "messages are"),
+        (lambda llm: llm.generate("ab\ud800"), ValueError, "lone surrogate"),
+        (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]), ValueError, "lone surrogate"),
         (lambda llm: llm.engine.add_request("hello", GREEDY), TypeError, "prompt_token_ids must be a list"),
         (lambda llm: llm.engine.add_request([1, 2], GREEDY, request_id=7), TypeError, "request_id"),
     ],

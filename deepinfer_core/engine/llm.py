@@ -136,7 +136,8 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
-        rendered with the model's chat template."""
+        rendered with the model's chat template. Special tokens come only from the template:
+        special-token text typed in a message is encoded as plain text."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError(f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -147,14 +148,11 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer or chat template")
-        from ..chat_prompt import check_conversation, render_chat
+        from ..chat_prompt import check_conversation, encode_chat
 
         conversation = check_conversation(conversation)
-        for message in conversation:
-            self.engine.check_prompt_text(message["content"] or "")
-        text = render_chat(tok, conversation, add_generation_prompt)
-        self.engine.check_prompt_text(text)
-        return tok.encode(text, add_special_tokens=False), text
+        self.engine.check_prompt_text("".join(m["content"] for m in conversation))
+        return encode_chat(tok, conversation, add_generation_prompt)  # message text stays text
 
     def stream(self, prompts, sampling_params=None, *, split_special_tokens: bool = False) -> Iterator[RequestOutput]:
         """Yield a snapshot each time a request gains tokens (``.outputs[0].delta_text`` holds

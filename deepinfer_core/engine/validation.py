@@ -63,6 +63,16 @@ def check_text_size(text: str, max_model_len: int, max_token_chars: int) -> None
             f"the prompt has {len(text)} characters, so at least {-(-len(text) // max_token_chars)} tokens, "
             f"but the model's context is {max_model_len} tokens"
         )
+    check_unicode(text, "the prompt")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (``"\\ud800"``, possible in a Python
+    string or a JSON escape) has no bytes to tokenize."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: {exc.object[exc.start]!r} at position {exc.start} is a lone surrogate") from None
 
 
 def _few(values: list) -> str:
