@@ -54,7 +54,7 @@ TINY_V4_CONFIG: Mapping[str, Any] = MappingProxyType({
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1},
     "max_position_embeddings": 4096,
     "num_nextn_predict_layers": 1,
     "bos_token_id": 0,
