@@ -136,3 +136,27 @@ def test_preemption_under_a_small_pool_keeps_outputs(checkpoint, llm):
     got = tokens(tight.generate(ps, greedy(40)))
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want
+
+
+def test_repeated_prompt_reports_cached_tokens_and_same_output(checkpoint, reference_tokens):
+    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=96)
+    first = llm.generate(prompts(), greedy())
+    again = llm.generate(prompts(), greedy())
+    assert [o.num_cached_tokens for o in again] == [(n - 1) // 128 * 128 for n in PROMPT_LENS]
+    assert tokens(first) == reference_tokens
+    assert tokens(again) == reference_tokens
+
+
+def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
+    # The hit covers 384 tokens; the state (windows, compressor tails) at 384 is rebuilt by
+    # replay, then 150 new prompt tokens run on it.
+    _, hf = checkpoint
+    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=32)
+    base = prompts([400], seed=21)[0]
+    llm.generate([base], greedy(2))
+    branch = base[:384] + prompts([150], seed=22)[0]
+    out = llm.generate([branch], greedy(16))[0]
+    assert out.num_cached_tokens == 384
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([branch]), attention_mask=torch.ones(1, len(branch), dtype=torch.long), max_new_tokens=16, do_sample=False)
+    assert out.outputs[0].token_ids == ref[0, len(branch) :].tolist()

@@ -74,6 +74,7 @@ class AttentionMetadata:
     max_seq_len: int
     batch_invariant: bool = False  # reductions must not depend on the rest of the batch
     state_slots: torch.Tensor | None = None  # [R] int64, each request's state-KV slot (V4)
+    replay: bool = False  # tokens re-run only to rebuild state KV: read block KV, never write it
 
     @property
     def num_requests(self) -> int:

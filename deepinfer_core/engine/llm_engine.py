@@ -25,6 +25,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_sizing import kv_sizing
 from .model_runner import ModelRunner
 from .state_kv_manager import StateKVSlots
+from .state_replay import replays_needed
 from .output_processor import OutputProcessor
 from .request import Request
 from .sampler import SamplingRow
@@ -58,8 +59,9 @@ class LLMEngine:
         namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0".encode()).hexdigest()
         kv_caches = sizing.allocate(self.num_blocks, self.device)
         state = StateKVSlots(sizing.num_state_slots) if sizing.num_state_slots else None  # DeepSeek-V4
-        prefix_caching = config.enable_prefix_caching and state is None  # state KV is not rebuilt on a hit yet
-        self.kv = KVCacheManager(self.num_blocks, bs, namespace if prefix_caching else None)
+        # tokens re-run to rebuild state KV after a prefix hit (exact; see state_replay)
+        self.replay_tokens = self.model.kv_layout(bs).exact_replay_tokens if state is not None else 0
+        self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
         self.kv.state = state
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
@@ -155,7 +157,8 @@ class LLMEngine:
             try:
                 try:
                     sched = self.scheduler.schedule()
-                    result = self.runner.execute(sched, self._sampling_rows(sched))
+                    replay = None if self.kv.state is None else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
+                    result = self.runner.execute(sched, self._sampling_rows(sched), replay)
                     changed = self.scheduler.update(sched, result.sampled)
                 except Exception as exc:  # no single request is at fault: fail them all
                     log.exception("engine step failed; failing every request")

@@ -33,7 +33,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.sampler = Sampler()
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    def build_batch(self, out: SchedulerOutput, replay: bool = False) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests. Returns (input_ids [T], metadata, sample row indices)."""
         bs = self.block_size
         ids: list[int] = []
@@ -67,13 +67,17 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             batch_invariant=self.batch_invariant,
             state_slots=None if self.state is None else torch.tensor([self.state.slot(s.request_id) for s in out.requests], dtype=torch.long).to(dev),
+            replay=replay,
         )
         return torch.tensor(ids, dtype=torch.long).to(dev), meta, last_token_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None) -> RunnerOutput:
         if not out.requests:
             return RunnerOutput({})
+        if replay is not None:  # rebuild state KV of requests resuming past a prefix hit first
+            replay_ids, replay_meta, _ = self.build_batch(replay, replay=True)
+            self.model.forward(replay_ids, replay_meta.positions, self.kv_caches, replay_meta)
         input_ids, meta, sample_rows = self.build_batch(out)
         hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not sample_rows:

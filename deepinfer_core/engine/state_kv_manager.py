@@ -26,6 +26,9 @@ class StateKVSlots:
             self.owner[request_id] = slot
         return slot
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.owner
+
     def release(self, request_id: str) -> None:
         slot = self.owner.pop(request_id, None)
         if slot is not None:

@@ -89,7 +89,7 @@ class V4Attention(nn.Module):
             indexer = getattr(comp, "indexer", None)
             if indexer is not None:
                 parts.append((indexer, D))
-            update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope)
+            update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
             if indexer is not None:
                 selected = indexer.select(x, q_residual, positions, cache, batch, rope, D)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]

@@ -97,8 +97,11 @@ def update_entries(
     cache: V4LayerCache,
     batch: V4Batch,
     rope: V4Rope,
+    replay: bool = False,
 ) -> None:
-    """Write every entry whose window closes in this step to block KV; refresh the state tails."""
+    """Write every entry whose window closes in this step to block KV; refresh the state tails.
+    A replay (rebuilding state after a prefix hit) only refreshes the tails: the entries are
+    already in the shared cached blocks, and the replay's first positions are not exact."""
     ratio = compressors[0][0].ratio
     for r, ((a, b), s, slot) in enumerate(zip(batch.token_ranges, batch.starts, batch.slots)):
         e = s + (b - a)
@@ -108,7 +111,7 @@ def update_entries(
         for (comp, entry_col), rows in zip(compressors, raw):
             width = 2 * comp.width
             new = rows[a:b]
-            if len(windows):
+            if len(windows) and not replay:
                 old = read_tail(cache.tail[..., tail_col : tail_col + width], slot, lo, s)
                 src = torch.cat([old.to(new.dtype), new], dim=0)
                 entries = comp.compress(src, lo, windows, rope)

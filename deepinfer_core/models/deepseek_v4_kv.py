@@ -75,6 +75,14 @@ class V4KVLayout:
         """Bytes of state KV one running request holds (all layers)."""
         return sum(layer.state_elems() for layer in self.layers) * self.dtype.itemsize
 
+    @property
+    def exact_replay_tokens(self) -> int:
+        """Tokens to re-run before a prefix hit so that every layer's state KV is exact: layer
+        ``l``'s input is exact ``l * (window - 1)`` positions into a replay, and its state needs
+        the last ``max(window - 1, tail rows)`` positions."""
+        back = self.layers[0].window_rows - self.num_speculative_tokens if self.layers else 0
+        return max((l * back + max(back, layer.tail_rows) for l, layer in enumerate(self.layers)), default=0)
+
     def block_bytes_by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for layer in self.layers:
