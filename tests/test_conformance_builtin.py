@@ -6,10 +6,11 @@ import pytest
 
 from deepinfer_core.attention import AttentionKind
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
+from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend
 from deepinfer_core.builtin import catalogues
 from deepinfer_core.moe.torch_ref import TorchMoEDispatcher
 from deepinfer_core.plugin_host import PluginHost
-from deepinfer_core.testing.attention import AttentionBackendSuite
+from deepinfer_core.testing.attention import AttentionBackendSuite, V4AttentionBackendSuite
 from deepinfer_core.testing.models import ModelRegistrySuite
 from deepinfer_core.testing.moe import MoEDispatcherSuite
 from deepinfer_core.testing.platform import PlatformSuite
@@ -53,6 +54,20 @@ class TestTorchAttention(AttentionBackendSuite):
     def backend(self, spec, platform, host):
         backend = host.attention_backend(spec, platform)
         assert isinstance(backend, TorchAttentionBackend)
+        return backend
+
+
+class TestTorchV4Attention(V4AttentionBackendSuite):
+    supported_kinds = (AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED)
+
+    @pytest.fixture
+    def platform(self, host):
+        return host.platform("cpu")
+
+    @pytest.fixture
+    def backend(self, spec, platform, host):
+        backend = host.attention_backend(spec, platform)
+        assert isinstance(backend, TorchV4AttentionBackend)
         return backend
 
 

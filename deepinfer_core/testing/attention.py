@@ -271,3 +271,14 @@ class AttentionBackendSuite:
                 alone = self.run_steps(backend, spec, scenario, shared.clone(), [step], only=r, batch_invariant=True)[0]
                 assert torch.equal(alone, batched[start : start + count]), f"step {step + 1}, request {r}: not bitwise equal"
                 start += count
+
+
+def __getattr__(name: str):
+    """The DeepSeek-V4 kinds (``state_kv`` specs: one case each for sliding, compressed sparse and
+    heavily compressed) have their own suite, :class:`V4AttentionBackendSuite`, kept in
+    ``v4_attention`` for size and reachable from here."""
+    if name in ("V4AttentionBackendSuite", "V4_CASES", "make_v4_spec", "v4_dense_reference"):
+        from . import v4_attention
+
+        return getattr(v4_attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
