@@ -120,6 +120,28 @@ def test_transformers_saved_checkpoint_reads_the_same(tmp_path):
     assert files.config["num_hidden_layers"] == TINY_V4_CONFIG["num_hidden_layers"]
 
 
+def test_v3_style_scale_names_read_the_same(tmp_path):
+    """FP8 scales named ``weight_scale_inv`` in float32 (transformers' and DeepSeek-V3's
+    convention), under ``model.``-prefixed names, read exactly as the released ``.scale`` ones."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_v4_checkpoint(tmp_path / "released", weights="fp8", experts="fp8")
+    (tmp_path / "v3style").mkdir()
+    for f in sorted(os.listdir(tmp_path / "released")):
+        if f.endswith(".safetensors"):
+            renamed = {}
+            for name, t in load_file(tmp_path / "released" / f).items():
+                if name.endswith(".scale") and not name.startswith("hc_"):
+                    name, t = name[: -len("scale")] + "weight_scale_inv", t.float()
+                renamed["model." + name if name.startswith("layers.") else name] = t
+            save_file(renamed, tmp_path / "v3style" / f)
+    (tmp_path / "v3style" / "config.json").write_text((tmp_path / "released" / "config.json").read_text())
+    open_model_files(tmp_path / "v3style")  # the header check accepts it
+    assert set(_ours_stacked(str(tmp_path / "v3style"))) == set(want := _ours_stacked(str(tmp_path / "released")))
+    got = _ours_stacked(str(tmp_path / "v3style"))
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
 def test_released_formats_and_dtypes(checkpoint):
     fmt, path = checkpoint
     paths = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]

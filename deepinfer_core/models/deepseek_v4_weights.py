@@ -207,12 +207,15 @@ _SAVED_KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.")
 
 def released_name(name: str) -> str:
     """The released name of a tensor as transformers' ``save_pretrained`` writes it (``model.``
-    prefix, ``attn.norm`` for ``attn.kv_norm``...); other names unchanged."""
+    prefix, ``attn.norm`` for ``attn.kv_norm``, ``weight_scale_inv`` for ``scale``...); other
+    names unchanged."""
     if name in _SAVED_ALIASES:
         return _SAVED_ALIASES[name]
     rest = name[len("model."):] if name.startswith("model.") else None
     if rest is not None and (rest in _TOP or _RELEASED_BLOCK.match(rest)):
         name = rest
+    if name.endswith(".weight_scale_inv"):  # transformers' / DeepSeek-V3's name for the tile scales
+        name = name[: -len("weight_scale_inv")] + "scale"
     return _SAVED_KV_NORM.sub(r"\1kv_norm.", name)
 
 
