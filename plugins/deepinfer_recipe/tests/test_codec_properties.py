@@ -43,7 +43,7 @@ def _hostile_at(index: int):
 
 # by index: hypothesis shows a strategy's elements in its repr, and the deep ones have none
 LEAF = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | st.sampled_from(range(len(HOSTILE))).map(_hostile_at)
-JSON = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=12)
+JSON = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 
 FIELDS = {
     "chat": {
@@ -101,13 +101,20 @@ VALID = {
 CODECS = {"chat": OpenAIChatCodec, "anthropic": AnthropicMessagesCodec, "responses": OpenAIResponsesCodec}
 
 
+def _with(pair):
+    fixed, rest = pair
+    return {**rest, **fixed}
+
+
 def random_bodies(name: str):
+    """A few of the protocol's real fields (and a model most of the time) with random values;
+    messages are objects with a real role and a few real fields."""
     spec = FIELDS[name]
-    message = st.fixed_dictionaries({}, optional={k: (st.sampled_from(spec["roles"]) if k == "role" else JSON) for k in spec["message"]})
-    values = {k: JSON for k in spec["body"]}
-    values[spec["body"][1]] = st.lists(message, max_size=4) | JSON
-    without_model = {k: v for k, v in values.items() if k != "model"}
-    return st.fixed_dictionaries({"model": st.just("m")}, optional=without_model) | st.fixed_dictionaries({}, optional=values)
+    message = st.tuples(st.fixed_dictionaries({"role": st.sampled_from(spec["roles"])}),
+                        st.dictionaries(st.sampled_from(spec["message"]), JSON, max_size=3)).map(_with)
+    list_field = spec["body"][1]
+    fixed = st.fixed_dictionaries({"model": st.just("m"), list_field: st.lists(message, max_size=4) | JSON})
+    return st.tuples(fixed | st.just({}), st.dictionaries(st.sampled_from(spec["body"]), JSON, max_size=5)).map(_with)
 
 
 def _hostile(value) -> bool:
