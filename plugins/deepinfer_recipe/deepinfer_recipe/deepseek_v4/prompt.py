@@ -112,7 +112,9 @@ def _after(turn: Turn, think: bool, thinking_mode: bool) -> list[Part]:
 
 def render_parts(messages: Sequence[Message], options: RenderOptions = RenderOptions()) -> list[Part]:
     """The whole prompt as parts; ``tokens.prompt_text(parts)`` is the reference string."""
-    drop = options.thinking and not any(m.tools for m in messages)
+    # tools on a user or tool message neither render nor keep history (the reference rebuilds
+    # those messages without them)
+    drop = options.thinking and not any(m.tools for m in messages if m.role not in ("user", "tool"))
     turns = conversation_turns(messages, drop_history=drop)
     last_user = last_user_index(turns)
     parts: list[Part] = [Marker(BOS)]
