@@ -161,3 +161,13 @@ def test_stop_sequences_are_bounded():
     assert error.param == "stop[1]" and "1000 characters (limit)" in error.message
     assert refused(OpenAIChatCodec(), chat(stop="x" * 1001)).param == "stop"
     assert OpenAIChatCodec().parse_request(chat(stop=["x" * 1000])).stop == ("x" * 1000,)
+
+
+def test_encoding_refuses_lone_surrogates_with_a_clear_value_error(tokenizer_path):
+    """Conversations built without a codec (LLM.chat, offline tools) get a ValueError, not the
+    tokenizer's TypeError."""
+    from deepinfer_core.codecs import ConversationRequest, Message
+
+    encoding = DeepSeekV4Encoding(tokenizer_path=str(tokenizer_path))
+    with pytest.raises(ValueError, match="lone surrogate"):
+        encoding.encode(ConversationRequest(messages=(Message(role="user", content="hi \ud83d"),)))
