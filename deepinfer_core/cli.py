@@ -16,6 +16,8 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from .serve.cli import add_parser as add_serve_parser
+
 GENERATE_MODULE = "deepinfer_core.engine.cli_generate"
 
 
@@ -100,7 +102,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 # -- registration -----------------------------------------------------------------------------
 from .plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
 
-SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser, add_plan_parser]  # the one registration point
+SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser, add_plan_parser, add_serve_parser]  # the one registration point
 
 
 def build_parser() -> argparse.ArgumentParser:

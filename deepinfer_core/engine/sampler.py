@@ -44,6 +44,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.suppressed:
                 logits[i, list(row.suppressed)] = float("-inf")
+            for process in row.params.logits_processors:  # e.g. a grammar's token mask
+                logits[i] = process(row.output_token_ids, logits[i])
         greedy = [row.params.greedy for row in rows]
         out = torch.argmax(logits, dim=-1)  # greedy rows are done
         if not all(greedy):

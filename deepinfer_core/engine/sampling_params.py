@@ -50,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Per-request ``fn(output_token_ids, logits[V]) -> logits[V]``, applied before sampling to
+    # this request's row only (vLLM's v0 signature); structured output plugs in here.
+    logits_processors: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, 1, 1, "only n=1 is supported (send the prompt several times)")
@@ -72,6 +75,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be True or False")
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(f) for f in self.logits_processors):
+            _fail("logits_processors", self.logits_processors, "a list of callables fn(output_token_ids, logits) -> logits", TypeError)
+        self.logits_processors = list(self.logits_processors)
 
     def checked(self) -> "SamplingParams":
         """A re-validated private copy: what the engine keeps for a request (fields may have

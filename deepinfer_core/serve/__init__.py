@@ -1,0 +1,13 @@
+"""``deepinfer serve``: the HTTP transport in front of one engine.
+
+* :mod:`.front` runs the engine's step loop in its own thread and hands each request's outputs
+  to that request alone (the event loop never waits on a step);
+* :mod:`.conversation` turns a protocol-neutral conversation into token ids and sampling
+  parameters and the generated text back into reasoning / content / tool calls;
+* :mod:`.grammar` constrains a request's tokens with xgrammar (structured output);
+* :mod:`.app` mounts the protocol codecs that plugins register, plus ``/v1/completions``,
+  ``/v1/models``, ``/health`` and ``/metrics`` (:mod:`.metrics`);
+* :mod:`.cli` is the ``serve`` subcommand.
+
+Importing this package is cheap: FastAPI, uvicorn and xgrammar load only when a server is built.
+"""

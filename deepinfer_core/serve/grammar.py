@@ -1,0 +1,84 @@
+"""Structured output with xgrammar: a request's grammar becomes a logits processor.
+
+The processor is per request (one ``GrammarMatcher`` each) and plugs into the sampler's
+per-request seam (``SamplingParams.logits_processors``): before a token is chosen it catches the
+matcher up with the tokens generated so far and masks every token the grammar forbids, so the
+other requests of the batch are untouched. When the grammar is complete only the stop tokens
+remain allowed, and the engine ends the request as usual.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import torch
+
+from ..codecs import ProtocolError
+
+
+def _vocab_type(backend) -> Any:
+    """xgrammar's vocabulary type from a ``tokenizers`` backend's decoder (how token strings
+    map to bytes): byte-level BPE, byte fallback (``<0x0A>``), or raw strings."""
+    import xgrammar as xgr
+
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    if "ByteLevel" in kinds:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in kinds:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+class GrammarProcessor:
+    """``(output_token_ids, logits[V]) -> logits[V]`` for one request."""
+
+    def __init__(self, compiled, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        self._accepted = 0
+
+    def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        for token in output_token_ids[self._accepted :]:
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"token {token} was sampled against the grammar")
+        self._accepted = len(output_token_ids)
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        row = logits.unsqueeze(0)  # [1, V]
+        self._xgr.apply_token_bitmask_inplace(row, self.bitmask.to(logits.device), vocab_size=self.vocab_size)
+        return row[0]
+
+
+class GrammarCompiler:
+    """Compiles response formats for one tokenizer (xgrammar caches compiled grammars)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        vocab = tokenizer.backend.get_vocab()  # token string -> id
+        encoded = [""] * vocab_size
+        for token, token_id in vocab.items():
+            if token_id < vocab_size:
+                encoded[token_id] = token
+        info = xgr.TokenizerInfo(encoded, _vocab_type(tokenizer.backend), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def json_schema(self, schema: Any, param: str) -> GrammarProcessor:
+        """A processor for JSON matching ``schema``; a schema xgrammar cannot compile is a
+        400 naming ``param`` and xgrammar's reason."""
+        if not isinstance(schema, dict):
+            raise ProtocolError(f"{param}: must be a JSON object (a JSON schema)", param=param)
+        try:
+            compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
+            raise ProtocolError(f"{param}: the JSON schema cannot be compiled: {exc}", param=param) from None
+        return GrammarProcessor(compiled, self.vocab_size)
+
+    def json_object(self) -> GrammarProcessor:
+        """Any JSON object, without free whitespace (a small model could pad it forever)."""
+        return self.json_schema({"type": "object"}, "response_format")

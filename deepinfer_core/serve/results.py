@@ -1,0 +1,114 @@
+"""Engine snapshots -> parsed protocol events, for one request (streamed or not).
+
+A codec's ``stream(request, events)`` is a plain generator that pulls events as it goes, so
+a streamed request runs it in its own thread, fed from the request's blocking output queue; the
+frames go back to the event loop through ``call_soon_threadsafe``. Neither the event loop nor
+the step thread ever waits on a codec.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import replace
+from typing import Callable, Iterator
+
+from ..codecs import OutputParser, ParsedOutput, ProtocolError
+from ..engine.outputs import RequestOutput
+from .front import RequestSink
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (or the whole step): a 500 in the protocol's shape."""
+
+
+def usage_of(out: RequestOutput) -> dict:
+    return {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.outputs[0].token_ids),
+        "cached_tokens": out.num_cached_tokens,
+    }
+
+
+def finish_reason_of(out: RequestOutput) -> str:
+    """The engine's reason in the codecs' neutral vocabulary (see the recipe's ``common``)."""
+    completion = out.outputs[0]
+    if completion.finish_reason == "error":
+        raise RequestFailed(f"the engine failed this request: {completion.stop_reason or 'internal error'}")
+    if completion.finish_reason == "length":
+        return "length"
+    if isinstance(completion.stop_reason, str):
+        return "stop_sequence"
+    return "stop"
+
+
+def merge(a: ParsedOutput, b: ParsedOutput) -> ParsedOutput:
+    return ParsedOutput(
+        content=a.content + b.content,
+        reasoning=a.reasoning + b.reasoning,
+        tool_calls=a.tool_calls + b.tool_calls,
+        finish_reason=b.finish_reason or a.finish_reason,
+        usage=b.usage if b.usage is not None else a.usage,
+    )
+
+
+def final_result(out: RequestOutput, parser: OutputParser) -> tuple[ParsedOutput, str]:
+    """A finished request's whole output, parsed; (result, neutral finish reason)."""
+    reason = finish_reason_of(out)
+    parsed = merge(parser.push(out.outputs[0].text), parser.finish())
+    return parsed, parsed.finish_reason or reason
+
+
+def events(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None]) -> Iterator[ParsedOutput]:
+    """Blocking: parsed deltas of one request; the first carries the prompt usage (Anthropic's
+    ``message_start`` shows it), the last the finish reason and full usage."""
+    first = True
+    while True:
+        out = sink.outputs.get()
+        if out is None:  # aborted, or the step failed
+            if sink.error is not None:
+                raise RequestFailed(f"the engine failed: {sink.error}")
+            return
+        completion = out.outputs[0]
+        parsed = parser.push(completion.delta_text) if completion.delta_text else ParsedOutput()
+        if parsed.finish_reason is not None:  # the parser saw a stop sequence in the answer
+            on_parser_stop()
+            yield replace(parsed, usage=usage_of(out))
+            return
+        if out.finished:
+            reason = finish_reason_of(out)
+            yield replace(merge(parsed, parser.finish()), finish_reason=reason, usage=usage_of(out))
+            return
+        if first:
+            parsed, first = replace(parsed, usage=usage_of(out)), False
+            yield parsed
+        elif parsed.content or parsed.reasoning or parsed.tool_calls:
+            yield parsed
+
+
+def start_frames_thread(codec, request, sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None],
+                        loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+    """Run ``codec.stream`` in a thread; its frames (then None) arrive on the returned queue."""
+    frames: asyncio.Queue = asyncio.Queue()
+
+    def put(frame: str | None) -> None:
+        loop.call_soon_threadsafe(frames.put_nowait, frame)
+
+    def produce() -> None:
+        try:
+            for frame in codec.stream(request, events(sink, parser, on_parser_stop)):
+                put(frame)
+        except Exception as exc:
+            if not isinstance(exc, RequestFailed):
+                log.exception("streaming a response failed")
+            error = ProtocolError(str(exc), status=500, code="server_error")
+            error_frame = getattr(codec, "error_frame", None)
+            if error_frame is not None:
+                put(error_frame(error))
+        finally:
+            put(None)
+
+    threading.Thread(target=produce, name="deepinfer-frames", daemon=True).start()
+    return frames
