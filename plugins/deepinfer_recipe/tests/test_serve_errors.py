@@ -1,0 +1,176 @@
+"""Refusals in each protocol's own shape, overload (429), client disconnects and SIGTERM.
+
+Every refusal must leave the server serving: each test ends with the server idle and a normal
+request still answered."""
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from serve_harness import MAX_QUEUE, MODEL, ENGINE_ARGS, start_subprocess
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BODIES = {
+    "/v1/chat/completions": CHAT,
+    "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+}
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 200  # ~2,000 tokens, context is 1,024
+
+
+def assert_error_shape(path: str, response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["message"], body
+        return body["error"]
+    assert body["error"]["message"] and body["error"]["type"], body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served.base_url, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def still_serving(served, http):
+    yield
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_bad_json(http, path):
+    error = assert_error_shape(path, http.post(path, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
+    assert "JSON" in error["message"]
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_wrong_types(http, path):
+    body = {**BODIES[path], "max_tokens": "many", "max_output_tokens": "many"}
+    error = assert_error_shape(path, http.post(path, json=body), 400)
+    assert "max_" in error["message"]
+    assert_error_shape(path, http.post(path, json=[1, 2]), 400)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_unknown_model(http, path):
+    error = assert_error_shape(path, http.post(path, json={**BODIES[path], "model": "gpt-17"}), 404)
+    assert "gpt-17" in error["message"]
+
+
+def test_unknown_model_through_the_sdks(served):
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="x", max_retries=0).chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic.Anthropic(base_url=served.base_url, api_key="x", max_retries=0).messages.create(model="nope", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_prompt_longer_than_the_context(http, path):
+    body = dict(BODIES[path])
+    if path == "/v1/completions":
+        body["prompt"] = LONG_PROMPT
+    elif path == "/v1/responses":
+        body["input"] = LONG_PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": LONG_PROMPT}]
+    error = assert_error_shape(path, http.post(path, json=body), 400)
+    assert "1024" in error["message"] and "context" in error["message"]
+
+
+def test_prompt_too_long_through_the_sdk(served):
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_schema_xgrammar_cannot_compile(http):
+    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}
+    error = assert_error_shape("/v1/chat/completions", http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400)
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "cannot be compiled" in error["message"]
+
+
+def _open_stream(base_url: str, path: str, max_tokens: int) -> tuple[int, dict, httpx.Client, object]:
+    client = httpx.Client(base_url=base_url, timeout=300)
+    body = {**BODIES[path], "stream": True, "max_tokens": max_tokens, "max_output_tokens": max_tokens}
+    body.pop("max_output_tokens" if path != "/v1/responses" else "max_tokens")
+    cm = client.stream("POST", path, json={**body, "temperature": 1.0, "seed": 1})
+    response = cm.__enter__()
+    return response.status_code, response, client, cm
+
+
+def test_full_queue_answers_429_with_retry_after(served):
+    capacity = ENGINE_ARGS["max_num_seqs"] + MAX_QUEUE
+    opened = []
+    try:
+        for i in range(capacity + 3):
+            path = list(BODIES)[i % 4]
+            status, response, client, cm = _open_stream(served.base_url, path, 400)
+            opened.append((path, status, response, client, cm))
+        refused = [(path, r) for path, status, r, _, _ in opened if status == 429]
+        assert len(refused) == 3, [status for _, status, *_ in opened]
+        for path, response in refused:
+            response.read()
+            assert_error_shape(path, response, 429)
+            assert int(response.headers["retry-after"]) >= 1
+        assert "deepinfer:requests_rejected_total" in httpx.get(f"{served.base_url}/metrics").text
+    finally:
+        for _, _, _, client, cm in opened:
+            cm.__exit__(None, None, None)
+            client.close()
+    health = served.wait_idle()
+    assert health["in_flight"] == 0 and health["kv_usage"] == 0.0
+
+
+def test_fifty_disconnecting_clients_free_everything(served):
+    def one(i: int) -> int:
+        path = list(BODIES)[i % 4]
+        status, response, client, cm = _open_stream(served.base_url, path, 300)
+        try:
+            if status == 200:
+                next(response.iter_raw())  # the stream has started: then hang up
+            return status
+        finally:
+            cm.__exit__(None, None, None)
+            client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        statuses = list(pool.map(one, range(50)))
+    assert statuses.count(200) >= 40, statuses
+    health = served.wait_idle()
+    assert (health["in_flight"], health["running"], health["waiting"], health["kv_usage"]) == (0, 0, 0, 0.0), health
+
+
+def test_sigterm_drains_and_exits_zero():
+    proc, url = start_subprocess()
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client, client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}) as response:
+            assert response.status_code == 200
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the stream still finishes
+            text = response.read().decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_without_protocol_plugins_exits_at_once():
+    proc = subprocess.run(
+        ["deepinfer", "serve", "--port", "1"], env={**__import__("os").environ, "DEEPINFER_PLUGINS": "none-installed"},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "deepinfer-recipe" in lines[0], proc.stderr

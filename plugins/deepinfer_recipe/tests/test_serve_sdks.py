@@ -1,0 +1,171 @@
+"""The official ``openai`` and ``anthropic`` SDKs, unmodified, against ``deepinfer serve`` on
+SmolLM2-135M-Instruct: non-streamed and streamed calls on every endpoint, tool calls with a
+tool-result round trip, the Responses API, legacy completions and the model list."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+from serve_harness import MODEL
+
+GREEDY = {"temperature": 0}  # anthropic 2.x no longer takes temperature as an argument; the API still does
+QUESTION = "What is the capital of France?"
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_chat_completion(oai):
+    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=30)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 10 and reply.usage.completion_tokens > 0
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_completion_stream(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=30, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-1].usage.completion_tokens in (len(content_chunks), len(content_chunks) + 1)  # + the end-of-turn token
+
+
+def test_usage_reports_prefix_cache_hits(oai):
+    """The same prompt twice: the second reuses every full KV block of the first (32 tokens)."""
+    messages = [{"role": "user", "content": "Name three colours of the rainbow, please, in a short list."}]
+    first = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=5)
+    second = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=5)
+    block = 32  # the harness's block size
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // block * block
+
+
+def test_messages(claude):
+    reply = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
+    assert reply.stop_reason == "end_turn"
+    assert "Paris" in reply.content[0].text
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 10 and reply.usage.output_tokens > 0
+
+
+def test_messages_stream(claude):
+    with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert "Paris" in text
+    assert final.content[0].text == text
+    assert final.stop_reason == "end_turn"
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 10  # message_start carried the prompt usage
+
+
+def test_responses(oai):
+    reply = oai.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=30)
+    assert reply.status == "completed"
+    assert "Paris" in reply.output_text
+    assert reply.usage.input_tokens > 10 and reply.usage.output_tokens > 0
+
+
+def test_responses_stream(oai):
+    events = list(oai.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=30, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris" in text
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == text
+
+
+def test_completions(oai):
+    reply = oai.completions.create(model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0)
+    assert "Paris" in reply.choices[0].text
+    assert reply.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0, stream=True) if c.choices)
+    assert streamed == reply.choices[0].text
+
+
+def test_models(oai, claude):
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert [m.id for m in claude.models.list()] == [MODEL]
+
+
+def test_chat_tool_call_and_result_round_trip(oai):
+    tools = [{"type": "function", "function": WEATHER_TOOL}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=60,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["parameters"])
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 22 degrees Celsius."},
+    ]
+    answer = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=40)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content.strip()
+    assert not answer.choices[0].message.tool_calls
+
+
+def test_chat_tool_call_streamed(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Tokyo?"}], tools=[{"type": "function", "function": WEATHER_TOOL}],
+        tool_choice="required", temperature=0, max_tokens=60, stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_messages_tool_use_and_result_round_trip(claude):
+    tool = {"name": "get_weather", "description": WEATHER_TOOL["description"], "input_schema": WEATHER_TOOL["parameters"]}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = claude.messages.create(model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, messages=messages)
+    assert reply.stop_reason == "tool_use"
+    use = [b for b in reply.content if b.type == "tool_use"][0]
+    assert use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER_TOOL["parameters"])
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny and 22 degrees Celsius."}]},
+    ]
+    with claude.messages.stream(model=MODEL, max_tokens=40, extra_body=GREEDY, tools=[tool], messages=messages) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert final.content[0].type == "text" and final.content[0].text.strip()
+
+
+def test_responses_function_call_round_trip(oai):
+    tool = {"type": "function", **WEATHER_TOOL}
+    reply = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=60)
+    call = [item for item in reply.output if item.type == "function_call"][0]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
+    follow_up = oai.responses.create(
+        model=MODEL, tools=[tool], temperature=0, max_output_tokens=40,
+        input=[{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny and 22 degrees Celsius."}],
+    )
+    assert follow_up.output_text.strip()
