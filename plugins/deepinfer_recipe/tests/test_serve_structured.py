@@ -71,7 +71,7 @@ def test_twenty_schemas_validate_batched_with_free_text(oai):
 
 
 def test_json_object(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}], max_tokens=120,
+    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object with the name and age of a person."}], max_tokens=150,
                                         temperature=0, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
