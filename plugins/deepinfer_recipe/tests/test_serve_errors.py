@@ -5,9 +5,10 @@ request still answered."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import subprocess
-import time
+import sys
 
 import anthropic
 import httpx
@@ -168,7 +169,7 @@ def test_sigterm_drains_and_exits_zero():
 
 def test_serve_without_protocol_plugins_exits_at_once():
     proc = subprocess.run(
-        ["deepinfer", "serve", "--port", "1"], env={**__import__("os").environ, "DEEPINFER_PLUGINS": "none-installed"},
+        [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", "1"], env={**os.environ, "DEEPINFER_PLUGINS": "none-installed"},
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

@@ -105,7 +105,7 @@ def _check(http, path: str, body) -> None:
         assert json.loads(payload)["type"] == "error"
 
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 @pytest.mark.parametrize("path", list(VALID))
@@ -120,7 +120,7 @@ def test_mutated_bodies_are_served_or_refused(http, stream_in_flight, path):
 
 @pytest.mark.parametrize("path", list(VALID))
 def test_random_bodies_are_refused(http, stream_in_flight, path):
-    @settings(SETTINGS, max_examples=15)
+    @settings(SETTINGS, max_examples=10)
     @given(json_values | st.binary(max_size=40))
     def check(body):
         _check(http, path, body)
