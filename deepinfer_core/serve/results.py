@@ -36,7 +36,7 @@ def finish_reason_of(out: RequestOutput) -> str:
     """The engine's reason in the codecs' neutral vocabulary (see the recipe's ``common``)."""
     completion = out.outputs[0]
     if completion.finish_reason == "error":
-        raise RequestFailed(f"the engine failed this request: {completion.stop_reason or 'internal error'}")
+        raise RequestFailed(f"the engine failed this request: {getattr(completion, 'error', None) or 'internal error'}")
     if completion.finish_reason == "length":
         return "length"
     if isinstance(completion.stop_reason, str):
