@@ -1,7 +1,8 @@
 """The builtin codec: OpenAI's legacy Completions API (``POST /v1/completions``), plain prompts.
 
 The prompt is a string or a list of token ids; it travels in ``ConversationRequest.extra
-["prompt"]`` (no messages), which tells the server to skip chat formatting. Errors use the
+["prompt"]`` (no messages), which tells the server to skip chat formatting. ``ignore_eos`` (vLLM's
+extension) is accepted, so load benchmarks can ask for fixed output lengths. Errors use the
 OpenAI envelope, like the recipe's OpenAI codecs.
 """
 from __future__ import annotations
@@ -76,6 +77,10 @@ class CompletionsCodec:
         if options is not None and not isinstance(options, dict):
             raise _fail("stream_options", "must be an object")
         extra: dict = {"prompt": _prompt(body.get("prompt")), "stream_options": options or {}}
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: benchmarks need fixed lengths
+        if not isinstance(ignore_eos, bool):
+            raise _fail("ignore_eos", "must be a boolean")
+        extra["ignore_eos"] = ignore_eos
         for key in ("presence_penalty", "frequency_penalty"):
             if (value := _number(body, key, -2, 2)) is not None:
                 extra[key] = value

@@ -184,6 +184,7 @@ class ConversationPreparer:
                 max_tokens=max_tokens,
                 stop=None if uses_native_parser else list(request.stop),  # V4's parser applies stops to the answer only
                 stop_token_ids=list(stop_ids),
+                ignore_eos=bool(extra.get("ignore_eos", False)),
                 logits_processors=processors,
             )
         except ValueError as exc:

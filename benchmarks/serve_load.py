@@ -1,0 +1,198 @@
+"""Load on ``deepinfer serve`` vs llama.cpp's server, and vs deepinfer's offline ``LLM``.
+
+N concurrent clients (the official ``openai`` SDK, one thread each) stream ``/v1/completions``
+from each server on SmolLM2-135M-Instruct (the same Q4_1 GGUF), each a distinct prompt of about
+``--prompt-tokens`` tokens, asking for exactly ``--new-tokens`` tokens (greedy; EOS ignored:
+``ignore_eos`` for deepinfer, a -inf logit bias on EOS for llama.cpp). Per level the table shows
+time to first token and inter-token latency (p50 / p99 over all requests / gaps, client side),
+output tokens per second of the whole level (wall clock), and ratios: deepinfer serve over
+llama.cpp's server, and deepinfer serve over deepinfer's offline ``LLM.generate`` on the same
+prompts (the issue's goal: the server costs at most 10% at 32 clients).
+
+Each server runs in its own subprocess with the same thread count; offline runs in a subprocess
+too. An engine that cannot run is reported as unavailable, and the others still run.
+
+    python benchmarks/serve_load.py --concurrency 1,8,32 --prompt-tokens 128 --new-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL = "smollm2-135m-instruct"
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+        "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+        "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
+        "before us, we were all going direct to Heaven, we were all going direct the other way. ") * 4
+
+
+def prompts(n: int, prompt_tokens: int) -> list[str]:
+    """Distinct prompts of about ``prompt_tokens`` tokens (4 characters a token, roughly)."""
+    words = TEXT.split()
+    size = prompt_tokens * 3 // 4
+    return [f"Request {i}: " + " ".join(words[i % 40 : i % 40 + size]) for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path() -> str:
+    from deepinfer_core.models.sources import smollm2_gguf
+
+    return str(smollm2_gguf())
+
+
+def start_server(engine: str, threads: int, max_seqs: int, context: int) -> tuple[subprocess.Popen, str, int | None]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if engine == "deepinfer":
+        cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--max-num-seqs", str(max_seqs),
+               "--max-model-len", str(context), "--max-queue", "256", "--log-level", "warning"]
+        eos = None
+    else:
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path(), "--port", str(port), "--n_threads", str(threads),
+               "--n_ctx", str(context), "--model_alias", MODEL]
+        eos = 2  # <|im_end|> / the GGUF's EOS id for SmolLM2
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{engine} server exited: {proc.stderr.read()[-500:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc, url, eos
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{engine} server did not start")
+
+
+def one_request(client, prompt: str, new_tokens: int, eos: int | None) -> dict:
+    extra = {"ignore_eos": True} if eos is None else {"logit_bias": {str(eos): -100}}
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True, extra_body=extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+            tokens += 1
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": gaps, "chunks": tokens}
+
+
+def load_level(url: str, eos: int | None, n: int, prompt_tokens: int, new_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
+    one_request(client, "Warm up", 2, eos)
+    texts = prompts(n, prompt_tokens)
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda p: one_request(client, p, new_tokens, eos), texts))
+    wall = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in results)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    return {"tok_s": n * new_tokens / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
+            "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99), "chunks": sum(r["chunks"] for r in results) / n}
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def offline(levels: list[int], prompt_tokens: int, new_tokens: int, threads: int, context: int) -> dict[int, float]:
+    """deepinfer's LLM.generate on the same prompts, in a subprocess; tok/s per level."""
+    code = f"""
+import json, time
+from deepinfer_core import LLM, SamplingParams
+from benchmarks.serve_load import prompts
+llm = LLM({MODEL!r}, max_num_seqs={max(levels)}, max_model_len={context})
+params = SamplingParams(temperature=0, max_tokens={new_tokens}, ignore_eos=True)
+llm.generate(["Warm up"], SamplingParams(temperature=0, max_tokens=2))
+out = {{}}
+for n in {levels}:
+    texts = prompts(n, {prompt_tokens})
+    start = time.perf_counter()
+    llm.generate(texts, params, use_tqdm=False)
+    out[n] = n * {new_tokens} / (time.perf_counter() - start)
+print(json.dumps(out))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-500:])
+    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--engines", default="deepinfer,llamacpp,offline")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    engines = args.engines.split(",")
+    context = 2 * (args.prompt_tokens + args.new_tokens) + 64
+    rows: dict[str, dict[int, dict] | str] = {}
+    for engine in [e for e in engines if e != "offline"]:
+        try:
+            proc, url, eos = start_server(engine, args.threads, max(levels), context)
+        except Exception as exc:  # report, and measure the others
+            rows[engine] = f"unavailable: {exc}"
+            continue
+        try:
+            rows[engine] = {n: load_level(url, eos, n, args.prompt_tokens, args.new_tokens) for n in levels}
+        except Exception as exc:
+            rows[engine] = f"failed: {exc}"
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    base: dict[int, float] | str = {}
+    if "offline" in engines:
+        try:
+            base = offline(levels, args.prompt_tokens, args.new_tokens, args.threads, context)
+        except Exception as exc:
+            base = f"unavailable: {exc}"
+    print(f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, {args.threads} threads, "
+          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
+    print("| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs offline LLM |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in levels:
+        for engine, result in rows.items():
+            if isinstance(result, str):
+                print(f"| {n} | {engine} | {result} | | | | | | |")
+                continue
+            r = result[n]
+            peer = rows.get("llamacpp")
+            vs_peer = f"{r['tok_s'] / peer[n]['tok_s']:.2f}x" if isinstance(peer, dict) else "-"
+            vs_offline = f"{r['tok_s'] / base[n]:.2f}x" if isinstance(base, dict) and n in base else "-"
+            print(f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
+                  f"{r['itl_p99'] * 1e3:.1f} | {r['tok_s']:.1f} | {vs_peer} | {vs_offline} |")
+        if isinstance(base, dict) and n in base:
+            print(f"| {n} | deepinfer offline LLM | | | | | {base[n]:.1f} | | 1.00x |")
+        elif isinstance(base, str):
+            print(f"| {n} | deepinfer offline LLM | {base} | | | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
