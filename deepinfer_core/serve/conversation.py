@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable
 
+from ..chat_prompt import check_conversation, encode_chat
 from ..codecs import ConversationRequest, Message, OutputParser, ParsedOutput, ProtocolError, ToolCall
 from ..engine.sampling_params import SamplingParams
 from .grammar import GrammarCompiler
@@ -138,8 +139,10 @@ class ConversationPreparer:
         forced = forced_tool_schema(request) is not None
         if "prompt" in request.extra:  # /v1/completions: a raw prompt
             prompt = request.extra["prompt"]
-            ids = list(prompt) if isinstance(prompt, list) else self._tokenizer_or_fail().encode(prompt, add_special_tokens=True)
-            return ids, PlainTextParser, False, ()
+            if isinstance(prompt, list):
+                return list(prompt), PlainTextParser, False, ()
+            self._check_text(prompt, "prompt")
+            return self._tokenizer_or_fail().encode(prompt, add_special_tokens=True), PlainTextParser, False, ()
         if self.encoding is not None:
             encoded = self.encoding.encode(request)
             options = dict(encoded.parser_options)
@@ -147,8 +150,27 @@ class ConversationPreparer:
             new_parser = (lambda: factory(options)) if factory is not None else (lambda: self.encoding.parser(options))
             return list(encoded.token_ids), new_parser, bool(options.get("thinking")), tuple(encoded.stop_token_ids)
         tok = self._tokenizer_or_fail()
-        text = tok.apply_chat_template(_template_messages(request, forced), add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False), (ToolCallJsonParser if forced else PlainTextParser), False, ()
+        try:  # special tokens only where the template puts them: message text stays text
+            conversation = check_conversation(_template_messages(request, forced))
+            self._check_text("".join(m["content"] for m in conversation), "messages")
+            ids, _ = encode_chat(tok, conversation, add_generation_prompt=True)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"messages: {exc}", param="messages") from None
+        return ids, (ToolCallJsonParser if forced else PlainTextParser), False, ()
+
+    def _check_text(self, text: str, param: str) -> None:
+        """Text the tokenizer cannot take (lone surrogates), or surely too long for the context
+        (the engine's check, before tokenizing megabytes), is the client's error."""
+        try:
+            text.encode("utf-8")
+        except UnicodeError as exc:
+            raise ProtocolError(f"{param}: the text is not valid Unicode ({exc.reason} at {exc.start})", param=param) from None
+        check = getattr(self.engine, "check_prompt_text", None)
+        try:
+            if check is not None:
+                check(text)
+        except ValueError as exc:
+            raise ProtocolError(f"{param}: {exc}", param=param, code="context_length_exceeded") from None
 
     def _tokenizer_or_fail(self):
         if self.tokenizer is None:
