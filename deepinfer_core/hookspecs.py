@@ -22,6 +22,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
+    from .engine.graphs import DecodeGraphsFactory
     from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .kv_store import KVStoreFactory
     from .models import ModelFactory, ModelSource
@@ -107,6 +108,23 @@ def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: Paralle
     :param platform: the platform the model runs on.
     :param parallel: tensor/expert/data parallel sizes and this rank.
     :return: a :class:`~deepinfer_core.moe.MoEDispatcher`, or None when not applicable.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_decode_graphs(platform: Platform) -> DecodeGraphsFactory | None:
+    """Offer a graph-capture policy for decode steps on this platform (e.g. CUDA graphs).
+
+    Called by ``PluginHost.decode_graphs()`` once when an engine is built, unless the engine
+    runs eagerly (``LLM(enforce_eager=True)``) or batch-invariant. The engine then reserves one
+    scratch KV block (index ``num_blocks``, never handed to a request: padded rows write there)
+    and calls ``factory(model, kv_caches, block_size=, scratch_block=, max_num_seqs=,
+    max_blocks=)`` once; the returned :class:`~deepinfer_core.engine.graphs.DecodeGraphs`
+    captures what it wants at start-up and is offered every pure-decode step
+    (``run(input_ids, meta)``; None means "run it eagerly"). Prefill and mixed steps are eager.
+
+    :param platform: the platform the engine runs on.
+    :return: a factory as above, or None (the builtin answers None: eager everywhere).
     """
 
 

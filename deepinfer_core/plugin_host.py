@@ -218,6 +218,10 @@ class PluginHost:
             raise NoImplementationError(f"no MoE dispatcher{by} for scoring {moe.scoring!r} on platform {platform.name!r}")
         return dispatcher
 
+    def decode_graphs(self, platform: Platform):
+        """The platform's decode-graph factory (``deepinfer_decode_graphs``), or None: eager."""
+        return self.pm.hook.deepinfer_decode_graphs(platform=platform)
+
     def backend_providers(self, hook_name: str) -> list[str]:
         """Plugins implementing ``hook_name`` in the order they are asked when no backend is
         named: installed plugins by name (alphabetical, so the order never depends on how

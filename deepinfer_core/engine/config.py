@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0  # draws the per-request seeds of requests that bring none
     attention_backend: str | None = None  # a plugin name or "builtin"; None: the default order
     moe_backend: str | None = None  # likewise for the MoE dispatcher
+    enforce_eager: bool = False  # never replay captured decode graphs (deepinfer_decode_graphs)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

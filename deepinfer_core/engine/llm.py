@@ -41,6 +41,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str | None = None,
         moe_backend: str | None = None,
+        enforce_eager: bool = False,
         host=None,
     ) -> None:
         config = EngineConfig(
@@ -58,6 +59,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             moe_backend=moe_backend,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config, host)
         self._streams = RequestStreams(self.engine)

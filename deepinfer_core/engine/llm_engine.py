@@ -57,7 +57,9 @@ class LLMEngine:
         else:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
         namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0".encode()).hexdigest()
-        kv_caches = sizing.allocate(self.num_blocks, self.device)
+        graphs = None if config.enforce_eager or config.batch_invariant else self.host.decode_graphs(self.platform)
+        scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
+        kv_caches = sizing.allocate(self.num_blocks + scratch, self.device)
         state = StateKVSlots(sizing.num_state_slots) if sizing.num_state_slots else None  # DeepSeek-V4
         # tokens re-run to rebuild state KV after a prefix hit (exact; see state_replay)
         self.replay_tokens = self.model.kv_layout(bs).exact_replay_tokens if state is not None else 0
@@ -65,6 +67,11 @@ class LLMEngine:
         self.kv.state = state
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
+        if graphs is not None:
+            self.runner.graphs = graphs(
+                self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,
+                max_num_seqs=config.max_num_seqs, max_blocks=-(-self.max_model_len // bs),
+            )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)

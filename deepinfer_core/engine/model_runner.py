@@ -12,6 +12,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..models import CausalLM
+from .graphs import DecodeGraphs
 from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow
 from .scheduler import SchedulerOutput
@@ -32,6 +33,7 @@ class ModelRunner:
         self.device = device
         self.batch_invariant = batch_invariant
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # set by the engine when the platform captures decode steps
 
     def build_batch(self, out: SchedulerOutput, replay: bool = False) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests. Returns (input_ids [T], metadata, sample row indices)."""
@@ -79,7 +81,11 @@ class ModelRunner:
             replay_ids, replay_meta, _ = self.build_batch(replay, replay=True)
             self.model.forward(replay_ids, replay_meta.positions, self.kv_caches, replay_meta)
         input_ids, meta, sample_rows = self.build_batch(out)
-        hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
+        hidden = None
+        if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
+            hidden = self.graphs.run(input_ids, meta)  # a captured decode step, or None
+        if hidden is None:
+            hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not sample_rows:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]

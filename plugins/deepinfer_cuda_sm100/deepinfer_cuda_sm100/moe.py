@@ -7,7 +7,7 @@ import torch
 from deepinfer_core.moe import ExpertWeights, MoESpec
 from deepinfer_core.moe.torch_ref import TorchMoEDispatcher
 
-SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus", "hash")
 
 
 class TritonMoEDispatcher(TorchMoEDispatcher):
@@ -22,7 +22,8 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             raise ValueError("TritonMoEDispatcher: expert weights need a contiguous last dimension")
         out, counts = fused_moe(hidden, experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit)
-        self._load = counts if self._load is None else self._load + counts
+        if not torch.cuda.is_current_stream_capturing():  # graph replays are not counted
+            self._load = counts if self._load is None else self._load + counts
         return out
 
     def expert_load(self) -> torch.Tensor | None:

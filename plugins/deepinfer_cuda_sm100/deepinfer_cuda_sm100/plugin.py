@@ -44,3 +44,12 @@ def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: Paralle
     if platform.device_type != "cuda" or moe.scoring not in SCORINGS or parallel.ep_size != 1 or not triton_available():
         return None
     return TritonMoEDispatcher()
+
+
+@hookimpl
+def deepinfer_decode_graphs(platform: Platform):
+    if platform.device_type != "cuda":
+        return None
+    from .graphs import CudaDecodeGraphs
+
+    return CudaDecodeGraphs

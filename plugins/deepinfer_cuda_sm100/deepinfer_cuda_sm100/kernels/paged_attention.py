@@ -35,11 +35,11 @@ def _paged_attention_kernel(
     stride_ls, stride_lt,
     stride_cp, stride_ch, stride_cs,
     stride_bt,
-    scale, block_size, window, tiles_per_req,
+    scale, block_size, window, tiles_per_req, num_splits,
     G: tl.constexpr, TPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DA: tl.constexpr, BLOCK_DB: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, DV: tl.constexpr, V_PLANE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,7 +73,7 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             lo = tl.maximum(0, ctx + t * TPT - window + 1)
         n_tiles = tl.cdiv(hi - lo, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        per_split = tl.cdiv(n_tiles, num_splits)
         s_lo = lo + split * per_split * BLOCK_N
         s_hi = tl.minimum(hi, s_lo + per_split * BLOCK_N)
 
@@ -120,7 +120,7 @@ def _paged_attention_kernel(
         o = acc / l_safe[:, None]
         o_ptrs = out_ptr + split * stride_os + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
-        if NUM_SPLITS > 1:
+        if SPLIT:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
             tl.store(lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head, lse, mask=row_ok)
 
@@ -214,11 +214,11 @@ def paged_attention(
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         cs[0], cs[1], cs[3],
         block_tables.stride(0),
-        float(scale), block_size, int(window or 0), tiles,
+        float(scale), block_size, int(window or 0), tiles, splits,
         G=groups, TPT=tpt, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DA=da, BLOCK_DB=block_db, DB=db, BLOCK_DV=block_dv, DV=v_head_dim,
         V_PLANE=0 if kv_shared or planes == 1 else 1,
-        HAS_WINDOW=window is not None, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32 or interpreting(),
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32 or interpreting(),
         UPCAST=interpreting() and q.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -1,0 +1,26 @@
+"""Decode-step graph capture: the protocol a platform plugin implements (``deepinfer_decode_graphs``).
+
+A decode step is the same few hundred kernels every time, with only the batch's values
+changing; replaying a captured graph removes the host's per-kernel launch cost. The engine stays
+device-neutral: it reserves a scratch KV block for padded rows and offers each pure-decode step
+to the :class:`DecodeGraphs` object, which may decline (then the step runs eagerly).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+from ..attention import AttentionMetadata
+
+
+@runtime_checkable
+class DecodeGraphs(Protocol):
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states ``[T, D]`` of one decode step (one new token per request, each
+        request's K/V written like an eager forward), or None to have it run eagerly."""
+        ...
+
+
+# factory(model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> DecodeGraphs
+DecodeGraphsFactory = Callable[..., DecodeGraphs]

@@ -1,0 +1,34 @@
+"""CUDA-graph decode (``deepinfer_decode_graphs``): the hook answers for CUDA platforms only;
+on a GPU, replayed graphs (with padded buckets) give the eager engine's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.platform import TorchPlatform
+from deepinfer_cuda_sm100 import CudaSM100Platform, plugin
+
+
+def test_hook_answers_for_cuda_platforms_only():
+    from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
+
+    assert plugin.deepinfer_decode_graphs(TorchPlatform("cpu", "cpu")) is None
+    assert plugin.deepinfer_decode_graphs(CudaSM100Platform()) is CudaDecodeGraphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_replay_matches_eager(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("triton")
+    from deepinfer_core import LLM, SamplingParams
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]  # 3 requests: replayed in the bucket of 4
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    graphed = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8)
+    assert graphed.engine.runner.graphs is not None
+    eager = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]

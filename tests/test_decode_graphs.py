@@ -1,0 +1,73 @@
+"""The decode-graph hook (``deepinfer_decode_graphs``) as the engine uses it, with a recording
+CPU stand-in for a CUDA-graph policy: pure decode steps are offered to it, prefill is not, a
+scratch KV block is reserved for padded rows, a declined step runs eagerly, and the tokens are
+the eager engine's. (The CUDA implementation is checked on a GPU by the cuda_sm100 plugin.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.plugin_host import PluginHost
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+class Recorder:
+    """Runs offered steps eagerly (so results must match) and declines every third one."""
+
+    def __init__(self, model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> None:
+        self.model, self.kv_caches = model, kv_caches
+        self.args = dict(block_size=block_size, scratch_block=scratch_block, max_num_seqs=max_num_seqs, max_blocks=max_blocks)
+        self.offered: list[int] = []
+
+    def run(self, input_ids, meta):
+        self.offered.append(meta.num_requests)
+        assert meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests
+        if len(self.offered) % 3 == 0:
+            return None
+        return self.model.forward(input_ids, meta.positions, self.kv_caches, meta)
+
+
+class GraphPlugin:
+    @hookimpl
+    def deepinfer_decode_graphs(self, platform):
+        return Recorder
+
+
+def test_decode_steps_are_offered_and_tokens_match_eager(tiny_llama):
+    from deepinfer_core import LLM, SamplingParams
+
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": GraphPlugin()})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    llm = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, max_num_seqs=8, host=host)
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs, Recorder)
+    assert graphs.args == dict(block_size=128, scratch_block=4, max_num_seqs=8, max_blocks=2)
+    assert all(cache.shape[2] == 5 for cache in llm.engine.runner.kv_caches)  # 4 blocks + scratch
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert graphs.offered == [2] * 5  # the prefill step is never offered; 5 decode steps are
+    eager = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, max_num_seqs=8, enforce_eager=True, host=host)
+    assert eager.engine.runner.graphs is None and eager.engine.runner.kv_caches[0].shape[2] == 4
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+def test_no_graphs_without_a_provider_or_in_batch_invariant_mode(tiny_llama):
+    from deepinfer_core import LLM
+
+    assert PluginHost(load_entry_points=False).decode_graphs(PluginHost(load_entry_points=False).platform("cpu")) is None
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": GraphPlugin()})
+    assert LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).engine.runner.graphs is None
