@@ -16,7 +16,7 @@ every plugin and receive a ``register`` callback.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import pluggy
 
@@ -125,6 +125,22 @@ def deepinfer_decode_graphs(platform: Platform) -> DecodeGraphsFactory | None:
 
     :param platform: the platform the engine runs on.
     :return: a factory as above, or None (the builtin answers None: eager everywhere).
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_batch_invariant_ops(platform: Platform) -> Callable[[], ContextManager] | None:
+    """Offer batch-invariant versions of the ops a model calls directly (matmuls, reductions).
+
+    Called by ``PluginHost.batch_invariant_ops()`` once when a ``batch_invariant=True`` engine
+    is built. The runner enters ``factory()`` around each step's forward and logits, so a
+    request's numbers never depend on the other rows of its batch: attention and MoE backends
+    already see ``meta.batch_invariant``; this covers the dense layers (GPU matmul libraries
+    choose kernels by the number of rows). A ``TorchDispatchMode`` is one way to provide it.
+
+    :param platform: the platform the engine runs on.
+    :return: a zero-argument callable returning a context manager, or None (the builtin: the
+        CPU reference ops are used as they are).
     """
 
 

@@ -71,3 +71,28 @@ def test_no_graphs_without_a_provider_or_in_batch_invariant_mode(tiny_llama):
     assert PluginHost(load_entry_points=False).decode_graphs(PluginHost(load_entry_points=False).platform("cpu")) is None
     host = PluginHost(load_entry_points=False, extra_plugins={"graphs": GraphPlugin()})
     assert LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).engine.runner.graphs is None
+
+
+def test_batch_invariant_engines_enter_the_platforms_invariant_ops(tiny_llama):
+    from contextlib import contextmanager
+
+    from deepinfer_core import LLM, SamplingParams
+
+    entered: list[int] = []
+
+    @contextmanager
+    def ops():
+        entered.append(1)
+        yield
+
+    class InvariantPlugin:
+        @hookimpl
+        def deepinfer_batch_invariant_ops(self, platform):
+            return ops
+
+    host = PluginHost(load_entry_points=False, extra_plugins={"inv": InvariantPlugin()})
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    LLM(tiny_llama, device="cpu", kv_cache_blocks=4, host=host).generate([[5, 6]], params)
+    assert entered == []
+    LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).generate([[5, 6]], params)
+    assert len(entered) == 3  # one prefill step and two decode steps

@@ -67,6 +67,8 @@ class LLMEngine:
         self.kv.state = state
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
+        if config.batch_invariant:
+            self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
         if graphs is not None:
             self.runner.graphs = graphs(
                 self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,

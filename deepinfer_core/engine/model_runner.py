@@ -6,7 +6,9 @@ mapping). Nothing per request crosses into the forward as a Python list.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 import torch
 
@@ -34,6 +36,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set by the engine when the platform captures decode steps
+        self.invariant_ops: Callable[[], ContextManager] | None = None  # deepinfer_batch_invariant_ops
 
     def build_batch(self, out: SchedulerOutput, replay: bool = False) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests. Returns (input_ids [T], metadata, sample row indices)."""
@@ -81,6 +84,10 @@ class ModelRunner:
             replay_ids, replay_meta, _ = self.build_batch(replay, replay=True)
             self.model.forward(replay_ids, replay_meta.positions, self.kv_caches, replay_meta)
         input_ids, meta, sample_rows = self.build_batch(out)
+        with self.invariant_ops() if self.invariant_ops is not None else nullcontext():
+            return self._forward_and_sample(out, rows, input_ids, meta, sample_rows)
+
+    def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], input_ids, meta, sample_rows) -> RunnerOutput:
         hidden = None
         if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
             hidden = self.graphs.run(input_ids, meta)  # a captured decode step, or None

@@ -53,3 +53,12 @@ def deepinfer_decode_graphs(platform: Platform):
     from .graphs import CudaDecodeGraphs
 
     return CudaDecodeGraphs
+
+
+@hookimpl
+def deepinfer_batch_invariant_ops(platform: Platform):
+    if platform.device_type != "cuda" or not triton_available():
+        return None
+    from .kernels.invariant import BatchInvariantOps
+
+    return BatchInvariantOps

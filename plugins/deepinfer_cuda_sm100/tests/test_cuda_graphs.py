@@ -14,6 +14,7 @@ def test_hook_answers_for_cuda_platforms_only():
 
     assert plugin.deepinfer_decode_graphs(TorchPlatform("cpu", "cpu")) is None
     assert plugin.deepinfer_decode_graphs(CudaSM100Platform()) is CudaDecodeGraphs
+    assert plugin.deepinfer_batch_invariant_ops(TorchPlatform("cpu", "cpu")) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
