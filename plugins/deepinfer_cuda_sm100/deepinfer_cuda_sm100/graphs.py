@@ -37,9 +37,14 @@ class CudaDecodeGraphs:
         self.tables = torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        blockers = uncapturable(model)
+        if blockers:  # e.g. the builtin MoE reads expert counts back to the host: stay eager
+            log.info("decode steps run eagerly: %s cannot be captured in a CUDA graph", ", ".join(blockers))
+        else:
+            self._capture_all()
 
     def _meta(self, n: int) -> AttentionMetadata:
+        """Metadata over the first ``n`` rows of the static buffers."""
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n], positions=self.positions[:n],
             slot_mapping=self.slots[:n], block_tables=self.tables[:n], block_size=self.block_size,
@@ -71,7 +76,7 @@ class CudaDecodeGraphs:
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
-        if meta.max_query_len != 1 or meta.batch_invariant or n > self.buckets[-1] or width > self.max_blocks:
+        if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or n > self.buckets[-1] or width > self.max_blocks:
             return None
         bucket = next(b for b in self.buckets if b >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -87,3 +92,19 @@ class CudaDecodeGraphs:
             self.tables[n:bucket, 0].fill_(self.scratch_slot // self.block_size)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+
+def uncapturable(model) -> list[str]:
+    """Names of the model's attention backends / MoE dispatchers that are not this plugin's
+    capture-safe kernels (ones that synchronise with the host, like the builtin MoE's counts)."""
+    from .attention import TritonAttention
+    from .moe import TritonMoEDispatcher
+
+    names = set()
+    for module in model.modules():
+        backend, dispatcher = getattr(module, "backend", None), getattr(module, "dispatcher", None)
+        if backend is not None and not isinstance(backend, TritonAttention):
+            names.add(getattr(backend, "name", type(backend).__name__))
+        if dispatcher is not None and not isinstance(dispatcher, TritonMoEDispatcher):
+            names.add(getattr(dispatcher, "name", type(dispatcher).__name__))
+    return sorted(names)

@@ -33,3 +33,21 @@ def test_graph_replay_matches_eager(tmp_path):
     assert graphed.engine.runner.graphs is not None
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+def test_models_with_host_synchronising_kernels_are_not_captured():
+    from deepinfer_core.attention.torch_ref import TorchAttentionBackend
+    from deepinfer_core.moe.torch_ref import TorchMoEDispatcher
+    from deepinfer_cuda_sm100.attention import TritonAttention
+    from deepinfer_cuda_sm100.graphs import uncapturable
+    from deepinfer_cuda_sm100.moe import TritonMoEDispatcher
+
+    class Layer(torch.nn.Module):
+        def __init__(self, backend, dispatcher):
+            super().__init__()
+            self.backend, self.dispatcher = backend, dispatcher
+
+    ours = torch.nn.ModuleList([Layer(TritonAttention(), TritonMoEDispatcher())])
+    assert uncapturable(ours) == []
+    mixed = torch.nn.ModuleList([Layer(TritonAttention(), TorchMoEDispatcher()), Layer(TorchAttentionBackend(), TritonMoEDispatcher())])
+    assert uncapturable(mixed) == ["torch-reference"]
