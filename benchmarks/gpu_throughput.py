@@ -90,7 +90,7 @@ def prompts_for(args, path) -> list[list[int]]:
 
         folder, name = os.path.split(path)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in QUESTIONS]
+        return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in QUESTIONS]
     g = torch.Generator().manual_seed(7)
     return [torch.randint(2, V3_MINI["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 33, 60, 90, 128, 150, 200)]
 
@@ -185,6 +185,39 @@ def peak_mib() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
+    """Measured bounds: GPU time of the captured decode graph alone (the rest of a step is host
+    work: scheduling, batch building, sampling, output processing), and the top GPU kernels of
+    one 64 x 512 prefill step."""
+    graphs = llm.engine.runner.graphs
+    for n in sorted(decode_ms):
+        g = graphs.graphs.get(n) if graphs is not None else None
+        if g is None:
+            continue
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        s.record()
+        for _ in range(50):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        gpu = s.elapsed_time(e) / 50
+        log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = random_prompts(64, 512, vocab, 77)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, one)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    total = sum(getattr(ev, key) for ev in events)
+    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms; top kernels:")
+    for ev in sorted(events, key=lambda ev: -getattr(ev, key))[:12]:
+        log(f"  {getattr(ev, key) / 1e3:8.2f} ms  {ev.count:5d}x  {ev.key[:90]}")
+
+
 # -- floor -------------------------------------------------------------------------------------
 def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
     """Bytes of weights one decode step over ``n`` requests must read: every dense weight once
@@ -220,6 +253,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens per acceptance prompt")
     ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="also say where prefill and decode time goes")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     levels = [int(x) for x in args.levels.split(",")]
@@ -295,6 +329,8 @@ def main() -> int:
         di_dec = di_speed(llm, vocab, levels, args.steps, 128)
         di_pre = di_prefill(llm, vocab)
         di_peak = peak_mib()
+        if args.profile:
+            profile(llm, vocab, di_dec)
         free(llm)
         log(f"  deepinfer prefill {di_pre:,.0f} tok/s, peak {di_peak:.0f} MiB")
         hf_dec, hf_pre, hf_peak = {}, float("nan"), float("nan")

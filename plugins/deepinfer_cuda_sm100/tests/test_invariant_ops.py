@@ -19,7 +19,9 @@ def ops(x, w, b, wh):
     lin_b = F.linear(x, w, b)  # addmm
     heads = torch.einsum("thn,hnc->thc", x.view(x.shape[0], 2, -1), wh)  # bmm
     norm = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
-    return lin, lin_b, heads, norm
+    weights = x[:, :6].float().abs()
+    normalised = weights / weights.sum(dim=-1, keepdim=True)  # top-k weight normalisation
+    return lin, lin_b, heads, norm, normalised
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

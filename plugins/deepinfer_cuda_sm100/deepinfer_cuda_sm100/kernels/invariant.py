@@ -7,7 +7,8 @@ over K (one tile configuration for every M, no split-K), and every row mean is o
 fixed-order loop over the row: a row's result depends on that row alone.
 
 :class:`BatchInvariantOps` is a ``TorchDispatchMode`` that routes ``aten.mm``, ``aten.addmm``,
-``aten.bmm`` and last-dimension ``aten.mean`` to these kernels (everything else passes through)
+``aten.bmm`` and last-dimension ``aten.mean`` / ``aten.sum`` (e.g. the sum of a token's top-k
+routing weights) to these kernels (everything else passes through)
 and tells the fused MoE to keep one tile configuration.
 """
 from __future__ import annotations
@@ -58,13 +59,16 @@ def _bmm_kernel(
 
 
 @triton.jit
-def _row_mean_kernel(x_ptr, out_ptr, D, s_x, BLOCK: tl.constexpr):
+def _row_reduce_kernel(x_ptr, out_ptr, D, s_x, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.float32)
     for d0 in range(0, D, BLOCK):
         d = d0 + tl.arange(0, BLOCK)
         acc += tl.load(x_ptr + row * s_x + d, mask=d < D, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row, (tl.sum(acc, 0) / D).to(out_ptr.dtype.element_ty))
+    total = tl.sum(acc, 0)
+    if MEAN:
+        total = total / D
+    tl.store(out_ptr + row, total.to(out_ptr.dtype.element_ty))
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
@@ -83,12 +87,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta
     return out
 
 
-def row_mean(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+def row_reduce(x: torch.Tensor, keepdim: bool, mean: bool) -> torch.Tensor:
+    """Sum (or mean) over the last dimension, one program per row in a fixed order."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
-    _row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=256)
+    _row_reduce_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), MEAN=mean, BLOCK=256)
     shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
     return out.view(shape)
 
@@ -114,11 +119,11 @@ class BatchInvariantOps(TorchDispatchMode):
         if func is aten.addmm.default and _ours(*args[:3]):
             bias, m1, m2 = args[:3]
             return bmm(m1[None], m2[None], bias[None] if bias.dim() == 2 else bias, kwargs.get("beta", 1), kwargs.get("alpha", 1))[0]
-        if func is aten.mean.dim and _ours(args[0]) and not kwargs.get("dtype"):
+        if func in (aten.mean.dim, aten.sum.dim_IntList) and _ours(args[0]) and not kwargs.get("dtype"):
             x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             if dims is not None and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1 and x.numel():
-                return row_mean(x, keepdim)
+                return row_reduce(x, keepdim, mean=func is aten.mean.dim)
         return func(*args, **kwargs)
 
 
