@@ -76,7 +76,7 @@ class CudaDecodeGraphs:
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
-        if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or n > self.buckets[-1] or width > self.max_blocks:
+        if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or getattr(meta, "state_slots", None) is not None or n > self.buckets[-1] or width > self.max_blocks:
             return None
         bucket = next(b for b in self.buckets if b >= n)
         self.input_ids[:n].copy_(input_ids)
