@@ -2,6 +2,8 @@
 fused Triton expert computation of :mod:`deepinfer_cuda_sm100.kernels.fused_moe`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from deepinfer_core.moe import ExpertWeights, MoESpec
@@ -16,6 +18,23 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
 
     name = "cuda-sm100-triton-moe"
 
+    def select_experts(self, spec: MoESpec, router_logits, correction_bias=None, **kwargs):
+        """The reference routing. Inside a batch-invariant forward, each token's choices are put
+        in expert order before the weights are normalised: ``topk(sorted=False)`` returns them in
+        an order that depends on the batch's shape, and the normalising sum (and the final sum
+        over a token's k rows) would otherwise round differently alone and in a batch."""
+        from .kernels.invariant import INVARIANT
+
+        if not INVARIANT.get():
+            return super().select_experts(spec, router_logits, correction_bias, **kwargs)
+        raw = replace(spec, normalize_topk=False, routed_scaling=1.0)
+        ids, weights = super().select_experts(raw, router_logits, correction_bias, **kwargs)
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order)
+        if spec.normalize_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * spec.routed_scaling
+
     def forward(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights):
         from .kernels.fused_moe import MoEConfig, fused_moe
         from .kernels.invariant import INVARIANT
@@ -24,7 +43,7 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
             raise ValueError("TritonMoEDispatcher: expert weights need a contiguous last dimension")
         config = MoEConfig(16, 64, 64, 4, 3) if INVARIANT.get() else None  # one tiling for every batch
         out, counts = fused_moe(hidden, experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit, config)
-        if not torch.cuda.is_current_stream_capturing():  # graph replays are not counted
+        if not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):  # graph replays are not counted
             self._load = counts if self._load is None else self._load + counts
         return out
 

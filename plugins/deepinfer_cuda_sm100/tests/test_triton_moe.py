@@ -69,3 +69,19 @@ def test_swiglu_limit_clamps_like_reference():
     ids, w = ref.select_experts(spec, logits * 3)
     got = TritonMoEDispatcher().forward(spec, hidden * 4, ids, w, experts)
     torch.testing.assert_close(got, ref.forward(spec, hidden * 4, ids, w, experts), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_invariant_routing_is_in_expert_order_and_equals_reference():
+    from deepinfer_cuda_sm100.kernels.invariant import BatchInvariantOps
+
+    spec, _hidden, _experts, logits = _case(9, E=16, k=4, D=8, I=8, dtype=torch.float32, seed=4)
+    ref_ids, ref_w = TorchMoEDispatcher().select_experts(spec, logits)
+    with BatchInvariantOps():
+        ids, w = TritonMoEDispatcher().select_experts(spec, logits)
+        alone = [TritonMoEDispatcher().select_experts(spec, logits[t : t + 1]) for t in range(9)]
+    assert torch.equal(ids, ids.sort(dim=-1).values)
+    order = ref_ids.argsort(dim=-1)
+    assert torch.equal(ids, ref_ids.gather(1, order))
+    torch.testing.assert_close(w, ref_w.gather(1, order), atol=1e-6, rtol=1e-6)
+    for t, (one_ids, one_w) in enumerate(alone):
+        assert torch.equal(one_ids, ids[t : t + 1]) and torch.equal(one_w, w[t : t + 1])
