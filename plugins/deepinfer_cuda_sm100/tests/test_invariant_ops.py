@@ -32,12 +32,24 @@ def test_matches_torch_and_rows_do_not_depend_on_the_batch(dtype):
     b = torch.randn(80, generator=g).to(DEVICE, dtype)
     wh = torch.randn(2, 48, 24, generator=g).to(DEVICE, dtype)
     want = ops(x, w, b, wh)
+    calls: list[tuple] = []
+    from deepinfer_cuda_sm100.kernels import invariant
+
+    real_bmm = invariant.bmm
+
+    def counting(*a, **k):
+        calls.append(tuple(a[0].shape))
+        return real_bmm(*a, **k)
+
+    invariant.bmm = counting
     assert not INVARIANT.get()
     with BatchInvariantOps():
         assert INVARIANT.get()
         batched = ops(x, w, b, wh)
         alone = [ops(x[i : i + 1], w, b, wh) for i in (0, 17, 36)]
+    invariant.bmm = real_bmm
     assert not INVARIANT.get()
+    assert calls, "no matmul reached the batch-invariant kernels"
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
     for got, ref in zip(batched, want):
         torch.testing.assert_close(got, ref, **tol)

@@ -99,7 +99,8 @@ def row_reduce(x: torch.Tensor, keepdim: bool, mean: bool) -> torch.Tensor:
 
 
 class BatchInvariantOps(TorchDispatchMode):
-    """Route matmuls and last-dimension means to the fixed-order kernels above."""
+    """Route matmuls (``aten.linear`` included: on CUDA it reaches a dispatch mode whole) and
+    last-dimension means/sums to the fixed-order kernels above."""
 
     def __enter__(self):
         self._token = INVARIANT.set(True)
@@ -112,6 +113,13 @@ class BatchInvariantOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         aten = torch.ops.aten
+        if func is aten.linear.default and _ours(*args[:2]) and (len(args) < 3 or args[2] is None or _ours(args[2])):
+            x, weight = args[0], args[1]  # seen as one op on CUDA: not decomposed into mm
+            bias = args[2] if len(args) > 2 else None
+            out = bmm(x.reshape(-1, x.shape[-1])[None], weight.t()[None], bias)[0]
+            return out.view(*x.shape[:-1], weight.shape[0])
+        if func is aten.matmul.default and _ours(*args) and args[0].dim() == args[1].dim() == 3:
+            return bmm(args[0], args[1])
         if func is aten.mm.default and _ours(*args):
             return bmm(args[0][None], args[1][None])[0]
         if func is aten.bmm.default and _ours(*args):
