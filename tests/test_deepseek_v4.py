@@ -160,3 +160,36 @@ def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([branch]), attention_mask=torch.ones(1, len(branch), dtype=torch.long), max_new_tokens=16, do_sample=False)
     assert out.outputs[0].token_ids == ref[0, len(branch) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("edit", "names"),
+    [
+        ({"layer_types": ["sliding_attention", "dense_attention"] + ["sliding_attention"] * 3}, ["layer_types", "dense_attention"]),
+        ({"layer_types": ["sliding_attention"] * 3}, ["layer_types", "3", "5"]),
+        ({"compress_ratios": [0, 4, 7, 4, 128], "layer_types": None}, ["compress_ratios", "7"]),
+        ({"mlp_layer_types": ["moe", "dense"] + ["moe"] * 3}, ["mlp_layer_types", "dense"]),
+        ({"o_groups": 3}, ["o_groups", "3", "num_attention_heads"]),
+        ({"num_key_value_heads": 2}, ["num_key_value_heads"]),
+        ({"num_experts_per_tok": 9}, ["num_experts_per_tok", "n_routed_experts"]),
+        ({"scoring_func": "relu"}, ["scoring_func", "sqrtsoftplus"]),
+    ],
+)
+def test_bad_config_is_named_before_anything_is_built(edit, names):
+    from deepinfer_core.models.deepseek_v4_config import parse_config
+
+    config = tiny_config().to_dict() | edit
+    with pytest.raises(ValueError) as err:
+        parse_config({k: v for k, v in config.items() if v is not None})
+    assert all(n in str(err.value) for n in names), str(err.value)
+
+
+def test_block_size_must_hold_whole_compression_windows():
+    from deepinfer_core.models.deepseek_v4_kv import v4_kv_layout
+
+    with pytest.raises(ValueError, match="compresses every 16 tokens.*block size 24"):
+        v4_kv_layout(tiny_config().to_dict(), torch.float32, block_size=24)
+    layout = v4_kv_layout(tiny_config().to_dict(), torch.float32, block_size=128)
+    # per block: CSA 32 entries x (32 + 16), HCA 8 entries x 32, two of each; float32
+    assert layout.block_bytes == 4 * (2 * 32 * 48 + 2 * 8 * 32)
+    assert layout.exact_replay_tokens == 4 * 15 + 16
