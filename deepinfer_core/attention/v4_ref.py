@@ -26,6 +26,8 @@ class TorchV4AttentionBackend:
     def forward_v4(self, spec: AttentionLayerSpec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
         if spec.kind not in SUPPORTED_V4:
             raise ValueError(f"{self.name} does not implement attention kind {spec.kind.value!r}")
+        if meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not meta.batch_invariant:
+            return self._decode(spec, q, kv, sinks, cache, meta, selected)
         out = q.new_empty(q.shape)
         starts = meta.query_start_loc.tolist()
         ends = meta.seq_lens.tolist()
@@ -62,6 +64,42 @@ class TorchV4AttentionBackend:
                 out[a + c : a + c_end] = _attend(q[a + c : a + c_end], ck, mask, sinks, spec.scale)
             keep = max(s, e - rows)
             ring[slot, torch.arange(keep, e, device=q.device) % rows] = kv[a + keep - s : b].to(ring.dtype)
+        return out
+
+    def _decode(self, spec, q, kv, sinks, cache, meta: AttentionMetadata, selected):
+        """Every request has one new token: one batched gather and attention for all of them."""
+        ring = cache.window
+        rows, W, dev = ring.shape[1], spec.window, q.device
+        pos = meta.positions  # [R]
+        slots = meta.state_slots
+        back = torch.arange(-(W - 1), 0, device=dev)  # the W-1 positions before each token
+        key_pos = pos[:, None] + back[None, :]  # [R, W-1]
+        old = ring[slots[:, None], key_pos.remainder(rows)].to(kv.dtype)  # [R, W-1, D]
+        keys = torch.cat([old, kv[:, None, :]], dim=1)  # [R, W, D]
+        mask = torch.cat([key_pos >= 0, torch.ones_like(pos[:, None], dtype=torch.bool)], dim=1)
+        if spec.kind is not AttentionKind.SLIDING:
+            ratio = spec.compress_ratio
+            per_block = meta.block_size // ratio
+            n = max(1, (int(meta.max_seq_len)) // ratio)
+            ids = torch.arange(n, device=dev)
+            blocks = meta.block_tables.long().gather(1, (ids // per_block).expand(pos.shape[0], -1).clamp(max=meta.block_tables.shape[1] - 1))
+            ents = cache.entries[blocks, (ids % per_block)[None, :], : spec.head_dim].to(kv.dtype)  # [R, n, D]
+            if selected is None:
+                visible = ids[None, :] < ((pos + 1) // ratio)[:, None]
+            else:
+                visible = torch.zeros(pos.shape[0], n + 1, dtype=torch.bool, device=dev)
+                visible.scatter_(1, torch.where(selected >= 0, selected, n), True)
+                visible = visible[:, :n]
+            keys = torch.cat([keys, ents], dim=1)
+            mask = torch.cat([mask, visible], dim=1)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * spec.scale  # [R, H, K]
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        sink = sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1)[..., :-1]
+        out = torch.matmul(probs.to(keys.dtype), keys)  # [R, H, D]
+        ring[slots, pos.remainder(rows)] = kv.to(ring.dtype)
         return out
 
     @staticmethod
