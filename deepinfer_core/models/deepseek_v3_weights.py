@@ -31,7 +31,7 @@ _SHOWN = 20  # names listed per category before summarising
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], family: str = "DeepseekV3") -> None:
     """Copy every tensor into place; raise :class:`WeightsError` naming all problems at once."""
     config = model.config
     num_layers = config["num_hidden_layers"]
@@ -78,7 +78,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             if names:
                 more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
                 parts.append(f"{label} tensors: {', '.join(names[:_SHOWN])}{more}")
-        raise WeightsError("DeepseekV3 checkpoint does not match the model; " + "; ".join(parts))
+        raise WeightsError(f"{family} checkpoint does not match the model; " + "; ".join(parts))
 
 
 def _expert_slice(targets: dict, prefix: str, index: int, proj: str) -> torch.Tensor | None:

@@ -163,7 +163,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return v4_kv_layout(self.cfg, dtype, block_size, num_speculative_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_hf_weights(self, renamed(weights))
+        load_hf_weights(self, renamed(weights), "DeepseekV4")
 
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_slots is None:
