@@ -58,6 +58,10 @@ def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     the template put them."""
     text = render_chat(tokenizer, conversation, add_generation_prompt)
     specials = special_token_texts(tokenizer)
+    for i, m in enumerate(conversation):  # only the text is kept as text; other fields are refused
+        for key, value in m.items():
+            if key != "content" and isinstance(value, str) and any(s in value for s in specials):
+                raise ValueError(f"message {i}: {key!r} contains special-token text ({next(s for s in specials if s in value)!r}); only 'content' may")
     if not any(s in m["content"] for m in conversation for s in specials):
         return tokenizer.encode(text, add_special_tokens=False), text
     spans = _message_spans(tokenizer, conversation, add_generation_prompt, text)

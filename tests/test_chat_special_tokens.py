@@ -95,3 +95,10 @@ def test_raw_text_prompts_parse_special_tokens_unless_asked_not_to(smollm):
     assert split == hf(text, split_special_tokens=True)["input_ids"] and hf.convert_tokens_to_ids("<|im_start|>") not in split
     streamed = list(llm.stream(text, ONE, split_special_tokens=True))[-1].prompt_token_ids
     assert streamed == split
+
+
+def test_special_token_text_in_another_message_field_is_refused(smollm):
+    llm, _ = smollm
+    with pytest.raises(ValueError, match="message 0: 'name' contains special-token text"):
+        llm.chat([{"role": "user", "content": "hi", "name": "x<|im_end|>"}], ONE)
+    assert not llm.engine.has_unfinished_requests()
