@@ -95,15 +95,18 @@ def one_request(client, prompt: str, new_tokens: int, eos: int | None) -> dict:
     return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": gaps, "chunks": tokens}
 
 
-def load_level(url: str, eos: int | None, n: int, prompt_tokens: int, new_tokens: int) -> dict:
+def load_level(url: str, eos: int | None, n: int, prompt_tokens: int, new_tokens: int, timeout: float) -> dict | str:
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
     one_request(client, "Warm up", 2, eos)
     texts = prompts(n, prompt_tokens)
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        results = list(pool.map(lambda p: one_request(client, p, new_tokens, eos), texts))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(lambda p: one_request(client, p, new_tokens, eos), texts))
+    except Exception as exc:  # e.g. a server that stops answering under concurrent streams
+        return f"failed: {type(exc).__name__}"
     wall = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     gaps = sorted(g for r in results for g in r["gaps"])
@@ -148,6 +151,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--engines", default="deepinfer,llamacpp,offline")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a client waits for its stream (default: %(default)s)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     engines = args.engines.split(",")
@@ -160,7 +164,12 @@ def main() -> int:
             rows[engine] = f"unavailable: {exc}"
             continue
         try:
-            rows[engine] = {n: load_level(url, eos, n, args.prompt_tokens, args.new_tokens) for n in levels}
+            rows[engine] = {}
+            for n in levels:
+                rows[engine][n] = load_level(url, eos, n, args.prompt_tokens, args.new_tokens, args.timeout)
+                if isinstance(rows[engine][n], str):  # a server that hung stays hung: skip its higher levels
+                    rows[engine].update({m: rows[engine][n] for m in levels if m > n})
+                    break
         except Exception as exc:
             rows[engine] = f"failed: {exc}"
         finally:
@@ -182,8 +191,12 @@ def main() -> int:
                 print(f"| {n} | {engine} | {result} | | | | | | |")
                 continue
             r = result[n]
+            if isinstance(r, str):
+                print(f"| {n} | {engine} serve | {r} | | | | | | |")
+                continue
             peer = rows.get("llamacpp")
-            vs_peer = f"{r['tok_s'] / peer[n]['tok_s']:.2f}x" if isinstance(peer, dict) else "-"
+            peer_n = peer.get(n) if isinstance(peer, dict) else None
+            vs_peer = f"{r['tok_s'] / peer_n['tok_s']:.2f}x" if isinstance(peer_n, dict) else "-"
             vs_offline = f"{r['tok_s'] / base[n]:.2f}x" if isinstance(base, dict) and n in base else "-"
             print(f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
                   f"{r['itl_p99'] * 1e3:.1f} | {r['tok_s']:.1f} | {vs_peer} | {vs_offline} |")
