@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MODEL = "smollm2-135m-instruct"
@@ -64,14 +65,16 @@ def start_server(engine: str, threads: int, max_seqs: int, context: int) -> tupl
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path(), "--port", str(port), "--n_threads", str(threads),
                "--n_ctx", str(context), "--model_alias", MODEL]
         eos = 2  # <|im_end|> / the GGUF's EOS id for SmolLM2
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # not a pipe: llama.cpp logs enough to fill one and block
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited: {proc.stderr.read()[-500:]}")
+            log.seek(0)
+            raise RuntimeError(f"{engine} server exited: {log.read()[-300:]!r}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                 return proc, url, eos
