@@ -45,10 +45,10 @@ def _constrained(oai, i: int) -> tuple[str, dict | None]:
     schema = SCHEMAS[i]
     prompt = f"Reply with JSON matching this schema: {json.dumps(schema)}"
     if i % 2:  # half through the Responses API's text.format
-        reply = oai.responses.create(model=MODEL, input=prompt, max_output_tokens=200, temperature=0.7,
+        reply = oai.responses.create(model=MODEL, input=prompt, max_output_tokens=200, temperature=0,
                                      text={"format": {"type": "json_schema", "name": f"s{i}", "schema": schema, "strict": True}})
         return reply.output_text, schema
-    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0.7,
+    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0.7, seed=i,
                                         response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     return reply.choices[0].message.content, schema
