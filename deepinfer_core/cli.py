@@ -80,6 +80,10 @@ def add_plugins_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_plugins(args: argparse.Namespace) -> int:
     rows = plugin_rows()
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if not args.json:
+        from .builtin.cpu_features import cpu_summary
+
+        print(f"\ncpu: {cpu_summary()}")
     return 0
 
 

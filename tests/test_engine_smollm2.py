@@ -31,7 +31,7 @@ GREEDY64 = SamplingParams(temperature=0, max_tokens=64)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=96, max_num_seqs=32)
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=96, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(llm):
     prompts = _mixed_prompts(llm)[:8]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = llm.generate(prompts, params)
-    small = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=4, max_num_seqs=16)
+    small = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=4, max_num_seqs=16)
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     for a, b in zip(reference, outs):

@@ -16,7 +16,10 @@ _DTYPES = {
 class EngineConfig:
     model: str
     device: str = "auto"
-    dtype: str = "auto"  # float32 on CPU (bf16 matmuls are very slow there), bfloat16 elsewhere
+    # auto: on CPU bfloat16 where it has bf16 dot products (AVX512-BF16/AMX) else float32, and a
+    # block-quantized GGUF keeps its low-bit weights (deepinfer_core.lowbit); bfloat16 elsewhere.
+    # An explicit dtype always loads dense weights of that dtype (float32: the exact reference).
+    dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_blocks: int | None = None  # None: sized from kv_cache_gib, else from free memory
@@ -45,5 +48,13 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.float32 if device_type == "cpu" else torch.bfloat16
+            if device_type == "cpu":
+                from ..builtin.cpu_features import cpu_features
+
+                return cpu_features().auto_dtype
+            return torch.bfloat16
         return _DTYPES[self.dtype]
+
+    def allows_lowbit(self, device_type: str) -> bool:
+        """Serve a block-quantized checkpoint's weights packed: the CPU default (dtype auto)."""
+        return self.dtype == "auto" and device_type == "cpu"

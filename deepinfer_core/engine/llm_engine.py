@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..lowbit import describe_weights
 from ..plugin_host import PluginHost, default_host
 from . import loading, validation
 from .config import EngineConfig
@@ -43,7 +44,11 @@ class LLMEngine:
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
-        self.files, self.model, ctx = loading.load(config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend)
+        self.files, self.model, ctx = loading.load(
+            config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend,
+            allow_lowbit=config.allows_lowbit(self.platform.device_type),
+        )
+        self.dtype = ctx.dtype  # low-bit weights run float32 activations
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
 
@@ -81,7 +86,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
-        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB)", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20)
+        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB); weights %s%s", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), _cpu_note(self.platform.device_type))
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
@@ -243,6 +248,14 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _cpu_note(device_type: str) -> str:
+    if device_type != "cpu":
+        return ""
+    from ..builtin.cpu_features import cpu_features
+
+    return f"; cpu {cpu_features().describe()}"
 
 
 def _device_index(device: str) -> int | None:

@@ -1,14 +1,20 @@
 """Resolve a model name to files, build the architecture through the plugin host, load weights."""
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import replace
 
 import torch
 
+from ..lowbit import native
+from ..lowbit.modules import swap_in_lowbit
 from ..models import ModelContext
 from ..models.files import ModelFiles, open_model_files
 from ..plugin_host import PluginHost
 from ..platform import Platform
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model_path(name: str, host: PluginHost) -> str:
@@ -27,7 +33,9 @@ def resolve_model_path(name: str, host: PluginHost) -> str:
     raise ValueError(f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})")
 
 
-def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None):
+def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, lowbit: bool = False):
+    """``lowbit``: keep block-quantized weights packed (``files.quantized_weights``); activations
+    then stay float32, which the kernels read and write."""
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -39,18 +47,36 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
         moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
     )
+    if lowbit:
+        ctx = replace(ctx, dtype=torch.float32)
     with torch.device(device):
         model = models[arch](files.config, ctx)
-    model.load_weights(files.weights())
-    return model.to(dtype).eval(), ctx
+    if lowbit and swap_in_lowbit(model, set(files.quantized_names)):
+        model.load_weights(files.quantized_weights())
+    else:
+        model.load_weights(files.weights())
+    return model.to(ctx.dtype).eval(), ctx
 
 
-def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None):
+def lowbit_unavailable(files: ModelFiles, device: torch.device) -> str | None:
+    """Why ``files`` cannot be served with packed low-bit weights here (None: it can)."""
+    if device.type != "cpu":
+        return f"low-bit kernels are CPU kernels (device {device})"
+    if files.quantized_weights is None:
+        return "not a block-quantized checkpoint"
+    return native.load().reason or None
+
+
+def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False):
     """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
-    provider's implementation for every layer; None takes the host's default order."""
+    provider's implementation for every layer; None takes the host's default order.
+    ``allow_lowbit``: serve a block-quantized GGUF's weights packed where the kernels run."""
     host.check_backend_name("attention", attention_backend)  # before any file is read
     host.check_backend_name("moe", moe_backend)
     path = resolve_model_path(name, host)
     files = open_model_files(path)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend)
+    why_not = lowbit_unavailable(files, device) if allow_lowbit else "not requested"
+    if allow_lowbit and why_not and files.quantized_weights is not None:
+        log.warning("%s: serving dequantized %s weights (%s)", path, dtype, why_not)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, lowbit=why_not is None)
     return files, model, ctx

@@ -37,6 +37,11 @@ class ModelFiles:
     # Stable across processes and machines for the same weights; part of the KV-cache namespace,
     # so two different checkpoints never share cached blocks.
     fingerprint: str
+    # Block-quantized checkpoints (GGUF Q4_0, Q4_1, Q4_K, Q8_0...): a second stream that yields
+    # those tensors packed (``deepinfer_core.lowbit.formats.QuantWeight``) instead of as floats,
+    # and the names it packs. None / empty for float checkpoints.
+    quantized_weights: "WeightStream | None" = None
+    quantized_names: frozenset = frozenset()
 
 
 def open_model_files(path: str) -> ModelFiles:

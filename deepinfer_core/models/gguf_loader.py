@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..lowbit.formats import FLOAT_TYPES, from_gguf
 from .files import ModelFiles
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -73,8 +74,29 @@ def open_gguf(path: str) -> ModelFiles:
                 tensor = unpermute_rotary_rows(tensor, kv_heads)
             yield name, tensor
 
+    def quantized_weights() -> Iterator[tuple[str, Any]]:
+        """Block-quantized tensors packed for the low-bit kernels (never dequantized to a
+        float copy); float tensors (norms) as in ``weights``."""
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            shape = tuple(reversed([int(d) for d in t.shape]))
+            if t.tensor_type.name in FLOAT_TYPES or len(shape) != 2:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+                yield name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+                continue
+            packed = from_gguf(t.tensor_type.name, t.data, shape)
+            if name.endswith("self_attn.q_proj.weight"):
+                packed = packed.rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
+            elif name.endswith("self_attn.k_proj.weight"):
+                packed = packed.rows(unpermute_rotary_rows(torch.arange(shape[0]), kv_heads))
+            yield name, packed
+
+    quantized = frozenset(
+        hf_name(t.name) for t in reader.tensors if t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
+    )
     return ModelFiles(
-        config=config, weights=weights, tokenizer=tokenizer, source=path, fingerprint=gguf_fingerprint(path, reader)
+        config=config, weights=weights, tokenizer=tokenizer, source=path, fingerprint=gguf_fingerprint(path, reader),
+        quantized_weights=quantized_weights if quantized else None, quantized_names=quantized,
     )
 
 

@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..lowbit.modules import lowbit_targets
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -56,7 +58,8 @@ def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
             fused.add(f"{module_name}.{param_name}")
             for part, rows in module.parts.items():
                 targets[f"{prefix}{part}.{param_name}"] = param.data[rows]
-    return targets, fused
+    lowbit, own = lowbit_targets(model)
+    return targets | lowbit, fused | own
 
 
 class GatedMLP(nn.Module):

@@ -18,10 +18,13 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from . import ModelContext, WeightsError
+from ..lowbit.formats import QuantWeight
+from ..lowbit.modules import LowBitEmbedding, LowBitLinear
 from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LOWBIT_HEADS = (LowBitEmbedding, LowBitLinear)
 
 
 def rope_settings(config: dict) -> tuple[float, dict | None]:
@@ -129,8 +132,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, LOWBIT_HEADS):  # packed weights: the low-bit kernels
+            return head.project(hidden).float()
+        return F.linear(hidden, head.weight).float()
 
     # -- weights -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -151,7 +156,10 @@ class LlamaForCausalLM(nn.Module):
             if tuple(tensor.shape) != tuple(param.shape):
                 misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
                 continue
-            param.copy_(tensor)
+            if isinstance(param, torch.Tensor):
+                param.copy_(tensor.dequantize() if isinstance(tensor, QuantWeight) else tensor)
+            else:  # a low-bit module's slot keeps the packed tensor
+                param.fill(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing or unexpected or misshaped:

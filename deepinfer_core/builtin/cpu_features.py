@@ -1,0 +1,53 @@
+"""What the CPU offers for the engine's defaults: native bfloat16 dot products or not.
+
+bfloat16 pays on a CPU only where it has bf16 dot-product instructions (AVX512-BF16 or AMX);
+elsewhere torch emulates bf16 matmuls through float32 conversions and they run slower than
+float32 itself. torch already probes these (its oneDNN dispatch uses them), so we ask it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    capability: str  # torch's kernel dispatch level: DEFAULT, AVX2, AVX512, ...
+    avx512_bf16: bool
+    amx: bool
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx
+
+    @property
+    def auto_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.native_bf16 else torch.float32
+
+    def describe(self) -> str:
+        """``"AVX2, no AVX512-BF16/AMX: float32"`` (the line ``deepinfer plugins`` prints)."""
+        found = [name for name, ok in (("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if ok]
+        bf16 = f"native bf16 via {'+'.join(found)}" if found else "no AVX512-BF16/AMX"
+        return f"{self.capability}, {bf16}: dtype auto -> {str(self.auto_dtype).removeprefix('torch.')}"
+
+
+def cpu_features() -> CpuFeatures:
+    probe = torch.cpu
+    return CpuFeatures(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        avx512_bf16=bool(getattr(probe, "_is_avx512_bf16_supported", lambda: False)()),
+        amx=bool(getattr(probe, "_is_amx_tile_supported", lambda: False)()),
+    )
+
+
+def cpu_summary() -> str:
+    """Features, the dtype ``auto`` picks, and whether GGUF low-bit weights can be served packed
+    (checked without building the kernels: a CPU with AVX2 and a C compiler)."""
+    from ..lowbit.native import compiler_path, cpu_supports_kernels
+
+    ok, why = cpu_supports_kernels()
+    if ok and compiler_path() is None:
+        ok, why = False, "no C compiler (set CC or install gcc/clang)"
+    lowbit = "yes (AVX2 int8 dot products)" if ok else f"no: {why}; quantized GGUFs load dequantized"
+    return f"{cpu_features().describe()}; low-bit GGUF weights: {lowbit}"

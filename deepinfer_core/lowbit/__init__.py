@@ -1,0 +1,29 @@
+"""Low-bit weights on CPU: GGUF block-quantized tensors served packed, through int8 dot-product
+kernels (llama.cpp's arithmetic: weights in 4 or 8 bits with a scale per 32 values, activations
+quantized to int8 per token and per 32 values).
+
+``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels, ``ops`` calls them,
+``modules`` holds the packed layers and swaps them into a model before its weights load.
+Where the kernels cannot run (no AVX2, no C compiler), :func:`native.load` says why and the
+engine loads the same file dequantized to float instead.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.nn as nn
+
+
+def describe_weights(model: nn.Module) -> str:
+    """``"low-bit: 210 q4<Q4_1>, 1 q8<Q8_0>"`` for a model with packed modules, else ``"dense"``."""
+    from .modules import LowBitEmbedding, LowBitLinear
+
+    kinds: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, LowBitLinear):
+            kinds.update(f"{w.kind}<{w.source}>" for w in module.segments)
+        elif isinstance(module, LowBitEmbedding) and module.weight_q is not None:
+            kinds[f"{module.weight_q.kind}<{module.weight_q.source}>"] += 1
+    if not kinds:
+        return "dense"
+    return "low-bit: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))

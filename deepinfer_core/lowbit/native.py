@@ -1,0 +1,87 @@
+"""Build and load ``kernels.c`` (the AVX2 low-bit GEMMs) once per machine, through ctypes.
+
+Why ctypes and not a torch C++ extension: the C file needs no torch headers, so it compiles in
+about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
+``libgomp.so.1`` to the runtime torch already loaded, so it shares torch's threads. The shared
+object is cached under ``$XDG_CACHE_HOME/deepinfer`` (or ``~/.cache``) keyed by the hash of the
+source and flags; a failed build is reported, never raised: callers fall back to float weights.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "kernels.c")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded library, or why there is none (``lib is None``)."""
+
+    lib: ctypes.CDLL | None
+    reason: str = ""
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deepinfer")
+
+
+def cpu_supports_kernels() -> tuple[bool, str]:
+    """The kernels need AVX2 + FMA (every x86 CPU since 2013-2015); torch tells us what it saw."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512") or cap.startswith("AVX512"):
+        return True, cap
+    return False, f"CPU capability {cap} (the low-bit kernels need AVX2 and FMA)"
+
+
+def compiler_path() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+@functools.cache
+def load() -> NativeKernels:
+    """Compile (first time) and load the kernels; cached for the process."""
+    ok, why = cpu_supports_kernels()
+    if not ok:
+        return NativeKernels(None, why)
+    compiler = compiler_path()
+    if compiler is None:
+        return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)")
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
+    if not os.path.exists(target):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+            os.close(fd)
+            subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], check=True, capture_output=True, text=True, timeout=300)
+            os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            return NativeKernels(None, f"building the low-bit kernels with {compiler} failed: {detail.strip()[:300]}")
+    try:
+        lib = ctypes.CDLL(target)
+    except OSError as exc:
+        return NativeKernels(None, f"loading {target} failed: {exc}")
+    _declare(lib)
+    return NativeKernels(lib)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quantize_rows.argtypes = [p, i64, i64, p, p, p, i32]
+    lib.gemm_q4.argtypes = [p, p, p, i64, i64, p, p, p, i64, p, i32]
+    lib.gemm_q8.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
+    for fn in (lib.quantize_rows, lib.gemm_q4, lib.gemm_q8):
+        fn.restype = None

@@ -1,0 +1,115 @@
+"""Low-bit GGUF weights on CPU (deepinfer_core.lowbit).
+
+References are independent of the code under test: the ``gguf`` library's own dequantizers and
+quantizers for the block formats, a float matmul with those dequantized weights for the kernels,
+the dense float32 engine on the same file for greedy outputs, and /proc/cpuinfo for the CPU
+feature detection.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from deepinfer_core.builtin.cpu_features import cpu_features  # noqa: E402
+from deepinfer_core.lowbit import native, ops  # noqa: E402
+from deepinfer_core.lowbit.formats import from_gguf  # noqa: E402
+
+KERNELS = native.load()
+needs_kernels = pytest.mark.skipif(KERNELS.lib is None, reason=f"low-bit kernels unavailable here: {KERNELS.reason}")
+
+
+def _random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw bytes of a [n, k] tensor of ``type_name``: random quants, sane f16 scales."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scales = np.frombuffer(np.full(2, 0.01, np.float16).tobytes(), np.uint8)  # two f16 values
+    if type_name in ("Q4_K", "Q5_K"):  # d, dmin first
+        raw[..., 0:4] = scales
+    elif type_name == "Q6_K":  # d last
+        raw[..., -2:] = scales[:2]
+    else:  # d first
+        raw[..., 0:2] = scales[:2]
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_quantized_tensors_pack_exactly(type_name):
+    w = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    packed = from_gguf(type_name, raw, (48, 256))
+    assert packed.kind == ("q8" if type_name == "Q8_0" else "q4")
+    assert np.array_equal(packed.dequantize().numpy(), expected)
+
+
+def test_q4_k_super_blocks_pack_exactly():
+    raw = _random_blocks("Q4_K", 8, 512)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    packed = from_gguf("Q4_K", raw, (8, 512))
+    assert packed.kind == "q4" and np.array_equal(packed.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0"])
+def test_other_types_are_requantized_to_8_bits_within_half_a_step(type_name):
+    raw = _random_blocks(type_name, 8, 512, seed=2)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(8, 512)
+    packed = from_gguf(type_name, raw, (8, 512))
+    step = np.abs(expected).reshape(8, 16, 32).max(-1, keepdims=True) / 127  # per 32-block
+    err = np.abs(packed.dequantize().numpy().reshape(8, 16, 32) - expected.reshape(8, 16, 32))
+    assert packed.kind == "q8" and (err <= step / 2 + 1e-6).all()
+
+
+def test_width_not_a_multiple_of_32_is_refused_by_name():
+    with pytest.raises(ValueError, match="K=40 is not a multiple of 32"):
+        from_gguf("Q8_0", np.zeros((2, 34), np.uint8), (2, 40))
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("M", [1, 5, 33])
+def test_kernel_matches_a_float_matmul_with_the_dequantized_weights(type_name, M):
+    w = np.random.default_rng(3).standard_normal((96, 320)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())
+    x = torch.randn(M, 320, generator=torch.Generator().manual_seed(M))
+    x[:, 7] *= 20  # an outlier channel only coarsens its own 32-block
+    expected = x @ dense.T
+    # the same arithmetic in torch: activations rounded to int8 per row and 32-block; a 4-bit
+    # block's offset m (w = d*q + m) multiplies the exact float sum of its 32 inputs
+    blocks = x.view(M, 10, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / d) * d).view(M, 320)
+    offsets = _block_offsets(type_name, raw).repeat_interleave(32, dim=1)  # [96, 320]
+    emulated = rounded @ (dense - offsets).T + x @ offsets.T
+    got = ops.matmul(ops.quantize_activations(x), from_gguf(type_name, raw, (96, 320)))
+    assert got.shape == (M, 96)
+    torch.testing.assert_close(got, emulated, rtol=1e-4, atol=1e-3)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 0.05
+
+
+def _block_offsets(type_name: str, raw: np.ndarray) -> torch.Tensor:
+    """Per-block offsets as the GGUF format defines them: Q4_1 stores m (bytes 2-3), Q4_0 is
+    d*(q - 8), Q8_0 has none."""
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    b = raw.reshape(raw.shape[0], -1, block_bytes)
+    f16 = lambda lo: torch.from_numpy(np.ascontiguousarray(b[..., lo : lo + 2]).view(np.float16)[..., 0].astype(np.float32))  # noqa: E731
+    if type_name == "Q4_1":
+        return f16(2)
+    return -8 * f16(0) if type_name == "Q4_0" else torch.zeros(b.shape[:2])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs Linux's /proc/cpuinfo")
+def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    features = cpu_features()
+    assert features.avx512_bf16 == ("avx512_bf16" in flags)
+    assert features.amx == ("amx_tile" in flags)
+    assert features.auto_dtype == (torch.bfloat16 if {"avx512_bf16", "amx_tile"} & flags else torch.float32)
+    assert ("avx2" in flags) == native.cpu_supports_kernels()[0]
