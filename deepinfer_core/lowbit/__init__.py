@@ -1,6 +1,6 @@
-"""Low-bit weights on CPU: GGUF block-quantized tensors served packed, through int8 dot-product
-kernels (llama.cpp's arithmetic: weights in 4 or 8 bits with a scale per 32 values, activations
-quantized to int8 per token and per 32 values).
+"""Low-bit weights on CPU: GGUF block-quantized tensors served packed (4 or 8 bits per value, a
+scale per 32 values) and multiplied by AVX2 kernels that widen each block in registers, so a
+step reads 4-8x fewer weight bytes than float32 while activations stay float32.
 
 ``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels, ``ops`` calls them,
 ``modules`` holds the packed layers and swaps them into a model before its weights load.

@@ -30,7 +30,7 @@ class LowBitLinear(nn.Module):
     """``y = x @ W^T (+ b)`` with W packed; ``parts`` / ``split`` as :class:`FusedLinear`'s.
 
     Parts of different formats (a Q4_K file often stores V or down in Q6_K) stay separate
-    segments; activations are quantized once and shared by all segments."""
+    segments, multiplied one after the other."""
 
     def __init__(self, in_features: int, parts: dict[str, slice], bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -50,7 +50,7 @@ class LowBitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         shape = x.shape
-        a = ops.quantize_activations(x.reshape(-1, self.in_features))
+        a = x.reshape(-1, self.in_features).float().contiguous()
         outs = [ops.matmul(a, w) for w in self.segments]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
@@ -83,7 +83,7 @@ class LowBitEmbedding(nn.Module):
         return self.weight_q.dequantize(ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
-        return ops.matmul(ops.quantize_activations(hidden), self.weight_q)
+        return ops.matmul(hidden, self.weight_q)
 
 
 def _merge_same_kind(weights: list[QuantWeight]) -> list[QuantWeight]:

@@ -1,4 +1,4 @@
-"""Build and load ``kernels.c`` (the AVX2 low-bit GEMMs) once per machine, through ctypes.
+"""Build and load ``kernels.c`` (the AVX2 low-bit weight GEMMs) once per machine, through ctypes.
 
 Why ctypes and not a torch C++ extension: the C file needs no torch headers, so it compiles in
 about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
@@ -80,8 +80,5 @@ def load() -> NativeKernels:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.quantize_rows.argtypes = [p, i64, i64, p, p, p, i32]
-    lib.gemm_q4.argtypes = [p, p, p, i64, i64, p, p, p, i64, p, i32]
-    lib.gemm_q8.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
-    for fn in (lib.quantize_rows, lib.gemm_q4, lib.gemm_q8):
-        fn.restype = None
+    lib.gemm_f32_act.argtypes = [p, i64, i64, i32, p, p, p, i64, p, i32]
+    lib.gemm_f32_act.restype = None

@@ -1,0 +1,95 @@
+"""Where one CPU decode step goes: deepinfer's default (low-bit GGUF weights) on SmolLM2.
+
+    .venv/bin/python benchmarks/cpu_step_profile.py --requests 1,32 --threads 2
+
+For each request count R: R distinct 128-token prompts are prefilled, then ``--steps`` decode
+steps (R tokens each) run under the torch profiler. The low-bit kernels are ctypes calls the
+profiler cannot see, so this script wraps them in ``record_function`` ranges (here only, not in
+the engine). Prints a table per R: milliseconds per step by category, and the share of the
+step's wall time; "host" is what no operator accounts for (Python, scheduling, dispatch).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+CATEGORIES = (  # first match wins: (category, substrings of profiler event names)
+    ("low-bit GEMM", ("lowbit::matmul",)),
+    ("attention gather", ("index_select", "aten::index", "index_put")),
+    ("attention math", ("matmul", "bmm", "softmax", "masked_fill", "scaled_dot_product")),
+    ("embedding / logits", ("embedding",)),
+    ("sampling", ("argmax", "topk", "sort", "multinomial")),
+)
+
+
+def category(name: str) -> str:
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other ops (norms, rotary, elementwise, copies)"
+
+
+def instrument() -> None:
+    """Wrap the kernel's entry point in a named profiler range."""
+    from deepinfer_core.lowbit import modules, ops
+
+    def wrap(fn, label):
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    modules.ops = type("ops", (), {"matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul"))})
+
+
+def profile(requests: int, steps: int, dtype: str) -> None:
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.lowbit import describe_weights
+
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, max_num_seqs=requests, kv_cache_blocks=2 * requests + 2)
+    vocab = llm.get_tokenizer().encode("It was the best of times, it was the worst of times, " * 20)
+    engine = llm.engine
+    for r in range(requests):
+        engine.add_request(vocab[r : r + 128], SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+    prefill_steps = -(-requests * 128 // engine.config.max_num_batched_tokens)
+    for _ in range(prefill_steps + 2):  # prefill, then two decode steps to warm up
+        engine.step()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall_ms = (time.perf_counter() - start) * 1000 / steps
+    totals: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        totals[category(evt.key)] += evt.self_cpu_time_total / 1000 / steps
+    # a record_function range's self time is the kernel's: the ctypes call has no child ops
+    accounted = sum(totals.values())
+    print(f"\n{requests} request(s), {describe_weights(engine.model)}, {torch.get_num_threads()} threads: "
+          f"{wall_ms:.1f} ms per decode step ({requests * 1000 / wall_ms:.0f} tok/s)")
+    print("| part | ms / step | share |")
+    print("|---|---:|---:|")
+    for label, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {ms:.2f} | {ms / wall_ms:.0%} |")
+    print(f"| host (Python, scheduler, dispatch not inside an op) | {max(0.0, wall_ms - accounted):.2f} | {max(0.0, wall_ms - accounted) / wall_ms:.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    instrument()
+    print(f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    for r in args.requests:
+        profile(r, args.steps, args.dtype)
+
+
+if __name__ == "__main__":
+    main()

