@@ -107,6 +107,9 @@ def cmd_version(args: argparse.Namespace) -> int:
 from .plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
 
 SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser, add_plan_parser, add_serve_parser]  # the one registration point
+from .kv_cli import add_kv_parser  # noqa: E402  (deepinfer kv: its own module)
+
+SUBCOMMANDS.append(add_kv_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

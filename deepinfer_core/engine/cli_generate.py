@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from ..kv_store.url import add_kv_store_arguments
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -33,6 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, help="plugin whose attention kernels to use, or 'builtin' (default: installed plugins by name, then builtin)")
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured decode graphs")
     p.add_argument("--moe-backend", default=None, help="plugin whose MoE dispatcher to use, or 'builtin' (default: as for --attention-backend)")
+    add_kv_store_arguments(p)
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated (prompts one after another)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks, attention_backend=args.attention_backend, moe_backend=args.moe_backend, enforce_eager=args.enforce_eager)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks, attention_backend=args.attention_backend, moe_backend=args.moe_backend, enforce_eager=args.enforce_eager, kv_store=args.kv_store, kv_store_gib=args.kv_store_gib)
         if args.stream:
             return _stream(llm, prompts, params, args.chat)
         if args.chat:

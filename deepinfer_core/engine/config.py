@@ -32,6 +32,9 @@ class EngineConfig:
     attention_backend: str | None = None  # a plugin name or "builtin"; None: the default order
     moe_backend: str | None = None  # likewise for the MoE dispatcher
     enforce_eager: bool = False  # never replay captured decode graphs (deepinfer_decode_graphs)
+    kv_store: str | None = None  # persistent KV cache URL (local:///path, 3fs:///mount, memory://); None: off
+    kv_store_gib: float | None = None  # the store's capacity (LRU eviction past it); None: unbounded
+    kv_host_pool_gib: float = 1.0  # host memory between the device cache and the store
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not self.kv_host_pool_gib > 0:
+            raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
         if self.dtype != "auto" and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(_DTYPES)}")
 

@@ -42,6 +42,8 @@ class LLM:
         attention_backend: str | None = None,
         moe_backend: str | None = None,
         enforce_eager: bool = False,
+        kv_store: str | None = None,
+        kv_store_gib: float | None = None,
         host=None,
     ) -> None:
         config = EngineConfig(
@@ -60,6 +62,8 @@ class LLM:
             attention_backend=attention_backend,
             moe_backend=moe_backend,
             enforce_eager=enforce_eager,
+            kv_store=kv_store,
+            kv_store_gib=kv_store_gib,
         )
         self.engine = LLMEngine(config, host)
         self._streams = RequestStreams(self.engine)

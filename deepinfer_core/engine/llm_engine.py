@@ -19,7 +19,7 @@ import torch
 
 from ..lowbit import describe_weights
 from ..plugin_host import PluginHost, default_host
-from . import loading, validation
+from . import kv_tiers, loading, validation
 from .config import EngineConfig
 from .isolation import describe
 from .kv_cache_manager import KVCacheManager
@@ -70,7 +70,11 @@ class LLMEngine:
         self.replay_tokens = self.model.kv_layout(bs).exact_replay_tokens if state is not None else 0
         self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
         self.kv.state = state
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.tiers = None if config.kv_store is None else kv_tiers.open_tiers(
+            config.kv_store, namespace=namespace, kv=self.kv, kv_caches=kv_caches, shapes_one_two=kv_tiers.cache_shapes(sizing), device=self.device,
+            capacity_gib=config.kv_store_gib, host_pool_gib=config.kv_host_pool_gib, plugin_host=self.host,
+        )  # fmt: skip
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers)
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
         if config.batch_invariant:
             self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
@@ -174,6 +178,8 @@ class LLMEngine:
                     replay = None if self.kv.state is None else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
                     changed = self.scheduler.update(sched, result.sampled)
+                    if self.tiers is not None:  # new full blocks -> host -> store (writer thread)
+                        self.tiers.write_back([self.scheduler.requests[s.request_id] for s in sched.requests if s.request_id in self.scheduler.requests])
                 except Exception as exc:  # no single request is at fault: fail them all
                     log.exception("engine step failed; failing every request")
                     return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
@@ -240,6 +246,7 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
             "preemptions": self.scheduler.num_preemptions,
+            **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
         }
 
 

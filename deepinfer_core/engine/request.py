@@ -33,6 +33,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_stored_blocks: int = 0  # leading full blocks already handed to the KV store writer
 
     @property
     def num_tokens(self) -> int:

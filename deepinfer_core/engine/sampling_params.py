@@ -14,6 +14,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ..kv_store import RETENTION_SECONDS
+
 # Below this temperature sampling is greedy: dividing float32 logits by a temperature near the
 # float32 limits overflows to inf and the softmax to NaN (vLLM uses the same threshold).
 GREEDY_TEMPERATURE = 1e-5
@@ -53,6 +55,7 @@ class SamplingParams:
     # Per-request ``fn(output_token_ids, logits[V]) -> logits[V]``, applied before sampling to
     # this request's row only (vLLM's v0 signature); structured output plugs in here.
     logits_processors: list = field(default_factory=list)
+    kv_retention: str = "chat"  # how long this prompt's KV stays in a persistent store (agent: 3 days, chat: 7)
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, 1, 1, "only n=1 is supported (send the prompt several times)")
@@ -78,6 +81,8 @@ class SamplingParams:
         if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(f) for f in self.logits_processors):
             _fail("logits_processors", self.logits_processors, "a list of callables fn(output_token_ids, logits) -> logits", TypeError)
         self.logits_processors = list(self.logits_processors)
+        if not isinstance(self.kv_retention, str) or self.kv_retention not in RETENTION_SECONDS:
+            _fail("kv_retention", self.kv_retention, f"one of {sorted(RETENTION_SECONDS)}")
 
     def checked(self) -> "SamplingParams":
         """A re-validated private copy: what the engine keeps for a request (fields may have

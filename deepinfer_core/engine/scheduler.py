@@ -40,9 +40,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiers=None) -> None:
         self.config = config
         self.kv = kv
+        self.tiers = tiers  # engine.kv_tiers.KVTiers when a persistent KV store is on
+        self.loading: list[Request] = []  # waiting on store -> host loads, set aside
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -53,7 +55,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -78,9 +80,16 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.request_id)
         # 2. waiting requests, in arrival order (preempted ones are at the front)
+        if self.tiers is not None:
+            self._resume_loaded()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits = self.kv.match_prefix(req)
+            if self.tiers is not None:
+                hits = self.tiers.admit(req, hits)
+                if hits is None:  # its blocks are loading from the store: the others go on
+                    self.loading.append(self.waiting.popleft())
+                    continue
             cached = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - cached, budget)
             if chosen and num_new > self.config.long_prefill_threshold:
@@ -111,6 +120,15 @@ class Scheduler:
         )
         return SchedulerOutput(scheduled, sum(n for _, n in chosen), tuple(preempted))
 
+    def _resume_loaded(self) -> None:
+        """Requests whose store loads finished go back to the front of the queue."""
+        if self.loading and not self.running and not self.waiting:
+            self.tiers.wait_for_loads(timeout=0.05)  # nothing else to do: don't spin
+        ready = [r for r in self.loading if not self.tiers.loading(r.request_id)]
+        for req in reversed(ready):
+            self.loading.remove(req)
+            self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -139,7 +157,11 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
-        if req in self.running:
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
+        if req in self.loading:
+            self.loading.remove(req)
+        elif req in self.running:
             self.running.remove(req)
         else:
             try:

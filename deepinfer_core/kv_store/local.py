@@ -20,6 +20,7 @@ a miss (recompute), never wrong data.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -77,7 +78,7 @@ class LocalDiskKVStore:
     def __init__(self, config: KVStoreConfig, *, io: RecordIO | None = None) -> None:
         self.config = config
         self.io: RecordIO = io or PosixRecordIO()
-        self.root = Path(os.path.expanduser(config.path or DEFAULT_PATH))
+        self.root = LocalDiskKVStore.root_for(config)  # not the subclass's: config.path is final here
         self._fp = namespace_fingerprint(config.namespace)
         self._dir = self.root / self._fp.hex()
         self._tmp = self._dir / "tmp"
@@ -90,9 +91,15 @@ class LocalDiskKVStore:
         self._tickets = TicketTable()
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("hits", "misses", "read_failures", "evictions", "expired", "commits", "commit_failures", "dropped_at_scan"), 0)
+        _write_namespace_file(self._dir, config)
         with self._lock:
             self._rebuild_index()
             self._evict_to_capacity()
+
+    @staticmethod
+    def root_for(config: KVStoreConfig) -> Path:
+        """The directory holding every namespace of this store (operator tools list it)."""
+        return Path(os.path.expanduser(config.path or DEFAULT_PATH))
 
     # -- paths and index ------------------------------------------------------------------
     def _final_path(self, key: bytes, retention: str, day: int) -> Path:
@@ -127,9 +134,15 @@ class LocalDiskKVStore:
     def _lookup(self, key: bytes) -> _Entry | None:
         """Index first, then the disk (another process may have committed it)."""
         entry = self._index.get(key)
-        if entry is not None or self._leases.retired(key) is not None:
-            return entry
         now = time.time()
+        if entry is not None:
+            if entry.expires_at > now:
+                return entry
+            self._drop(key)  # past its retention: never served again (gc deletes the file)
+            self._counters["expired"] += 1
+            return None
+        if self._leases.retired(key) is not None:
+            return None
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
@@ -258,7 +271,7 @@ class LocalDiskKVStore:
                     self._counters["commit_failures"] += 1
                     log.warning("KV store %s: commit of %s failed: %s", self._dir, key.hex()[:16], exc)
                     continue
-                self._index[key] = _Entry(str(final), _bucket_end(day))
+                self._index[key] = _Entry(str(final), expires_at)  # exact; a scan knows the bucket only
                 made += 1
             self._counters["commits"] += made
             self._evict_to_capacity()
@@ -334,6 +347,32 @@ class LocalDiskKVStore:
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+
+
+NAMESPACE_FILE = "namespace.json"
+
+
+def _write_namespace_file(directory: Path, config: KVStoreConfig) -> None:
+    """``<fp>/namespace.json``: which namespace and block size a directory holds (why: an
+    operator tool must open it with the right block size, or its scan would drop records)."""
+    path = directory / NAMESPACE_FILE
+    if path.exists():
+        return
+    tmp = directory / f"{NAMESPACE_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.write_text(json.dumps({"namespace": config.namespace, "block_bytes": config.block_bytes}))
+    os.replace(tmp, path)
+
+
+def stored_namespaces(root: str | os.PathLike) -> list[tuple[str, int]]:
+    """(namespace, block_bytes) of every namespace directory under a store root."""
+    found = []
+    for item in sorted(os.scandir(root), key=lambda e: e.name) if os.path.isdir(root) else []:
+        try:
+            meta = json.loads((Path(item.path) / NAMESPACE_FILE).read_text())
+            found.append((str(meta["namespace"]), int(meta["block_bytes"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a namespace directory (or one written before namespace.json)
+    return found
 
 
 def _files_under(directory: str, depth: int = 1) -> list[os.DirEntry]:

@@ -43,15 +43,18 @@ class MemoryKVStore:
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             n = 0
+            now = time.time()
             for key in keys:
-                if key not in self._blocks:
+                block = self._blocks.get(key)
+                if block is None or block.expires_at <= now:  # expired blocks are not served
                     break
                 n += 1
             return n
 
     def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
         with self._lock:
-            present = [k for k in keys if k in self._blocks]
+            now = time.time()
+            present = [k for k in keys if k in self._blocks and self._blocks[k].expires_at > now]
             for key in present:
                 self._blocks.move_to_end(key)  # a read is a use (LRU)
             return self._leases.acquire(keys, present)

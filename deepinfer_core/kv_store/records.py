@@ -27,6 +27,7 @@ import os
 import shutil
 import stat
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -194,8 +195,8 @@ def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: m
         if io.read_file(path, 0, memoryview(head)) != len(head):
             return False
         header = decode_header(head, namespace_fp, key)
-        if header is None or header.payload_len != len(out):
-            return False
+        if header is None or header.payload_len != len(out) or header.expires_at <= time.time():
+            return False  # not this record, or past its retention: a miss
         if io.read_file(path, len(head), out) != len(out):
             return False
     except OSError:

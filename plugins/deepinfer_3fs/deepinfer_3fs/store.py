@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 from deepinfer_core.kv_store import KVStoreConfig
@@ -72,6 +73,10 @@ class ThreeFSKVStore(LocalDiskKVStore):
     ``usrbio`` injects a client module with the ``hf3fs_fuse.io`` interface (tests)."""
 
     name = "3fs"
+
+    @staticmethod
+    def root_for(config: KVStoreConfig) -> Path:
+        return Path(mount_path(config)) / check_subdir(config.options.get("subdir", DEFAULT_SUBDIR))
 
     def __init__(self, config: KVStoreConfig, *, usrbio: ModuleType | None = None) -> None:
         mount = mount_path(config)

@@ -1,0 +1,324 @@
+"""The KV cache beyond device memory: device blocks -> host pool -> persistent store.
+
+::
+
+    admission (scheduler)            device pool ── hit ──────────────────────────┐
+      walk the hash chain:           host pool   ── hit: copy host -> device ─────┤ prefix
+                                     store.match_prefix ── hit: load, wait ───────┘ blocks
+    loader thread:   store.acquire_read -> read_into(host buffers) -> release -> host pool
+    after each step: newly computed full blocks: device -> host copy (step loop, a memcpy),
+    writer thread:   store.reserve_write -> write_from -> commit      (failures: logged, counted)
+
+Why this split: the step loop never waits on the store. A request whose blocks are in the
+store is set aside while the loader reads them (other requests keep running); the next
+schedule promotes the loaded blocks into the device pool as ordinary cached blocks, so the
+device prefix cache serves them and ``num_cached_tokens`` counts them. Blocks are bytes in
+the store: one block is every layer's slice for that block id, back to back, in
+``kv_caches`` order (the namespace fingerprints that layout, so a mismatch is never read).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Sequence
+
+import torch
+
+from ..kv_store import KVStore
+from .kv_cache_manager import KVCacheManager
+from .request import Request
+
+log = logging.getLogger(__name__)
+
+
+class BlockCopier:
+    """Copies one block id of every layer's cache to or from a flat byte buffer."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_dims: Sequence[int]) -> None:
+        self.kv_caches = list(kv_caches)
+        self.block_dims = list(block_dims)
+        self.parts = []  # (offset, nbytes, dtype, block-slice shape) per layer
+        offset = 0
+        for cache, dim in zip(self.kv_caches, self.block_dims):
+            shape = cache.select(dim, 0).shape
+            nbytes = cache.select(dim, 0).numel() * cache.element_size()
+            self.parts.append((offset, nbytes, cache.dtype, shape))
+            offset += nbytes
+        self.block_bytes = offset
+
+    def to_host(self, block: int, out: torch.Tensor) -> None:
+        for cache, dim, (off, n, dtype, shape) in zip(self.kv_caches, self.block_dims, self.parts):
+            out[off : off + n].view(dtype).view(shape).copy_(cache.select(dim, block))
+
+    def to_device(self, block: int, src: torch.Tensor) -> None:
+        for cache, dim, (off, n, dtype, shape) in zip(self.kv_caches, self.block_dims, self.parts):
+            cache.select(dim, block).copy_(src[off : off + n].view(dtype).view(shape), non_blocking=True)
+
+
+def block_dim(shape_one: Sequence[int], shape_two: Sequence[int]) -> int:
+    """The dimension of a cache shape that counts blocks (the one that grows 1 -> 2)."""
+    dims = [i for i, (a, b) in enumerate(zip(shape_one, shape_two)) if a != b]
+    if len(dims) != 1:
+        raise ValueError(f"cannot tell the block dimension of KV cache shapes {tuple(shape_one)} / {tuple(shape_two)}")
+    return dims[0]
+
+
+class HostPool:
+    """Block bytes in host memory (pinned when the device is not the host), LRU-bounded."""
+
+    def __init__(self, capacity_blocks: int, block_bytes: int, pin: bool) -> None:
+        self.capacity = max(1, capacity_blocks)
+        self.block_bytes = block_bytes
+        self.pin = pin
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def new_buffer(self) -> torch.Tensor:
+        if self.pin:
+            try:
+                return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no pinning on this host: pageable memory still works
+                self.pin = False
+        return torch.empty(self.block_bytes, dtype=torch.uint8)
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        with self._lock:
+            buf = self._blocks.get(key)
+            if buf is not None:
+                self._blocks.move_to_end(key)
+            return buf
+
+    def put(self, key: bytes, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._blocks[key] = buf
+            self._blocks.move_to_end(key)
+            while len(self._blocks) > self.capacity:
+                self._blocks.popitem(last=False)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+
+class KVTiers:
+    """The host pool, the loader and the writer of one engine, around one store."""
+
+    def __init__(self, store: KVStore, kv: KVCacheManager, copier: BlockCopier, host_pool: HostPool) -> None:
+        self.store = store
+        self.kv = kv
+        self.copier = copier
+        self.host = host_pool
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-write")
+        self._loads: dict[str, Future] = {}  # request id -> load of its store blocks
+        self._loaded: set[str] = set()  # requests whose load finished (no second lookup)
+        self._writes: list[Future] = []
+        self._known: set[bytes] = set()  # keys already in the store or queued for it
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+
+    # -- admission --------------------------------------------------------------------------
+    def admit(self, req: Request, device_hits: list[int]) -> list[int] | None:
+        """The request's prefix blocks after looking past the device cache, or None while its
+        blocks are loading from the store (the scheduler sets the request aside)."""
+        loaded: dict[bytes, torch.Tensor] = {}  # this request's load (the host pool may be smaller)
+        if req.request_id in self._loads:
+            if not self._loads[req.request_id].done():
+                return None
+            loaded = dict(self._loads.pop(req.request_id).result())
+            self._loaded.add(req.request_id)
+        usable = req.block_keys[: (req.num_tokens - 1) // self.kv.block_size]
+        start = len(device_hits)
+        in_host = 0
+        while start + in_host < len(usable) and (usable[start + in_host] in loaded or usable[start + in_host] in self.host):
+            in_host += 1
+        rest = usable[start + in_host :]
+        if rest and req.request_id not in self._loaded:
+            try:
+                in_store = self.store.match_prefix(rest)
+            except Exception as exc:  # a store that fails is a miss, never an engine error
+                log.warning("KV store match_prefix failed: %s", exc)
+                self.counters["store_errors"] += 1
+                in_store = 0
+            if in_store:
+                self._loads[req.request_id] = self._loader.submit(self._load, tuple(rest[:in_store]))
+                return None
+        self._loaded.discard(req.request_id)
+        if in_host == 0:
+            return device_hits
+        self._promote(device_hits, usable[start : start + in_host], loaded)
+        return self.kv.match_prefix(req)
+
+    def _promote(self, device_hits: list[int], keys: Sequence[bytes], loaded: dict[bytes, torch.Tensor]) -> None:
+        """Host -> device: each block becomes a cached, unreferenced device block. The device
+        hits are held meanwhile so that the allocations cannot evict them."""
+        pool = self.kv.pool
+        for block in device_hits:
+            pool.touch(block)
+        try:
+            for key in keys:
+                if pool.num_free == 0:
+                    break
+                buf = loaded.get(key)
+                if buf is None:
+                    buf = self.host.get(key)
+                if buf is None:
+                    break
+                block = pool.allocate()
+                self.copier.to_device(block, buf)
+                pool.register(block, key)
+                pool.release(block)
+                self.counters["host_to_device_blocks"] += 1
+        finally:
+            for block in device_hits:
+                pool.release(block)
+
+    def _load(self, keys: tuple[bytes, ...]) -> list[tuple[bytes, torch.Tensor]]:
+        """Loader thread: store -> host buffers (also put in the host pool), the leading
+        blocks that read and verify."""
+        start = time.perf_counter()
+        try:
+            lease = self.store.acquire_read(keys)
+            try:
+                bufs = [self.host.new_buffer() for _ in keys]
+                ok = self.store.read_into(lease, [memoryview(b.numpy()) for b in bufs])
+            finally:
+                self.store.release(lease)
+        except Exception as exc:
+            log.warning("KV store load of %d blocks failed: %s", len(keys), exc)
+            self.counters["load_failures"] += 1
+            return []
+        n = 0
+        for key, buf, good in zip(keys, bufs, ok):
+            if not good:
+                break
+            self.host.put(key, buf)
+            n += 1
+        self.counters["load_seconds"] += time.perf_counter() - start
+        self.counters["load_bytes"] += len(keys) * self.copier.block_bytes
+        self.counters["store_blocks_loaded"] += n
+        self.counters["store_blocks_missed"] += len(keys) - n
+        with self._lock:
+            self._known.update(keys[:n])
+        return list(zip(keys[:n], bufs[:n]))
+
+    def loading(self, request_id: str) -> bool:
+        future = self._loads.get(request_id)
+        return future is not None and not future.done()
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until some load finishes (the scheduler has nothing else to run)."""
+        pending = [f for f in self._loads.values() if not f.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def forget(self, request_id: str) -> None:
+        """A request left (finished or aborted): drop its load bookkeeping."""
+        self._loads.pop(request_id, None)
+        self._loaded.discard(request_id)
+
+    # -- write-back -------------------------------------------------------------------------
+    def write_back(self, requests: Sequence[Request]) -> None:
+        """After a step: copy each request's newly computed full blocks to host buffers and
+        queue them for the store. Runs on the step loop before any block can be reused;
+        never raises (a block that is not written is only recomputed later)."""
+        try:
+            self._write_back(requests)
+        except Exception:
+            log.exception("KV write-back failed; the blocks stay in the device cache only")
+            self.counters["write_failures"] += 1
+
+    def _write_back(self, requests: Sequence[Request]) -> None:
+        bs = self.kv.block_size
+        for req in requests:
+            full = min(req.num_computed_tokens // bs, len(req.block_keys), len(req.block_ids))
+            if full <= req.num_stored_blocks:
+                continue
+            batch = []
+            for i in range(req.num_stored_blocks, full):
+                key = req.block_keys[i]
+                with self._lock:
+                    if key in self._known:
+                        continue
+                    self._known.add(key)
+                buf = self.host.get(key)
+                if buf is None:
+                    buf = self.host.new_buffer()
+                    self.copier.to_host(req.block_ids[i], buf)
+                    self.host.put(key, buf)
+                batch.append((key, buf))
+            req.num_stored_blocks = full
+            if batch:
+                self._writes = [f for f in self._writes if not f.done()]
+                self._writes.append(self._writer.submit(self._write, batch, req.params.kv_retention))
+
+    def _write(self, batch: list[tuple[bytes, torch.Tensor]], retention: str) -> None:
+        """Writer thread: reserve -> write -> commit. Failures are logged and counted."""
+        by_key = dict(batch)
+        ticket = None
+        try:
+            ticket = self.store.reserve_write([k for k, _ in batch], retention)
+            if not ticket.keys:
+                return
+            self.store.write_from(ticket, [memoryview(by_key[k].numpy()) for k in ticket.keys])
+            wanted = len(ticket.keys)
+            made = self.store.commit(ticket, [True] * wanted)
+            ticket = None
+            self.counters["blocks_written"] += made
+            if made < wanted:  # dropped by the store (a full disk at commit, a lost race)
+                self.counters["blocks_not_committed"] += wanted - made
+                with self._lock:
+                    self._known.difference_update(by_key)
+        except Exception as exc:
+            self.counters["write_failures"] += 1
+            log.warning("KV store write-back of %d blocks failed (they stay recomputable): %s", len(batch), exc)
+            with self._lock:
+                self._known.difference_update(by_key)
+            if ticket is not None:
+                try:
+                    self.store.commit(ticket, [False] * len(ticket.keys))  # drops the temp data
+                except Exception:
+                    pass
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for queued write-backs (before exit, or before another process reads)."""
+        wait(list(self._writes), timeout=timeout)
+
+    def stats(self) -> dict:
+        return {"host_pool_blocks": len(self.host), **self.counters, "store": self.store.stats()}
+
+    def close(self) -> None:
+        self.flush()
+        self._loader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.store.close()
+
+
+def cache_shapes(sizing) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each cache tensor's shape at 1 and 2 blocks (on the meta device: no memory), from the
+    engine's KV sizing; ValueError for layouts that are not one paged tensor per layer."""
+    meta = torch.device("meta")
+    one, two = sizing.allocate(1, meta), sizing.allocate(2, meta)
+    if not all(isinstance(c, torch.Tensor) for c in [*one, *two]):
+        raise ValueError("kv_store does not support this model's KV layout yet (block KV beside state KV, DeepSeek-V4)")
+    return [(tuple(a.shape), tuple(b.shape)) for a, b in zip(one, two)]
+
+
+def open_tiers(url: str, *, namespace: str, kv: KVCacheManager, kv_caches: Sequence[torch.Tensor], shapes_one_two, device: torch.device, capacity_gib: float | None, host_pool_gib: float, plugin_host=None) -> KVTiers:
+    """Open the store ``url`` names for this engine's namespace and block layout."""
+    from ..kv_store.url import open_kv_store_url
+
+    if not kv.enabled:
+        raise ValueError("kv_store needs the prefix cache: drop enable_prefix_caching=False")
+    dims = [block_dim(one, two) for one, two in shapes_one_two]
+    copier = BlockCopier(kv_caches, dims)
+    store = open_kv_store_url(url, namespace=namespace, block_bytes=copier.block_bytes, capacity_gib=capacity_gib, host=plugin_host)
+    pool = HostPool(int(host_pool_gib * 2**30) // copier.block_bytes, copier.block_bytes, pin=device.type != "cpu")
+    return KVTiers(store, kv, copier, pool)

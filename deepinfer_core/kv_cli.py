@@ -1,0 +1,80 @@
+"""``deepinfer kv stats|gc|ls --kv-store URL``: the operator's view of a persistent KV store.
+
+A store directory holds one subdirectory per namespace (model, dtype, layout, block size);
+each names its namespace and block size in ``namespace.json``, so these commands open every
+namespace with its own block size (a wrong one would make the scan drop its records).
+``gc`` deletes blocks past their retention and abandoned temp files; with ``--kv-store-gib``
+it also trims each namespace to that size, least recently used blocks first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .kv_store.url import add_kv_store_arguments
+
+COMMANDS = {
+    "stats": "counters of every namespace in the store, as JSON",
+    "gc": "delete expired blocks and abandoned writes (and trim to --kv-store-gib)",
+    "ls": "one line per namespace: blocks, size, block size",
+}
+
+
+def add_kv_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("kv", help="inspect and clean a persistent KV store", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
+    for name, text in COMMANDS.items():
+        action = sub.add_parser(name, help=text, description=text)
+        add_kv_store_arguments(action, required=True)
+        if name != "stats":
+            action.add_argument("--json", action="store_true", help="print JSON")
+        action.set_defaults(func=cmd_kv)
+    return parser
+
+
+def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> list:
+    """Every namespace stored under ``url``'s root, opened (empty for a store that keeps
+    nothing across processes, e.g. ``memory://``)."""
+    from .kv_store.local import stored_namespaces
+    from .kv_store.url import open_kv_store_url, parse_kv_store_url
+    from .plugin_host import PluginHost
+
+    host = host or PluginHost()
+    parsed = parse_kv_store_url(url)
+    factory = host.kv_stores().get(parsed.scheme)
+    if factory is None:
+        open_kv_store_url(url, namespace="-", block_bytes=1, host=host)  # raises, listing the backends
+    root_for = getattr(factory, "root_for", None)
+    if root_for is None:
+        return []
+    from . import kv_store
+
+    root = root_for(kv_store.KVStoreConfig(namespace="-", block_bytes=1, path=parsed.path, options=parsed.options))
+    return [
+        open_kv_store_url(url, namespace=ns, block_bytes=block_bytes, capacity_gib=capacity_gib, host=host)
+        for ns, block_bytes in stored_namespaces(root)
+    ]
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    try:
+        stores = open_namespaces(args.kv_store, args.kv_store_gib)
+    except ValueError as exc:
+        print(f"deepinfer kv: error: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for store in stores:
+        removed = store.gc() if args.kv_command == "gc" else None
+        stats = store.stats()
+        rows.append({"namespace": store.config.namespace, "block_bytes": store.config.block_bytes, **stats, **({"removed": removed} if removed is not None else {})})
+        store.close()
+    if args.kv_command == "stats" or args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    if not rows:
+        print(f"no namespaces in {args.kv_store}")
+    for row in rows:
+        extra = f"  removed {row['removed']}" if "removed" in row else ""
+        print(f"{row['namespace'][:16]}  {row['blocks']:>8} blocks  {row['bytes'] / 2**30:8.3f} GiB  block {row['block_bytes']} B{extra}")
+    return 0

