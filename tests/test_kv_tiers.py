@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -156,6 +157,48 @@ def test_full_disk_write_failure_is_counted_and_not_fatal(copy, tmp_path):
     assert stats["write_failures"] >= 1 and stats["store"]["blocks"] == 0
     assert records(tmp_path / "full") == [] and temp_files(tmp_path / "full") == []
     assert llm.generate([ids[:200]], GREEDY)[0].outputs[0].finish_reason == "length"  # still serving
+
+
+@needs_smollm2
+def test_gc_and_eviction_while_a_read_lease_is_held(copy):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    store = llm.engine.tiers.store
+    real_read = store.read_into
+
+    def read_after_gc(lease, buffers):
+        store.gc(now=time.time() + 30 * 86400)  # everything expired ...
+        store.remove(lease.keys)  # ... and removed, while the loader holds its lease
+        return real_read(lease, buffers)
+
+    store.read_into = read_after_gc
+    out = llm.generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == 640 and out.outputs[0].token_ids == ref
+    assert records(root) == []  # deleted once the lease ended
+
+
+@needs_smollm2
+def test_store_directory_deleted_under_a_running_engine(copy):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")  # its index lists the 5 blocks
+    shutil.rmtree(root)
+    out = llm.generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == ref
+    llm.engine.tiers.flush()
+    assert len(records(root)) == 5  # written back into a recreated directory
+    again = smollm2(f"local://{root}").generate([ids], GREEDY)[0]
+    assert again.num_cached_tokens == 640 and again.outputs[0].token_ids == ref
+
+
+@needs_smollm2
+def test_namespace_keeps_dtypes_and_block_sizes_apart(copy):
+    root, ids, _ = copy
+    for kw in ({"dtype": "bfloat16"}, {"block_size": 64}):
+        llm = smollm2(f"local://{root}", **kw)
+        assert llm.generate([ids[:300]], SamplingParams(temperature=0, max_tokens=1))[0].num_cached_tokens == 0, kw
+        assert llm.engine.stats()["kv_tiers"].get("store_blocks_loaded", 0) == 0
+    namespaces = [d for d in os.listdir(root) if os.path.isdir(root / d)]
+    assert len(namespaces) == 3
 
 
 # -- DeepSeek-V3: MLA latent blocks ---------------------------------------------------------------
