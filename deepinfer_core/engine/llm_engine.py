@@ -61,7 +61,7 @@ class LLMEngine:
             self.num_blocks = sizing.blocks_for_budget(config.kv_cache_gib * 2**30)
         else:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
-        namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0".encode()).hexdigest()
+        namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={describe_weights(self.model)}".encode()).hexdigest()  # low-bit vs dense weights compute different KV
         graphs = None if config.enforce_eager or config.batch_invariant else self.host.decode_graphs(self.platform)
         scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
         kv_caches = sizing.allocate(self.num_blocks + scratch, self.device)
