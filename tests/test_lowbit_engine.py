@@ -43,7 +43,7 @@ def _greedy(path: str, dtype: str, n: int) -> tuple[list[list[int]], LLM]:
 
 
 def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
-    lowbit, llm = _greedy(q8_gguf, "auto", 64)
+    lowbit, llm = _greedy(q8_gguf, "lowbit", 64)
     assert describe_weights(llm.engine.model) == "low-bit: 121 q8<Q8_0>"  # 4 linear modules per layer x 30, + the tied head
     dense, ref = _greedy(q8_gguf, "float32", 64)
     assert describe_weights(ref.engine.model) == "dense"
@@ -51,17 +51,22 @@ def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
     assert identical >= 14, f"only {identical}/16 prompts identical over 64 tokens"
 
 
-def test_default_keeps_the_file_s_q4_1_and_q8_0_weights_packed():
-    llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)
+def test_lowbit_keeps_the_file_s_q4_1_and_q8_0_weights_packed():
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8)
     # qkv fused, o, gate+up fused, down: 4 modules per layer (of 7 tensors); the tied Q8_0 head
     assert describe_weights(llm.engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out[0].outputs[0].text
 
 
-def test_without_kernels_the_default_loads_dense_weights_and_says_why(monkeypatch, caplog):
+def test_without_kernels_lowbit_loads_dense_weights_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(native, "load", lambda: native.NativeKernels(None, "no C compiler found"))
     with caplog.at_level(logging.WARNING):
-        llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)
+        llm = LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8)
     assert describe_weights(llm.engine.model) == "dense"
     assert "no C compiler found" in caplog.text
+
+
+def test_default_serves_dense_weights_until_lowbit_is_faster():
+    llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)
+    assert describe_weights(llm.engine.model) == "dense"

@@ -16,9 +16,10 @@ _DTYPES = {
 class EngineConfig:
     model: str
     device: str = "auto"
-    # auto: on CPU bfloat16 where it has bf16 dot products (AVX512-BF16/AMX) else float32, and a
-    # block-quantized GGUF keeps its low-bit weights (deepinfer_core.lowbit); bfloat16 elsewhere.
-    # An explicit dtype always loads dense weights of that dtype (float32: the exact reference).
+    # auto: on CPU bfloat16 where it has bf16 dot products (AVX512-BF16/AMX) else float32;
+    # bfloat16 elsewhere. lowbit: like auto, but a block-quantized GGUF keeps its low-bit weights
+    # packed (deepinfer_core.lowbit) -- opt-in until its kernels beat the dense path (see
+    # benchmarks/README.md). Any other dtype loads dense weights (float32: the exact reference).
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -46,13 +47,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not self.kv_host_pool_gib > 0:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+        if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
 
     def torch_dtype(self, device_type: str) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
-        if self.dtype == "auto":
+        if self.dtype in ("auto", "lowbit"):
             if device_type == "cpu":
                 from ..builtin.cpu_features import cpu_features
 
@@ -61,5 +62,5 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def allows_lowbit(self, device_type: str) -> bool:
-        """Serve a block-quantized checkpoint's weights packed: the CPU default (dtype auto)."""
-        return self.dtype == "auto" and device_type == "cpu"
+        """Serve a block-quantized checkpoint's weights packed (``dtype="lowbit"`` on CPU)."""
+        return self.dtype == "lowbit" and device_type == "cpu"
