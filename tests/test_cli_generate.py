@@ -83,3 +83,11 @@ def test_chat_stream_equals_chat(model_dir):
     batch = deepinfer("--model", model_dir, "--device", "cpu", "--max-tokens", "5", "--chat", "--json", "Hi")
     assert result.returncode == 0 and batch.returncode == 0, result.stderr + batch.stderr
     assert result.stdout == json.loads(batch.stdout)["text"] + "\n"
+
+
+def test_serve_takes_the_same_kv_store_flags_as_generate():
+    from deepinfer_core.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--kv-store", "local:///tmp/deepinfer-kv", "--kv-store-gib", "2"])
+    assert (args.kv_store, args.kv_store_gib) == ("local:///tmp/deepinfer-kv", 2.0)
+    assert build_parser().parse_args(["serve"]).kv_store is None

@@ -11,6 +11,8 @@ import argparse
 import signal
 import sys
 
+from ..kv_store.url import add_kv_store_arguments
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -33,6 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
+    add_kv_store_arguments(engine)
     p.set_defaults(func=run)
     return p
 
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_blocks=args.kv_cache_blocks,
             block_size=args.block_size, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+            kv_store=args.kv_store, kv_store_gib=args.kv_store_gib,
         )  # fmt: skip
         engine = LLMEngine(config, host)
     except (ValueError, TypeError, FileNotFoundError) as exc:
