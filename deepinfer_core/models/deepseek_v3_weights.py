@@ -12,7 +12,10 @@ experts come in one of two layouts and both land in the same stacked parameters:
         model.layers.L.mlp.experts.down_proj           [E, D, I]
 
 Layers past ``num_hidden_layers`` are DeepSeek's multi-token-prediction modules; they are not
-part of this model and are skipped, as transformers does.
+part of this model and are skipped, as transformers does. A model whose MTP modules are its own
+parameters (DeepSeek-V4's ``mtp.N.*``) passes ``optional_prefix="mtp."``: each ``mtp.N`` group
+is then loaded whole or, when the checkpoint has none of its tensors, left out (reported in the
+returned set of loaded names; a partly present group is an error naming what is missing).
 """
 from __future__ import annotations
 
@@ -25,14 +28,17 @@ import torch.nn as nn
 from . import WeightsError
 from .layers import fused_targets
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOWN = 20  # names listed per category before summarising
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], family: str = "DeepseekV3") -> None:
-    """Copy every tensor into place; raise :class:`WeightsError` naming all problems at once."""
+def load_hf_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], family: str = "DeepseekV3", optional_prefix: str | None = None
+) -> set[str]:
+    """Copy every tensor into place; raise :class:`WeightsError` naming all problems at once.
+    Returns the names of the parameters filled (stacked expert parameters included)."""
     config = model.config
     num_layers = config["num_hidden_layers"]
     fused, fused_params = fused_targets(model)
@@ -70,7 +76,11 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             target.copy_(tensor.to(target.dtype))
             loaded.add(name)
 
-    missing = [n for n in sorted(required - loaded) if not _filled_by_pieces(n, pieces, targets)]
+    filled = loaded | {n for n in required - loaded if _filled_by_pieces(n, pieces, targets)}
+    missing = sorted(required - filled)
+    if optional_prefix is not None:
+        present = {_group(n, optional_prefix) for n in filled | set(pieces)} - {None}
+        missing = [n for n in missing if _group(n, optional_prefix) in present or _group(n, optional_prefix) is None]
     missing = _expand_expert_names(missing, pieces, targets)
     if missing or unexpected or misshaped:
         parts = []
@@ -79,6 +89,14 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                 more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
                 parts.append(f"{label} tensors: {', '.join(names[:_SHOWN])}{more}")
         raise WeightsError(f"{family} checkpoint does not match the model; " + "; ".join(parts))
+    return filled
+
+
+def _group(name: str, prefix: str) -> str | None:
+    """``mtp.0`` for ``mtp.0.self_attn...`` when ``prefix`` is ``mtp.``; None outside it."""
+    if not name.startswith(prefix):
+        return None
+    return prefix + name[len(prefix):].split(".", 1)[0]
 
 
 def _expert_slice(targets: dict, prefix: str, index: int, proj: str) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ each layer's spec (``state_kv=True``); MoE through the MoE hook. The cache is th
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -27,6 +28,7 @@ from .deepseek_v3_weights import load_hf_weights
 from .deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
 from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
+from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .deepseek_v4_weights import renamed
 from .deepseek_v4_layers import (
     GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, hc_merge, moe_spec, unweighted_rms_norm,
@@ -117,6 +119,27 @@ class V4DecoderLayer(nn.Module):
         return hc_merge(h, out, post, comb)
 
 
+class V4MTPBlock(V4DecoderLayer):
+    """A decoder block plus the MTP input mixing and head (see :mod:`.deepseek_v4_mtp`);
+    parameter names are the released ``mtp.N.*`` in transformers' spelling."""
+
+    def __init__(self, cfg: V4Config, spec, backend, moe) -> None:
+        super().__init__(cfg, spec, backend, moe)
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = V4RMSNorm(d, eps)
+        self.hnorm = V4RMSNorm(d, eps)  # per stream
+        self.norm = V4RMSNorm(d, eps)
+        self.hc_head = HyperHead(cfg)
+
+    def draft(self, streams, embeds, token_ids, positions, ropes, cache, meta, batch):
+        """-> (hidden for the shared lm_head [T, D], output streams [T, hc, D])."""
+        x = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        out = self.forward(x, token_ids, positions, ropes, cache, meta, batch)
+        return self.norm(self.hc_head(out)), out
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: V4Config, layers: list[V4DecoderLayer]) -> None:
         super().__init__()
@@ -140,14 +163,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         for spec, backend in zip(self.attention_specs, backends):
             if not hasattr(backend, "forward_v4"):
                 raise ValueError(f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer {spec.layer_index} ({spec.kind.value}) lacks forward_v4")
+        full = with_mtp_layers(cfg)  # MTP blocks as layers n.. for the per-layer builders
+        self.mtp_attention_specs = [attention_spec(full, i, ctx.dtype) for i in range(cfg.num_layers, full.num_layers)]
+        mtp_backends = [ctx.attention_backend(spec) for spec in self.mtp_attention_specs]
         moes = []
-        for i in range(cfg.num_layers):
-            spec = moe_spec(cfg, i)
+        for i in range(full.num_layers):
+            spec = moe_spec(full, i)
             moes.append((spec, ctx.moe_dispatcher(spec)))
         with torch.device("meta"):
             layers = [V4DecoderLayer(cfg, s, b, m) for s, b, m in zip(self.attention_specs, backends, moes)]
             self.model = Backbone(cfg, layers)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            mtp = [V4MTPBlock(full, s, b, m) for s, b, m in zip(self.mtp_attention_specs, mtp_backends, moes[cfg.num_layers :])]
+            self.mtp = nn.ModuleList(mtp) if mtp else None
+        self.mtp_unavailable = None if mtp else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
         self.to_empty(device=ctx.device)
         self.to(dtype=ctx.dtype)
         if cfg.tie_word_embeddings:
@@ -162,26 +191,65 @@ class DeepseekV4ForCausalLM(nn.Module):
         dtype = self.attention_specs[0].kv_dtype
         return v4_kv_layout(self.cfg, dtype, block_size, num_speculative_tokens)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_hf_weights(self, renamed(weights), "DeepseekV4")
+    def mtp_kv_layout(self, block_size: int, num_speculative_tokens: int = 0) -> V4KVLayout:
+        """Cache layout of the MTP blocks (one layer per block), allocated by the drafting loop."""
+        full = with_mtp_layers(self.cfg)
+        layout = v4_kv_layout(full, self.attention_specs[0].kv_dtype, block_size, num_speculative_tokens)
+        return dataclasses.replace(layout, layers=layout.layers[self.cfg.num_layers :])
 
-    def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaded = load_hf_weights(self, renamed(weights), "DeepseekV4", optional_prefix="mtp.")
+        if self.mtp is not None and not any(n.startswith("mtp.") for n in loaded):
+            self.mtp = None  # the checkpoint has no MTP module: free its memory, drafting unavailable
+            self.mtp_unavailable = NO_MTP_IN_CHECKPOINT
+
+    def _batch(self, meta: AttentionMetadata) -> V4Batch:
         if meta.state_slots is None:
             raise ValueError("DeepSeek-V4 needs per-request state KV: AttentionMetadata.state_slots is missing")
         starts = meta.query_start_loc.tolist()
         ends = meta.seq_lens.tolist()
-        batch = V4Batch(
+        return V4Batch(
             token_ranges=tuple(zip(starts[:-1], starts[1:])),
             starts=tuple(e - (b - a) for e, a, b in zip(ends, starts[:-1], starts[1:])),
             slots=tuple(meta.state_slots.tolist()),
             block_tables=meta.block_tables,
             block_size=meta.block_size,
         )
+
+    def hidden_streams(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        """The last layer's hyper-connection streams [T, hc, D], before ``hc_head`` and the final
+        norm: what the MTP blocks consume."""
+        batch = self._batch(meta)
         e = self.model.embed_tokens(input_ids)
         h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, input_ids, positions, self.ropes, cache, meta, batch)
-        return self.model.norm(self.model.hc_head(h))
+        return h
+
+    def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta)))
+
+    def mtp_forward(
+        self, streams: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor, cache: V4LayerCache, meta: AttentionMetadata, block: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits with MTP block ``block``: ``streams`` [T, hc, D] are the hidden streams at
+        ``positions`` (from :meth:`hidden_streams`, or a previous call's output when chaining),
+        ``next_token_ids`` [T] the tokens at ``positions + 1``. ``cache`` is this block's
+        (:meth:`mtp_kv_layout`), ``meta`` laid out as for :meth:`forward`. Returns ``(logits
+        [T, V] float32 for positions + 2, output streams [T, hc, D])``."""
+        if self.mtp is None:
+            raise RuntimeError(f"DeepSeek-V4 MTP drafting is unavailable: {self.mtp_unavailable}")
+        if not 0 <= block < len(self.mtp):
+            raise ValueError(f"MTP block {block} does not exist; this model has {len(self.mtp)} (num_nextn_predict_layers)")
+        T = streams.shape[0]
+        if streams.shape[1:] != (self.cfg.hc_mult, self.cfg.hidden_size) or next_token_ids.shape != (T,):
+            raise ValueError(
+                f"mtp_forward: streams must be [T, hc_mult={self.cfg.hc_mult}, hidden_size={self.cfg.hidden_size}] and "
+                f"next_token_ids [T]; got {tuple(streams.shape)} and {tuple(next_token_ids.shape)}"
+            )
+        embeds = self.model.embed_tokens(next_token_ids)
+        hidden, out = self.mtp[block].draft(streams, embeds, next_token_ids, positions, self.ropes, cache, meta, self._batch(meta))
+        return self.compute_logits(hidden), out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -61,6 +61,10 @@ class V4Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     num_mtp_layers: int
+    # The MTP blocks' attention kinds / ratios: the schedule's entries past the main layers where
+    # it lists them (the released ``compress_ratios`` does), else sliding window.
+    mtp_layer_kinds: tuple[str, ...] = ()
+    mtp_compress_ratios: tuple[int, ...] = ()
 
 
 def _positive(config: dict, name: str, default=None) -> int:
@@ -156,6 +160,11 @@ def parse_config(config: dict) -> V4Config:
     if scoring not in ("sqrtsoftplus", "softmax", "sigmoid"):
         raise ValueError(f"DeepSeek-V4 config field 'scoring_func' must be one of sqrtsoftplus, softmax, sigmoid; got {scoring!r}")
     main, compress = _ropes(config, rope_dim)
+    n_mtp = config.get("num_nextn_predict_layers", 1) or 0
+    if not isinstance(n_mtp, int) or isinstance(n_mtp, bool) or n_mtp < 0:
+        raise ValueError(f"DeepSeek-V4 config field 'num_nextn_predict_layers' must be a non-negative integer, got {n_mtp!r}")
+    schedule = config.get("layer_types") or config.get("compress_ratios") or ()
+    mtp_kinds = _layer_kinds(config, n + n_mtp)[n:] if len(schedule) >= n + n_mtp else (SLIDING,) * n_mtp
     return V4Config(
         vocab_size=_positive(config, "vocab_size"),
         hidden_size=_positive(config, "hidden_size"),
@@ -187,5 +196,7 @@ def parse_config(config: dict) -> V4Config:
         compress_rope=compress,
         max_position_embeddings=_positive(config, "max_position_embeddings", 1048576),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        num_mtp_layers=int(config.get("num_nextn_predict_layers", 1) or 0),
+        num_mtp_layers=n_mtp,
+        mtp_layer_kinds=mtp_kinds,
+        mtp_compress_ratios=tuple(0 if k == SLIDING else rates[k] for k in mtp_kinds),
     )

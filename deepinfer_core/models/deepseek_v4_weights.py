@@ -225,12 +225,10 @@ def is_released_layout(names) -> bool:
 
 
 def renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """For a model's ``load_weights``: every name in transformers' spelling, the MTP module
-    (``mtp.*``, not part of the main model) dropped. Already-renamed names pass unchanged."""
+    """For a model's ``load_weights``: every name in transformers' spelling (the MTP module keeps
+    its ``mtp.N.`` prefix). Already-renamed names pass unchanged."""
     for name, tensor in weights:
-        name = hf_name(released_name(name))
-        if not name.startswith("mtp."):
-            yield name, tensor
+        yield hf_name(released_name(name)), tensor
 
 
 def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None:
