@@ -55,7 +55,10 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         model.load_weights(files.quantized_weights())
     else:
         model.load_weights(files.weights())
-    return model.to(ctx.dtype).eval(), ctx
+    model = model.to(ctx.dtype).eval()
+    if hasattr(model, "restore_float32"):  # parameters the model keeps in float32 whatever the dtype
+        model.restore_float32()
+    return model, ctx
 
 
 def lowbit_unavailable(files: ModelFiles, device: torch.device) -> str | None:

@@ -152,14 +152,19 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         self.to_empty(device=ctx.device)
         self.to(dtype=ctx.dtype)
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, DeepseekV3MoE):
-                layer.mlp.gate.float()
+        self.restore_float32()
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = build_rotary(config, ctx.device)  # shared by all layers, not a weight
         self.attention_specs = [layer.self_attn.spec for layer in self.model.layers]
         self.requires_grad_(False)
+
+    def restore_float32(self) -> None:
+        """The router (weight and correction bias) in float32 whatever the model dtype, as
+        transformers keeps it (``_keep_in_fp32_modules_strict``); called again after any cast."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.gate.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_hf_weights(self, weights)

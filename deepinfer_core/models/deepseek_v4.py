@@ -31,7 +31,7 @@ from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
 from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .deepseek_v4_weights import renamed
 from .deepseek_v4_layers import (
-    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, hc_merge, moe_spec, unweighted_rms_norm,
+    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, hc_merge, keep_float32, moe_spec, unweighted_rms_norm,
 )  # fmt: skip
 
 
@@ -179,6 +179,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp_unavailable = None if mtp else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
         self.to_empty(device=ctx.device)
         self.to(dtype=ctx.dtype)
+        self.restore_float32()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ropes = {
@@ -186,6 +187,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress": V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, ctx.device),
         }
         self.requires_grad_(False)
+
+    def restore_float32(self) -> None:
+        """Mixing weights, sinks, biases and norms in float32 whatever the model dtype, as
+        transformers keeps them; called again after any cast of the whole model."""
+        keep_float32(self)
 
     def kv_layout(self, block_size: int, num_speculative_tokens: int = 0) -> V4KVLayout:
         dtype = self.attention_specs[0].kv_dtype

@@ -7,6 +7,8 @@ axis (``[T, ...]`` instead of ``[B, S, ...]``).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,6 +16,29 @@ import torch.nn.functional as F
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from .deepseek_v4_config import V4Config
 from .layers import FusedLinear, yarn_rope_inv_freq
+
+
+# Kept in float32 whatever the model dtype: transformers' ``_keep_in_fp32_modules_strict`` for
+# DeepSeek-V4 (mHC mixing, sinks, compressor position biases, router bias, every RMSNorm weight),
+# plus the MTP block's own norms, whose weights DeepSeek's code also holds in float32. Matched
+# as whole components of a parameter's dotted name, as transformers matches them.
+FLOAT32_MODULES = (
+    "attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm", "kv_norm",
+    "input_layernorm", "post_attention_layernorm", "norm", "enorm", "hnorm",
+)  # fmt: skip
+
+
+def keep_float32(module: nn.Module, names=FLOAT32_MODULES) -> None:
+    """Cast back to float32 the parameters and buffers a ``module.to(dtype)`` narrowed."""
+    pattern = re.compile("|".join(rf"(^|\.){re.escape(n)}($|\.)" for n in names))
+    for name, sub in module.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for leaf, t in store.items():
+                if t is not None and t.is_floating_point() and pattern.search(f"{name}.{leaf}" if name else leaf):
+                    if isinstance(t, nn.Parameter):
+                        t.data = t.data.float()
+                    else:
+                        store[leaf] = t.float()
 
 
 class V4RMSNorm(nn.Module):
