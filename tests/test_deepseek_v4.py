@@ -193,3 +193,21 @@ def test_block_size_must_hold_whole_compression_windows():
     # per block: CSA 32 entries x (32 + 16), HCA 8 entries x 32, two of each; float32
     assert layout.block_bytes == 4 * (2 * 32 * 48 + 2 * 8 * 32)
     assert layout.exact_replay_tokens == 4 * 15 + 16
+
+
+@pytest.mark.parametrize("budget", [70, 1000])
+def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, budget):
+    # Two index heads: relu makes many index scores exactly 0, so top-k meets exact ties; chunks
+    # of 70 tokens are not multiples of the compress rates. Prompt rows must rank the entries as
+    # transformers' one-pass prefill does, whatever the chunking.
+    torch.manual_seed(99)
+    hf = transformers.DeepseekV4ForCausalLM(tiny_config(index_n_heads=2, index_topk=3)).eval()
+    randomise(hf, 6)
+    hf.save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    ps = prompts([130, 333, 517], seed=17)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=32, max_num_batched_tokens=budget)
+    got = tokens(llm.generate(ps, greedy(8)))
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in ps]
+    assert got == want

@@ -41,8 +41,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def meta_for(n: int, start: int = 0) -> AttentionMetadata:
-    """One request at state slot 0, blocks 0.. in order, new tokens ``start .. start + n``."""
+def meta_for(n: int, start: int = 0, prompt: int = PROMPT_LEN) -> AttentionMetadata:
+    """One request at state slot 0, blocks 0.. in order, new tokens ``start .. start + n`` of a
+    ``prompt``-token sequence (the CSA indexer ranks its rows as a one-pass run does)."""
     end = start + n
     blocks = (end + BLOCK - 1) // BLOCK
     return AttentionMetadata(
@@ -55,6 +56,7 @@ def meta_for(n: int, start: int = 0) -> AttentionMetadata:
         max_query_len=n,
         max_seq_len=end,
         state_slots=torch.tensor([0]),
+        prompt_lens=(prompt,),
     )
 
 
@@ -166,14 +168,13 @@ def test_mtp_forward_matches_the_reference_built_from_transformers(setup):
 
 def test_mtp_forward_in_chunks_and_one_token_steps_equals_one_pass(setup):
     # The MTP block keeps its own window / compressor state between calls, like a main layer.
-    # (Cuts where no CSA row meets an exact tie of index scores at the top-k boundary: relu
-    # makes scores exactly 0 and torch.topk breaks such ties depending on the row length.)
+    # The cut at 130 splits rows whose index scores tie exactly (relu zeros) at the top-k edge.
     model, hf, hf_mtp, extra = setup
     ids = prompt()
     ref_streams, ref_logits, _ = reference(hf, hf_mtp, extra, ids)
     (cache,) = model.mtp_kv_layout(BLOCK).allocate(2, 1, "cpu")
     got = []
-    cuts = [0, 61] + list(range(140, PROMPT_LEN + 1))
+    cuts = [0, 61, 130] + list(range(131, PROMPT_LEN + 1))
     with torch.no_grad():
         for a, b in zip(cuts, cuts[1:]):
             meta = meta_for(b - a, a)

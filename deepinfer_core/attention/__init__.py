@@ -75,6 +75,10 @@ class AttentionMetadata:
     batch_invariant: bool = False  # reductions must not depend on the rest of the batch
     state_slots: torch.Tensor | None = None  # [R] int64, each request's state-KV slot (V4)
     replay: bool = False  # tokens re-run only to rebuild state KV: read block KV, never write it
+    # Host-side prompt length per request (None / 0: unknown). DeepSeek-V4's indexer ranks a
+    # prompt row among all of the prompt's compressed entries, as a one-pass prefill does, so that
+    # chunking breaks score ties the same way.
+    prompt_lens: tuple[int, ...] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -227,7 +227,7 @@ class LLMEngine:
         if not self.kv.allocate(req, len(prompt_token_ids)):
             raise RuntimeError("not enough free KV blocks to score this prompt now")
         try:
-            sched = SchedulerOutput((ScheduledRequest(req.request_id, tuple(prompt_token_ids), 0, tuple(req.block_ids), False, 0),), len(prompt_token_ids))
+            sched = SchedulerOutput((ScheduledRequest(req.request_id, tuple(prompt_token_ids), 0, tuple(req.block_ids), False, 0, len(prompt_token_ids)),), len(prompt_token_ids))
             input_ids, meta, _ = self.runner.build_batch(sched)
             hidden = self.model.forward(input_ids, meta.positions, self.runner.kv_caches, meta)
             return self.model.compute_logits(hidden)

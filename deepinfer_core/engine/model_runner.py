@@ -73,6 +73,7 @@ class ModelRunner:
             batch_invariant=self.batch_invariant,
             state_slots=None if self.state is None else torch.tensor([self.state.slot(s.request_id) for s in out.requests], dtype=torch.long).to(dev),
             replay=replay,
+            prompt_lens=tuple(s.prompt_len for s in out.requests),
         )
         return torch.tensor(ids, dtype=torch.long).to(dev), meta, last_token_rows
 

@@ -23,6 +23,7 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     sample: bool  # the step reaches the last known token: sample the next one
     seed: int
+    prompt_len: int = 0  # the request's prompt tokens (0: unknown), see AttentionMetadata.prompt_lens
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Scheduler:
                 block_ids=tuple(req.block_ids),
                 sample=req.num_computed_tokens + n == req.num_tokens,
                 seed=req.seed,
+                prompt_len=len(req.prompt_token_ids),
             )
             for req, n in chosen
         )

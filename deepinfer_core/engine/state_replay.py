@@ -23,7 +23,7 @@ def replays_needed(sched: SchedulerOutput, requests: dict, state, replay_tokens:
             continue
         lo = max(0, s.start_position - replay_tokens)
         tokens = requests[s.request_id].all_token_ids[lo : s.start_position]
-        replays.append(ScheduledRequest(s.request_id, tuple(tokens), lo, s.block_ids, False, s.seed))
+        replays.append(ScheduledRequest(s.request_id, tuple(tokens), lo, s.block_ids, False, s.seed, s.prompt_len))
     if not replays:
         return None
     return SchedulerOutput(tuple(replays), sum(len(r.token_ids) for r in replays))

@@ -220,6 +220,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             slots=tuple(meta.state_slots.tolist()),
             block_tables=meta.block_tables,
             block_size=meta.block_size,
+            prompt_lens=tuple(meta.prompt_lens or ()),
         )
 
     def hidden_streams(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:

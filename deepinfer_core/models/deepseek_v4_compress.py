@@ -30,6 +30,7 @@ class V4Batch:
     slots: tuple[int, ...]  # state-KV slot of each request
     block_tables: torch.Tensor  # [R, max_blocks] int
     block_size: int
+    prompt_lens: tuple[int, ...] = ()  # per request, 0 where unknown
 
     def entry_index(self, r: int, entries: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset) of compressed entries ``entries`` [n] of request ``r``."""
@@ -151,7 +152,28 @@ class Indexer(Compressor):
             visible = (positions[a:b] + 1) // self.ratio  # entries each query may see
             future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
             scores = scores.masked_fill(future, float("-inf"))
-            k = min(self.topk, n)
-            top = scores.topk(k, dim=-1).indices
-            out[a:b, :k] = torch.where(top >= visible[:, None], -1, top)
+            prompt = batch.prompt_lens[r] if batch.prompt_lens else 0
+            self._top(scores, visible, prompt, s, out[a:b])
         return out
+
+    def _top(self, scores: torch.Tensor, visible: torch.Tensor, prompt: int, start: int, out: torch.Tensor) -> None:
+        """Top-k of each row, ranked over the entries a one-pass run would rank it over: a
+        prompt row over the prompt's ``prompt // ratio`` entries (future ones at -inf), a later
+        row over its visible ones, as decoding does. Exact score ties (relu makes many zeros)
+        are then broken as the reference breaks them whatever the chunking; ``torch.topk``'s
+        choice among ties depends on the row length."""
+        t, n = scores.shape
+        in_prompt = min(t, max(0, prompt - start)) if prompt else t
+        if in_prompt:
+            cols = max(n, prompt // self.ratio) if prompt else n
+            rows = scores[:in_prompt]
+            if cols > n:
+                rows = torch.cat([rows, rows.new_full((in_prompt, cols - n), float("-inf"))], dim=1)
+            k = min(self.topk, cols)
+            top = rows.topk(k, dim=-1).indices
+            out[:in_prompt, :k] = torch.where(top >= visible[:in_prompt, None], -1, top)
+        for i in range(in_prompt, t):
+            cols = int(visible[i])
+            k = min(self.topk, cols)
+            if k:
+                out[i, :k] = scores[i, :cols].topk(k).indices
