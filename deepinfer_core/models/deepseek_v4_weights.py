@@ -165,9 +165,11 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
         if kinds[i] != "sliding_attention":
             ratio = rates[kinds[i]]
             csa = kinds[i] == "compressed_sparse_attention"
-            block |= _compressor("attn.compressor.", ratio, hd, d, overlap=ratio == 4)
+            # CSA compressors (and the indexer's) overlap windows whatever their rate, as
+            # transformers builds them (DeepSeek's release has CSA at rate 4 only).
+            block |= _compressor("attn.compressor.", ratio, hd, d, overlap=csa)
             if csa:
-                block |= _compressor("attn.indexer.compressor.", ratio, ihd, d, overlap=ratio == 4)
+                block |= _compressor("attn.indexer.compressor.", ratio, ihd, d, overlap=True)
                 block |= {"attn.indexer.wq_b.weight": ((ih * ihd, q_rank), "linear"), "attn.indexer.weights_proj.weight": ((ih, d), "bf16")}
         if mtp:
             block |= {"e_proj.weight": ((d, d), "linear"), "h_proj.weight": ((d, d), "linear"), "enorm.weight": ((d,), "bf16"),
