@@ -203,6 +203,22 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         torch.cuda.synchronize()
         gpu = s.elapsed_time(e) / 50
         log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
+    import cProfile
+    import io
+    import pstats
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = random_prompts(64, 512, vocab, 76)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, one)
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    log("PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising calls):")
+    log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -277,7 +293,7 @@ def main() -> int:
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "copy_bw": bw}
 
     if "accept" not in skip:
-        ref = di(path, "float32", attention_backend="builtin", moe_backend="builtin", kv_cache_blocks=64)
+        ref = di(path, "float32", attention_backend="builtin", moe_backend="builtin", fused_ops=False, kv_cache_blocks=64)
         ref_tokens = di_greedy(ref, prompts, args.new)
         free(ref)
         ours = di(path, "float32", kv_cache_blocks=64)
@@ -289,9 +305,15 @@ def main() -> int:
         log(f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}")
         report["fp32_identical"] = [sum(same), len(same), first_diff]
 
-        bf = di(path, "bfloat16", kv_cache_blocks=64)
+        bf = di(path, "bfloat16", kv_cache_blocks=64, overlap_debug=True)
         bf_tokens = di_greedy(bf, prompts, args.new)
         free(bf)
+        serial = di(path, "bfloat16", kv_cache_blocks=64, overlap_scheduling=False)
+        serial_tokens = di_greedy(serial, prompts, args.new)
+        free(serial)
+        same = sum(a == b for a, b in zip(bf_tokens, serial_tokens))
+        log(f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} prompts identical")
+        report["overlap_identical"] = [same, len(prompts)]
         inv = di(path, "bfloat16", kv_cache_blocks=256, batch_invariant=True, max_num_seqs=64)
         vocab = (config or {}).get("vocab_size", 49152)
         batch = random_prompts(63, 40, vocab, 99)
@@ -329,6 +351,10 @@ def main() -> int:
         di_dec = di_speed(llm, vocab, levels, args.steps, 128)
         di_pre = di_prefill(llm, vocab)
         di_peak = peak_mib()
+        llm.engine.overlap = False  # the same engine with serial steps (host work between device steps)
+        log("  deepinfer with overlapped scheduling off:")
+        serial_dec = di_speed(llm, vocab, levels, args.steps, 128)
+        llm.engine.overlap = True
         if args.profile:
             profile(llm, vocab, di_dec)
         free(llm)
@@ -352,9 +378,10 @@ def main() -> int:
             h = hf_dec.get(n, float("nan"))
             log(f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |")
             log(f"| decode tok/s, {n} req | {1e3 * n / h:,.0f} | {1e3 * n / di_dec[n]:,.0f} | | | |")
+            log(f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains {serial_dec[n] / di_dec[n]:.2f}x | | |")
         log(f"| prefill tok/s, 64 x 512 | {hf_pre:,.0f} | {di_pre:,.0f} | {di_pre / hf_pre:.2f}x | | |")
         log(f"| peak GPU MiB | {hf_peak:.0f} | {di_peak:.0f} | | | |")
-        report.update(di_decode=di_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
+        report.update(di_decode=di_dec, di_decode_serial=serial_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -23,6 +23,7 @@ import pluggy
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
     from .engine.graphs import DecodeGraphsFactory
+    from .fused_ops import FusedOps
     from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .kv_store import KVStoreFactory
     from .models import ModelFactory, ModelSource
@@ -141,6 +142,23 @@ def deepinfer_batch_invariant_ops(platform: Platform) -> Callable[[], ContextMan
     :param platform: the platform the engine runs on.
     :return: a zero-argument callable returning a context manager, or None (the builtin: the
         CPU reference ops are used as they are).
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_fused_ops(platform: Platform) -> FusedOps | None:
+    """Offer one-kernel versions of small elementwise chains: RMSNorm, SiLU-and-mul.
+
+    Called by ``PluginHost.fused_ops()`` once when an engine is built (not with
+    ``LLM(fused_ops=False)``); the engine points the model's ``RMSNorm`` and gated-MLP modules
+    at the kernels (:func:`deepinfer_core.fused_ops.install`). Each kernel must compute what its
+    reference in :mod:`deepinfer_core.fused_ops` computes (same shapes, dtypes and rounding
+    order), row by row, so it is batch invariant, and it must not synchronise with the host
+    (it runs inside captured decode graphs and overlapped steps).
+
+    :param platform: the platform the engine runs on.
+    :return: a :class:`~deepinfer_core.fused_ops.FusedOps` (fields left None keep the torch
+        ops), or None (the builtin: the model's torch ops everywhere).
     """
 
 

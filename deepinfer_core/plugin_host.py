@@ -226,6 +226,10 @@ class PluginHost:
         """The platform's batch-invariant op context factory (``deepinfer_batch_invariant_ops``), or None."""
         return self.pm.hook.deepinfer_batch_invariant_ops(platform=platform)
 
+    def fused_ops(self, platform: Platform):
+        """The platform's fused elementwise kernels (``deepinfer_fused_ops``), or None."""
+        return self.pm.hook.deepinfer_fused_ops(platform=platform)
+
     def backend_providers(self, hook_name: str) -> list[str]:
         """Plugins implementing ``hook_name`` in the order they are asked when no backend is
         named: installed plugins by name (alphabetical, so the order never depends on how

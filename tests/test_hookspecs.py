@@ -22,6 +22,7 @@ FACADE = {
     "deepinfer_moe_dispatcher": ("moe_dispatcher",),
     "deepinfer_decode_graphs": ("decode_graphs",),
     "deepinfer_batch_invariant_ops": ("batch_invariant_ops",),
+    "deepinfer_fused_ops": ("fused_ops",),
     "deepinfer_register_kv_stores": ("kv_stores", "open_kv_store"),
     "deepinfer_register_protocols": ("protocols",),
     "deepinfer_register_prompt_encodings": ("prompt_encodings",),

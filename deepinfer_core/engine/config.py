@@ -36,6 +36,10 @@ class EngineConfig:
     kv_store: str | None = None  # persistent KV cache URL (local:///path, 3fs:///mount, memory://); None: off
     kv_store_gib: float | None = None  # the store's capacity (LRU eviction past it); None: unbounded
     kv_host_pool_gib: float = 1.0  # host memory between the device cache and the store
+    # build step N+1 while the device runs step N (engine/overlap.py); None: on off the CPU
+    overlap_scheduling: bool | None = None
+    overlap_debug: bool = False  # check every device-fed token against the committed history
+    fused_ops: bool = True  # a platform's fused RMSNorm / SiLU-and-mul kernels (deepinfer_fused_ops)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

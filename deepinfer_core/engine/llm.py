@@ -44,6 +44,9 @@ class LLM:
         enforce_eager: bool = False,
         kv_store: str | None = None,
         kv_store_gib: float | None = None,
+        overlap_scheduling: bool | None = None,
+        overlap_debug: bool = False,
+        fused_ops: bool = True,
         host=None,
     ) -> None:
         config = EngineConfig(
@@ -64,6 +67,9 @@ class LLM:
             enforce_eager=enforce_eager,
             kv_store=kv_store,
             kv_store_gib=kv_store_gib,
+            overlap_scheduling=overlap_scheduling,
+            overlap_debug=overlap_debug,
+            fused_ops=fused_ops,
         )
         self.engine = LLMEngine(config, host)
         self._streams = RequestStreams(self.engine)

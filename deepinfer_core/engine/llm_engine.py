@@ -12,14 +12,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import random
 import threading
 
 import torch
 
+from .. import fused_ops
 from ..lowbit import describe_weights
 from ..plugin_host import PluginHost, default_host
-from . import kv_tiers, loading, validation
+from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
 from .isolation import describe
 from .kv_cache_manager import KVCacheManager
@@ -49,6 +51,7 @@ class LLMEngine:
             allow_lowbit=config.allows_lowbit(self.platform.device_type),
         )
         self.dtype = ctx.dtype  # low-bit weights run float32 activations
+        self.num_fused = fused_ops.install(self.model, self.host.fused_ops(self.platform)) if config.fused_ops else 0
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
 
@@ -90,6 +93,10 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
+        # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
+        self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None)
+        self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
+        self._in_flight: overlap.InFlight | None = None
         log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB); weights %s%s", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), _cpu_note(self.platform.device_type))
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
@@ -163,7 +170,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return self.scheduler.has_unfinished()
+            return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -173,6 +180,8 @@ class LLMEngine:
             self._deferred_aborts.clear()
             self._stepping = True
             try:
+                if self.overlap:
+                    return self._step_overlapped()
                 try:
                     sched = self.scheduler.schedule()
                     replay = None if self.kv.state is None else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
@@ -187,6 +196,40 @@ class LLMEngine:
                 return outputs + [self._process(req) for req in changed]
             finally:
                 self._stepping = False
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch the next step, then commit the one in flight (see engine/overlap.py)."""
+        outputs: list[RequestOutput] = []
+        flight, self._in_flight = self._in_flight, None
+        try:
+            cont = overlap.continuation(self.scheduler, flight) if flight is not None else None
+            if flight is not None and cont is None:
+                outputs += self._commit(flight)
+                flight = None
+            if cont is not None:
+                sched, rows, fed = cont
+            else:
+                sched, fed = self.scheduler.schedule(), None
+                rows = self._sampling_rows(sched)
+            if sched.requests:
+                reqs = tuple(self.scheduler.requests[s.request_id] for s in sched.requests)
+                self._in_flight = overlap.InFlight(self.runner.launch(sched, rows, None, fed), reqs)
+            if flight is not None:
+                outputs += self._commit(flight)
+        except Exception as exc:  # no single request is at fault: fail them all
+            log.exception("engine step failed; failing every request")
+            self._in_flight = None
+            return outputs + [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
+        return outputs
+
+    def _commit(self, flight: overlap.InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's ids; account them to the requests still running it."""
+        result = self.runner.collect(flight.launched)
+        sched = overlap.alive(self.scheduler, flight, self.overlap_debug)
+        kept = {s.request_id for s in sched.requests}
+        changed = self.scheduler.update(sched, {i: t for i, t in result.sampled.items() if i in kept})
+        outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items() if i in kept]
+        return outputs + [self._process(req) for req in changed]
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}

@@ -14,6 +14,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..models import CausalLM
+from .batch_build import Batch, build
 from .graphs import DecodeGraphs
 from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow
@@ -40,64 +41,99 @@ class ModelRunner:
 
     def build_batch(self, out: SchedulerOutput, replay: bool = False) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests. Returns (input_ids [T], metadata, sample row indices)."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        last_token_rows: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in out.requests)
-        tables = torch.zeros(len(out.requests), max_blocks, dtype=torch.int32)
-        for r, s in enumerate(out.requests):
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            pos = range(s.start_position, s.start_position + n)
-            positions.extend(pos)
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-            starts.append(starts[-1] + n)
-            seq_lens.append(s.start_position + n)
-            tables[r, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-            if s.sample:
-                last_token_rows.append(starts[-1] - 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
-            block_tables=tables.to(dev),
-            block_size=bs,
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            max_seq_len=max(seq_lens),
-            batch_invariant=self.batch_invariant,
-            state_slots=None if self.state is None else torch.tensor([self.state.slot(s.request_id) for s in out.requests], dtype=torch.long).to(dev),
-            replay=replay,
-            prompt_lens=tuple(s.prompt_len for s in out.requests),
-        )
-        return torch.tensor(ids, dtype=torch.long).to(dev), meta, last_token_rows
+        batch = self._build(out, replay)
+        return batch.input_ids, batch.meta, batch.sample_rows
+
+    def _build(self, out: SchedulerOutput, replay: bool = False, input_ids: torch.Tensor | None = None) -> Batch:
+        slots = None if self.state is None else [self.state.slot(s.request_id) for s in out.requests]
+        return build(out, self.block_size, self.device, batch_invariant=self.batch_invariant, state_slots=slots, replay=replay, input_ids=input_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None) -> RunnerOutput:
-        if not out.requests:
-            return RunnerOutput({})
-        if replay is not None:  # rebuild state KV of requests resuming past a prefix hit first
-            replay_ids, replay_meta, _ = self.build_batch(replay, replay=True)
-            self.model.forward(replay_ids, replay_meta.positions, self.kv_caches, replay_meta)
-        input_ids, meta, sample_rows = self.build_batch(out)
-        with self.invariant_ops() if self.invariant_ops is not None else nullcontext():
-            return self._forward_and_sample(out, rows, input_ids, meta, sample_rows)
+        return self.collect(self.launch(out, rows, replay))
 
-    def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], input_ids, meta, sample_rows) -> RunnerOutput:
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None, input_ids: torch.Tensor | None = None) -> Launched:
+        """Queue the step's forward and sampling on the device and the copy of the sampled ids
+        back to the host; return without waiting for them (:meth:`collect` waits).
+        ``input_ids`` (device ids, one per scheduled token) stands in for tokens still pending."""
+        if not out.requests:
+            return Launched(out, (), None, None, None, RunnerOutput({}))
+        if replay is not None:  # rebuild state KV of requests resuming past a prefix hit first
+            rb = self._build(replay, replay=True)
+            self.model.forward(rb.input_ids, rb.meta.positions, self.kv_caches, rb.meta)
+        batch = self._build(out, input_ids=input_ids)
+        with self.invariant_ops() if self.invariant_ops is not None else nullcontext():
+            return self._forward_and_sample(out, rows, batch, input_ids)
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """Wait for a launched step's sampled ids and check them (one host copy per step)."""
+        if launched.result is not None:
+            return launched.result
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens = launched.host.tolist()
+        sampled, failed = {}, {}
+        for request_id, token in zip(launched.request_ids, tokens):
+            if 0 <= token < launched.vocab:
+                sampled[request_id] = token
+            else:
+                failed[request_id] = f"RuntimeError: the sampler picked token {token}, outside the vocabulary [0, {launched.vocab})"
+        return RunnerOutput(sampled, failed)
+
+    def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None) -> Launched:
+        input_ids, meta = batch.input_ids, batch.meta
         hidden = None
         if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
             hidden = self.graphs.run(input_ids, meta)  # a captured decode step, or None
         if hidden is None:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
-        if not sample_rows:
-            return RunnerOutput({})
-        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-        sampling = [s for s in out.requests if s.sample]
-        ids = [s.request_id for s in sampling]
-        sampled, failed = sample_isolated(self.sampler, logits, ids, [rows[i] for i in ids])
-        return RunnerOutput(sampled, failed)
+        if not batch.sample_rows:
+            return Launched(out, (), None, None, None, RunnerOutput({}), fed)
+        logits = self.model.compute_logits(hidden if batch.sample_index is None else hidden[batch.sample_index])  # [N, V]
+        ids = tuple(s.request_id for s in out.requests if s.sample)
+        row_list = [rows[i] for i in ids]
+        on_device = getattr(self.sampler, "sample_device", None)  # a plain callable samples on the host
+        try:  # penalties change the logits in place: keep them for the per-row retry
+            if on_device is None:
+                raise NotImplementedError
+            tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
+        except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
+            sampled, failed = sample_isolated(self.sampler, logits, ids, row_list)
+            return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
+        host, ready = _copy_back(tokens)
+        return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1])
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step whose device work is queued: what :meth:`ModelRunner.collect` needs to finish it,
+    and what overlapped scheduling needs to build the next step before it finishes."""
+
+    sched: SchedulerOutput
+    request_ids: tuple[str, ...]  # the sampled rows, in order
+    tokens: torch.Tensor | None  # [S] int64 sampled ids on the device (None: sampled on the host)
+    host: torch.Tensor | None  # [S] host copy of ``tokens``, valid once ``ready`` has fired
+    ready: object | None  # device event after the copy; None: ``host`` is valid now
+    result: RunnerOutput | None  # set when the step is already finished on the host
+    fed: torch.Tensor | None = None  # device ids that stood in for pending tokens (checked in debug)
+    vocab: int = 0
+
+
+def _mutates(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors)
+
+
+def _copy_back(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """Start the one device-to-host copy of a step's sampled ids; (host tensor, event or None)."""
+    if tokens.device.type == "cpu":
+        return tokens, None
+    try:
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.Event(device=tokens.device)
+        ready.record()
+        return host, ready
+    except (RuntimeError, AttributeError, TypeError):  # no pinned memory / events here
+        return tokens.cpu(), None

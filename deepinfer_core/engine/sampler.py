@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_build import to_device
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -39,20 +40,27 @@ def row_seed(seed: int, position: int) -> int:
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """logits [N, V] float32 (one row per entry of ``rows``) -> one token id per row."""
+        return self.sample_device(logits, rows).tolist()
+
+    def sample_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Like calling the sampler, but the ids stay on the logits' device ([N] int64), so that
+        a step can copy them back once, asynchronously, or feed them to the next step."""
         logits = logits.float()
         self._apply_penalties(logits, rows)
         for i, row in enumerate(rows):
             if row.suppressed:
-                logits[i, list(row.suppressed)] = float("-inf")
+                logits[i, _on(logits.device, list(row.suppressed))] = float("-inf")
             for process in row.params.logits_processors:  # e.g. a grammar's token mask
                 logits[i] = process(row.output_token_ids, logits[i])
         greedy = [row.params.greedy for row in rows]
         out = torch.argmax(logits, dim=-1)  # greedy rows are done
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]
-            sampled = self._sample(logits[idx], [rows[i] for i in idx])
-            out[idx] = sampled
-        return out.tolist()
+            if len(idx) == len(rows):
+                return self._sample(logits, rows)
+            where = _on(logits.device, idx)
+            out = out.index_copy(0, where, self._sample(logits[where], [rows[i] for i in idx]))
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, row in enumerate(rows):
@@ -68,7 +76,7 @@ class Sampler:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        temps = to_device(torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype), logits.device)
         logits = logits / temps[:, None]
         for i, row in enumerate(rows):
             logits[i] = _filter_row(logits[i], row.params)
@@ -78,6 +86,11 @@ class Sampler:
             gen = torch.Generator(device=logits.device).manual_seed(row_seed(row.seed, row.position))
             noise[i].exponential_(generator=gen)
         return torch.argmax(probs / noise, dim=-1)
+
+
+def _on(device: torch.device, ids: list[int]) -> torch.Tensor:
+    """An index tensor on ``device``, copied without waiting for the device's queue."""
+    return to_device(torch.tensor(ids, dtype=torch.long), device)
 
 
 def _filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -11,12 +11,16 @@ from ..lowbit.modules import lowbit_targets
 
 
 class RMSNorm(nn.Module):
+    fused = None  # a platform's one-kernel version (deepinfer_core.fused_ops), set per module
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D], a row at a time: batch invariant
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -71,7 +75,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    fused_act = None  # a platform's one-kernel silu(gate) * up (deepinfer_core.fused_ops)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        if self.fused_act is not None:
+            return self.down_proj(self.fused_act(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 

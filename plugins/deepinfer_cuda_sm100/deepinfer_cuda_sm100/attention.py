@@ -7,6 +7,7 @@ import importlib.util
 
 from deepinfer_core.attention import AttentionKind, AttentionMetadata
 from deepinfer_core.attention.torch_ref import SUPPORTED, TorchAttentionBackend, write_kv
+from deepinfer_core.attention.v4_ref import SUPPORTED_V4, TorchV4AttentionBackend
 
 PORTABLE_KINDS: frozenset[AttentionKind] = frozenset(SUPPORTED)
 TRITON_KINDS: frozenset[AttentionKind] = frozenset({AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING})
@@ -21,6 +22,13 @@ class PortableCudaAttention(TorchAttentionBackend):
     """The torch reference attention (paged cache, SDPA) on a CUDA device; correct, not fast."""
 
     name = "cuda-sm100-portable"
+
+
+class PortableCudaV4Attention(TorchV4AttentionBackend):
+    """DeepSeek-V4 layers (window in per-request state KV, compressed entries in block KV): the
+    core's torch reference on a CUDA device; correct, not fast (no Triton V4 kernels yet)."""
+
+    name = "cuda-sm100-portable-v4"
 
 
 class TritonAttention(TorchAttentionBackend):

@@ -27,6 +27,10 @@ class CudaDecodeGraphs:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.scratch_slot = scratch_block * block_size
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if not all(isinstance(c, torch.Tensor) for c in kv_caches):  # e.g. DeepSeek-V4's per-request state KV
+            log.info("decode steps run eagerly: this model's KV cache layout is not captured in CUDA graphs")
+            return
         dev = kv_caches[0].device
         top = self.buckets[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
@@ -35,7 +39,6 @@ class CudaDecodeGraphs:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.tables = torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         blockers = uncapturable(model)
         if blockers:  # e.g. the builtin MoE reads expert counts back to the host: stay eager

@@ -11,7 +11,9 @@ from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.platform import Platform, PlatformRequest, ProbeResult
 
-from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, TritonAttention, triton_available
+from deepinfer_core.attention.v4_ref import SUPPORTED_V4
+
+from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, PortableCudaV4Attention, TritonAttention, triton_available
 from .moe import SCORINGS, TritonMoEDispatcher
 from .platform import CudaSM100Platform
 
@@ -32,6 +34,8 @@ def deepinfer_platform(request: PlatformRequest) -> Platform | None:
 def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform):
     if platform.device_type != "cuda":
         return None
+    if layer.state_kv:  # DeepSeek-V4 layouts
+        return PortableCudaV4Attention() if layer.kind in SUPPORTED_V4 else None
     if layer.kind in TRITON_KINDS and triton_available():
         return TritonAttention()
     if layer.kind in PORTABLE_KINDS:
@@ -62,3 +66,12 @@ def deepinfer_batch_invariant_ops(platform: Platform):
     from .kernels.invariant import BatchInvariantOps
 
     return BatchInvariantOps
+
+
+@hookimpl
+def deepinfer_fused_ops(platform: Platform):
+    if platform.device_type != "cuda" or not triton_available():
+        return None
+    from .kernels.fused_elementwise import FUSED_OPS
+
+    return FUSED_OPS

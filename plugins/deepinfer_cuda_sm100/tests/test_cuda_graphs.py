@@ -51,3 +51,15 @@ def test_models_with_host_synchronising_kernels_are_not_captured():
     assert uncapturable(ours) == []
     mixed = torch.nn.ModuleList([Layer(TritonAttention(), TorchMoEDispatcher()), Layer(TorchAttentionBackend(), TritonMoEDispatcher())])
     assert uncapturable(mixed) == ["torch-reference"]
+
+
+def test_a_model_with_per_request_state_kv_stays_eager():
+    """DeepSeek-V4's caches are not plain tensors: the factory must not fail, and every step
+    must be declined (found on the H200: the engine failed to start a V4 model)."""
+    from deepinfer_core.attention import AttentionMetadata
+    from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
+
+    graphs = CudaDecodeGraphs(None, [object()], block_size=128, scratch_block=4, max_num_seqs=8, max_blocks=4)
+    one = torch.zeros(1, dtype=torch.long)
+    meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32), one, one, torch.zeros(1, 1, dtype=torch.int32), 128, 1, 1)
+    assert graphs.run(one, meta) is None

@@ -152,3 +152,15 @@ def test_import_needs_neither_triton_nor_a_gpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["PortableCudaAttention", "None", "False"]
+
+
+@pytest.mark.parametrize("kind", [AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED])
+def test_deepseek_v4_layers_get_a_backend_with_the_v4_contract(kind):
+    """V4 layers (state KV) must not get the paged kernels, which lack ``forward_v4`` (a V4
+    model failed to build on the H200 because its sliding layers did)."""
+    from deepinfer_cuda_sm100.attention import PortableCudaV4Attention
+
+    spec = AttentionLayerSpec(kind, 0, num_heads=2, num_kv_heads=1, head_dim=8, v_head_dim=8, scale=0.3, window=4,
+                              compress_ratio=0 if kind is AttentionKind.SLIDING else 4, index_topk=2 if kind is AttentionKind.COMPRESSED_SPARSE else 0, kv_shared=True, state_kv=True)  # fmt: skip
+    backend = plugin.deepinfer_attention_backend(spec, CudaSM100Platform())
+    assert isinstance(backend, PortableCudaV4Attention) and hasattr(backend, "forward_v4")

@@ -1,0 +1,110 @@
+"""Flattening one scheduled step into the model's input tensors, vectorised.
+
+Why this module: building the batch token by token in Python lists cost ~80 ms of host time on
+a 64 x 512-token prefill and a large share of a 64-request decode step (benchmarks/README.md).
+Here every per-token array is computed with numpy from a few per-request arrays, all of them are
+packed into one int64 buffer and copied to the device once. On an accelerator the buffer is
+pinned and the copy is asynchronous, so building step N+1 never waits for step N's kernels (a
+pageable copy synchronises with the device's queue, which would undo overlapped scheduling).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from ..attention import AttentionMetadata
+from .scheduler import SchedulerOutput
+
+PENDING = -1  # a token id placeholder: sampled by the step in flight, still on the device
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # [T] int64 on the device
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    sample_index: torch.Tensor | None  # the same rows on the device; None: every row, in order
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without waiting for the device's queued work (pinned
+    source, asynchronous copy). On the CPU the tensor itself is returned."""
+    if device.type == "cpu":
+        return host
+    try:
+        return host.pin_memory().to(device, non_blocking=True)
+    except RuntimeError:  # no pinned memory for this device: a plain (synchronising) copy
+        return host.to(device)
+
+
+def build(
+    out: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    *,
+    batch_invariant: bool = False,
+    state_slots: list[int] | None = None,
+    replay: bool = False,
+    input_ids: torch.Tensor | None = None,
+) -> Batch:
+    """The flat batch of ``out``. ``input_ids`` (a device tensor, one id per scheduled token)
+    replaces the scheduled token ids; it must be given when any of them is :data:`PENDING`."""
+    reqs = out.requests
+    R = len(reqs)
+    bs = block_size
+    lens = np.fromiter((len(s.token_ids) for s in reqs), np.int64, R)
+    starts = np.fromiter((s.start_position for s in reqs), np.int64, R)
+    nblocks = np.fromiter((len(s.block_ids) for s in reqs), np.int64, R)
+    sample = np.fromiter((s.sample for s in reqs), np.bool_, R)
+    T = int(lens.sum())
+    cu = np.zeros(R + 1, np.int64)
+    np.cumsum(lens, out=cu[1:])
+    rows = np.arange(R)
+    row_of = np.repeat(rows, lens)
+    positions = np.arange(T, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
+    width = max(1, int(nblocks.max()))
+    tables = np.zeros((R, width), np.int64)
+    flat_blocks = np.fromiter(chain.from_iterable(s.block_ids for s in reqs), np.int64, int(nblocks.sum()))
+    bcu = np.concatenate(([0], np.cumsum(nblocks)))
+    tables[np.repeat(rows, nblocks), np.arange(flat_blocks.size) - np.repeat(bcu[:-1], nblocks)] = flat_blocks
+    block_of = positions // bs
+    if T and not (block_of < nblocks[row_of]).all():
+        bad = int(row_of[np.argmax(block_of >= nblocks[row_of])])
+        raise RuntimeError(f"request {reqs[bad].request_id!r} is scheduled past its KV blocks ({len(reqs[bad].block_ids)} blocks)")
+    slots = tables[row_of, block_of] * bs + positions % bs
+    seq_lens = starts + lens
+    sample_rows = cu[1:][sample] - 1
+    parts = [positions, slots, cu, seq_lens, tables.ravel(), sample_rows]
+    if input_ids is None:
+        ids = np.fromiter(chain.from_iterable(s.token_ids for s in reqs), np.int64, T)
+        if (ids == PENDING).any():  # a token of the step in flight: never read before it exists
+            raise RuntimeError("overlap guard: a scheduled token is still pending on the device and no device ids were given")
+        parts.append(ids)
+    elif tuple(input_ids.shape) != (T,):
+        raise ValueError(f"input_ids must have shape ({T},), got {tuple(input_ids.shape)}")
+    if state_slots is not None:
+        parts.append(np.asarray(state_slots, np.int64))
+    dev = to_device(torch.from_numpy(np.concatenate(parts)), device)
+    sizes = [T, T, R + 1, R, R * width, len(sample_rows)] + ([T] if input_ids is None else []) + ([R] if state_slots is not None else [])
+    pieces = list(torch.split(dev, sizes))
+    pos_t, slot_t, cu_t, seq_t, tab_t, samp_t = pieces[:6]
+    ids_t = pieces[6] if input_ids is None else input_ids
+    meta = AttentionMetadata(
+        query_start_loc=cu_t.to(torch.int32),
+        seq_lens=seq_t.to(torch.int32),
+        positions=pos_t,
+        slot_mapping=slot_t,
+        block_tables=tab_t.view(R, width).to(torch.int32),
+        block_size=bs,
+        max_query_len=int(lens.max()) if R else 0,
+        max_seq_len=int(seq_lens.max()) if R else 0,
+        batch_invariant=batch_invariant,
+        state_slots=pieces[-1] if state_slots is not None else None,
+        replay=replay,
+        prompt_lens=tuple(s.prompt_len for s in reqs),
+    )
+    every_row = len(sample_rows) == T and bool(sample.all()) and T == R
+    return Batch(ids_t, meta, sample_rows.tolist(), None if every_row else samp_t)

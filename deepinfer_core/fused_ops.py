@@ -1,0 +1,58 @@
+"""Fused elementwise kernels a platform plugin may provide (hook ``deepinfer_fused_ops``).
+
+Why: in a decode step every RMSNorm is ~8 small torch kernels (upcast, square, mean, add,
+rsqrt, multiply, downcast, scale) and every SwiGLU two more; on a GPU each costs a launch and a
+round trip through memory, a large share of a small step (benchmarks/README.md). A plugin
+replaces them with one kernel each. The references below define what a kernel must compute;
+plugin tests compare their kernels with them.
+
+The engine installs the ops on the model's modules once, after loading (:func:`install`);
+``LLM(fused_ops=False)`` keeps the model's own torch ops (the reference path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """Each field is a kernel, or None where the plugin has none (the torch ops run)."""
+
+    # (x [..., D], weight [D], eps) -> like rms_norm_reference: x's shape, dtype of weight * x
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    # (x [..., 2 I]) -> [..., I]: silu(first half) * second half, x's dtype
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, round to x's dtype, then scale by the weight (Llama's order)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
+    """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
+    use a fused kernel."""
+    from .models.layers import GatedMLP, RMSNorm
+
+    if ops is None:
+        return 0
+    n = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and ops.rms_norm is not None:
+            module.fused = ops.rms_norm
+            n += 1
+        elif isinstance(module, GatedMLP) and ops.silu_and_mul is not None and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]:
+            module.fused_act = ops.silu_and_mul
+            n += 1
+    return n

@@ -1,0 +1,84 @@
+"""One-kernel RMSNorm and SiLU-and-mul (``deepinfer_fused_ops``).
+
+A torch RMSNorm is ~8 launches and as many passes over the row; in a 1-request decode step
+those small launches, not bytes, are the cost (the V3-mini graph holds 33 norms). Here one
+program owns one row: it reads it once, reduces in float32 in a fixed order (so a row's result
+never depends on the batch), and writes once, rounding exactly where the references in
+:mod:`deepinfer_core.fused_ops` round (normalised value to the input dtype, then the product
+with the weight to the output dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.fused_ops import FusedOps
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x (float32) rounded to ``dtype``, nearest-even, kept as float32. bfloat16 is rounded
+    with integer ops: Triton's CPU interpreter truncates float32 -> bfloat16 casts."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    y = _round(x * (1.0 / tl.sqrt(var + eps)), x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = _round(w * y, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)  # F.silu rounds to the dtype
+    out = _round(act * up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, D] with unit stride along D (a view where possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        warps = 1 if block <= 256 else 4 if block <= 2048 else 8
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, num_warps=warps)
+    return out.view(*x.shape[:-1], D)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    I = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], I)
+
+
+FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul)

@@ -1,0 +1,94 @@
+"""The fused RMSNorm and SiLU-and-mul kernels against the core's references
+(deepinfer_core.fused_ops), on the GPU when present, else in Triton's interpreter on the CPU.
+bf16 results must equal the reference exactly where rounding points are the same (they are
+placed identically); float32 within rounding of a different summation order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.fused_ops import FusedOps, install, rms_norm_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.platform import TorchPlatform  # noqa: E402
+from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm, silu_and_mul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _close(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.isfinite(got).all()
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+    if dtype != torch.float32:  # one rounding differs at most on a few exact ties
+        assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 512), (3, 1000), (2, 3, 96)])
+def test_rms_norm_matches_the_reference(dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype)
+    _close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), dtype)
+
+
+def test_rms_norm_reads_a_strided_slice_and_keeps_float32_weights_semantics():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 200, generator=g).to(DEVICE, torch.bfloat16)
+    x = base[:, :130]  # rows 200 apart, like MLA's latent slice of kv_a
+    w = torch.rand(130, generator=g).to(DEVICE) + 0.5  # float32 weight: float32 output
+    _close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inter", [(1, 64), (7, 300), (3, 1100)])
+def test_silu_and_mul_matches_the_reference(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows * inter)
+    x = (torch.randn(rows, 2 * inter, generator=g) * 2).to(DEVICE, dtype)
+    _close(silu_and_mul(x), silu_and_mul_reference(x), dtype)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(33, 256, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.rand(256, generator=g).to(DEVICE, torch.bfloat16)
+    assert torch.equal(rms_norm(x, w, 1e-6)[7], rms_norm(x[7:8], w, 1e-6)[0])
+
+
+def test_hook_answers_for_cuda_platforms_and_installs_on_norms_and_mlps():
+    from deepinfer_core.models.layers import GatedMLP, RMSNorm
+
+    assert plugin.deepinfer_fused_ops(TorchPlatform("cpu", "cpu")) is None
+    ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
+    assert isinstance(ops, FusedOps) and ops.rms_norm is rms_norm and ops.silu_and_mul is silu_and_mul
+    model = torch.nn.Sequential(RMSNorm(64), GatedMLP(64, 96), RMSNorm(64)).to(DEVICE)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(3, 64, device=DEVICE)
+    want = model(x)
+    assert install(model, ops) == 3
+    _close(model(x), want, torch.float32)
+
+
+def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True)
+    assert install(llm.engine.model, FUSED_OPS) == 2 * 3 + 1  # 2 norms and an MLP per layer, the final norm
+    prompts = [[5, 6, 7, 8], [9, 10, 11] * 5]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    hf = hf.to(DEVICE)
+    for p, tokens in zip(prompts, got):
+        ids = torch.tensor([p], device=DEVICE)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert tokens == ref[0, len(p):].tolist()
