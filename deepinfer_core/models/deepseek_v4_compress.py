@@ -78,13 +78,13 @@ class Compressor(nn.Module):
             new_kv = kv.new_zeros(n, 2 * r, d)
             new_gate = gate.new_full((n, 2 * r, d), float("-inf"))
             new_kv[:, r:], new_gate[:, r:] = kv[..., d:], gate[..., d:]
-            prev_lo = (windows.start - 1) * r - lo
-            for i, w in enumerate(windows):
-                if w == 0:
-                    continue
-                prev = src[prev_lo + i * r : prev_lo + (i + 1) * r]
-                new_kv[i, :r] = prev[:, :d]
-                new_gate[i, :r] = prev[:, self.width : self.width + d] + self.position_bias[:, :d]
+            # Window w's first half is window w - 1's rows (window 0 has none: weight 0), all at once.
+            skip = 1 if windows.start == 0 else 0
+            if n > skip:
+                first_prev = (windows.start + skip - 1) * r - lo
+                prev = src[first_prev : first_prev + (n - skip) * r].view(n - skip, r, 2 * self.width)
+                new_kv[skip:, :r] = prev[..., :d]
+                new_gate[skip:, :r] = prev[..., self.width : self.width + d] + self.position_bias[:, :d]
             kv, gate = new_kv, new_gate
         pooled = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
         positions = torch.arange(windows.start, windows.stop, device=src.device) * r
