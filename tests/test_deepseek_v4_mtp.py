@@ -88,24 +88,35 @@ def mtp_reference_dir(src, dst, config: dict) -> None:
         json.dump(one, f)
 
 
-@pytest.fixture(scope="module", params=[0, 4], ids=["mtp-sliding", "mtp-csa"])
+def dequant(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 weight times its 128 x 128 tile scales (plain float weights unchanged)."""
+    if scale is None:
+        return weight.float()
+    rows, cols = weight.shape
+    s = scale.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    return weight.float() * s
+
+
+@pytest.fixture(scope="module", params=[("bf16", 0), ("bf16", 4), ("fp8", 0)], ids=["mtp-sliding", "mtp-csa", "mtp-fp8"])
 def setup(request, tmp_path_factory):
     """(our model, transformers' main model, transformers' MTP-block model, MTP-only weights)."""
     from safetensors import safe_open
 
+    weights, ratio = request.param
     config = dict(TINY_V4_CONFIG)
-    config["compress_ratios"] = list(config["compress_ratios"][:-1]) + [request.param]
+    config["compress_ratios"] = list(config["compress_ratios"][:-1]) + [ratio]
     root = tmp_path_factory.mktemp("v4mtp")
-    write_tiny_v4_checkpoint(root / "ck", weights="bf16", config=config, seed=11)
+    config = write_tiny_v4_checkpoint(root / "ck", weights=weights, config=config, seed=11)
     mtp_reference_dir(root / "ck", root / "ref", config)
-    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "ck", dtype=torch.float32).eval()
-    hf_mtp = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "ref", dtype=torch.float32).eval()
-    extra = {}
+    kw = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)} if weights == "fp8" else {}
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "ck", dtype=torch.float32, **kw).eval()
+    hf_mtp = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "ref", dtype=torch.float32, **kw).eval()
+    raw = {}
     for file in (root / "ck").glob("*.safetensors"):
         with safe_open(file, framework="pt") as fh:
-            for name in fh.keys():
-                if name.split(".", 2)[-1] in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight") and name.startswith("mtp.0."):
-                    extra[name.split(".", 2)[-1]] = fh.get_tensor(name).float()
+            raw |= {name[len("mtp.0."):]: fh.get_tensor(name) for name in fh.keys() if name.startswith("mtp.0.") and name.count(".") == 3}
+    assert (weights == "fp8") == ("e_proj.scale" in raw)  # released FP8 e_proj / h_proj with tile scales
+    extra = {f"{k}.weight": dequant(raw[f"{k}.weight"], raw.get(f"{k}.scale")) for k in ("e_proj", "h_proj", "enorm", "hnorm")}
     llm = LLM(str(root / "ck"), device="cpu", kv_cache_blocks=4)
     return llm.engine.model, hf, hf_mtp, extra
 
