@@ -174,9 +174,9 @@ def hf_prefill(model, vocab: int) -> float:
     return 64 * 512 / timed(lambda: model(ids, use_cache=False, logits_to_keep=1))
 
 
-def free(*objs) -> None:
-    for o in objs:
-        del o
+def free() -> None:
+    """Release GPU memory of engines the caller has already deleted (``del x; free()``: a
+    function cannot drop its caller's reference)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -295,11 +295,13 @@ def main() -> int:
     if "accept" not in skip:
         ref = di(path, "float32", attention_backend="builtin", moe_backend="builtin", fused_ops=False, kv_cache_blocks=64)
         ref_tokens = di_greedy(ref, prompts, args.new)
-        free(ref)
+        del ref
+        free()
         ours = di(path, "float32", kv_cache_blocks=64)
         log("fp32 kernels:", sorted({type(m.backend).__name__ for m in ours.engine.model.modules() if hasattr(m, "backend")} | {type(m.dispatcher).__name__ for m in ours.engine.model.modules() if hasattr(m, "dispatcher")}))
         our_tokens = di_greedy(ours, prompts, args.new)
-        free(ours)
+        del ours
+        free()
         same = [a == b for a, b in zip(our_tokens, ref_tokens)]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(our_tokens, ref_tokens)]
         log(f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}")
@@ -307,10 +309,12 @@ def main() -> int:
 
         bf = di(path, "bfloat16", kv_cache_blocks=64, overlap_debug=True)
         bf_tokens = di_greedy(bf, prompts, args.new)
-        free(bf)
+        del bf
+        free()
         serial = di(path, "bfloat16", kv_cache_blocks=64, overlap_scheduling=False)
         serial_tokens = di_greedy(serial, prompts, args.new)
-        free(serial)
+        del serial
+        free()
         same = sum(a == b for a, b in zip(bf_tokens, serial_tokens))
         log(f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} prompts identical")
         report["overlap_identical"] = [same, len(prompts)]
@@ -319,16 +323,19 @@ def main() -> int:
         batch = random_prompts(63, 40, vocab, 99)
         alone = di_greedy(inv, [prompts[1]], 32)[0]
         together = di_greedy(inv, batch[:31] + [prompts[1]] + batch[31:], 32)[31]
-        free(inv)
+        del inv
+        free()
         log(f"ACCEPT batch-invariant bf16: alone == in a batch of 64: {alone == together}")
         report["batch_invariant"] = alone == together
         if "hf" not in skip:
             hf32 = load_hf(path, torch.float32)
             hf32_tokens = hf_greedy(hf32, prompts, args.new)
-            free(hf32)
+            del hf32
+            free()
             hf16 = load_hf(path, torch.bfloat16)
             hf16_tokens = hf_greedy(hf16, prompts, args.new)
-            free(hf16)
+            del hf16
+            free()
 
             def prefix(a, b):
                 return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -357,7 +364,8 @@ def main() -> int:
         llm.engine.overlap = True
         if args.profile:
             profile(llm, vocab, di_dec)
-        free(llm)
+        del llm
+        free()
         log(f"  deepinfer prefill {di_pre:,.0f} tok/s, peak {di_peak:.0f} MiB")
         hf_dec, hf_pre, hf_peak = {}, float("nan"), float("nan")
         if "hf" not in skip:
@@ -366,7 +374,8 @@ def main() -> int:
             hf_dec = hf_speed(hf, vocab, levels, args.steps, 128)
             hf_pre = hf_prefill(hf, vocab)
             hf_peak = peak_mib()
-            free(hf)
+            del hf
+            free()
             log(f"  transformers prefill {hf_pre:,.0f} tok/s, peak {hf_peak:.0f} MiB")
         log(f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; floor = weight bytes per step / {bw / 2e12:.2f} TB/s read")
         log("| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor |\n|---|---:|---:|---:|---:|---:|")
