@@ -18,7 +18,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.request import Request
-from deepinfer_core.kv_store.url import open_kv_store_url, parse_kv_store_url
+from deepinfer_core.kv_store.url import KVStoreURL, open_kv_store_url, parse_kv_store_url
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.testing.kv_store import corrupt_record_file
 
@@ -51,7 +51,8 @@ def temp_files(root) -> list[str]:
 def test_url_schemes_and_unknown_scheme_lists_backends(tmp_path):
     assert parse_kv_store_url("local:///var/cache/x").path == "/var/cache/x"
     assert parse_kv_store_url("memory://").path is None
-    assert parse_kv_store_url("3fs:///mnt/3fs?io=posix&subdir=kv").options == {"io": "posix", "subdir": "kv"}
+    assert parse_kv_store_url("3fs:///mnt/3fs?io=posix&subdir=kv") == KVStoreURL("3fs", "/mnt/3fs", {"io": "posix", "subdir": "kv"})
+    assert parse_kv_store_url("LOCAL:///a%20b").path == "/a b"
     with pytest.raises(ValueError, match="installed backends: .*local.*memory"):
         open_kv_store_url("nosuch:///x", namespace="ns", block_bytes=64)
     with pytest.raises(ValueError, match="not a URL"):

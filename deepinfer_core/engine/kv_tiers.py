@@ -32,6 +32,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request
 
 log = logging.getLogger(__name__)
+GC_INTERVAL_S = 600.0  # the writer thread runs store.gc() this often (expired blocks, stale temp files)
 
 
 class BlockCopier:
@@ -123,6 +124,7 @@ class KVTiers:
         self._known: set[bytes] = set()  # keys already in the store or queued for it
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        self._last_gc = time.monotonic()
 
     # -- admission --------------------------------------------------------------------------
     def admit(self, req: Request, device_hits: list[int]) -> list[int] | None:
@@ -276,6 +278,7 @@ class KVTiers:
                 self.counters["blocks_not_committed"] += wanted - made
                 with self._lock:
                     self._known.difference_update(by_key)
+            self._maybe_gc()
         except Exception as exc:
             self.counters["write_failures"] += 1
             log.warning("KV store write-back of %d blocks failed (they stay recomputable): %s", len(batch), exc)
@@ -286,6 +289,17 @@ class KVTiers:
                     self.store.commit(ticket, [False] * len(ticket.keys))  # drops the temp data
                 except Exception:
                     pass
+
+    def _maybe_gc(self) -> None:
+        """Writer thread, between writes: the store's gc every :data:`GC_INTERVAL_S` (why
+        here: it is off the step loop, and a store that is written to is one that grows)."""
+        if time.monotonic() - self._last_gc < GC_INTERVAL_S:
+            return
+        self._last_gc = time.monotonic()
+        try:
+            self.counters["gc_removed"] += self.store.gc()
+        except Exception as exc:
+            log.warning("KV store gc failed: %s", exc)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for queued write-backs (before exit, or before another process reads)."""
@@ -301,13 +315,25 @@ class KVTiers:
         self.store.close()
 
 
+def block_tensors(caches: Sequence) -> list[torch.Tensor]:
+    """The paged (block KV) tensor of each layer's cache: the tensor itself, or the
+    ``entries`` of a cache that keeps per-request state KV beside its blocks (DeepSeek-V4:
+    compressed entries and indexer keys). Only block KV goes to the store; state KV is rebuilt
+    after a hit by exact replay (engine/state_replay.py), as for a device prefix hit."""
+    out = []
+    for cache in caches:
+        tensor = cache if isinstance(cache, torch.Tensor) else getattr(cache, "entries", None)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"kv_store does not support this model's KV layout: a {type(cache).__name__} has no paged block tensor")
+        out.append(tensor)
+    return out
+
+
 def cache_shapes(sizing) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Each cache tensor's shape at 1 and 2 blocks (on the meta device: no memory), from the
-    engine's KV sizing; ValueError for layouts that are not one paged tensor per layer."""
+    """Each layer's block tensor shape at 1 and 2 blocks (on the meta device: no memory),
+    from the engine's KV sizing; ValueError for layouts without a paged block tensor."""
     meta = torch.device("meta")
-    one, two = sizing.allocate(1, meta), sizing.allocate(2, meta)
-    if not all(isinstance(c, torch.Tensor) for c in [*one, *two]):
-        raise ValueError("kv_store does not support this model's KV layout yet (block KV beside state KV, DeepSeek-V4)")
+    one, two = block_tensors(sizing.allocate(1, meta)), block_tensors(sizing.allocate(2, meta))
     return [(tuple(a.shape), tuple(b.shape)) for a, b in zip(one, two)]
 
 
@@ -318,7 +344,7 @@ def open_tiers(url: str, *, namespace: str, kv: KVCacheManager, kv_caches: Seque
     if not kv.enabled:
         raise ValueError("kv_store needs the prefix cache: drop enable_prefix_caching=False")
     dims = [block_dim(one, two) for one, two in shapes_one_two]
-    copier = BlockCopier(kv_caches, dims)
+    copier = BlockCopier(block_tensors(kv_caches), dims)
     store = open_kv_store_url(url, namespace=namespace, block_bytes=copier.block_bytes, capacity_gib=capacity_gib, host=plugin_host)
     pool = HostPool(int(host_pool_gib * 2**30) // copier.block_bytes, copier.block_bytes, pin=device.type != "cpu")
     return KVTiers(store, kv, copier, pool)

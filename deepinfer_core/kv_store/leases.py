@@ -136,12 +136,14 @@ def check_buffers(keys: Sequence[bytes], buffers: Sequence[memoryview], block_by
             raise ValueError(f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
 
 
-def eviction_victims(keys_oldest_first, size: int, capacity: int | None, leases: LeaseTable) -> list[bytes]:
-    """The oldest unpinned keys to drop so that ``size`` comes down to ``capacity``.
+def eviction_victims(keys_oldest_first, size: int, capacity: int | None, leases: LeaseTable, expired: Sequence[bytes] = ()) -> list[bytes]:
+    """The unpinned keys to drop so that ``size`` comes down to ``capacity``: ``expired`` keys
+    first (past their retention, worth nothing), then the least recently used.
 
     Invariant: a pinned block is never evicted, so a store may sit above capacity until its
     leases end (stores call their eviction again from ``release``)."""
     if capacity is None or size <= capacity:
         return []
-    unpinned = (k for k in keys_oldest_first if not leases.is_pinned(k))
+    order = dict.fromkeys(itertools.chain(expired, keys_oldest_first)) if expired else keys_oldest_first
+    unpinned = (k for k in order if not leases.is_pinned(k))
     return list(itertools.islice(unpinned, size - capacity))

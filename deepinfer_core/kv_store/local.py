@@ -17,6 +17,12 @@ open, so the cache survives restarts. A key missing from the index is looked up 
 before it is called a miss, so several processes sharing one directory see each other's
 commits. Leases are per process: another process deleting a file makes a read fail, which is
 a miss (recompute), never wrong data.
+
+Expiry: a block past its retention is a miss at once (lookups are metadata only and delete
+nothing); its file is deleted by ``gc`` (``deepinfer kv gc``, or the engine's periodic one), by
+capacity eviction (expired blocks go first), or replaced when the block is written again.
+Records are bucketed by expiry day, so only the current day's bucket needs its records'
+headers read to know their exact expiry (at open, and in ``gc``).
 """
 from __future__ import annotations
 
@@ -35,8 +41,8 @@ from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
 from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
-from .records import PosixRecordIO, RecordIO, key_from_filename, namespace_fingerprint, read_record, record_bytes
-from .records import is_regular_file, record_filename, remove_file, write_record
+from .records import HEADER_BYTES, PosixRecordIO, RecordIO, decode_header, key_from_filename, namespace_fingerprint, read_record
+from .records import is_regular_file, record_bytes, record_filename, remove_file, write_record
 
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
@@ -55,6 +61,23 @@ def _bucket_end(day: int) -> float:
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def parse_retention_option(value) -> dict:
+    """The ``retention_seconds`` option: a dict, or text ``chat:3600,agent:600`` (how a store
+    URL spells it: ``local:///path?retention_seconds=chat:3600``)."""
+    if not isinstance(value, str):
+        return value
+    out = {}
+    for item in value.split(","):
+        name, sep, seconds = item.partition(":")
+        try:
+            out[name.strip()] = float(seconds)
+        except ValueError:
+            raise ValueError(f"retention_seconds: {item!r} must be class:seconds, e.g. chat:3600") from None
+        if not sep:
+            raise ValueError(f"retention_seconds: {item!r} must be class:seconds, e.g. chat:3600")
+    return out
 
 
 def check_retention_classes(retention: dict) -> dict[str, float]:
@@ -82,7 +105,7 @@ class LocalDiskKVStore:
         self._fp = namespace_fingerprint(config.namespace)
         self._dir = self.root / self._fp.hex()
         self._tmp = self._dir / "tmp"
-        self._retention = check_retention_classes({**RETENTION_SECONDS, **config.options.get("retention_seconds", {})})
+        self._retention = check_retention_classes({**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))})
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._token = secrets.token_hex(4)  # temp names unique across processes on one mount
@@ -108,8 +131,11 @@ class LocalDiskKVStore:
     def _rebuild_index(self) -> None:
         """Scan committed records (metadata only: names and sizes), oldest use first."""
         found: list[tuple[float, bytes, _Entry]] = []
+        today = int(time.time() // DAY)
         for retention in self._retention:
             for day, day_dir in self._day_dirs(retention):
+                if day < today:
+                    continue  # wholly expired: gc deletes the bucket
                 for item in _files_under(day_dir):
                     key = key_from_filename(item.name)
                     mtime, size = _mtime_size(item)
@@ -119,10 +145,25 @@ class LocalDiskKVStore:
                         remove_file(item.path)  # truncated or foreign: never data
                         self._counters["dropped_at_scan"] += 1
                         continue
-                    found.append((mtime, key, _Entry(item.path, _bucket_end(day))))
+                    expires_at = self._record_expiry(item.path, key) if day == today else _bucket_end(day)
+                    if expires_at is not None:
+                        found.append((mtime, key, _Entry(item.path, expires_at)))
         for _, key, entry in sorted(found, key=lambda f: f[0]):
             self._index.pop(key, None)  # a key in two buckets: the newest copy wins
             self._index[key] = entry
+
+    def _record_expiry(self, path: str, key: bytes) -> float | None:
+        """The exact expiry a record's header holds (one small read), None for a bad header.
+        Needed only in the current day's bucket: older buckets are wholly expired, newer ones
+        wholly live for today."""
+        head = bytearray(HEADER_BYTES + len(key))
+        try:
+            if self.io.read_file(path, 0, memoryview(head)) != len(head):
+                return None
+        except OSError:
+            return None
+        header = decode_header(head, self._fp, key)
+        return None if header is None else header.expires_at
 
     def _day_dirs(self, retention: str) -> list[tuple[int, str]]:
         try:
@@ -136,18 +177,18 @@ class LocalDiskKVStore:
         entry = self._index.get(key)
         now = time.time()
         if entry is not None:
-            if entry.expires_at > now:
-                return entry
-            self._drop(key)  # past its retention: never served again (gc deletes the file)
-            self._counters["expired"] += 1
-            return None
+            # past its retention: a miss, never served again; gc or eviction deletes the file
+            return entry if entry.expires_at > now else None
         if self._leases.retired(key) is not None:
             return None
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
                 if _bucket_end(day) > now and is_regular_file(path):  # a FIFO or directory is a miss
-                    entry = self._index[key] = _Entry(str(path), _bucket_end(day))
+                    expires_at = self._record_expiry(str(path), key) if day == int(now // DAY) else _bucket_end(day)
+                    if expires_at is None or expires_at <= now:
+                        continue
+                    entry = self._index[key] = _Entry(str(path), expires_at)
                     return entry
         return None
 
@@ -170,7 +211,7 @@ class LocalDiskKVStore:
     def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
         with self._lock:
             present = [k for k in keys if self._lookup(k) is not None]
-            for key in present:
+            for key in reversed(present):  # a prefix's head ends most recent: it outlives its tail
                 self._index.move_to_end(key)
             return self._leases.acquire(keys, present)
 
@@ -184,6 +225,7 @@ class LocalDiskKVStore:
             path is not None and read_record(self.io, path, self._fp, key, memoryview(buf).cast("B"))
             for key, path, buf in zip(lease.keys, paths, buffers)
         ]
+        _touch([p for p, ok in zip(paths, results) if ok])  # LRU order for other processes
         with self._lock:
             for key, path, ok in zip(lease.keys, paths, results):
                 self._counters["hits" if ok else "misses"] += 1
@@ -253,13 +295,18 @@ class LocalDiskKVStore:
         with self._lock:
             reservation = self._tickets.close(ticket)
             made = 0
+            published: list[str] = []
             for key, ok in zip(ticket.keys, ok_mask):
                 written = reservation.written.get(key)
                 if written is None:
                     continue
                 tmp, expires_at = written
+                old = self._index.get(key)
+                if old is not None and old.expires_at <= time.time():
+                    self._drop(key)  # written again after its retention ended: replace it
+                    old = None
                 # First commit wins; a retired key's file may still be read through a lease.
-                if not ok or key in self._index or self._leases.retired(key) is not None:
+                if not ok or old is not None or self._leases.retired(key) is not None:
                     remove_file(tmp)
                     continue
                 day = int(expires_at // DAY)
@@ -272,7 +319,11 @@ class LocalDiskKVStore:
                     log.warning("KV store %s: commit of %s failed: %s", self._dir, key.hex()[:16], exc)
                     continue
                 self._index[key] = _Entry(str(final), expires_at)  # exact; a scan knows the bucket only
+                published.append(str(final))
                 made += 1
+            for key in reversed([k for k in ticket.keys if self._index.get(k) is not None and self._index[k].path in published]):
+                self._index.move_to_end(key)  # the head of the written chain ends most recent
+            _touch(published)
             self._counters["commits"] += made
             self._evict_to_capacity()
             return made
@@ -290,7 +341,7 @@ class LocalDiskKVStore:
     def remove(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
-                if self._lookup(key) is not None:
+                if key in self._index or self._lookup(key) is not None:
                     self._drop(key)
 
     def _drop(self, key: bytes) -> None:
@@ -301,7 +352,13 @@ class LocalDiskKVStore:
             remove_file(entry.path)
 
     def _evict_to_capacity(self) -> None:
-        for key in eviction_victims(self._index, len(self._index), self.config.capacity_blocks, self._leases):
+        """Down to capacity: expired blocks first, then least recently used."""
+        capacity = self.config.capacity_blocks
+        if capacity is None or len(self._index) <= capacity:
+            return
+        now = time.time()
+        expired = [k for k, e in self._index.items() if e.expires_at <= now]
+        for key in eviction_victims(self._index, len(self._index), capacity, self._leases, expired):
             remove_file(self._index.pop(key).path)
             self._counters["evictions"] += 1
 
@@ -321,10 +378,13 @@ class LocalDiskKVStore:
             self._counters["expired"] += len(expired)
             count += len(expired)
             in_use = {os.path.dirname(os.path.dirname(p)) for p in self._leases.retired_values()}
+            today = int(now // DAY)
             for retention in self._retention:
                 for day, day_dir in self._day_dirs(retention):
                     if _bucket_end(day) <= now and day_dir not in in_use:
                         shutil.rmtree(day_dir, ignore_errors=True)  # whole bucket, any writer's
+                    elif day == today:  # records expiring today: their headers say when
+                        count += self._gc_bucket(day_dir, now)
             live = {tmp for tmp, _ in self._tickets.live_temp_values()}
             for item in _files_under(str(self._tmp), depth=0):
                 if item.path not in live and _mtime_size(item)[0] + self._reservation_s <= now:
@@ -332,12 +392,35 @@ class LocalDiskKVStore:
                     count += 1
             return count
 
+    def _gc_bucket(self, day_dir: str, now: float) -> int:
+        """Delete the expired records of one bucket (any writer's), sparing leased ones."""
+        count = 0
+        retired = set(self._leases.retired_values())
+        for item in _files_under(day_dir):
+            key = key_from_filename(item.name)
+            if key is None or item.path in retired:
+                continue
+            expires_at = self._record_expiry(item.path, key)
+            if expires_at is not None and expires_at > now:
+                continue
+            entry = self._index.get(key)
+            if entry is not None and entry.path == item.path:
+                self._drop(key)  # a leased one is retired, deleted when its lease ends
+            else:
+                remove_file(item.path)  # expired, or a bad header: never data
+            self._counters["expired"] += 1
+            count += 1
+        return count
+
     # -- misc -----------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
+            now = time.time()
+            live = [k for k, e in self._index.items() if e.expires_at > now]  # visible ones
             return {
-                "blocks": len(self._index),
-                "bytes": sum(record_bytes(k, self.config.block_bytes) for k in self._index),
+                "blocks": len(live),
+                "bytes": sum(record_bytes(k, self.config.block_bytes) for k in live),
+                "expired_not_deleted": len(self._index) - len(live),  # until gc or eviction
                 "leases": len(self._leases),
                 "reservations": len(self._tickets),
                 "path": str(self._dir),
@@ -385,6 +468,22 @@ def _files_under(directory: str, depth: int = 1) -> list[os.DirEntry]:
     if depth == 0:
         return [e for e in entries if not e.is_dir()]
     return [f for e in entries if e.is_dir() for f in _files_under(e.path, depth - 1)]
+
+
+LRU_STEP_NS = 10_000  # mtime step between a chain's blocks (above float mtime resolution)
+
+
+def _touch(paths: Sequence[str]) -> None:
+    """Record a use in the files' mtimes, the LRU order a restart (or another process)
+    rebuilds: the first path (a prefix's head) gets the newest time, each next one
+    :data:`LRU_STEP_NS` older, so eviction takes a chain's tail before its head (a tail
+    without its head is never matched)."""
+    now = time.time_ns()
+    for i, path in enumerate(paths):
+        try:
+            os.utime(path, ns=(now - i * LRU_STEP_NS, now - i * LRU_STEP_NS))
+        except OSError:
+            pass  # gone meanwhile: nothing to order
 
 
 def _mtime_size(entry: os.DirEntry) -> tuple[float, int | None]:

@@ -31,7 +31,9 @@ class MemoryKVStore:
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
-        self._retention = {**RETENTION_SECONDS, **config.options.get("retention_seconds", {})}
+        from .local import check_retention_classes, parse_retention_option
+
+        self._retention = check_retention_classes({**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))})
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
         self._leases: LeaseTable[_Block] = LeaseTable()
@@ -87,7 +89,8 @@ class MemoryKVStore:
         if retention not in self._retention:
             raise ValueError(f"unknown retention class {retention!r}; known: {sorted(self._retention)}")
         with self._lock:
-            needed = [k for k in dict.fromkeys(keys) if k not in self._blocks]
+            now = time.time()
+            needed = [k for k in dict.fromkeys(keys) if k not in self._blocks or self._blocks[k].expires_at <= now]
             return self._tickets.open(needed, retention, time.time() + self._reservation_s).ticket
 
     def write_from(self, ticket: WriteTicket, buffers: Sequence[memoryview]) -> None:
@@ -107,7 +110,11 @@ class MemoryKVStore:
             made = 0
             for key, ok in zip(ticket.keys, ok_mask):
                 data = reservation.written.get(key)
-                if not ok or data is None or key in self._blocks:
+                old = self._blocks.get(key)
+                if old is not None and old.expires_at <= now:
+                    self._drop(key)  # written again after its retention ended: replace it
+                    old = None
+                if not ok or data is None or old is not None:
                     continue  # first commit of a key wins
                 self._blocks[key] = _Block(data, expires_at)
                 made += 1
@@ -136,7 +143,13 @@ class MemoryKVStore:
             self._leases.retire(key, block)
 
     def _evict_to_capacity(self) -> None:
-        for key in eviction_victims(self._blocks, len(self._blocks), self.config.capacity_blocks, self._leases):
+        """Down to capacity: expired blocks first, then least recently used."""
+        capacity = self.config.capacity_blocks
+        if capacity is None or len(self._blocks) <= capacity:
+            return
+        now = time.time()
+        expired = [k for k, b in self._blocks.items() if b.expires_at <= now]
+        for key in eviction_victims(self._blocks, len(self._blocks), capacity, self._leases, expired):
             del self._blocks[key]
             self._counters["evictions"] += 1
 

@@ -31,8 +31,9 @@ def parse_kv_store_url(url: str) -> KVStoreURL:
     """``scheme://[/path][?opt=value&...]``; ValueError naming the URL when it has no scheme."""
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"kv_store {url!r} is not a URL: use scheme://path, e.g. local:///var/cache/deepinfer or memory://")
-    parts = urlsplit(url)
-    scheme = url.split("://", 1)[0].lower()
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    parts = urlsplit("//" + rest)  # not urlsplit(url): a scheme such as "3fs" (a leading digit) is not parsed as one
     path = unquote(parts.netloc + parts.path) or None
     return KVStoreURL(scheme, path, dict(parse_qsl(parts.query)))
 

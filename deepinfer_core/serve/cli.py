@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"error: {exc}")
     server = Server(engine, host, ServerConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue))
     serve(server.app, args.host, args.port, args.drain_timeout, args.log_level)
+    if engine.tiers is not None:  # queued KV write-backs reach the store before exit
+        engine.tiers.flush(timeout=args.drain_timeout + 30)
     return 0
 
 
