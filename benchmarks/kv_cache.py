@@ -15,6 +15,10 @@ Then decode time per step with and without write-back (a 100-token prompt, 384 n
 three blocks fill and are written during decode), each in a fresh process.
 
     python benchmarks/kv_cache.py --lengths 4096,8192
+    python benchmarks/kv_cache.py --tiny-v4 --lengths 16384,32768   # a random tiny DeepSeek-V4 (transformers builds it)
+
+SmolLM2's context is 8K; the 16K and 32K rows use ``--tiny-v4`` (random weights, random token
+ids: the timing does not depend on the weights' values).
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ MODEL = "smollm2-135m-instruct"
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
+    if tokenizer is None:  # a checkpoint without a tokenizer (--tiny-v4): fixed random ids
+        import random
+
+        rng = random.Random(n)
+        return [rng.randrange(2, 300) for _ in range(n)]
     text = " ".join(f"Row {i}: the {['red', 'green', 'blue', 'gold'][i % 4]} fox meets dog {i * 13} near tree {i % 97}." for i in range(n // 8 + 64))
     ids = tokenizer.encode(text)
     assert len(ids) >= n, (len(ids), n)
@@ -39,7 +48,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 def child(args) -> None:
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(args.model, device="cpu", kv_store=args.store or None, max_num_batched_tokens=2048, max_model_len=args.length + 512 if args.mode == "ttft" else None)
+    llm = LLM(args.model, device="cpu", kv_store=args.store or None, max_num_batched_tokens=2048, max_model_len=args.length + 512 if args.mode == "ttft" else None, kv_cache_blocks=args.length // 128 + 8 if args.mode == "ttft" else None)
     tok = llm.get_tokenizer()
     if args.mode == "ttft":
         ids = prompt_ids(tok, args.length)
@@ -87,6 +96,30 @@ def plain_read(root: str) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
+def make_tiny_v4(path: str) -> str:
+    """The tiny random DeepSeek-V4 of tests/test_deepseek_v4.py, with a 33K context."""
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
+        num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
+        num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5, swiglu_limit=0.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        hc_mult=3, hc_sinkhorn_iters=6, sliding_window=16, o_groups=2, o_lora_rank=16,
+        index_n_heads=16, index_head_dim=16, index_topk=6, max_position_embeddings=33792,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8448,
+                         "beta_fast": 32, "beta_slow": 1},
+        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.DeepseekV4ForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="4096,8192")
@@ -95,10 +128,14 @@ def main() -> None:
     parser.add_argument("--child", choices=["ttft", "decode"])
     parser.add_argument("--length", type=int, default=0)
     parser.add_argument("--store", default="")
+    parser.add_argument("--tiny-v4", action="store_true", help="a random tiny DeepSeek-V4 with a 33K context instead of --model")
     args = parser.parse_args()
     if args.child:
         args.mode = args.child
         return child(args)
+    if args.tiny_v4:
+        args.model = make_tiny_v4(tempfile.mkdtemp(prefix="kvbench-v4-"))
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
 
     print(f"# deepinfer persistent KV cache, {args.model}, CPU, local store (fresh process per row)")
     print("| prompt | TTFT 0% hits (s) | TTFT from store (s) | hit % | ratio | store load GB/s | plain read GB/s | load/read |")
@@ -114,6 +151,9 @@ def main() -> None:
         read_bw = nbytes / seconds / 1e9
         print(f"| {length} | {cold['ttft']:.2f} | {warm['ttft']:.2f} | {100 * warm['cached'] / warm['prompt']:.1f} | {cold['ttft'] / warm['ttft']:.1f}x | {load_bw:.2f} | {read_bw:.2f} | {load_bw / read_bw:.2f} |", flush=True)
 
+    if args.decode_tokens <= 0:
+        print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        return
     with tempfile.TemporaryDirectory(prefix="kvbench-") as root:
         without = run_child(args.model, "decode", 0, "")
         with_wb = run_child(args.model, "decode", 0, f"local://{root}")
@@ -123,6 +163,8 @@ def main() -> None:
     print(f"| no store | {1e3 * without['per_step']:.2f} | {1e3 * without['median']:.2f} | 0 |")
     print(f"| write-back to local store | {1e3 * with_wb['per_step']:.2f} | {1e3 * with_wb['median']:.2f} | {with_wb['blocks_written']} |")
     print(f"| ratio (with / without) | {with_wb['per_step'] / without['per_step']:.3f} | {with_wb['median'] / without['median']:.3f} | |")
+    print(f"| decode tok/s (no store / write-back) | {1 / without['per_step']:.1f} / {1 / with_wb['per_step']:.1f} | | |")
+    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
