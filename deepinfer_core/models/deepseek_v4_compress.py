@@ -104,10 +104,15 @@ def update_entries(
     A replay (rebuilding state after a prefix hit) only refreshes the tails: the entries are
     already in the shared cached blocks, and the replay's first positions are not exact."""
     ratio = compressors[0][0].ratio
+    # A decode batch (one new token per request): only requests whose window closes run the
+    # per-request compression; every tail is then refreshed with one indexed write per series.
+    one_each = not replay and len(batch.token_ranges) > 1 and all(b - a == 1 for a, b in batch.token_ranges)
     for r, ((a, b), s, slot) in enumerate(zip(batch.token_ranges, batch.starts, batch.slots)):
         e = s + (b - a)
         lo = max(0, (s // ratio) * ratio - (ratio if compressors[0][0].overlap else 0))
         windows = range(s // ratio, e // ratio)
+        if one_each and not len(windows):
+            continue
         tail_col = 0
         for (comp, entry_col), rows in zip(compressors, raw):
             width = 2 * comp.width
@@ -118,7 +123,18 @@ def update_entries(
                 entries = comp.compress(src, lo, windows, rope)
                 blocks, offsets = batch.entry_index(r, torch.arange(windows.start, windows.stop, device=new.device), ratio)
                 cache.entries[blocks, offsets, entry_col : entry_col + comp.dim] = entries.to(cache.entries.dtype)
-            write_tail(cache.tail[..., tail_col : tail_col + width], slot, s, new)
+            if not one_each:
+                write_tail(cache.tail[..., tail_col : tail_col + width], slot, s, new)
+            tail_col += width
+    if one_each:
+        dev = cache.tail.device
+        rows_of = torch.tensor([a for a, _ in batch.token_ranges], device=raw[0].device)
+        slots = torch.tensor(batch.slots, device=dev)
+        ring = torch.tensor(batch.starts, device=dev) % cache.tail.shape[1]
+        tail_col = 0
+        for (comp, _), rows in zip(compressors, raw):
+            width = 2 * comp.width
+            cache.tail[..., tail_col : tail_col + width][slots, ring] = rows[rows_of].to(cache.tail.dtype)
             tail_col += width
 
 
