@@ -50,7 +50,9 @@ CONFIGS = {
         [12, 210], 64,
     ),
     "topk_all_experts_head24": (dict(num_experts_per_tok=6, head_dim=24, partial_rotary_factor=0.25, index_head_dim=12), [20, 150], 7),
+    "csa3_hca6_block126": (dict(compress_rates={C: 3, H: 6}, layer_types=[S, C, H, C]), [40, 200], 50),
 }
+BLOCK_SIZES = {"csa3_hca6_block126": 126}  # rates that do not divide 128 need a block size they divide
 CI_CONFIGS = ["hca4_csa8_window7_no_hash", "odd_heads_hc1_all_hash", "topk1_hc2_window32_rate32"]
 NEW = 8
 
@@ -103,7 +105,8 @@ def test_config_matches_transformers(name, tmp_path):
     hf.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(41)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
-    llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=24, max_num_batched_tokens=budget)
+    block = BLOCK_SIZES.get(name, 128)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=24, max_num_batched_tokens=budget, block_size=block)
     longest = prompts[-1]
     with torch.no_grad():
         ref = hf(torch.tensor([longest])).logits[0].float()
@@ -116,7 +119,7 @@ def test_config_matches_transformers(name, tmp_path):
             for p in prompts
         ]
     assert got == want, name
-    # Again: prompts past one 128-token block hit the prefix cache (state KV rebuilt by replay).
+    # Again: prompts past one KV block hit the prefix cache (state KV rebuilt by replay).
     again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
-    assert [o.num_cached_tokens for o in again] == [(n - 1) // 128 * 128 for n in lens]
+    assert [o.num_cached_tokens for o in again] == [(n - 1) // block * block for n in lens]
     assert [o.outputs[0].token_ids for o in again] == want, name
