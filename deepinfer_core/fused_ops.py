@@ -3,7 +3,8 @@
 Why: in a decode step every RMSNorm is ~8 small torch kernels (upcast, square, mean, add,
 rsqrt, multiply, downcast, scale) and every SwiGLU two more; on a GPU each costs a launch and a
 round trip through memory, a large share of a small step (benchmarks/README.md). A plugin
-replaces them with one kernel each. The references below define what a kernel must compute;
+replaces them with one kernel each (and MLA's rotary + query/key concatenation, ~22 kernels a
+layer, with two). The references below define what a kernel must compute;
 plugin tests compare their kernels with them.
 
 The engine installs the ops on the model's modules once, after loading (:func:`install`);
@@ -26,6 +27,9 @@ class FusedOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     # (x [..., 2 I]) -> [..., I]: silu(first half) * second half, x's dtype
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # (latent [T, H, C], pe [T, H, r], positions [T], cos [P, r], sin [P, r], interleaved)
+    # -> [T, H, C + r]: like rope_cat_reference (MLA's query / key assembly)
+    rope_cat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,9 +44,23 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_cat_reference(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``cat([latent, rotary(pe)])`` as DeepSeek's MLA builds queries and keys: the rope channels
+    de-interleaved (evens, then odds) when ``interleaved``, rotated in the rotate-half layout with
+    the cos/sin rows of ``positions`` (cast to pe's dtype), each product rounded to that dtype."""
+    if interleaved:
+        pe = torch.cat([pe[..., 0::2], pe[..., 1::2]], dim=-1)
+    c = cos[positions][:, None, :].to(pe.dtype)
+    s = sin[positions][:, None, :].to(pe.dtype)
+    half = pe.shape[-1] // 2
+    rotated = torch.cat([-pe[..., half:], pe[..., :half]], dim=-1)
+    return torch.cat([latent, pe * c + rotated * s], dim=-1)
+
+
 def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
+    from .models.deepseek_v3_mla import MLAAttention
     from .models.layers import GatedMLP, RMSNorm
 
     if ops is None:
@@ -54,5 +72,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, GatedMLP) and ops.silu_and_mul is not None and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]:
             module.fused_act = ops.silu_and_mul
+            n += 1
+        elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
+            module.rope_cat = ops.rope_cat
             n += 1
     return n

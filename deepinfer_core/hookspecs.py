@@ -147,10 +147,11 @@ def deepinfer_batch_invariant_ops(platform: Platform) -> Callable[[], ContextMan
 
 @hookspec(firstresult=True)
 def deepinfer_fused_ops(platform: Platform) -> FusedOps | None:
-    """Offer one-kernel versions of small elementwise chains: RMSNorm, SiLU-and-mul.
+    """Offer one-kernel versions of small elementwise chains: RMSNorm, SiLU-and-mul, and MLA's
+    rotary embedding with the query / key concatenation.
 
     Called by ``PluginHost.fused_ops()`` once when an engine is built (not with
-    ``LLM(fused_ops=False)``); the engine points the model's ``RMSNorm`` and gated-MLP modules
+    ``LLM(fused_ops=False)``); the engine points the model's ``RMSNorm``, gated-MLP and MLA modules
     at the kernels (:func:`deepinfer_core.fused_ops.install`). Each kernel must compute what its
     reference in :mod:`deepinfer_core.fused_ops` computes (same shapes, dtypes and rounding
     order), row by row, so it is batch invariant, and it must not synchronise with the host

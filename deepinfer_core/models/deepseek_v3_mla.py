@@ -106,6 +106,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
+    rope_cat = None  # a platform's fused rotary + concatenation (deepinfer_core.fused_ops)
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         # DeepSeek's checkpoints pair rope channels as (0,1),(2,3),...; putting evens before
         # odds turns that into the rotate-half layout Rotary implements. q and k get the same
@@ -134,14 +136,16 @@ class MLAAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + r]
         c_kv = self.kv_a_layernorm(kv_a[:, :C])  # [T, C]
         k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
-        q_pe = self._rope(q_pe, positions, rotary)
-        k_pe = self._rope(k_pe, positions, rotary)
 
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
-        query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + r]
-        key = torch.cat([c_kv[:, None, :], k_pe], dim=-1)  # [T, 1, C + r]
+        if self.rope_cat is not None:  # a platform's fused kernel (deepinfer_core.fused_ops)
+            query = self.rope_cat(q_latent, q_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
+            key = self.rope_cat(c_kv[:, None, :], k_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
+        else:
+            query = torch.cat([q_latent, self._rope(q_pe, positions, rotary)], dim=-1)  # [T, H, C + r]
+            key = torch.cat([c_kv[:, None, :], self._rope(k_pe, positions, rotary)], dim=-1)  # [T, 1, C + r]
 
         out_latent = self.backend.forward(self.spec, query, key, None, kv_cache, meta)  # [T, H, C]
         out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]

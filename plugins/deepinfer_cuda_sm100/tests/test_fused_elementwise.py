@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.fused_ops import FusedOps, install, rms_norm_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.fused_ops import FusedOps, install, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm, silu_and_mul  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm, rope_cat, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,7 +62,7 @@ def test_hook_answers_for_cuda_platforms_and_installs_on_norms_and_mlps():
 
     assert plugin.deepinfer_fused_ops(TorchPlatform("cpu", "cpu")) is None
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert isinstance(ops, FusedOps) and ops.rms_norm is rms_norm and ops.silu_and_mul is silu_and_mul
+    assert isinstance(ops, FusedOps) and ops.rms_norm is rms_norm and ops.silu_and_mul is silu_and_mul and ops.rope_cat is rope_cat
     model = torch.nn.Sequential(RMSNorm(64), GatedMLP(64, 96), RMSNorm(64)).to(DEVICE)
     torch.manual_seed(0)
     for p in model.parameters():
@@ -92,3 +92,55 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
         ids = torch.tensor([p], device=DEVICE)
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert tokens == ref[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved):
+    g = torch.Generator().manual_seed(3)
+    T, H, C, n, r, P = 9, 3, 40, 8, 16, 300
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    freqs = torch.outer(torch.arange(P).float(), inv)
+    cos, sin = (torch.cat([freqs, freqs], -1).cos() * 1.2).to(DEVICE), (torch.cat([freqs, freqs], -1).sin() * 1.2).to(DEVICE)
+    positions = torch.randint(0, P, (T,), generator=g).to(DEVICE)
+    q = torch.randn(T, H, n + r, generator=g).to(DEVICE, dtype)
+    q_pe = q.split([n, r], dim=-1)[1]  # a strided view, as MLA splits it
+    latent = torch.randn(T, H, C, generator=g).to(DEVICE, dtype)
+    got = rope_cat(latent, q_pe, positions, cos, sin, interleaved)
+    want = rope_cat_reference(latent, q_pe, positions, cos, sin, interleaved)
+    assert got.shape == want.shape and torch.equal(got[..., :C], want[..., :C])
+    _close(got, want, dtype)
+    kv_a = torch.randn(T, C + r, generator=g).to(DEVICE, dtype)  # the key: one latent row, one rope head
+    k_lat, k_pe = kv_a[:, :C][:, None, :], kv_a[:, C:].view(T, 1, r)
+    _close(rope_cat(k_lat, k_pe, positions, cos, sin, interleaved), rope_cat_reference(k_lat, k_pe, positions, cos, sin, interleaved), dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)  # a bf16 model's tables are bf16 buffers (found on the H200)
+    _close(rope_cat(latent, q_pe, positions, cos, sin, interleaved), rope_cat_reference(latent, q_pe, positions, cos, sin, interleaved), dtype)
+
+
+def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_and_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from deepinfer_core import LLM, SamplingParams
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        max_position_embeddings=256, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, max_num_seqs=2, enforce_eager=True)
+    from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
+
+    assert install(llm.engine.model, FUSED_OPS) >= 2 * 2 + 1 + 2  # norms, the dense and shared MLPs, both MLA layers
+    prompt = [5, 9, 33, 7, 81, 2, 64, 17, 3, 99, 12]
+    hf = hf.to(DEVICE)
+    ids = torch.tensor([prompt], device=DEVICE)
+    with torch.no_grad():
+        want = hf(ids).logits[0].float()
+    got = llm.engine.prompt_logits(prompt).to(want.device)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert tokens == ref[0, len(prompt):].tolist()

@@ -55,7 +55,7 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
     spec, hidden, experts, logits = _case(70, E=4, k=2, D=64, I=48, dtype=torch.bfloat16, seed=2)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
     want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
-    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 32, 32, 4, 2)):
+    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 32, 32, 4, 2), MoEConfig(128, 128, 64, 8, 3)):
         got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg)
         err = (got.double() - want).norm() / want.norm()
         assert err < 1e-2, f"{cfg}: relative error {err:.2e}"

@@ -53,6 +53,60 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rope_cat_kernel(
+    lat_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
+    s_lt, s_lh, s_pt, s_ph, s_ot, s_oh, s_cos, C, HALF,
+    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    out_row = out_ptr + t * s_ot + h * s_oh
+    for c0 in range(0, C, BLOCK_C):  # the latent part, copied
+        offs = c0 + tl.arange(0, BLOCK_C)
+        m = offs < C
+        tl.store(out_row + offs, tl.load(lat_ptr + t * s_lt + h * s_lh + offs, mask=m), mask=m)
+    j = tl.arange(0, BLOCK_R)
+    m = j < HALF
+    pe_row = pe_ptr + t * s_pt + h * s_ph
+    if INTERLEAVED:  # channel pairs (2j, 2j+1) become (j, j + half)
+        a = tl.load(pe_row + 2 * j, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(pe_row + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(pe_row + j, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(pe_row + HALF + j, mask=m, other=0.0).to(tl.float32)
+    dt = pe_ptr.dtype.element_ty
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    c1 = _round(tl.load(cos_ptr + p * s_cos + j, mask=m, other=0.0).to(tl.float32), dt)
+    c2 = _round(tl.load(cos_ptr + p * s_cos + HALF + j, mask=m, other=0.0).to(tl.float32), dt)
+    s1 = _round(tl.load(sin_ptr + p * s_cos + j, mask=m, other=0.0).to(tl.float32), dt)
+    s2 = _round(tl.load(sin_ptr + p * s_cos + HALF + j, mask=m, other=0.0).to(tl.float32), dt)
+    first = _round(_round(a * c1, dt) + _round(-b * s1, dt), dt)  # x * cos + rotate_half(x) * sin
+    second = _round(_round(b * c2, dt) + _round(a * s2, dt), dt)
+    od = out_ptr.dtype.element_ty
+    tl.store(out_row + C + j, first.to(od), mask=m)
+    tl.store(out_row + C + HALF + j, second.to(od), mask=m)
+
+
+def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    T, H, C = latent.shape[0], pe.shape[1], latent.shape[-1]
+    r = pe.shape[-1]
+    if latent.stride(-1) != 1:
+        latent = latent.contiguous()
+    if pe.stride(-1) != 1:
+        pe = pe.contiguous()
+    out = torch.empty(T, H, C + r, dtype=latent.dtype, device=latent.device)
+    if T:
+        lat_h = latent.stride(1) if latent.shape[1] == H else 0  # a key's one latent row serves every head
+        _rope_cat_kernel[(T, H)](
+            latent, pe, positions, cos, sin, out,
+            latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), C, r // 2,
+            INTERLEAVED=interleaved, BLOCK_C=min(1024, triton.next_power_of_2(C)), BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, D] with unit stride along D (a view where possible)."""
     if x.stride(-1) != 1:
@@ -67,7 +121,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, num_warps=warps)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], D)
 
 
@@ -77,8 +131,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], I)
 
 
-FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul)
+FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat)
