@@ -14,6 +14,13 @@ Only the step thread ever touches the engine, so the engine needs no locks and t
 never waits on a step: ``/health`` and ``/metrics`` answer from the last published stats.
 Admission is bounded: at most ``max_num_seqs + max_queue`` requests in flight; one more is
 refused with :class:`QueueFull` (the HTTP layer turns that into a 429).
+
+In-flight accounting is one :class:`Lease` per admitted request: :meth:`EngineFront.submit` is
+the only place that counts a request in, and :meth:`Lease.release` (called by the HTTP exchange
+in a ``finally``, however it ends) the only place that counts it out; releasing also aborts the
+engine request, which is a no-op when it already finished. So no way out of an exchange (a stream
+closed before its first event, a client gone mid-request, an exception in a codec) can leave a
+slot taken or an engine request running.
 """
 from __future__ import annotations
 
@@ -58,6 +65,20 @@ class StepTiming:
     arrival: float
     first: bool  # the request's first output (its prefill finished in this step)
     previous: float  # time of the request's previous output (arrival if first)
+
+
+class Lease:
+    """An admitted request's slot in the front; :meth:`release` exactly once (idempotent)."""
+
+    def __init__(self, front: "EngineFront", request_id: str) -> None:
+        self._front = front
+        self.request_id = request_id
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._front._release(self.request_id)
 
 
 class RequestSink:
@@ -114,11 +135,13 @@ class EngineFront:
         max_queue: int,
         on_output: Callable[[RequestOutput, StepTiming], None] | None = None,
         on_step: Callable[[dict], None] | None = None,
+        on_abort: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queue
         self._on_output = on_output or (lambda out, timing: None)
         self._on_step = on_step or (lambda stats: None)
+        self._on_abort = on_abort or (lambda request_id: None)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[RequestSink, Submission, list[float]]] = {}  # step thread only
         self._lock = threading.Lock()
@@ -136,18 +159,26 @@ class EngineFront:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, submission: Submission, sink: RequestSink) -> None:
-        """Queue a request for the step thread; raises :class:`QueueFull` or :class:`Closed`."""
+    def submit(self, submission: Submission, sink: RequestSink) -> Lease:
+        """Queue a request for the step thread; raises :class:`QueueFull` or :class:`Closed`.
+        The caller must release the returned lease when its exchange ends, in a ``finally``."""
         with self._lock:
             if not self._accepting:
                 raise Closed("the server is shutting down")
             if self._in_flight >= self.capacity:
                 raise QueueFull(f"{self._in_flight} requests in flight, the limit is {self.capacity}")
-            self._in_flight += 1
+            self._in_flight += 1  # the only increment; Lease.release is the only decrement
         self._commands.put(("add", submission, sink))
+        return Lease(self, submission.request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request early (its slot stays taken until its lease is released)."""
         self._commands.put(("abort", request_id, None))
+
+    def _release(self, request_id: str) -> None:
+        self.abort(request_id)  # after the request's "add" in the queue; no-op once finished
+        with self._lock:
+            self._in_flight -= 1
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -161,27 +192,25 @@ class EngineFront:
         self._thread.join(timeout)
 
     # -- step thread ------------------------------------------------------------------------
-    def _finished(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
-        with self._lock:
-            self._in_flight -= 1
-
     def _handle(self, kind: str, payload, sink: RequestSink | None) -> None:
         if kind == "add":
             try:
                 self.engine.add_request(list(payload.prompt_token_ids), payload.params, request_id=payload.request_id)
-            except (ValueError, TypeError) as exc:
-                with self._lock:
-                    self._in_flight -= 1
+            except Exception as exc:  # ValueError / TypeError: the request's fault; others: ours
+                if not isinstance(exc, (ValueError, TypeError)):
+                    log.exception("adding request %s failed", payload.request_id)
                 sink.admit(exc)
                 return
             self._sinks[payload.request_id] = (sink, payload, [payload.arrival])
             sink.admit(None)
         elif kind == "abort":
-            if payload in self._sinks:
-                self.engine.abort_request(payload)
-                self._sinks[payload][0].close()
-                self._finished(payload)
+            entry = self._sinks.pop(payload, None)
+            if entry is not None:
+                try:
+                    self.engine.abort_request(payload)
+                finally:
+                    entry[0].close()
+                    self._on_abort(payload)
         elif kind == "abort_all":
             for request_id in list(self._sinks):
                 self._handle("abort", request_id, None)
@@ -192,7 +221,10 @@ class EngineFront:
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            try:
+                self._handle(*item)
+            except Exception:  # the step thread must outlive any one command
+                log.exception("engine front: %s failed", item[0])
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -223,10 +255,13 @@ class EngineFront:
                 sink, submission, times = entry
                 timing = StepTiming(start, now, submission.arrival, len(times) == 1, times[-1])
                 times.append(now)
-                self._on_output(out, timing)
-                sink.put(out)
                 if out.finished:
-                    self._finished(out.request_id)
+                    del self._sinks[out.request_id]
+                try:
+                    self._on_output(out, timing)
+                except Exception:  # metrics must not stop the stream
+                    log.exception("recording the metrics of %s failed", out.request_id)
+                sink.put(out)
             self._publish()
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -236,4 +271,4 @@ class EngineFront:
             except Exception:  # the engine is already in trouble; the sink still ends
                 log.exception("abort of %s failed", request_id)
             sink.close(exc)
-            self._finished(request_id)
+        self._sinks.clear()

@@ -66,6 +66,10 @@ class ServerMetrics:
             self.e2e.observe(timing.now - timing.arrival)
             self.request_success.labels(self.model_name, completion.finish_reason or "abort").inc()
 
+    def on_abort(self, request_id: str) -> None:
+        """A request stopped before it finished (its client went away, or a stop the parser saw)."""
+        self.request_success.labels(self.model_name, "abort").inc()
+
     def on_step(self, stats: dict) -> None:
         self.running.set(stats.get("running", 0))
         self.waiting.set(stats.get("waiting", 0))
