@@ -19,6 +19,7 @@ the store: one block is every layer's slice for that block id, back to back, in
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -33,6 +34,8 @@ from .request import Request
 
 log = logging.getLogger(__name__)
 GC_INTERVAL_S = 600.0  # the writer thread runs store.gc() this often (expired blocks, stale temp files)
+LOAD_THREADS = 4  # store reads in parallel (file I/O and crc32 release the GIL)
+PREFAULT_BYTES = 256 * 2**20  # host buffers touched at start, off the critical path (see HostPool)
 
 
 class BlockCopier:
@@ -68,16 +71,36 @@ def block_dim(shape_one: Sequence[int], shape_two: Sequence[int]) -> int:
 
 
 class HostPool:
-    """Block bytes in host memory (pinned when the device is not the host), LRU-bounded."""
+    """Block bytes in host memory (pinned when the device is not the host), LRU-bounded.
+
+    Buffers are recycled: a buffer the pool evicts and nobody else holds goes to a spare list
+    that :meth:`new_buffer` takes from first, and :meth:`prefault` fills that list at start.
+    Why: reading a block into freshly allocated memory page-faults every 4 KiB page inside the
+    read, which made a store load run at a fifth of the speed of a read into touched memory
+    (benchmarks/README.md, persistent KV cache)."""
 
     def __init__(self, capacity_blocks: int, block_bytes: int, pin: bool) -> None:
         self.capacity = max(1, capacity_blocks)
         self.block_bytes = block_bytes
         self.pin = pin
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._spare: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
+    def prefault(self, max_bytes: int = PREFAULT_BYTES) -> None:
+        """Allocate and touch up to ``max_bytes`` of spare buffers (never past capacity)."""
+        count = min(self.capacity, max(0, max_bytes // max(1, self.block_bytes)))
+        fresh = [self._allocate().zero_() for _ in range(count)]
+        with self._lock:
+            self._spare.extend(fresh)
+
     def new_buffer(self) -> torch.Tensor:
+        with self._lock:
+            if self._spare:
+                return self._spare.pop()
+        return self._allocate()
+
+    def _allocate(self) -> torch.Tensor:
         if self.pin:
             try:
                 return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
@@ -97,7 +120,12 @@ class HostPool:
             self._blocks[key] = buf
             self._blocks.move_to_end(key)
             while len(self._blocks) > self.capacity:
-                self._blocks.popitem(last=False)
+                _, old = self._blocks.popitem(last=False)
+                # Recycled only when this frame holds the last reference (getrefcount's own
+                # argument and ``old``): a pending write or a load result keeps its buffer.
+                if sys.getrefcount(old) <= 2 and len(self._spare) < self.capacity:
+                    self._spare.append(old)
+                del old
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -117,6 +145,8 @@ class KVTiers:
         self.copier = copier
         self.host = host_pool
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
+        self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="deepinfer-kv-read")
+        self._loader.submit(host_pool.prefault)  # before any load: the loader runs in order
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-write")
         self._loads: dict[str, Future] = {}  # request id -> load of its store blocks
         self._loaded: set[str] = set()  # requests whose load finished (no second lookup)
@@ -186,17 +216,21 @@ class KVTiers:
         """Loader thread: store -> host buffers (also put in the host pool), the leading
         blocks that read and verify."""
         start = time.perf_counter()
+        bufs = [self.host.new_buffer() for _ in keys]
+        step = -(-len(keys) // LOAD_THREADS)
+        chunks = [(keys[i : i + step], bufs[i : i + step]) for i in range(0, len(keys), step)]
+        leases = []
         try:
-            lease = self.store.acquire_read(keys)
-            try:
-                bufs = [self.host.new_buffer() for _ in keys]
-                ok = self.store.read_into(lease, [memoryview(b.numpy()) for b in bufs])
-            finally:
-                self.store.release(lease)
+            for chunk_keys, _ in reversed(chunks):  # the head's lease last: it ends most recently used
+                leases.insert(0, self.store.acquire_read(chunk_keys))
+            ok = [good for part in self._readers.map(self._read_chunk, leases, [b for _, b in chunks]) for good in part]
         except Exception as exc:
             log.warning("KV store load of %d blocks failed: %s", len(keys), exc)
             self.counters["load_failures"] += 1
             return []
+        finally:
+            for lease in leases:
+                self.store.release(lease)
         n = 0
         for key, buf, good in zip(keys, bufs, ok):
             if not good:
@@ -210,6 +244,10 @@ class KVTiers:
         with self._lock:
             self._known.update(keys[:n])
         return list(zip(keys[:n], bufs[:n]))
+
+    def _read_chunk(self, lease, bufs: Sequence[torch.Tensor]) -> list[bool]:
+        """Reader thread: the blocks of one lease (consecutive keys of one load)."""
+        return self.store.read_into(lease, [memoryview(b.numpy()) for b in bufs])
 
     def loading(self, request_id: str) -> bool:
         future = self._loads.get(request_id)
@@ -311,6 +349,7 @@ class KVTiers:
     def close(self) -> None:
         self.flush()
         self._loader.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()
 
