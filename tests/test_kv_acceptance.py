@@ -266,3 +266,33 @@ def test_kv_cli_ls_stats_gc_through_subprocess(model, tmp_path, capsys):
     assert code == 2 and "installed backends" in err and "local" in err
     code, out, _ = deepinfer_kv_here(capsys, "ls", "--kv-store", f"local://{tmp_path / 'empty'}")
     assert code == 0 and "no namespaces" in out
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_capacity_eviction_takes_expired_blocks_first_then_the_least_recently_used(tmp_path, backend):
+    from deepinfer_core.kv_store.memory import MemoryKVStore
+
+    config = KVStoreConfig(namespace="ns", block_bytes=64, path=str(tmp_path), capacity_blocks=3, options={"retention_seconds": "agent:1"})
+    store = LocalDiskKVStore(config) if backend == "local" else MemoryKVStore(config)
+
+    def put(i: int, retention: str = "chat") -> None:
+        ticket = store.reserve_write([bytes([i]) * 16], retention)
+        store.write_from(ticket, [memoryview(bytes([i]) * 64)])
+        assert store.commit(ticket, [True]) == 1
+
+    def visible() -> list[int]:
+        return [i for i in range(1, 6) if store.match_prefix([bytes([i]) * 16]) == 1]
+
+    put(1)
+    put(2)
+    put(3, "agent")  # the most recently used, but expires in a second
+    time.sleep(1.2)
+    assert visible() == [1, 2]
+    put(4)  # over capacity: the expired block goes, not block 1 (the least recently used)
+    assert visible() == [1, 2, 4] and store.stats()["blocks"] == 3
+    lease = store.acquire_read([bytes([1]) * 16])  # block 1 is used: block 2 is now the LRU one
+    store.release(lease)
+    put(5)
+    assert visible() == [1, 4, 5]
+    if backend == "local":
+        assert len(files(tmp_path, ".kv")) == 3

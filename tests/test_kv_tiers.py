@@ -228,3 +228,21 @@ def test_deepseek_v3_mla_blocks_through_the_store_match_transformers(tmp_path):
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 300, dtype=torch.long), max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 256
     assert b.outputs[0].token_ids == a.outputs[0].token_ids == ref[0, 300:].tolist()
+
+
+def test_host_pool_recycles_only_buffers_nobody_else_holds():
+    from deepinfer_core.engine.kv_tiers import HostPool
+
+    pool = HostPool(capacity_blocks=1, block_bytes=64, pin=False)
+    pending_write = pool.new_buffer()  # e.g. queued for the store's writer
+    pool.put(b"a", pending_write)
+    pool.put(b"b", pool.new_buffer())  # evicts a: still held, so never handed out again
+    assert all(pool.new_buffer().data_ptr() != pending_write.data_ptr() for _ in range(3))
+    loose = pool.new_buffer()
+    loose_ptr = loose.data_ptr()
+    pool.put(b"c", loose)
+    del loose
+    pool.put(b"d", pool.new_buffer())  # evicts c: nobody holds it, so it is reused
+    assert pool.new_buffer().data_ptr() == loose_ptr
+    pool.prefault(max_bytes=64 * 5)
+    assert len(pool._spare) == 1  # never past capacity
