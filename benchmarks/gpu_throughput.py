@@ -203,6 +203,22 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         torch.cuda.synchronize()
         gpu = s.elapsed_time(e) / 50
         log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    g = graphs.graphs.get(1) if graphs is not None else None
+    if g is not None:  # what the 1-request step's GPU time is made of (kernels inside the graph)
+        reps = 20
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        kernels = [ev for ev in events if getattr(ev, key) > 0]
+        total = sum(getattr(ev, key) for ev in kernels) / reps
+        log(f"PROFILE decode N=1 graph: {sum(ev.count for ev in kernels) / reps:.0f} kernels, {total / 1e3:.2f} ms of kernel time per step; top:")
+        for ev in sorted(kernels, key=lambda ev: -getattr(ev, key))[:14]:
+            log(f"  {getattr(ev, key) / reps / 1e3:7.3f} ms  {ev.count / reps:5.0f}x  {ev.key[:90]}")
     import cProfile
     import io
     import pstats
@@ -219,7 +235,6 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
     log("PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising calls):")
     log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
-    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = random_prompts(64, 512, vocab, 77)
