@@ -5,9 +5,11 @@
  *   q4: w = d * q + m,  q in 0..15, two per byte (element j low nibble, j+16 high nibble)
  *   q8: w = d * q,      q in -128..127
  *
- * Each weight block is widened to float in registers once and multiplied with up to
- * FLOAT_TILE rows of float32 activations, so memory traffic is the packed weights (4-8x less
- * than float32) and the arithmetic is float32's: activations are never rounded. (Rounding them
+ * One token: each weight block is widened to float in registers and used at once. Several
+ * tokens: a few weight rows are widened once into a small float panel and a register-blocked
+ * micro-kernel runs them against every token (gemm_panel). Either way memory traffic is the
+ * packed weights (4-8x less than float32) and the arithmetic is float32's: activations are
+ * never rounded. (Rounding them
  * to int8 per 32-block, llama.cpp's way, changed SmolLM2's greedy outputs on 15 of 16 prompts
  * against the same weights in float32; two int8 digits fixed that but cost more than this.)
  * Every output element is one fixed sequence of FMAs whatever M is: batch invariant.
@@ -18,6 +20,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define QK 32
 
@@ -45,8 +48,9 @@ static inline void widen_q4(const uint8_t *qs, float d, float m, __m256 *w) {
     for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vd, vm);
 }
 
-void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                  int64_t N, float *y, int nthreads) {
+/* Few tokens: widen each weight block in registers and use it at once (no buffer). */
+static void gemm_direct(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                        int64_t N, float *y, int nthreads) {
     const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -70,4 +74,83 @@ void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
             for (int t = 0; t < tm; t++) y[(i0 + t) * N + n] = hsum8(acc[t]);
         }
     }
+}
+
+/* Several tokens: widen PANEL_ROWS weight rows once into a float panel (L1-sized for common K),
+ * then a register-blocked micro-kernel multiplies PANEL_ROWS rows x MICRO_TOKENS tokens per pass
+ * (12 accumulators: each weight vector loaded serves 3 tokens, each activation vector 4 rows),
+ * so the widening is paid once per row for all M tokens and the loop is FMA-bound like a float
+ * GEMM's. Each accumulator takes the same FMAs in the same order as gemm_direct's, on the
+ * same widened values: results are bit-identical to it, whatever M is. */
+#define PANEL_ROWS 4
+#define MICRO_TOKENS 3
+#define PANEL_MIN_M 2
+
+static void widen_row(int kind, const void *qs, const float *d, const float *m, int64_t n, int64_t nb, float *dst) {
+    const float *wd = d + n * nb, *wm = m ? m + n * nb : 0;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        if (kind == 4) widen_q4((const uint8_t *)qs + (n * nb + b) * (QK / 2), wd[b], wm[b], w);
+        else widen_q8((const int8_t *)qs + (n * nb + b) * QK, wd[b], 0.0f, w);
+        for (int j = 0; j < 4; j++) _mm256_store_ps(dst + b * QK + 8 * j, w[j]);
+    }
+}
+
+static void gemm_panel(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                       int64_t N, float *y, int nthreads) {
+    const int64_t nb = K / QK, tiles = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *panel = (float *)aligned_alloc(32, (size_t)(PANEL_ROWS * K) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t n0 = tile * PANEL_ROWS;
+            const int nr = (int)(N - n0 < PANEL_ROWS ? N - n0 : PANEL_ROWS);
+            for (int r = 0; r < PANEL_ROWS; r++)  /* a short last tile repeats its first row */
+                widen_row(kind, qs, d, m, n0 + (r < nr ? r : 0), nb, panel + r * K);
+            const float *w0 = panel, *w1 = panel + K, *w2 = panel + 2 * K, *w3 = panel + 3 * K;
+            int64_t i0 = 0;
+            for (; i0 + MICRO_TOKENS <= M; i0 += MICRO_TOKENS) {
+                const float *x0 = x + i0 * K, *x1 = x0 + K, *x2 = x1 + K;
+                __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+                __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+                for (int64_t k = 0; k < K; k += 8) {
+                    const __m256 v0 = _mm256_load_ps(w0 + k), v1 = _mm256_load_ps(w1 + k);
+                    const __m256 v2 = _mm256_load_ps(w2 + k), v3 = _mm256_load_ps(w3 + k);
+                    __m256 u = _mm256_loadu_ps(x0 + k);
+                    a00 = _mm256_fmadd_ps(v0, u, a00); a10 = _mm256_fmadd_ps(v1, u, a10);
+                    a20 = _mm256_fmadd_ps(v2, u, a20); a30 = _mm256_fmadd_ps(v3, u, a30);
+                    u = _mm256_loadu_ps(x1 + k);
+                    a01 = _mm256_fmadd_ps(v0, u, a01); a11 = _mm256_fmadd_ps(v1, u, a11);
+                    a21 = _mm256_fmadd_ps(v2, u, a21); a31 = _mm256_fmadd_ps(v3, u, a31);
+                    u = _mm256_loadu_ps(x2 + k);
+                    a02 = _mm256_fmadd_ps(v0, u, a02); a12 = _mm256_fmadd_ps(v1, u, a12);
+                    a22 = _mm256_fmadd_ps(v2, u, a22); a32 = _mm256_fmadd_ps(v3, u, a32);
+                }
+                const __m256 acc[PANEL_ROWS][MICRO_TOKENS] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+                for (int r = 0; r < nr; r++)
+                    for (int t = 0; t < MICRO_TOKENS; t++) y[(i0 + t) * N + n0 + r] = hsum8(acc[r][t]);
+            }
+            for (; i0 < M; i0++) {  /* the last M % 3 tokens, one at a time */
+                const float *x0 = x + i0 * K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t k = 0; k < K; k += 8) {
+                    const __m256 u = _mm256_loadu_ps(x0 + k);
+                    a0 = _mm256_fmadd_ps(_mm256_load_ps(w0 + k), u, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_load_ps(w1 + k), u, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_load_ps(w2 + k), u, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_load_ps(w3 + k), u, a3);
+                }
+                const __m256 acc[PANEL_ROWS] = {a0, a1, a2, a3};
+                for (int r = 0; r < nr; r++) y[i0 * N + n0 + r] = hsum8(acc[r]);
+            }
+        }
+        free(panel);
+    }
+}
+
+void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                  int64_t N, float *y, int nthreads) {
+    if (M >= PANEL_MIN_M) gemm_panel(x, M, K, kind, qs, d, m, N, y, nthreads);
+    else gemm_direct(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
