@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-ENGINES = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "transformers", "llamacpp")
+ENGINES = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "transformers", "llamacpp")
 DEFAULT_ENGINES = ("deepinfer", "deepinfer-fp32", "transformers", "llamacpp")  # bf16: --engines
 LABELS = {
     "deepinfer": "deepinfer default", "deepinfer-fp32": "deepinfer fp32", "deepinfer-bf16": "deepinfer bf16",
+    "deepinfer-lowbit": "deepinfer lowbit",
     "transformers": "transformers", "llamacpp": "llama.cpp",
 }  # fmt: skip
-OURS = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16")
+OURS = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit")
 RESULT_MARK = "RESULT "
 # Opening of "A Tale of Two Cities" (public domain); repeated and windowed into prompts.
 SOURCE_TEXT = (
@@ -177,6 +178,7 @@ LOADERS: dict[str, Loader] = {
     "deepinfer": load_deepinfer,
     "deepinfer-fp32": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "float32"),
     "deepinfer-bf16": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "bfloat16"),
+    "deepinfer-lowbit": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "lowbit"),
     "transformers": load_transformers,
     "llamacpp": load_llamacpp,
 }

@@ -16,7 +16,7 @@ Flat token batch (requests r0, r1, r2 scheduled with 3, 1 and 2 new tokens)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
@@ -79,6 +79,10 @@ class AttentionMetadata:
     # prompt row among all of the prompt's compressed entries, as a one-pass prefill does, so that
     # chunking breaks score ties the same way.
     prompt_lens: tuple[int, ...] | None = None
+    # A model may attach a fresh dict per forward (dataclasses.replace) so that backends compute
+    # what every layer shares (gather slots, decode masks) once per step instead of once per layer.
+    # None: no memo (a meta reused across forwards, e.g. CUDA-graph capture, must not cache).
+    scratch: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def num_requests(self) -> int:

@@ -46,16 +46,14 @@ class TorchAttentionBackend:
         return self._forward_padded(spec, q, kv_cache, meta)
 
     def _forward_decode(self, spec, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        R, smax = meta.num_requests, meta.max_seq_len
-        keys, values = gather_kv(spec, kv_cache, meta.block_tables, smax)  # [Hkv, R, S, D]
+        R, smax, bs = meta.num_requests, meta.max_seq_len, kv_cache.shape[3]
+        slots = _memo(meta, ("slots", bs, smax), lambda: gather_slots(meta.block_tables, bs, smax))
+        keys, values = gather_kv(spec, kv_cache, meta.block_tables, smax, slots)  # [Hkv, R, S, D]
         groups = spec.num_heads // spec.num_kv_heads
         qg = q.view(R, spec.num_kv_heads, groups, spec.head_dim).transpose(0, 1)  # [Hkv, R, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2).to(q.dtype)).float() * spec.scale  # [Hkv, R, G, S]
-        key_pos = torch.arange(smax, device=q.device)
-        masked = key_pos[None, :] > meta.positions[:, None]  # [R, S]
-        if spec.window is not None:
-            masked |= key_pos[None, :] <= meta.positions[:, None] - spec.window
-        probs = scores.masked_fill(masked[None, :, None, :], float("-inf")).softmax(dim=-1)
+        masked = _memo(meta, ("decode_mask", smax, spec.window), lambda: _decode_mask(meta, smax, spec.window))
+        probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
         out = torch.matmul(probs.to(q.dtype), values.to(q.dtype))  # [Hkv, R, G, Dv]
         return out.permute(1, 0, 2, 3).reshape(R, spec.num_heads, spec.v_head_dim)
 
@@ -106,15 +104,40 @@ def write_kv(spec: AttentionLayerSpec, k, v, kv_cache, slot_mapping) -> None:
         planes[1, :, slot_mapping, : spec.v_head_dim] = v.transpose(0, 1).to(kv_cache.dtype)
 
 
-def gather_kv(spec: AttentionLayerSpec, kv_cache, block_tables, max_len: int):
+def _memo(meta: AttentionMetadata, key: tuple, make):
+    """``make()`` once per forward when the model attached a scratch memo to ``meta``."""
+    if meta.scratch is None:
+        return make()
+    value = meta.scratch.get(key)
+    if value is None:
+        value = meta.scratch[key] = make()
+    return value
+
+
+def _decode_mask(meta: AttentionMetadata, smax: int, window: int | None) -> torch.Tensor:
+    """``[1, R, 1, S]``: True where a decode query must not see key position s."""
+    key_pos = torch.arange(smax, device=meta.positions.device)
+    masked = key_pos[None, :] > meta.positions[:, None]  # [R, S]
+    if window is not None:
+        masked |= key_pos[None, :] <= meta.positions[:, None] - window
+    return masked[None, :, None, :]
+
+
+def gather_slots(block_tables, block_size: int, max_len: int) -> torch.Tensor:
+    """Cache slots of the first ``max_len`` positions of each request: ``[R * max_len]``."""
+    pos = torch.arange(max_len, device=block_tables.device)
+    return (block_tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()
+
+
+def gather_kv(spec: AttentionLayerSpec, kv_cache, block_tables, max_len: int, slots: torch.Tensor | None = None):
     """Keys and values of the first ``max_len`` positions of each request's block table:
-    ``[Hkv, R, max_len, D]`` and ``[Hkv, R, max_len, Dv]``, gathered by one ``index_select``."""
+    ``[Hkv, R, max_len, D]`` and ``[Hkv, R, max_len, Dv]``, gathered by one ``index_select``
+    (``slots``: :func:`gather_slots`'s result, when the caller already has it)."""
     num_reqs = block_tables.shape[0]
-    bs = kv_cache.shape[3]
-    pos = torch.arange(max_len, device=kv_cache.device)
-    slots = block_tables[:, pos // bs].long() * bs + pos % bs  # [R, S]
+    if slots is None:
+        slots = gather_slots(block_tables, kv_cache.shape[3], max_len)
     planes = kv_cache.view(kv_cache.shape[0], spec.num_kv_heads, -1, kv_cache.shape[-1])
-    kv = planes.index_select(2, slots.flatten()).view(kv_cache.shape[0], spec.num_kv_heads, num_reqs, max_len, -1)
+    kv = planes.index_select(2, slots).view(kv_cache.shape[0], spec.num_kv_heads, num_reqs, max_len, -1)
     keys = kv[0, ..., : spec.head_dim]
     values = kv[0 if spec.kv_shared else 1, ..., : spec.v_head_dim]
     return keys, values

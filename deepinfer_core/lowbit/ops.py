@@ -14,7 +14,8 @@ def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [M, K] x [N, K]^
     kernels = load()
     if kernels.lib is None:
         raise RuntimeError(f"low-bit kernels unavailable: {kernels.reason}")
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
     M, K = x.shape
     if w.shape[1] != K:
         raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")

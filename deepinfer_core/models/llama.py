@@ -10,6 +10,7 @@ kernel. One forward serves any mix of prefill and decode tokens of many requests
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -20,7 +21,7 @@ from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, Att
 from . import ModelContext, WeightsError
 from ..lowbit.formats import QuantWeight
 from ..lowbit.modules import LowBitEmbedding, LowBitLinear
-from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, fused_targets, rope_inv_freq
+from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,13 +48,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary | RotaryAt, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # x [T, D] -> [T, D]
         s, T = self.spec, x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = rotary(q.reshape(T, s.num_heads, s.head_dim), positions)  # [T, H, hd]
-        k = rotary(k.reshape(T, s.num_kv_heads, s.head_dim), positions)  # [T, Hkv, hd]
-        v = v.reshape(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        if isinstance(rotary, Rotary):
+            rotary = rotary.at(positions, x.dtype)
+        qkv = self.qkv_proj(x)  # [T, q | k | v]
+        heads, qk_rows = s.num_heads + s.num_kv_heads, (s.num_heads + s.num_kv_heads) * s.head_dim
+        qk = rotary(qkv[:, :qk_rows].reshape(T, heads, s.head_dim))  # q and k rotated together
+        q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # [T, H, hd], [T, Hkv, hd]
+        v = qkv[:, qk_rows:].reshape(T, s.num_kv_heads, s.head_dim)  # [T, Hkv, hd]
         out = self.backend.forward(s, q, k, v, kv_cache, meta)  # [T, H, hd]
         return self.o_proj(out.reshape(T, s.num_heads * s.head_dim))
 
@@ -127,8 +131,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, D]
         h = self.model.embed_tokens(input_ids)  # [T, D]
+        rotary = self.rotary.at(positions, h.dtype)  # looked up once for all layers
+        meta = dataclasses.replace(meta, scratch={})  # backends share per-step work across layers
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, positions, self.rotary, kv_cache, meta)
+            h = layer(h, positions, rotary, kv_cache, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
