@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_elementwise import _round
 from .paged_attention import interpreting
 
 
@@ -104,6 +105,17 @@ def _down_kernel(
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weights_ptr + flat, mask=row_ok, other=0.0)
         tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], y * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_rows_kernel(rows_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < D
+    acc = tl.load(rows_ptr + t * K * D + offs, mask=m, other=0.0)
+    for j in tl.static_range(1, K):  # ((r0 + r1) + r2) + ..., as the unfused loop added them
+        acc = acc + tl.load(rows_ptr + (t * K + j) * D + offs, mask=m, other=0.0)
+    tl.store(out_ptr + t * D + offs, _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @dataclass(frozen=True)
@@ -196,8 +208,8 @@ def fused_moe(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    rows_out = rows_out.view(T, k, D)
-    total = rows_out[:, 0]
-    for j in range(1, k):  # a fixed summation order, whatever the batch
-        total = total + rows_out[:, j]
-    return total.to(hidden.dtype), align.counts
+    out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)
+    if T:  # a token's k rows summed in a fixed order, whatever the batch; one launch, not 2k-1
+        block = min(1024, triton.next_power_of_2(D))
+        _sum_rows_kernel[(T, triton.cdiv(D, block))](rows_out, out, D, K=k, BLOCK=block, num_warps=4)
+    return out, align.counts
