@@ -13,6 +13,7 @@ from ..models import ModelContext
 from ..models.files import ModelFiles, open_model_files
 from ..plugin_host import PluginHost
 from ..platform import Platform
+from .fast_init import skip_random_init
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     )
     if lowbit:
         ctx = replace(ctx, dtype=torch.float32)
-    with torch.device(device):
+    with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if lowbit and swap_in_lowbit(model, set(files.quantized_names)):
         model.load_weights(files.quantized_weights())

@@ -44,9 +44,18 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _SAMPLE_BYTES = 1 << 20
 
 
-def open_gguf(path: str) -> ModelFiles:
-    """Read metadata and tensor index now; tensors are dequantized only when streamed."""
+def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
+    """Read metadata and tensor index now; tensors are dequantized only when streamed. With
+    ``cache`` (the default), a start-up cache entry of this file is used when there is one and
+    written by the first complete weight stream otherwise (see :mod:`.gguf_cache`)."""
     import gguf
+
+    if cache:
+        from .gguf_cache import open_cached
+
+        hit = open_cached(path, lambda p: open_gguf(p, cache=False))
+        if hit is not None:
+            return hit
 
     from ..tokenizer import Tokenizer
 
@@ -94,10 +103,15 @@ def open_gguf(path: str) -> ModelFiles:
     quantized = frozenset(
         hf_name(t.name) for t in reader.tensors if t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
     )
-    return ModelFiles(
+    files = ModelFiles(
         config=config, weights=weights, tokenizer=tokenizer, source=path, fingerprint=gguf_fingerprint(path, reader),
         quantized_weights=quantized_weights if quantized else None, quantized_names=quantized,
     )
+    if not cache:
+        return files
+    from .gguf_cache import caching
+
+    return caching(files, path)
 
 
 def hf_name(gguf_name: str) -> str:

@@ -60,6 +60,19 @@ def run_probe_subprocess(python: str = sys.executable, timeout: float = PROBE_TI
         return {"probe_error": f"probe exited {done.returncode}: {tail}"}
 
 
+def torch_npu_missing() -> dict | None:
+    """The report a child would give when ``torch_npu`` is not installed at all, found without
+    starting one (a child interpreter that imports torch costs seconds of every engine's start-up
+    on machines with this plugin but no NPU stack); None when it is installed and must be tried."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else {"import_error": "ModuleNotFoundError: No module named 'torch_npu'"}
+
+
 def interpret_report(report: dict) -> ProbeResult:
     """Turn the child's report into the answer ``deepinfer plugins`` shows."""
     if "probe_error" in report:
@@ -89,7 +102,7 @@ class Ascend950Platform(TorchPlatform):
 
     def probe(self) -> ProbeResult:
         if self._probe is None:  # one child interpreter per platform object is enough
-            self._probe = interpret_report(run_probe_subprocess())
+            self._probe = interpret_report(torch_npu_missing() or run_probe_subprocess())
         return self._probe
 
     def _module(self):

@@ -105,6 +105,7 @@ def test_this_machine_is_answered_honestly():
 
 def test_probe_runs_once_per_platform(monkeypatch):
     calls = []
+    monkeypatch.setattr(platform_module, "torch_npu_missing", lambda: None)  # as if installed
     monkeypatch.setattr(platform_module, "run_probe_subprocess", lambda: calls.append(1) or {"import_error": "x"})
     p = Ascend950Platform()
     p.probe(), p.probe()
@@ -145,3 +146,12 @@ def test_never_imports_another_plugin():
     for source in (PLUGIN_ROOT / "deepinfer_ascend950").glob("*.py"):
         text = source.read_text()
         assert not re.search(r"^\s*(from|import)\s+deepinfer_(?!core|ascend950)", text, re.M), source.name
+
+
+def test_missing_torch_npu_is_known_without_a_child(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    monkeypatch.setattr(platform_module, "run_probe_subprocess", lambda: pytest.fail("a child interpreter was started"))
+    result = Ascend950Platform().probe()
+    assert not result.usable and result.reason == "torch_npu not importable (ModuleNotFoundError: No module named 'torch_npu')"

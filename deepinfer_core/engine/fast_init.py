@@ -1,0 +1,44 @@
+"""Build a model without filling its parameters with random numbers first.
+
+Every ``nn.Linear`` and ``nn.Embedding`` draws random initial values in its constructor, which
+the checkpoint then overwrites: for SmolLM2 that is 135M random draws, and the first ``normal_``
+call also imports ``torch._dynamo`` (seconds on a small CPU) because torch wraps the init
+functions in a dynamo guard. The loaders raise on any missing parameter (optional groups such as
+DeepSeek-V4's MTP block are refused at use when absent), so no parameter is ever used with the
+values it was built with, and skipping the draws changes no result.
+
+The ``torch.nn.init`` functions are replaced for the duration of the build, as Hugging Face
+transformers does for the same reason; a lock keeps two engines built in threads at once from
+restoring each other's patch early.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+_NAMES = (
+    "normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+    "trunc_normal_", "orthogonal_", "zeros_", "ones_", "constant_",
+)
+_LOCK = threading.Lock()
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Inside: module constructors leave parameters as allocated (uninitialised)."""
+    with _LOCK:
+        saved = {name: getattr(torch.nn.init, name) for name in _NAMES}
+        try:
+            for name in _NAMES:
+                setattr(torch.nn.init, name, _keep)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.nn.init, name, fn)
