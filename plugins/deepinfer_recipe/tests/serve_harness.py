@@ -47,7 +47,7 @@ class RunningServer:
         self.thread.join(60)
 
 
-def start_in_thread(**overrides) -> RunningServer:
+def start_in_thread(model: str = MODEL, model_name: str = MODEL, **overrides) -> RunningServer:
     import uvicorn
 
     from deepinfer_core.engine.config import EngineConfig
@@ -56,8 +56,8 @@ def start_in_thread(**overrides) -> RunningServer:
     from deepinfer_core.serve.app import Server, ServerConfig
 
     host = default_host()
-    engine = LLMEngine(EngineConfig(model=MODEL, **{**ENGINE_ARGS, **overrides}), host)
-    server = Server(engine, host, ServerConfig(model_name=MODEL, max_queue=MAX_QUEUE))
+    engine = LLMEngine(EngineConfig(model=model, **{**ENGINE_ARGS, **overrides}), host)
+    server = Server(engine, host, ServerConfig(model_name=model_name, max_queue=MAX_QUEUE))
     port = free_port()
     userver = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=userver.run, daemon=True)

