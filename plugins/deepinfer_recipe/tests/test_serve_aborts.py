@@ -138,3 +138,16 @@ def test_engine_failing_to_add_a_request(served, monkeypatch):
     assert response.status_code == 500 and "injected" in response.json()["error"]["message"], response.text
     assert_idle(served, before, abandoned=0)
     assert httpx.post(f"{served.base_url}/v1/completions", json={**ENDLESS, "max_tokens": 2}, timeout=300).status_code == 200
+
+
+def test_health_and_metrics_answer_while_the_engine_is_busy(served):
+    """The event loop never waits on a step: with a request generating, /health and /metrics
+    answer, and what they report is that request running."""
+    before = metrics(served.base_url)
+    with open_stream(served.base_url, "/v1/completions", ENDLESS) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(events), next(events)  # step 2's event follows the stats published after step 1
+        for _ in range(5):
+            assert served.health()["running"] == 1
+            assert metrics(served.base_url)[("deepinfer:num_requests_running", "")] == 1
+    assert_idle(served, before, abandoned=1)

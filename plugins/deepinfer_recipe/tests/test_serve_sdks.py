@@ -62,6 +62,16 @@ def test_usage_reports_prefix_cache_hits(oai):
     assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // block * block
 
 
+def test_messages_usage_reports_prefix_cache_hits(claude):
+    """Anthropic's shape: cached prompt tokens in cache_read_input_tokens, the rest in input_tokens."""
+    messages = [{"role": "user", "content": "List four animals that live in the sea, please, one per line."}]
+    first = claude.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY, messages=messages)
+    second = claude.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY, messages=messages)
+    prompt = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt
+    assert second.usage.cache_read_input_tokens == (prompt - 1) // 32 * 32 > 0  # every full block of the harness's 32
+
+
 def test_messages(claude):
     reply = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
     assert reply.stop_reason == "end_turn"
