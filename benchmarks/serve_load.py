@@ -10,7 +10,10 @@ llama.cpp's server, and deepinfer serve over deepinfer's offline ``LLM.generate`
 prompts (the issue's goal: the server costs at most 10% at 32 clients).
 
 Each server runs in its own subprocess with the same thread count; offline runs in a subprocess
-too. An engine that cannot run is reported as unavailable, and the others still run.
+too. All three are started first and measured in turn at each level (``--repeats`` rounds,
+best of each), so that the ratios compare runs minutes apart at most, not a whole run apart,
+on a shared machine whose load drifts. An engine that cannot run is reported as unavailable,
+and the others still run.
 
     python benchmarks/serve_load.py --concurrency 1,8,32 --prompt-tokens 128 --new-tokens 128
 """
@@ -123,28 +126,45 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def offline(levels: list[int], prompt_tokens: int, new_tokens: int, threads: int, context: int) -> dict[int, float]:
-    """deepinfer's LLM.generate on the same prompts, in a subprocess; tok/s per level."""
-    code = f"""
-import json, time
+OFFLINE_WORKER = """
+import json, sys, time
 from deepinfer_core import LLM, SamplingParams
 from benchmarks.serve_load import prompts
-llm = LLM({MODEL!r}, max_num_seqs={max(levels)}, max_model_len={context})
-params = SamplingParams(temperature=0, max_tokens={new_tokens}, ignore_eos=True)
+args = json.loads(sys.argv[1])
+llm = LLM(args["model"], max_num_seqs=args["max_seqs"], max_model_len=args["context"])
+params = SamplingParams(temperature=0, max_tokens=args["new_tokens"], ignore_eos=True)
 llm.generate(["Warm up"], SamplingParams(temperature=0, max_tokens=2))
-out = {{}}
-for n in {levels}:
-    texts = prompts(n, {prompt_tokens})
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    texts = prompts(n, args["prompt_tokens"])
     start = time.perf_counter()
     llm.generate(texts, params, use_tqdm=False)
-    out[n] = n * {new_tokens} / (time.perf_counter() - start)
-print(json.dumps(out))
+    print(json.dumps({"tok_s": n * args["new_tokens"] / (time.perf_counter() - start)}), flush=True)
 """
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-500:])
-    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+class Offline:
+    """deepinfer's ``LLM.generate`` in a subprocess that measures one level per request."""
+
+    def __init__(self, max_seqs: int, prompt_tokens: int, new_tokens: int, threads: int, context: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+        args = json.dumps({"model": MODEL, "max_seqs": max_seqs, "context": context, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens})
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", OFFLINE_WORKER, args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.log.seek(0)
+            raise RuntimeError(self.log.read()[-500:])
+
+    def level(self, n: int) -> dict:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def main() -> int:
@@ -154,38 +174,55 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--engines", default="deepinfer,llamacpp,offline")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--repeats", type=int, default=2, help="rounds per level, best kept (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a client waits for its stream (default: %(default)s)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     engines = args.engines.split(",")
     context = 2 * (args.prompt_tokens + args.new_tokens) + 64
     rows: dict[str, dict[int, dict] | str] = {}
-    for engine in [e for e in engines if e != "offline"]:
+    load_before = os.getloadavg()
+    runners: dict = {}
+    procs: list = []
+    for engine in engines:
         try:
-            proc, url, eos = start_server(engine, args.threads, max(levels), context)
+            if engine == "offline":
+                runners[engine] = Offline(max(levels), args.prompt_tokens, args.new_tokens, args.threads, context)
+                procs.append(runners[engine])
+            else:
+                proc, url, eos = start_server(engine, args.threads, max(levels), context)
+                procs.append(proc)
+                runners[engine] = (url, eos)
+            rows[engine] = {}
         except Exception as exc:  # report, and measure the others
             rows[engine] = f"unavailable: {exc}"
-            continue
-        try:
-            rows[engine] = {}
-            for n in levels:
-                rows[engine][n] = load_level(url, eos, n, args.prompt_tokens, args.new_tokens, args.timeout)
-                if isinstance(rows[engine][n], str):  # a server that hung stays hung: skip its higher levels
-                    rows[engine].update({m: rows[engine][n] for m in levels if m > n})
-                    break
-        except Exception as exc:
-            rows[engine] = f"failed: {exc}"
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    base: dict[int, float] | str = {}
-    if "offline" in engines:
-        try:
-            base = offline(levels, args.prompt_tokens, args.new_tokens, args.threads, context)
-        except Exception as exc:
-            base = f"unavailable: {exc}"
+    try:
+        for n in levels:
+            for round_ in range(args.repeats):
+                order = list(runners) if round_ % 2 == 0 else list(reversed(runners))
+                for engine in order:
+                    if not isinstance(rows[engine], dict) or isinstance(rows[engine].get(n), str):
+                        continue
+                    if engine == "offline":
+                        r = runners[engine].level(n)
+                    else:
+                        url, eos = runners[engine]
+                        r = load_level(url, eos, n, args.prompt_tokens, args.new_tokens, args.timeout)
+                    best = rows[engine].get(n)
+                    if isinstance(r, str) or best is None or r["tok_s"] > best["tok_s"]:
+                        rows[engine][n] = r
+    finally:
+        for proc in procs:
+            if isinstance(proc, Offline):
+                proc.close()
+            else:
+                proc.terminate()
+                proc.wait(60)
+    base = rows.pop("offline", {})
+    base = {n: r["tok_s"] for n, r in base.items() if isinstance(r, dict)} if isinstance(base, dict) else base
     print(f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"# load average (1 min) before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print("| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs offline LLM |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in levels:
@@ -193,7 +230,7 @@ def main() -> int:
             if isinstance(result, str):
                 print(f"| {n} | {engine} | {result} | | | | | | |")
                 continue
-            r = result[n]
+            r = result.get(n, "not measured")
             if isinstance(r, str):
                 print(f"| {n} | {engine} serve | {r} | | | | | | |")
                 continue
