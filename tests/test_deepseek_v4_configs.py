@@ -18,6 +18,7 @@ if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from test_deepseek_v4 import randomise  # noqa: E402  (zero-initialised parameters made random)
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 VOCAB = 256
@@ -71,20 +72,6 @@ def config(**overrides):
     )  # fmt: skip
     kw.update(overrides)
     return transformers.DeepseekV4Config(**{k: v for k, v in kw.items() if v is not None})
-
-
-def randomise(model, seed: int) -> None:
-    """Zero-initialised parameters (sinks, biases, mixing bases, hash table) made random."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, model.config.n_routed_experts, b.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
 
 
 @pytest.fixture(autouse=True)
