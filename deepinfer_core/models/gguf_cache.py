@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from typing import Callable, Iterator
 
 import torch
@@ -68,13 +69,15 @@ def cache_key(path: str) -> str:
     return h.hexdigest()[:32]
 
 
-def open_cached(path: str, open_gguf: Callable[[str], ModelFiles]) -> ModelFiles | None:
-    """The cached entry for ``path`` as :class:`ModelFiles`, or None on a miss (or when the
-    entry cannot be read: it is then ignored and rewritten by the next full load)."""
+def entry_for(path: str) -> str | None:
+    """The entry directory for ``path`` (it may not exist yet), or None when caching is off."""
     root = cache_dir()
-    if root is None:
-        return None
-    entry = os.path.join(root, cache_key(path))
+    return None if root is None else os.path.join(root, cache_key(path))
+
+
+def open_cached(entry: str, path: str, open_gguf: Callable[[str], ModelFiles]) -> ModelFiles | None:
+    """``entry`` (of ``path``) as :class:`ModelFiles`, or None on a miss (or when the entry
+    cannot be read: it is then removed and rewritten by the next full load)."""
     if not os.path.isfile(os.path.join(entry, "meta.json")):
         return None
     try:
@@ -124,13 +127,10 @@ def _read_entry(entry: str, path: str, open_gguf: Callable[[str], ModelFiles]) -
     )
 
 
-def caching(files: ModelFiles, path: str) -> ModelFiles:
-    """``files`` whose first complete float weight stream also writes the cache entry."""
-    root = cache_dir()
-    if root is None:
-        return files
-    entry = os.path.join(root, cache_key(path))
+def caching(files: ModelFiles, entry: str) -> ModelFiles:
+    """``files`` whose first complete float weight stream also writes ``entry``."""
     stream = files.weights
+    limit = max_bytes()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         kept: dict[str, torch.Tensor] | None = {}
@@ -138,19 +138,21 @@ def caching(files: ModelFiles, path: str) -> ModelFiles:
         for name, tensor in stream():
             if kept is not None:
                 size += tensor.numel() * tensor.element_size()
-                kept = None if size > max_bytes() else kept
+                kept = None if size > limit else kept
             if kept is not None:
                 kept[name] = tensor
             yield name, tensor
         if kept is not None and not os.path.isdir(entry):
-            _write_entry(root, entry, files, kept)
+            _write_entry(entry, files, kept)
 
     files.weights = weights
     return files
 
 
-def _write_entry(root: str, entry: str, files: ModelFiles, tensors: dict[str, torch.Tensor]) -> None:
+def _write_entry(entry: str, files: ModelFiles, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
+
+    root = os.path.dirname(entry)
 
     tok = files.tokenizer
     meta = {
@@ -166,8 +168,9 @@ def _write_entry(root: str, entry: str, files: ModelFiles, tensors: dict[str, to
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
         # tied and shared tensors are saved as separate copies: safetensors refuses aliases
-        save_file({k: v.contiguous().clone() if _aliased(v, tensors) else v.contiguous() for k, v in tensors.items()},
-                  os.path.join(tmp, "model.safetensors"))
+        owners = Counter(v.untyped_storage().data_ptr() for v in tensors.values())
+        save_file({k: v.contiguous().clone() if owners[v.untyped_storage().data_ptr()] > 1 else v.contiguous()
+                   for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
         if tok is not None:
             tok.backend.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
@@ -182,7 +185,3 @@ def _write_entry(root: str, entry: str, files: ModelFiles, tensors: dict[str, to
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _aliased(t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
-    ptr = t.untyped_storage().data_ptr()
-    return sum(1 for v in tensors.values() if v.untyped_storage().data_ptr() == ptr) > 1

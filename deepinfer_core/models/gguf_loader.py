@@ -50,10 +50,11 @@ def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
     written by the first complete weight stream otherwise (see :mod:`.gguf_cache`)."""
     import gguf
 
-    if cache:
-        from .gguf_cache import open_cached
+    from .gguf_cache import caching, entry_for, open_cached
 
-        hit = open_cached(path, lambda p: open_gguf(p, cache=False))
+    entry = entry_for(path) if cache else None
+    if entry is not None:
+        hit = open_cached(entry, path, lambda p: open_gguf(p, cache=False))
         if hit is not None:
             return hit
 
@@ -107,11 +108,7 @@ def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
         config=config, weights=weights, tokenizer=tokenizer, source=path, fingerprint=gguf_fingerprint(path, reader),
         quantized_weights=quantized_weights if quantized else None, quantized_names=quantized,
     )
-    if not cache:
-        return files
-    from .gguf_cache import caching
-
-    return caching(files, path)
+    return files if entry is None else caching(files, entry)
 
 
 def hf_name(gguf_name: str) -> str:
