@@ -97,24 +97,17 @@ def plain_read(root: str) -> tuple[int, float]:
 
 
 def make_tiny_v4(path: str) -> str:
-    """The tiny random DeepSeek-V4 of tests/test_deepseek_v4.py, with a 33K context."""
+    """The tiny random DeepSeek-V4 of the V4 tests (``deepinfer_core.testing.v4_tiny``), with a
+    33K context."""
     import torch
     import transformers
 
-    config = transformers.DeepseekV4Config(
-        vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
-        num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5, swiglu_limit=0.5,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention", "heavily_compressed_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
-        hc_mult=3, hc_sinkhorn_iters=6, sliding_window=16, o_groups=2, o_lora_rank=16,
-        index_n_heads=16, index_head_dim=16, index_topk=6, max_position_embeddings=33792,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8448,
-                         "beta_fast": 32, "beta_slow": 1},
-        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+    from deepinfer_core.testing.v4_tiny import tiny_v4_config
+
+    config = tiny_v4_config(
+        max_position_embeddings=33792,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8448, "beta_fast": 32, "beta_slow": 1},
+    )
     torch.manual_seed(0)
     transformers.DeepseekV4ForCausalLM(config).save_pretrained(path)
     return path

@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.testing.v4_tiny import randomise_zero_initialised
 
 CONFIG = dict(
     vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=6,
@@ -42,14 +43,7 @@ CONFIG = dict(
 def build(path: str) -> transformers.DeepseekV4ForCausalLM:
     torch.manual_seed(0)
     model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**CONFIG)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # what transformers initialises to zero carries information in a real model
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, CONFIG["n_routed_experts"], b.shape, generator=g))
+    randomise_zero_initialised(model, 1)  # what transformers initialises to zero carries information in a real model
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
     return model

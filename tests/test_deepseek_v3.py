@@ -120,14 +120,7 @@ def step(model, caches, tokens: list[torch.Tensor], reqs, done, batch_invariant=
         return model.compute_logits(hidden)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-off costs more than it saves, and on a shared 2-core box
-    spinning intra-op threads made this file 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -17,57 +17,21 @@ if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, randomise_zero_initialised, tiny_v4_config  # noqa: E402
 
 PROMPT_LENS = [10, 37, 130, 257, 600, 900, 1200, 1500]
 NEW = 12
-VOCAB = 320
+VOCAB = TINY_V4_KWARGS["vocab_size"]
 
 
-def tiny_config(**overrides):
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
-        num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5, swiglu_limit=0.5,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention", "heavily_compressed_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
-        hc_mult=3, hc_sinkhorn_iters=6, sliding_window=16, o_groups=2, o_lora_rank=16,
-        index_n_heads=16, index_head_dim=16, index_topk=6, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                         "beta_fast": 32, "beta_slow": 1},
-        initializer_range=0.1, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    kw.update(overrides)
-    return transformers.DeepseekV4Config(**kw)
-
-
-def randomise(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, model.config.n_routed_experts, b.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(1234)
-    model = transformers.DeepseekV4ForCausalLM(tiny_config()).eval()
-    randomise(model, 5)
+    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config()).eval()
+    randomise_zero_initialised(model, 5)
     path = tmp_path_factory.mktemp("dsv4")
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None  # compare full-length continuations
@@ -178,7 +142,7 @@ def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
 def test_bad_config_is_named_before_anything_is_built(edit, names):
     from deepinfer_core.models.deepseek_v4_config import parse_config
 
-    config = tiny_config().to_dict() | edit
+    config = tiny_v4_config().to_dict() | edit
     with pytest.raises(ValueError) as err:
         parse_config({k: v for k, v in config.items() if v is not None})
     assert all(n in str(err.value) for n in names), str(err.value)
@@ -188,8 +152,8 @@ def test_block_size_must_hold_whole_compression_windows():
     from deepinfer_core.models.deepseek_v4_kv import v4_kv_layout
 
     with pytest.raises(ValueError, match="compresses every 16 tokens.*block size 24"):
-        v4_kv_layout(tiny_config().to_dict(), torch.float32, block_size=24)
-    layout = v4_kv_layout(tiny_config().to_dict(), torch.float32, block_size=128)
+        v4_kv_layout(tiny_v4_config().to_dict(), torch.float32, block_size=24)
+    layout = v4_kv_layout(tiny_v4_config().to_dict(), torch.float32, block_size=128)
     # per block: CSA 32 entries x (32 + 16), HCA 8 entries x 32, two of each; float32
     assert layout.block_bytes == 4 * (2 * 32 * 48 + 2 * 8 * 32)
     assert layout.exact_replay_tokens == 4 * 15 + 16
@@ -201,8 +165,8 @@ def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, b
     # of 70 tokens are not multiples of the compress rates. Prompt rows must rank the entries as
     # transformers' one-pass prefill does, whatever the chunking.
     torch.manual_seed(99)
-    hf = transformers.DeepseekV4ForCausalLM(tiny_config(index_n_heads=2, index_topk=3)).eval()
-    randomise(hf, 6)
+    hf = transformers.DeepseekV4ForCausalLM(tiny_v4_config(index_n_heads=2, index_topk=3)).eval()
+    randomise_zero_initialised(hf, 6)
     hf.save_pretrained(tmp_path)
     hf.generation_config.eos_token_id = None
     ps = prompts([130, 333, 517], seed=17)

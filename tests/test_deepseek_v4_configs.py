@@ -18,7 +18,7 @@ if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from test_deepseek_v4 import randomise  # noqa: E402  (zero-initialised parameters made random)
+from deepinfer_core.testing.v4_tiny import randomise_zero_initialised  # noqa: E402
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 VOCAB = 256
@@ -74,12 +74,7 @@ def config(**overrides):
     return transformers.DeepseekV4Config(**{k: v for k, v in kw.items() if v is not None})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) if os.environ.get("DEEPINFER_V4_SWEEP") else CI_CONFIGS)
@@ -87,7 +82,7 @@ def test_config_matches_transformers(name, tmp_path):
     overrides, lens, budget = CONFIGS[name]
     torch.manual_seed(len(name))
     hf = transformers.DeepseekV4ForCausalLM(config(**overrides)).eval()
-    randomise(hf, 3)
+    randomise_zero_initialised(hf, 3)
     hf.save_pretrained(tmp_path)
     hf.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(41)

@@ -33,12 +33,7 @@ BLOCK = 128
 MTP_BLOCK_PARTS = ("attn.", "ffn.", "attn_norm.", "ffn_norm.", "hc_attn_", "hc_ffn_")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def meta_for(n: int, start: int = 0, prompt: int = PROMPT_LEN) -> AttentionMetadata:

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
-from test_deepseek_v4 import VOCAB, randomise, tiny_config  # noqa: E402
+from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, randomise_zero_initialised, tiny_v4_config  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 
@@ -21,8 +21,8 @@ NEW = 10
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(4321)
-    model = transformers.DeepseekV4ForCausalLM(tiny_config()).eval()
-    randomise(model, 6)
+    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config()).eval()
+    randomise_zero_initialised(model, 6)
     path = tmp_path_factory.mktemp("dsv4-store")
     model.save_pretrained(path)
     return str(path), model
@@ -43,7 +43,7 @@ def test_v4_block_kv_served_from_the_store_by_a_new_engine(checkpoint, tmp_path)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prompt = torch.randint(2, VOCAB, (600,), generator=torch.Generator().manual_seed(31)).tolist()
+        prompt = torch.randint(2, TINY_V4_KWARGS["vocab_size"], (600,), generator=torch.Generator().manual_seed(31)).tolist()
         ref = reference(hf, prompt)
         url = f"local://{tmp_path / 'store'}"
         a = LLM(path, device="cpu", kv_cache_blocks=16, kv_store=url)
@@ -56,7 +56,7 @@ def test_v4_block_kv_served_from_the_store_by_a_new_engine(checkpoint, tmp_path)
         assert b.engine.stats()["kv_tiers"]["store_blocks_loaded"] == 4
         assert first.outputs[0].token_ids == ref and second.outputs[0].token_ids == ref
         # a prefix hit from the store with a new suffix: state rebuilt at 384, then 150 new tokens
-        branch = prompt[:384] + torch.randint(2, VOCAB, (150,), generator=torch.Generator().manual_seed(32)).tolist()
+        branch = prompt[:384] + torch.randint(2, TINY_V4_KWARGS["vocab_size"], (150,), generator=torch.Generator().manual_seed(32)).tolist()
         c = LLM(path, device="cpu", kv_cache_blocks=16, kv_store=url)
         out = c.generate([branch], greedy(12))[0]
         assert out.num_cached_tokens == 384 and out.outputs[0].token_ids == reference(hf, branch, 12)
