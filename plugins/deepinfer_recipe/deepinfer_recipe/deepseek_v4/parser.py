@@ -34,6 +34,7 @@ from typing import Callable
 
 from deepinfer_core.codecs import ParsedOutput, ToolCall
 
+from . import native
 from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
 from .tokens import DSML, EOS, THINK_CLOSE
 
@@ -73,10 +74,18 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
+def _nothing_to_flush() -> None:
+    """The pure-Python quiet push stores pieces where the parser reads them."""
+
+
 class DeepSeekV4Parser:
     """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest."""
 
-    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None
+    ) -> None:
+        """``accelerate``: use the C quiet push where it builds (None: unless
+        ``DEEPINFER_NATIVE_PARSER=0``); False keeps the pure-Python one. Same results either way."""
         self.tags = tags
         self.stop = tuple(s for s in stop if s)
         self._finish: str | None = None
@@ -88,7 +97,7 @@ class DeepSeekV4Parser:
         self._pieces: list[str] = []
         self._append = self._pieces.append  # the one list, cleared and refilled, never replaced
         self._since_bar = 0
-        self._quiet_push = self._make_quiet_push()
+        self._quiet_push, self._flush_quiet = self._make_quiet_push(native.enabled() if accelerate is None else accelerate)
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
         # every closing marker contains the full-width bar, so a window without one completes none
         self._window = max(len(m) for m in self._block_markers) - 1
@@ -109,18 +118,38 @@ class DeepSeekV4Parser:
         return self._drain(final=False)
 
     def finish(self) -> ParsedOutput:
+        self._flush_quiet()
         self._join("")
         out = self._drain(final=True)
         self.state, self._buf = DONE, ""
         return out
 
     # -- internals --------------------------------------------------------------------------
-    def _make_quiet_push(self) -> Callable[[str], ParsedOutput]:
-        """``push`` while an argument streams in and no closing marker can be in progress.
+    def _make_quiet_push(self, accelerate: bool) -> tuple[Callable[[str], ParsedOutput], Callable[[], None]]:
+        """``push`` while an argument streams in and no closing marker can be in progress, and
+        what must run before the pieces it stored are read.
 
         A served model pushes a few characters at a time, so per-call cost is what a long
-        argument costs: this closure only tests for the bar and stores the piece (no attribute
-        lookups). A piece with a bar hands control back to the general :meth:`push`."""
+        argument costs. The C helper (``native``) stores bar-free pieces in a byte buffer with
+        no Python frame at all; the fallback closure only tests for the bar and stores the piece
+        (no attribute lookups). A piece with a bar hands control back to the general
+        :meth:`push` (removing the instance attribute that shadows it)."""
+        helper = native.load() if accelerate else None
+        if helper is not None and helper.module is not None:
+            buffer = bytearray()
+
+            def flush() -> None:
+                if buffer:
+                    self._append(buffer.decode())
+                    buffer.clear()
+
+            def leave(text: str) -> ParsedOutput:
+                flush()
+                del self.push
+                return self.push(text)
+
+            return helper.module.make(buffer, NOTHING, leave), flush
+
         def quiet_push(text: str, append=self._append, bar="｜", nothing=NOTHING) -> ParsedOutput:
             # defaults, not globals or closure cells: the fastest lookups CPython has
             if bar in text:
@@ -129,24 +158,26 @@ class DeepSeekV4Parser:
             append(text)
             return nothing
 
-        return quiet_push
+        return quiet_push, _nothing_to_flush
 
     def _completes_marker(self, text: str) -> bool:
         """Whether a closing marker ends inside ``text`` (looks at most one marker back)."""
-        recent, size = [text], len(text)
+        recent, need = [text], self._window
         for piece in reversed(self._pieces):
-            if size >= self._window + len(text):
+            if need <= 0:
                 break
-            recent.append(piece)
-            size += len(piece)
+            recent.append(piece[-need:])  # a piece may be a whole flushed argument: only its tail
+            need -= len(piece)
         window = "".join(reversed(recent))
         return any(m in window for m in self._block_markers)
 
     def _join(self, text: str) -> None:
-        if self._pieces:
-            self._buf = "".join(self._pieces)
+        if self._pieces:  # then the buffer was parked among them (empty): one join, no re-copy
+            self._append(text)
+            self._buf += "".join(self._pieces)
             self._pieces.clear()
-        self._buf += text
+        else:
+            self._buf += text
 
     def _park(self) -> None:
         """After draining: still inside a block, keep the buffer as one piece."""

@@ -1,0 +1,90 @@
+"""Build and load ``_quiet.c`` (the V4 parser's quiet push) once per machine and interpreter.
+
+Why a C helper at all: a long tool argument is streamed a few characters per ``push``, and on a
+small CPU one Python-level call per piece costs more than the whole one-shot parse of the text
+(measured in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one
+function, compiled at first use with whatever C compiler the machine has (``CC``, ``cc``,
+``gcc``, ``clang``) against the running interpreter's headers, in well under a second. It is
+cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``)
+keyed by a hash of the source, flags and interpreter. Nothing is required: without a compiler
+or headers, or with ``DEEPINFER_NATIVE_PARSER=0``, the parser keeps its pure-Python quiet push,
+which behaves the same.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from types import ModuleType
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "_quiet.c")
+_FLAGS = ("-O2", "-shared", "-fPIC") + (("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ())
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class QuietHelper:
+    """The loaded extension module, or why there is none (``module is None``)."""
+
+    module: ModuleType | None
+    reason: str = ""
+
+
+def cache_dir() -> str:
+    root = os.environ.get("DEEPINFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "deepinfer"
+    )
+    return os.path.join(root, "native")
+
+
+def enabled() -> bool:
+    return os.environ.get("DEEPINFER_NATIVE_PARSER", "1").strip().lower() not in _OFF
+
+
+@functools.cache
+def load() -> QuietHelper:
+    """Compile (first time) and import the helper; cached for the process. Never raises."""
+    if sys.platform == "win32" or sys.implementation.name != "cpython":
+        return QuietHelper(None, f"only built for CPython on POSIX (this is {sys.implementation.name} on {sys.platform})")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return QuietHelper(None, "no C compiler found (set CC or install gcc/clang)")
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return QuietHelper(None, f"no Python.h in {include} (install the interpreter's development headers)")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    with open(_SOURCE, "rb") as f:
+        key = f.read() + repr((_FLAGS, sys.version, suffix, include)).encode()
+    target = os.path.join(cache_dir(), f"v4quiet-{hashlib.sha256(key).hexdigest()[:16]}{suffix}")
+    if not os.path.exists(target):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=cache_dir())
+            os.close(fd)
+            try:
+                subprocess.run([compiler, *_FLAGS, f"-I{include}", "-o", tmp, _SOURCE],
+                               check=True, capture_output=True, text=True, timeout=120)
+                os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            return QuietHelper(None, f"building {_SOURCE} with {compiler} failed: {detail.strip()[:300]}")
+    try:
+        # the module's name must match its init function (PyInit__quiet); the file name need not
+        loader = importlib.machinery.ExtensionFileLoader(f"{__package__}._quiet", target)
+        spec = importlib.util.spec_from_file_location(f"{__package__}._quiet", target, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as exc:
+        return QuietHelper(None, f"loading {target} failed: {exc}")
+    return QuietHelper(module)

@@ -1,0 +1,104 @@
+"""The V4 parser's C quiet push (``deepseek_v4/_quiet.c``) against the pure-Python one.
+
+The helper is compiled at first use; where a C compiler and the interpreter's headers exist it
+must build (a broken build fails here instead of silently falling back). Both implementations
+must give exactly the one-shot parse for any text and any chunking, including pieces the C path
+hands back to Python (bars, lone surrogates, ``str`` subclasses) and non-ASCII text it stores as
+UTF-8.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sysconfig
+import types
+
+import pytest
+
+from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native
+
+HELPER = native.load()
+CAN_BUILD = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or os.environ.get("CC")
+CAN_BUILD = bool(CAN_BUILD) and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+needs_helper = pytest.mark.skipif(HELPER.module is None, reason=f"C quiet push unavailable here: {HELPER.reason}")
+
+HEAD = 'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">'
+TAIL = '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
+WORDS = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "中文 ", "🌍", "é ", "\ud800", "x" * 40]
+
+
+def parse(pieces, accelerate: bool) -> tuple:
+    parser = DeepSeekV4Parser(thinking=False, accelerate=accelerate)
+    outs = [parser.push(p) for p in pieces] + [parser.finish()]
+    return ("".join(o.content for o in outs), [(c.name, c.arguments) for o in outs for c in o.tool_calls])
+
+
+def test_helper_builds_wherever_a_compiler_and_headers_exist():
+    if CAN_BUILD:
+        assert HELPER.module is not None, HELPER.reason
+    else:
+        assert HELPER.reason
+
+
+@needs_helper
+def test_long_quiet_run_is_stored_by_the_c_helper():
+    """The C path is really the one streaming (else the comparisons below compare Python with itself)."""
+    parser = DeepSeekV4Parser(thinking=False, accelerate=True)
+    for piece in [HEAD] + ["abcd"] * 20:
+        parser.push(piece)
+    assert isinstance(parser.push, types.BuiltinFunctionType)
+    python = DeepSeekV4Parser(thinking=False, accelerate=False)
+    for piece in [HEAD] + ["abcd"] * 20:
+        python.push(piece)
+    assert isinstance(python.push, types.FunctionType)
+
+
+@needs_helper
+@pytest.mark.parametrize("seed", range(30))
+def test_c_and_python_quiet_push_equal_the_one_shot_parse(seed):
+    rng = random.Random(seed)
+    value = "".join(rng.choice(WORDS) for _ in range(rng.randint(20, 150)))
+    text = HEAD + value + TAIL
+    whole = parse([text], accelerate=False)
+    assert json.loads(whole[1][0][1]) == {"a": value}
+    pieces, i = [], 0
+    while i < len(text):
+        step = rng.choice((1, 2, 4, 4, 4, 7, 30))
+        pieces.append(text[i:i + step])
+        i += step
+    assert parse(pieces, accelerate=True) == whole
+    assert parse(pieces, accelerate=False) == whole
+
+
+class Piece(str):
+    """A str subclass: the C helper does not trust it and hands it to Python."""
+
+
+@needs_helper
+def test_str_subclass_and_truncated_output_in_quiet_state():
+    pieces = [HEAD] + ["abcd"] * 10 + [Piece("efgh")] + ["ijkl"] * 10
+    content, calls = parse(pieces + [TAIL], accelerate=True)
+    assert json.loads(calls[0][1]) == {"a": "abcd" * 10 + "efgh" + "ijkl" * 10}
+    # a length stop inside the argument: stored pieces are flushed by finish, the call is dropped
+    assert parse(pieces, accelerate=True) == parse(pieces, accelerate=False) == ("ok", [])
+
+
+def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    helper = native.load.__wrapped__()
+    assert helper.module is None and "failed" in helper.reason
+    assert os.listdir(tmp_path / "native") == []  # no half-written file left behind
+    monkeypatch.setattr(native, "load", lambda: helper)
+    pieces = [HEAD] + ["abcd"] * 30 + [TAIL]
+    assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False)
+
+
+def test_environment_switch_turns_the_helper_off(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_NATIVE_PARSER", "0")
+    parser = DeepSeekV4Parser(thinking=False)
+    for piece in [HEAD] + ["abcd"] * 20:
+        parser.push(piece)
+    assert isinstance(parser.push, types.FunctionType)
