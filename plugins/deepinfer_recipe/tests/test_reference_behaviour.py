@@ -130,6 +130,7 @@ def test_parse_equals_reference(name, chunking):
     ("one_newline_before_block", "ok", [("f", "{}")]),
     ("content_after_tool_block", "more", [("f", "{}")]),
     ("duplicate_parameter", "", [("f", '{"a": "2"}')]),
+    ("parameter_header_without_string_flag", "", [("f", '{"b": "kept"}')]),
 ])
 def test_parse_goes_on_where_the_reference_raises(name, content, calls):
     vector = PARSE[name]

@@ -41,6 +41,12 @@ from .tokens import DSML, EOS, THINK_CLOSE
 REASONING, CONTENT, TOOL_CALLS, DONE = "reasoning", "content", "tool_calls", "done"
 #: Returned by a push that completes nothing (immutable, so one instance serves every parser).
 NOTHING = ParsedOutput()
+#: An invoke's head after ``<｜DSML｜invoke``: the name runs to the head's last ``">`` (reference),
+#: else to the first one (a head with text after it, which the reference rejects).
+_HEAD = re.compile(r'\s*name="(.*)">\s*\Z', re.DOTALL)
+_LOOSE_HEAD = re.compile(r'\s*name="(.*?)">', re.DOTALL)
+#: A parameter header after ``<｜DSML｜parameter``, matched within the parameter's own text.
+_PARAMETER = re.compile(r'\s*name="(.*?)"\s*string="(true|false)"\s*>', re.DOTALL)
 #: Newlines dropped right before a tool-call block (the reference drops exactly "\\n\\n").
 BLOCK_NEWLINES = 2
 
@@ -102,8 +108,7 @@ class DeepSeekV4Parser:
         # every closing marker contains the full-width bar, so a window without one completes none
         self._window = max(len(m) for m in self._block_markers) - 1
         self._param_tag = f"<{DSML}{tags.parameter}"
-        self._param_re = re.compile(re.escape(self._param_tag) + r'\s*name="([^"\n]*)"\s*string="(true|false)"\s*>')
-        self._invoke_re = re.compile(re.escape(f"<{DSML}{tags.invoke}") + r'\s*name="(.*?)">')
+        self._invoke_tag = f"<{DSML}{tags.invoke}"
 
     def push(self, text: str) -> ParsedOutput:
         if self.state is TOOL_CALLS:
@@ -246,19 +251,31 @@ class DeepSeekV4Parser:
             return False
 
     def _parse_invoke(self, segment: str) -> ToolCall | None:
-        head = self._invoke_re.search(segment)
+        """One ``<invoke ...>...`` segment (its closing marker already cut off) as a call.
+
+        As in the reference, the head (up to the first parameter) names the call up to its last
+        ``">``, and a parameter's header is read only within its own text (up to its closing
+        marker), so names may hold quotes or newlines; ours also tolerates whitespace the
+        reference rejects. A parameter without a readable header is skipped."""
+        start = segment.find(self._invoke_tag)
+        if start == -1:
+            return None
+        start += len(self._invoke_tag)
+        pos = segment.find(self._param_tag, start)
+        if pos == -1:
+            pos = len(segment)
+        head = _HEAD.match(segment, start, pos) or _LOOSE_HEAD.match(segment, start, pos)
         if head is None:
             return None
         params: dict[str, str] = {}
-        pos = head.end()
+        close = self.tags.parameter_close
         while (start := segment.find(self._param_tag, pos)) != -1:
-            match = self._param_re.match(segment, start)
-            if match is None:
-                pos = start + len(self._param_tag)
-                continue
-            end = segment.find(self.tags.parameter_close, match.end())
+            start += len(self._param_tag)
+            end = segment.find(close, start)
             if end == -1:
                 break
-            params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
-            pos = end + len(self.tags.parameter_close)
+            match = _PARAMETER.match(segment, start, end)
+            if match is not None:
+                params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
+            pos = end + len(close)
         return ToolCall(name=head.group(1), arguments=arguments_text(params))
