@@ -30,6 +30,10 @@ class FusedOps:
     # (latent [T, H, C], pe [T, H, r], positions [T], cos [P, r], sin [P, r], interleaved)
     # -> [T, H, C + r]: like rope_cat_reference (MLA's query / key assembly)
     rope_cat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+    # (x [..., K], weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/128), ceil(K/128)])
+    # -> [..., N] in x's dtype: x @ (weight * tile scales)^T (models.fp8.Fp8Linear). Offering it
+    # also makes the engine keep FP8 block checkpoints FP8 (engine.loading.keep_fp8).
+    fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +65,7 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
     from .models.deepseek_v3_mla import MLAAttention
+    from .models.fp8 import Fp8Linear
     from .models.layers import GatedMLP, RMSNorm
 
     if ops is None:
@@ -75,5 +80,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
             module.rope_cat = ops.rope_cat
+            n += 1
+        elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
+            module.kernel = ops.fp8_linear
             n += 1
     return n

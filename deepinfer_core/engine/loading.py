@@ -54,12 +54,25 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         model = models[arch](files.config, ctx)
     if lowbit and swap_in_lowbit(model, set(files.quantized_names)):
         model.load_weights(files.quantized_weights())
+    elif files.fp8_weights is not None and (kept := keep_fp8(model, files, host, platform)):
+        model.load_weights(files.fp8_weights(frozenset(kept)))
     else:
         model.load_weights(files.weights())
     model = model.to(ctx.dtype).eval()
     if hasattr(model, "restore_float32"):  # parameters the model keeps in float32 whatever the dtype
         model.restore_float32()
     return model, ctx
+
+
+def keep_fp8(model, files: ModelFiles, host: PluginHost, platform: Platform) -> set[str]:
+    """Hold an FP8 block checkpoint's weights as FP8 where the platform has a kernel for them
+    (``FusedOps.fp8_linear``); returns the checkpoint names kept (empty: dequantize at load)."""
+    from ..models.fp8 import swap_in_fp8
+
+    ops = host.fused_ops(platform)
+    if ops is None or getattr(ops, "fp8_linear", None) is None:
+        return set()
+    return swap_in_fp8(model, files.fp8_names)
 
 
 def lowbit_unavailable(files: ModelFiles, device: torch.device) -> str | None:

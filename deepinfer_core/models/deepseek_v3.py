@@ -81,7 +81,10 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
         ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
-        experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)
+        experts = ExpertWeights(
+            gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales
+            gate_up_scale=getattr(self.experts, "gate_up_scale", None), down_scale=getattr(self.experts, "down_scale", None),
+        )  # fmt: skip
         out = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

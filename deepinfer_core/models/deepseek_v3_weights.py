@@ -28,9 +28,10 @@ import torch.nn as nn
 from . import WeightsError
 from .layers import fused_targets
 
-_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOWN = 20  # names listed per category before summarising
+_SCALE = ".scale"  # marks a per-expert weight_scale_inv piece
 
 
 @torch.no_grad()
@@ -58,6 +59,8 @@ def load_hf_weights(
         expert = _EXPERT.match(name)
         if expert:
             prefix, index, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            if expert.group(4):  # an FP8 expert's tile scales (kept FP8: models.fp8)
+                proj += _SCALE
             dest = _expert_slice(targets, prefix, index, proj)
             if dest is None:
                 unexpected.append(name)
@@ -101,7 +104,8 @@ def _group(name: str, prefix: str) -> str | None:
 
 def _expert_slice(targets: dict, prefix: str, index: int, proj: str) -> torch.Tensor | None:
     """The view of the stacked parameter that one per-expert tensor fills, or None."""
-    stacked = targets.get(f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj")
+    proj, scale = proj.removesuffix(_SCALE), "_scale_inv" if proj.endswith(_SCALE) else ""
+    stacked = targets.get(f"{prefix}.down_proj{scale}" if proj == "down_proj" else f"{prefix}.gate_up_proj{scale}")
     if stacked is None or index >= stacked.shape[0]:
         return None
     if proj == "down_proj":
@@ -111,12 +115,19 @@ def _expert_slice(targets: dict, prefix: str, index: int, proj: str) -> torch.Te
 
 
 def _projections_of(stacked_name: str) -> tuple[str, ...]:
-    return ("down_proj",) if stacked_name.endswith(".down_proj") else ("gate_proj", "up_proj")
+    base = stacked_name.removesuffix("_scale_inv")
+    projs = ("down_proj",) if base.endswith(".down_proj") else ("gate_proj", "up_proj")
+    return tuple(p + _SCALE for p in projs) if base != stacked_name else projs
+
+
+def _piece_name(prefix: str, expert: int, proj: str) -> str:
+    scale = "_scale_inv" if proj.endswith(_SCALE) else ""
+    return f"{prefix}.{expert}.{proj.removesuffix(_SCALE)}.weight{scale}"
 
 
 def _filled_by_pieces(name: str, pieces: dict, targets: dict) -> bool:
     prefix, _, _ = name.rpartition(".")
-    if prefix not in pieces or not prefix.endswith(".mlp.experts"):
+    if prefix not in pieces or not prefix.endswith(".mlp.experts") or name not in targets:
         return False
     num_experts = targets[name].shape[0]
     have = pieces[prefix]
@@ -132,7 +143,7 @@ def _expand_expert_names(missing: list[str], pieces: dict, targets: dict) -> lis
         if prefix in pieces:
             have = pieces[prefix]
             out += [
-                f"{prefix}.{e}.{p}.weight"
+                _piece_name(prefix, e, p)
                 for e in range(targets[name].shape[0])
                 for p in _projections_of(name)
                 if (e, p) not in have

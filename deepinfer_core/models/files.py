@@ -42,6 +42,11 @@ class ModelFiles:
     # and the names it packs. None / empty for float checkpoints.
     quantized_weights: "WeightStream | None" = None
     quantized_names: frozenset = frozenset()
+    # FP8 block checkpoints (DeepSeek-V3 style, models.fp8_checkpoint): ``weights`` dequantizes;
+    # ``fp8_weights(keep)`` passes the named FP8 weights (a subset of ``fp8_names``) through
+    # with their ``weight_scale_inv`` for a model holding them FP8 (models.fp8.swap_in_fp8).
+    fp8_weights: "Callable[[frozenset], Iterator[tuple[str, torch.Tensor]]] | None" = None
+    fp8_names: frozenset = frozenset()
 
 
 def open_model_files(path: str) -> ModelFiles:

@@ -44,13 +44,29 @@ def open_hf_dir(path: str | os.PathLike) -> ModelFiles:
     fingerprint = _fingerprint(config_bytes, root, shards)
     paths = [os.path.join(root, s) for s in shards]
     weights = _checkpoint_reader(config, paths)
+    fp8 = _fp8_streams(config, paths)
     return ModelFiles(
         config=config,
-        weights=weights,
+        weights=fp8[0] if fp8 else weights,
         tokenizer=_load_tokenizer(root),
         source=root,
         fingerprint=fingerprint,
+        **(fp8[1] if fp8 else {}),
     )
+
+
+def _fp8_streams(config: dict, paths: list[str]):
+    """DeepSeek-V3-style FP8 block checkpoints: (dequantizing stream, the ModelFiles fields
+    that let an engine keep them FP8); None for any other checkpoint."""
+    from .fp8_checkpoint import is_fp8_block_checkpoint
+
+    if "DeepseekV4ForCausalLM" in (config.get("architectures") or []) or not is_fp8_block_checkpoint(config):
+        return None
+    from .fp8_checkpoint import fp8_index, iter_dequantized, iter_keeping
+
+    index = fp8_index(paths)
+    fields = {"fp8_weights": lambda keep: iter_keeping(paths, index, keep), "fp8_names": frozenset(index)}
+    return (lambda: iter_dequantized(paths, index)), fields
 
 
 def _checkpoint_reader(config: dict, paths: list[str]):

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..lowbit.modules import lowbit_targets
+from .fp8 import fp8_targets
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +68,8 @@ def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
             for part, rows in module.parts.items():
                 targets[f"{prefix}{part}.{param_name}"] = param.data[rows]
     lowbit, own = lowbit_targets(model)
-    return targets | lowbit, fused | own
+    fp8, fp8_own = fp8_targets(model)
+    return targets | lowbit | fp8, fused | own | fp8_own
 
 
 class GatedMLP(nn.Module):

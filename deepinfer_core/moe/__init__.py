@@ -70,6 +70,19 @@ class ExpertWeights:
 
     gate_up: torch.Tensor  # [E, 2 * I, D]: gate rows first, then up rows
     down: torch.Tensor  # [E, D, I]
+    # FP8 experts (DeepSeek's block format, deepinfer_core.models.fp8): the weights above are
+    # float8_e4m3fn and these are their float32 "multiply" scales, one per 128 x 128 tile:
+    # [E, ceil(2I/128), ceil(D/128)] and [E, ceil(D/128), ceil(I/128)]. None: plain weights.
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    def dequantized(self, dtype: torch.dtype) -> "ExpertWeights":
+        """Plain ``dtype`` weights (the FP8 tiles times their scales); self when not FP8."""
+        if self.gate_up_scale is None:
+            return self
+        from ..models.deepseek_v4_quant import dequant_fp8_block
+
+        return ExpertWeights(dequant_fp8_block(self.gate_up, self.gate_up_scale).to(dtype), dequant_fp8_block(self.down, self.down_scale).to(dtype))
 
 
 @runtime_checkable

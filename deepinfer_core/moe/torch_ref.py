@@ -32,6 +32,7 @@ class TorchMoEDispatcher:
 
     def forward(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights):
         T, D = hidden.shape
+        experts = experts.dequantized(hidden.dtype)  # FP8 experts: the reference widens them all
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=spec.num_experts)

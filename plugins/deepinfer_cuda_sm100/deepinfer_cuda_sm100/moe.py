@@ -42,7 +42,10 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             raise ValueError("TritonMoEDispatcher: expert weights need a contiguous last dimension")
         config = MoEConfig(16, 64, 64, 4, 3) if INVARIANT.get() else None  # one tiling for every batch
-        out, counts = fused_moe(hidden, experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit, config)
+        out, counts = fused_moe(
+            hidden, experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit, config,
+            gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale,
+        )  # fmt: skip
         if not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):  # graph replays are not counted
             self._load = counts if self._load is None else self._load + counts
         return out

@@ -72,6 +72,10 @@ def deepinfer_batch_invariant_ops(platform: Platform):
 def deepinfer_fused_ops(platform: Platform):
     if platform.device_type != "cuda" or not triton_available():
         return None
+    from dataclasses import replace
+
+    from .kernels.fp8_gemm import fp8_linear, fp8_supported
     from .kernels.fused_elementwise import FUSED_OPS
 
-    return FUSED_OPS
+    # FP8 weights (kept FP8 by the loader when this is offered) where the chip converts e4m3
+    return replace(FUSED_OPS, fp8_linear=fp8_linear) if fp8_supported(platform) else FUSED_OPS

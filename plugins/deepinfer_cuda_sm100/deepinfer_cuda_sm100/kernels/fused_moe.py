@@ -26,12 +26,12 @@ from .paged_attention import interpreting
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr,
     num_rows, top_k, D, I,
-    stride_xt, stride_we, stride_wn, stride_ot,
+    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,13 +54,20 @@ def _gate_up_kernel(
             wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if UPCAST:
-                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                a = a.to(tl.float32)
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 widened exactly; a no-op otherwise
             if IEEE:
-                acc_g += tl.dot(a, wg, input_precision="ieee")
-                acc_u += tl.dot(a, wu, input_precision="ieee")
+                pg = tl.dot(a, wg, input_precision="ieee")
+                pu = tl.dot(a, wu, input_precision="ieee")
             else:
-                acc_g += tl.dot(a, wg)
-                acc_u += tl.dot(a, wu)
+                pg = tl.dot(a, wg)
+                pu = tl.dot(a, wu)
+            if FP8:  # this K step's tile scales of each output column (BLOCK_K divides 128)
+                s_base = s_ptr + e * stride_se + k0 // 128
+                pg = pg * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                pu = pu * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+            acc_g += pg
+            acc_u += pu
         # round to the activation dtype first, as the unfused reference does
         gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -73,11 +80,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr,
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr, s_ptr,
     num_rows, D, I,
-    stride_ht, stride_we, stride_wn, stride_ot,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -97,11 +104,15 @@ def _down_kernel(
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if UPCAST:
-                a, w = a.to(tl.float32), w.to(tl.float32)
+                a = a.to(tl.float32)
+            w = w.to(a.dtype)
             if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
+                part = tl.dot(a, w, input_precision="ieee")
             else:
-                acc += tl.dot(a, w)
+                part = tl.dot(a, w)
+            if FP8:
+                part = part * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[None, :]
+            acc += part
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weights_ptr + flat, mask=row_ok, other=0.0)
         tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], y * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
@@ -177,14 +188,24 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] float32
     swiglu_limit: float | None = None,
     config: MoEConfig | None = None,
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I/128, ceil(D/128)] float32: FP8 weights
+    down_scale: torch.Tensor | None = None,  # [E, ceil(D/128), ceil(I/128)] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``."""
+    """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``.
+
+    With ``gate_up_scale`` / ``down_scale`` the expert weights are float8_e4m3fn in DeepSeek's
+    128 x 128 block format, widened in the kernels (weight-only FP8: activations unquantized)."""
     T, D = hidden.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
     num_rows = T * k
     config = config or choose_config(num_rows, E)
+    fp8 = gate_up_scale is not None
+    if fp8 != (down_scale is not None) or (fp8 and (inter % 128 or 128 % config.block_k)):
+        raise ValueError("fused_moe: FP8 experts need both scale grids, I a multiple of 128 and BLOCK_K dividing 128")
+    gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
+    ds = down_scale if fp8 else topk_weights
     align = moe_align(topk_ids, E, config.block_m)
     hidden = hidden.contiguous()
     upcast = interpreting() and hidden.dtype != torch.float32
@@ -192,20 +213,20 @@ def fused_moe(
     act = torch.empty(align.sorted_rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     tiles = align.block_expert.numel()
     _gate_up_kernel[(tiles, triton.cdiv(inter, config.block_n))](
-        hidden, gate_up, act, align.sorted_rows, align.block_expert, align.total,
+        hidden, gate_up, act, align.sorted_rows, align.block_expert, align.total, gs,
         num_rows, k, D, inter,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0,
         float(swiglu_limit or 0.0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     rows_out = torch.empty(num_rows, D, dtype=torch.float32, device=hidden.device)
     _down_kernel[(tiles, triton.cdiv(D, config.block_n))](
-        act, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(),
+        act, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(), ds,
         num_rows, D, inter,
-        act.stride(0), down.stride(0), down.stride(1), rows_out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee,
+        act.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)

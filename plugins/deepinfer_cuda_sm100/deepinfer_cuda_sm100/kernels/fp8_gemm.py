@@ -1,0 +1,107 @@
+"""``y = x @ dequant(W)^T`` for FP8 e4m3 weights with one float32 scale per 128 x 128 tile
+(DeepSeek-V3's checkpoint format: ``weight`` + ``weight_scale_inv``), activations unquantized.
+
+Why weight-only: a decode step is bound by reading weights, and FP8 halves those bytes; the
+activations stay bf16 (or float32), so no per-token activation quantization error enters and the
+result is the dequantized-weight product up to summation order. Each K step covers one scale
+column (``BLOCK_K`` divides 128): the FP8 tile is widened to the activation dtype (exact), the
+partial product accumulated in float32 is multiplied by the tile scales of its output columns,
+then added (the per-block promotion DeepSeek's own kernels use).
+
+One tile configuration per row count class; a batch-invariant forward keeps one configuration
+for every row count (the rows of a tile never interact, so a row's result then depends on that
+row alone).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_elementwise import _round
+from .paged_attention import interpreting
+
+FP8_BLOCK = 128
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = w.to(a.dtype)
+        if IEEE:
+            part = tl.dot(a, w, input_precision="ieee")
+        else:
+            part = tl.dot(a, w)
+        acc += part * s[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], _round(acc, out_ty).to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_supported(platform) -> bool:
+    """FP8 e4m3 conversions need SM89+ (Ada, Hopper, Blackwell); the interpreter has them too."""
+    if interpreting():
+        return True
+    index = getattr(platform, "index", None) or 0
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Few rows: narrow column tiles so that enough
+    programs stream the weight at once (the step is a weight read); many rows: 128-wide tiles."""
+    if invariant:
+        return 16, 64, 128, 4, 3
+    if M <= 16:
+        return 16, (16 if N <= 4096 else 32 if N <= 8192 else 64), 128, 4, 4
+    if M <= 64:
+        return 32, 64, 128, 4, 4
+    if M <= 256:
+        return 64, 128, 128, 8, 3
+    return 128, 128, 128, 8, 3
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` (bf16 / fp16 / float32) times ``weight [N, K]`` (float8_e4m3fn) with
+    ``scale_inv [ceil(N/128), ceil(K/128)]`` (float32, "multiply") -> ``[..., N]`` in x's dtype."""
+    from .invariant import INVARIANT
+
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight expects {K}")
+    want = (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"fp8_linear: scale_inv is {tuple(scale_inv.shape)}, expected {want} for a [{N}, {K}] weight")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        bm, bn, bk, warps, stages = _config(M, N, INVARIANT.get())
+        interp = interpreting()
+        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x2, weight, scale_inv, out, M, N, K,
+            x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            UPCAST=interp and x.dtype != torch.float32, IEEE=x.dtype == torch.float32 or interp,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], N)

@@ -1,0 +1,97 @@
+"""FP8 block-scaled weights (DeepSeek's e4m3 + one float32 scale per 128 x 128 tile): the dense
+GEMM and the fused MoE's FP8 path against float64 products with the dequantized weights, on the
+GPU when present, else in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.moe import ExpertWeights, MoESpec  # noqa: E402
+from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fp8_gemm import fp8_linear  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, fused_moe  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fp8_weight(*shape, g):
+    """Random FP8 values and random positive tile scales (not powers of two)."""
+    w = (torch.randn(*shape, generator=g) * 2).to(torch.float8_e4m3fn)
+    grid = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    return w.to(DEVICE), (torch.rand(grid, generator=g) * 0.02 + 0.001).to(DEVICE)
+
+
+def dequant64(w, s):
+    """float64 weights, tile scales expanded by hand (independent of the core's helper)."""
+    full = s.double().repeat_interleave(128, -2).repeat_interleave(128, -1)[..., : w.shape[-2], : w.shape[-1]]
+    return w.double() * full
+
+
+@pytest.mark.parametrize(
+    "M,N,K,dtype",
+    [(1, 200, 300, torch.float32), (5, 256, 384, torch.bfloat16), (70, 130, 256, torch.bfloat16), (300, 136, 128, torch.bfloat16)],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_fp8_linear_matches_dequantized_product(M, N, K, dtype):
+    g = torch.Generator().manual_seed(M * 7 + N)
+    w, s = fp8_weight(N, K, g=g)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    got = fp8_linear(x, w, s)
+    assert got.dtype == dtype and got.shape == (M, N) and torch.isfinite(got).all()
+    want = x.double() @ dequant64(w, s).t()
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 4e-3), f"relative error {err:.2e}"
+
+
+def test_fp8_linear_rows_do_not_depend_on_the_batch_in_invariant_mode():
+    from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
+
+    g = torch.Generator().manual_seed(3)
+    w, s = fp8_weight(192, 256, g=g)
+    x = torch.randn(40, 256, generator=g).to(DEVICE, torch.bfloat16)
+    token = INVARIANT.set(True)
+    try:
+        assert torch.equal(fp8_linear(x, w, s)[7:8], fp8_linear(x[7:8], w, s))
+    finally:
+        INVARIANT.reset(token)
+
+
+def test_fp8_linear_refuses_a_wrong_scale_grid():
+    g = torch.Generator().manual_seed(4)
+    w, s = fp8_weight(256, 256, g=g)
+    with pytest.raises(ValueError, match=r"scale_inv is \(2, 1\), expected \(2, 2\)"):
+        fp8_linear(torch.randn(2, 256, device=DEVICE), w, s[:, :1])
+
+
+def _moe_case(T, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    E, k, D, I = 4, 2, 256, 128
+    spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5)
+    gate_up, gs = fp8_weight(E, 2 * I, D, g=g)
+    down, ds = fp8_weight(E, D, I, g=g)
+    hidden = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(T, E, generator=g).to(DEVICE))
+    return spec, hidden, ids, w, ExpertWeights(gate_up, down, gs, ds)
+
+
+@pytest.mark.parametrize("T,dtype", [(3, torch.float32), (9, torch.bfloat16)], ids=["T3-float32", "T9-bfloat16"])
+def test_fused_moe_fp8_matches_dequantized_reference(T, dtype):
+    spec, hidden, ids, w, experts = _moe_case(T, dtype, seed=T)
+    plain = ExpertWeights(dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale))
+    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, plain)
+    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 128, 128, 4, 2)):
+        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2), f"{cfg}: relative error {err:.2e}"
+        assert counts.sum().item() == T * 2
+    # the core reference dispatcher widens FP8 experts itself: same numbers as plain weights
+    ref = TorchMoEDispatcher().forward(spec, hidden.float(), ids, w, experts)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_fp8_needs_both_scale_grids():
+    spec, hidden, ids, w, experts = _moe_case(2, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="both scale grids"):
+        fused_moe(hidden, experts.gate_up, experts.down, ids, w, gate_up_scale=experts.gate_up_scale)
