@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py --model v3mini            # random DeepSeek-V3-mini, bf16
     python benchmarks/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
+    python benchmarks/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
 
 For each model, in one process (each engine measured after the other was freed):
 
@@ -71,6 +72,51 @@ def make_v3mini(folder: str) -> None:
         model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
+
+
+def fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's released format: per 128 x 128 tile, scale = amax / 448 (float32)."""
+    rows, cols = w.shape
+    pad = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128))
+    tiles = pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def make_fp8(folder: str, device: str = "cuda") -> None:
+    """Rewrite the checkpoint in ``folder`` as DeepSeek ships V3: every projection (attention,
+    dense MLP, shared and routed experts, per-expert layout) FP8 e4m3 + ``weight_scale_inv``;
+    embeddings, norms, router and head as they were."""
+    import glob
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = {}
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    for path in files:
+        with safe_open(path, framework="pt", device=device) as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):  # fused layout
+                    base, proj = name.rsplit(".", 1)
+                    for e in range(t.shape[0]):
+                        parts = t[e].chunk(2) if proj == "gate_up_proj" else (t[e],)
+                        for p, w in zip(("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",), parts):
+                            out[f"{base}.{e}.{p}.weight"] = w
+                else:
+                    out[name] = t
+    for name in [n for n in out if "_proj" in n and n.endswith(".weight") and out[n].dim() == 2]:
+        out[name], out[name[: -len("weight")] + "weight_scale_inv"] = fp8_tiles(out[name])
+    for path in files + glob.glob(os.path.join(folder, "*.index.json")):
+        os.remove(path)
+    save_file({k: v.cpu() for k, v in out.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def load_hf(path: str, dtype):
@@ -253,7 +299,13 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
 def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
     """Bytes of weights one decode step over ``n`` requests must read: every dense weight once
     (embedding rows aside), and per MoE layer the experts that n tokens are expected to touch
-    (uniform routing: E * (1 - (1 - k/E)^n))."""
+    (uniform routing: E * (1 - (1 - k/E)^n)). An FP8 checkpoint: projections 1 byte (kv_b_proj,
+    kept bf16 for MLA's absorption, 2), the head 2 bytes; tile scales are 1/16384 of that."""
+    if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        D, V, L, H = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"], config["num_attention_heads"]
+        kv_b = L * config["kv_lora_rank"] * H * (config["qk_nope_head_dim"] + config["v_head_dim"])
+        return weight_bytes_per_step(plain, n, 1) + V * D + kv_b
     D, V = config["hidden_size"], config["vocab_size"]
     L = config["num_hidden_layers"]
     if "kv_lora_rank" not in config:  # Llama
@@ -277,7 +329,7 @@ def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["v3mini", "smollm2"], default="v3mini")
+    ap.add_argument("--model", choices=["v3mini", "v3mini-fp8", "smollm2"], default="v3mini")
     ap.add_argument("--path", default=None, help="model path (smollm2: the GGUF; default: the installed alias)")
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--steps", type=int, default=32)
@@ -292,12 +344,16 @@ def main() -> int:
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
 
     tmp = None
-    if args.model == "v3mini":
+    if args.model.startswith("v3mini"):
         tmp = tempfile.mkdtemp(prefix="v3mini")
         t = time.perf_counter()
         make_v3mini(tmp)
-        log(f"V3-mini random checkpoint written in {time.perf_counter() - t:.0f}s")
-        path, config = tmp, V3_MINI
+        config = dict(V3_MINI)
+        if args.model == "v3mini-fp8":
+            make_fp8(tmp)
+            config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        log(f"{args.model} random checkpoint written in {time.perf_counter() - t:.0f}s")
+        path = tmp
     else:
         from deepinfer_core.engine.loading import resolve_model_path
         from deepinfer_core.plugin_host import default_host
@@ -370,6 +426,10 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         llm = di(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(levels) * 2 + 300)
         cfg = llm.engine.model.config
+        from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
+
+        kept = sum(isinstance(m, (Fp8Linear, Fp8Experts)) for m in llm.engine.model.modules())
+        log(f"  modules holding FP8 weights: {kept}; fused kernels installed: {llm.engine.num_fused}")
         di_dec = di_speed(llm, vocab, levels, args.steps, 128)
         di_pre = di_prefill(llm, vocab)
         di_peak = peak_mib()

@@ -1,12 +1,13 @@
 """``y = x @ dequant(W)^T`` for FP8 e4m3 weights with one float32 scale per 128 x 128 tile
-(DeepSeek-V3's checkpoint format: ``weight`` + ``weight_scale_inv``), activations unquantized.
+(DeepSeek-V3's checkpoint format: ``weight`` + ``weight_scale_inv``).
 
-Why weight-only: a decode step is bound by reading weights, and FP8 halves those bytes; the
-activations stay bf16 (or float32), so no per-token activation quantization error enters and the
-result is the dequantized-weight product up to summation order. Each K step covers one scale
-column (``BLOCK_K`` divides 128): the FP8 tile is widened to the activation dtype (exact), the
-partial product accumulated in float32 is multiplied by the tile scales of its output columns,
-then added (the per-block promotion DeepSeek's own kernels use).
+bf16 / fp16 activations are quantized on the fly as DeepSeek's own inference does: per row and
+128-channel group, scale = amax / 448, values in e4m3; each K step (one 128-wide group, the
+weight's scale column) is one FP8 MMA whose float32 result is multiplied by the row's and the
+output column's scales and added (per-block promotion). Why not widen the weight to bf16 instead:
+measured on an H200, the widening between the load and the MMA cost 2-6x against bf16 GEMMs
+(the FP8 tile could no longer stream straight into the MMA). float32 activations (the exactness
+path) keep their values: the weight is widened and products stay float32.
 
 One tile configuration per row count class; a batch-invariant forward keeps one configuration
 for every row count (the rows of a tile never interact, so a row's result then depends on that
@@ -22,6 +23,32 @@ from .fused_elementwise import _round
 from .paged_attention import interpreting
 
 FP8_BLOCK = 128
+# BLOCK_K is always 128: one activation group and one weight scale column per K step.
+
+
+@triton.jit
+def _quant_rows(a, UPCAST: tl.constexpr):
+    """One activation group per row (a [rows, 128] float32) -> (e4m3 values, float32 scales):
+    scale = amax / 448, values a / scale rounded to nearest; widened to float32 again in the
+    interpreter, which multiplies in float32 (the same products)."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
+    v = a / scale[:, None]
+    if UPCAST:  # the interpreter's float8 cast mis-rounds where rounding carries into the exponent
+        q = _round_e4m3(v)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), kept float32:
+    3 mantissa bits for normal values, multiples of 2^-9 below 2^-6 (subnormals)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = ((bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) / 512.0
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit
@@ -29,7 +56,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -44,14 +71,16 @@ def _fp8_linear_kernel(
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        w = w.to(a.dtype)
-        if IEEE:
-            part = tl.dot(a, w, input_precision="ieee")
-        else:
-            part = tl.dot(a, w)
-        acc += part * s[None, :]
+        if QUANT_A:  # DeepSeek's inference: activations in e4m3 per (row, 128 channels), fp8 MMA
+            q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+            if UPCAST:
+                part = tl.dot(q, w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(q, w)
+            acc += part * sa[:, None] * s[None, :]
+        else:  # float32 activations: the weight widened exactly, products in float32
+            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            acc += part * s[None, :]
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], _round(acc, out_ty).to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -70,7 +99,7 @@ def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
     if invariant:
         return 16, 64, 128, 4, 3
     if M <= 16:
-        return 16, (16 if N <= 4096 else 32 if N <= 8192 else 64), 128, 4, 4
+        return 16, (16 if N <= 4096 else 32 if N <= 8192 else 64), 128, 4, 5
     if M <= 64:
         return 32, 64, 128, 4, 4
     if M <= 256:
@@ -80,7 +109,8 @@ def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` (bf16 / fp16 / float32) times ``weight [N, K]`` (float8_e4m3fn) with
-    ``scale_inv [ceil(N/128), ceil(K/128)]`` (float32, "multiply") -> ``[..., N]`` in x's dtype."""
+    ``scale_inv [ceil(N/128), ceil(K/128)]`` (float32, "multiply") -> ``[..., N]`` in x's dtype
+    (16-bit x quantized per row and 128 channels as :func:`quantize_activations` states)."""
     from .invariant import INVARIANT
 
     N, K = weight.shape
@@ -101,7 +131,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
             x2, weight, scale_inv, out, M, N, K,
             x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            UPCAST=interp and x.dtype != torch.float32, IEEE=x.dtype == torch.float32 or interp,
+            UPCAST=interp, QUANT_A=x.dtype != torch.float32,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch statement of the kernels' activation quantization: ``x [M, K]`` -> (e4m3 values,
+    float32 scales ``[M, ceil(K/128)]``), per row and 128-channel group, scale = amax / 448."""
+    M, K = x.shape
+    groups = torch.nn.functional.pad(x.float(), (0, -K % 128)).view(M, -1, 128)
+    scale = groups.abs().amax(-1).clamp_min(1e-12) / 448.0
+    q = (groups / scale[..., None]).to(torch.float8_e4m3fn).view(M, -1)[:, :K]
+    return q, scale

@@ -14,12 +14,13 @@ as long as the tile configuration is the same (``choose_block_m`` keeps decode b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from .fp8_gemm import _quant_rows
 from .fused_elementwise import _round
 from .paged_attention import interpreting
 
@@ -31,7 +32,7 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -53,28 +54,36 @@ def _gate_up_kernel(
             a = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 widened exactly; a no-op otherwise
-            if IEEE:
-                pg = tl.dot(a, wg, input_precision="ieee")
-                pu = tl.dot(a, wu, input_precision="ieee")
-            else:
-                pg = tl.dot(a, wg)
-                pu = tl.dot(a, wu)
-            if FP8:  # this K step's tile scales of each output column (BLOCK_K divides 128)
+            if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
                 s_base = s_ptr + e * stride_se + k0 // 128
-                pg = pg * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
-                pu = pu * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if UPCAST:
+                    wg, wu = wg.to(tl.float32), wu.to(tl.float32)
+                pg = tl.dot(q, wg) * sa[:, None] * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                pu = tl.dot(q, wu) * sa[:, None] * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+            else:
+                if UPCAST:
+                    a = a.to(tl.float32)
+                wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 with float32 activations: widened exactly
+                if IEEE:
+                    pg = tl.dot(a, wg, input_precision="ieee")
+                    pu = tl.dot(a, wu, input_precision="ieee")
+                else:
+                    pg = tl.dot(a, wg)
+                    pu = tl.dot(a, wu)
+                if FP8:  # this K step's tile scales of each output column (BLOCK_K divides 128)
+                    s_base = s_ptr + e * stride_se + k0 // 128
+                    pg = pg * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                    pu = pu * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
             acc_g += pg
             acc_u += pu
         # round to the activation dtype first, as the unfused reference does
-        gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = _round(acc_g, out_ptr.dtype.element_ty)
+        up = _round(acc_u, out_ptr.dtype.element_ty)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = _round(gate / (1.0 + tl.exp(-gate)) * up, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -84,7 +93,7 @@ def _down_kernel(
     num_rows, D, I,
     stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -103,15 +112,22 @@ def _down_kernel(
             k_ok = kk < I
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-            w = w.to(a.dtype)
-            if IEEE:
-                part = tl.dot(a, w, input_precision="ieee")
+            if FP8 and QUANT_A:
+                q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if UPCAST:
+                    w = w.to(tl.float32)
+                ws = tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                part = tl.dot(q, w) * sa[:, None] * ws[None, :]
             else:
-                part = tl.dot(a, w)
-            if FP8:
-                part = part * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[None, :]
+                if UPCAST:
+                    a = a.to(tl.float32)
+                w = w.to(a.dtype)
+                if IEEE:
+                    part = tl.dot(a, w, input_precision="ieee")
+                else:
+                    part = tl.dot(a, w)
+                if FP8:
+                    part = part * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[None, :]
             acc += part
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weights_ptr + flat, mask=row_ok, other=0.0)
@@ -194,7 +210,9 @@ def fused_moe(
     """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``.
 
     With ``gate_up_scale`` / ``down_scale`` the expert weights are float8_e4m3fn in DeepSeek's
-    128 x 128 block format, widened in the kernels (weight-only FP8: activations unquantized)."""
+    128 x 128 block format; 16-bit activations (the input and the SiLU-and-mul output) are then
+    quantized per row and 128 channels and multiplied in FP8, as ``fp8_gemm`` does; float32
+    activations multiply the widened weights."""
     T, D = hidden.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -202,8 +220,11 @@ def fused_moe(
     num_rows = T * k
     config = config or choose_config(num_rows, E)
     fp8 = gate_up_scale is not None
-    if fp8 != (down_scale is not None) or (fp8 and (inter % 128 or 128 % config.block_k)):
-        raise ValueError("fused_moe: FP8 experts need both scale grids, I a multiple of 128 and BLOCK_K dividing 128")
+    if fp8 != (down_scale is not None) or (fp8 and inter % 128):
+        raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
+    quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
+    if fp8:  # one 128-channel activation group and weight scale column per K step
+        config = replace(config, block_k=128)
     gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
     ds = down_scale if fp8 else topk_weights
     align = moe_align(topk_ids, E, config.block_m)
@@ -218,7 +239,7 @@ def fused_moe(
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0,
         float(swiglu_limit or 0.0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     rows_out = torch.empty(num_rows, D, dtype=torch.float32, device=hidden.device)
@@ -226,7 +247,7 @@ def fused_moe(
         act, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(), ds,
         num_rows, D, inter,
         act.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)
