@@ -89,8 +89,14 @@ def _moe_case(T, dtype, seed):
     return spec, hidden, ids, w, ExpertWeights(gate_up, down, gs, ds)
 
 
-@pytest.mark.parametrize("T,dtype", [(3, torch.float32), (9, torch.bfloat16)], ids=["T3-float32", "T9-bfloat16"])
-def test_fused_moe_fp8_matches_dequantized_reference(T, dtype):
+@pytest.mark.parametrize("T,dtype,prequant", [(3, torch.float32, False), (9, torch.bfloat16, False), (9, torch.bfloat16, True)], ids=["T3-float32", "T9-bfloat16", "T9-bfloat16-prequantized"])
+def test_fused_moe_fp8_matches_dequantized_reference(T, dtype, prequant, monkeypatch):
+    """``prequant``: the large-batch path (activations quantized once before each GEMM) forced
+    on a small batch; it must compute the same numbers as quantizing inside the K loop."""
+    from deepinfer_cuda_sm100.kernels import fused_moe as module
+
+    if prequant:
+        monkeypatch.setattr(module, "PREQUANT_ROWS", 0)
     spec, hidden, ids, w, experts = _moe_case(T, dtype, seed=T)
     plain = ExpertWeights(dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale))
     exact = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, plain)

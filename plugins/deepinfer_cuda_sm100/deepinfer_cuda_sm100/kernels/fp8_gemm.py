@@ -24,6 +24,7 @@ from .paged_attention import interpreting
 
 FP8_BLOCK = 128
 # BLOCK_K is always 128: one activation group and one weight scale column per K step.
+PREQUANT_ROWS = 128  # from this many rows the activations are quantized once, before the GEMM
 
 
 @triton.jit
@@ -52,12 +53,37 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, UPCAST: tl.constexpr):
+    """[16 rows, one 128-channel group] per program: e4m3 values and the group's scale."""
+    rm = tl.program_id(0) * 16 + tl.arange(0, 16)
+    rk = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quant_rows(a, UPCAST)
+    tl.store(q_ptr + rm[:, None].to(tl.int64) * stride_q + rk[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rm.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=rm < M)
+
+
+def act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2 [M, K]`` -> (e4m3 ``[M, K]``, float32 scales ``[M, ceil(K/128)]``): one pass, for the
+    large-batch GEMMs (quantizing inside their K loops would redo it for every column tile)."""
+    M, K = x2.shape
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty(M, -(-K // FP8_BLOCK), dtype=torch.float32, device=x2.device)
+    if M:
+        _act_quant_kernel[(triton.cdiv(M, 16), scale.shape[1])](x2, q, scale, M, K, x2.stride(0), q.stride(0), scale.stride(0), UPCAST=interpreting(), num_warps=4)
+    return q, scale
+
+
+@triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_om,
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xs, stride_wn, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, QUANT_A: tl.constexpr,
+    UPCAST: tl.constexpr, A_MODE: tl.constexpr,
 ):
+    """A_MODE 0: float32 x, the weight widened (exact); 1: 16-bit x quantized here per K step
+    (few rows: nothing repeats much); 2: x already e4m3 with scales ``xs`` (:func:`act_quant`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,16 +97,20 @@ def _fp8_linear_kernel(
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        if QUANT_A:  # DeepSeek's inference: activations in e4m3 per (row, 128 channels), fp8 MMA
-            q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+        if A_MODE == 0:  # float32 activations: the weight widened exactly, products in float32
+            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            acc += part * s[None, :]
+        else:  # DeepSeek's inference: activations in e4m3 per (row, 128 channels), FP8 MMA
+            if A_MODE == 1:
+                q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+            else:
+                q = a
+                sa = tl.load(xs_ptr + rm.to(tl.int64) * stride_xs + k0 // 128, mask=m_ok, other=0.0)
             if UPCAST:
-                part = tl.dot(q, w.to(tl.float32), input_precision="ieee")
+                part = tl.dot(q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 part = tl.dot(q, w)
             acc += part * sa[:, None] * s[None, :]
-        else:  # float32 activations: the weight widened exactly, products in float32
-            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            acc += part * s[None, :]
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], _round(acc, out_ty).to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -125,13 +155,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        bm, bn, bk, warps, stages = _config(M, N, INVARIANT.get())
-        interp = interpreting()
+        invariant = INVARIANT.get()
+        bm, bn, bk, warps, stages = _config(M, N, invariant)
+        mode = 0 if x.dtype == torch.float32 else 1 if M < PREQUANT_ROWS or invariant else 2
+        xs = out  # unused unless mode 2
+        if mode == 2:
+            x2, xs = act_quant(x2)
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            x2, weight, scale_inv, out, M, N, K,
-            x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            UPCAST=interp, QUANT_A=x.dtype != torch.float32,
+            x2, xs, weight, scale_inv, out, M, N, K,
+            x2.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=interpreting(), A_MODE=mode,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)

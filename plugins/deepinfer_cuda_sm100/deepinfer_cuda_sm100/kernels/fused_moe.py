@@ -20,19 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _quant_rows
+from .fp8_gemm import PREQUANT_ROWS, _quant_rows, act_quant
 from .fused_elementwise import _round
 from .paged_attention import interpreting
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, xs_ptr,
     num_rows, top_k, D, I,
-    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_xs,
     limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,9 +56,13 @@ def _gate_up_kernel(
             wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
                 s_base = s_ptr + e * stride_se + k0 // 128
-                q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if PREQ:  # x already e4m3 (act_quant), one scale per token and group
+                    q = a
+                    sa = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
+                else:
+                    q, sa = _quant_rows(a.to(tl.float32), UPCAST)
                 if UPCAST:
-                    wg, wu = wg.to(tl.float32), wu.to(tl.float32)
+                    q, wg, wu = q.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
                 pg = tl.dot(q, wg) * sa[:, None] * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
                 pu = tl.dot(q, wu) * sa[:, None] * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
             else:
@@ -89,11 +93,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr, s_ptr,
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr, s_ptr, hs_ptr,
     num_rows, D, I,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,9 +117,13 @@ def _down_kernel(
             a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if FP8 and QUANT_A:
-                q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if PREQ:
+                    q = a
+                    sa = tl.load(hs_ptr + rows.to(tl.int64) * stride_hs + k0 // 128, mask=row_ok, other=0.0)
+                else:
+                    q, sa = _quant_rows(a.to(tl.float32), UPCAST)
                 if UPCAST:
-                    w = w.to(tl.float32)
+                    q, w = q.to(tl.float32), w.to(tl.float32)
                 ws = tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
                 part = tl.dot(q, w) * sa[:, None] * ws[None, :]
             else:
@@ -224,7 +232,8 @@ def fused_moe(
         raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
     quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
     if fp8:  # one 128-channel activation group and weight scale column per K step
-        config = replace(config, block_k=128)
+        config = replace(config, block_k=128, block_n=32 if config.block_m == 16 else config.block_n)
+    preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
     gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
     ds = down_scale if fp8 else topk_weights
     align = moe_align(topk_ids, E, config.block_m)
@@ -232,22 +241,24 @@ def fused_moe(
     upcast = interpreting() and hidden.dtype != torch.float32
     ieee = hidden.dtype == torch.float32 or interpreting()
     act = torch.empty(align.sorted_rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    x_in, x_scale = act_quant(hidden) if preq else (hidden, gs)
     tiles = align.block_expert.numel()
     _gate_up_kernel[(tiles, triton.cdiv(inter, config.block_n))](
-        hidden, gate_up, act, align.sorted_rows, align.block_expert, align.total, gs,
+        x_in, gate_up, act, align.sorted_rows, align.block_expert, align.total, gs, x_scale,
         num_rows, k, D, inter,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0,
+        x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0, x_scale.stride(0),
         float(swiglu_limit or 0.0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     rows_out = torch.empty(num_rows, D, dtype=torch.float32, device=hidden.device)
+    h_in, h_scale = act_quant(act) if preq else (act, gs)
     _down_kernel[(tiles, triton.cdiv(D, config.block_n))](
-        act, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(), ds,
+        h_in, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(), ds, h_scale,
         num_rows, D, inter,
-        act.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a,
+        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0, h_scale.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)
