@@ -44,19 +44,20 @@ def check_conversation(conversation: Any) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> str:
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool, **variables: Any) -> str:
+    """``variables``: extra template variables (``tools`` for templates that render them)."""
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the model's chat template refused the conversation: {exc}") from None
     check_unicode(text, "the conversation")
     return text
 
 
-def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> tuple[list[int], str]:
+def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True, **variables: Any) -> tuple[list[int], str]:
     """(prompt token ids, prompt text) of a checked conversation; special tokens only where
     the template put them."""
-    text = render_chat(tokenizer, conversation, add_generation_prompt)
+    text = render_chat(tokenizer, conversation, add_generation_prompt, **variables)
     specials = special_token_texts(tokenizer)
     for i, m in enumerate(conversation):  # only the text is kept as text; other fields are refused
         for key, value in m.items():
@@ -64,7 +65,7 @@ def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
                 raise ValueError(f"message {i}: {key!r} contains special-token text ({next(s for s in specials if s in value)!r}); only 'content' may")
     if not any(s in m["content"] for m in conversation for s in specials):
         return tokenizer.encode(text, add_special_tokens=False), text
-    spans = _message_spans(tokenizer, conversation, add_generation_prompt, text)
+    spans = _message_spans(tokenizer, conversation, add_generation_prompt, text, variables)
     pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
     ids: list[int] = []
     plain_from = 0
@@ -81,7 +82,7 @@ def special_token_texts(tokenizer) -> list[str]:
     return [t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special and t.content]
 
 
-def _message_spans(tokenizer, conversation: list[dict], add_generation_prompt: bool, text: str) -> list[tuple[int, int]]:
+def _message_spans(tokenizer, conversation: list[dict], add_generation_prompt: bool, text: str, variables: dict | None = None) -> list[tuple[int, int]]:
     """[start, end) of each message's text inside ``text``."""
     seen = set(text).union(*(m["content"] for m in conversation))
     free = (chr(c) for c in _PRIVATE_USE if chr(c) not in seen)
@@ -94,7 +95,7 @@ def _message_spans(tokenizer, conversation: list[dict], add_generation_prompt: b
             trail = m["content"][len(lead) + len(core) :]
             m = {**m, "content": f"{lead}{opening}{core}{closing}{trail}"}
         marked.append(m)
-    rendered = render_chat(tokenizer, marked, add_generation_prompt)
+    rendered = render_chat(tokenizer, marked, add_generation_prompt, **(variables or {}))
     if rendered.replace(opening, "").replace(closing, "") != text:
         raise ValueError("this model's chat template rewrites message text, so the special-token text in a message cannot be kept as plain text; remove it from the message")
     spans, shift, start = [], 0, None

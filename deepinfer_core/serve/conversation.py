@@ -2,23 +2,20 @@
 
 The prompt comes from the first registered :class:`PromptEncoding` whose ``matches`` accepts the
 model's config (DeepSeek V4 through the recipe plugin), else from the model's own chat template.
-A model without a native tool-call format (a chat-template model) still answers forced tool
-calls (``tool_choice`` ``required`` or a named function): the call is generated under a JSON
-grammar ``{"name": ..., "arguments": {...}}`` and parsed back into a tool call, the approach
-vLLM takes for forced tool choice. Output limits default by mode (8,192 tokens, 65,536 with
+A model without a native tool-call format (a chat-template model) calls tools in the
+Hermes syntax, under an xgrammar structural tag once a call starts (:mod:`.tool_calls`). Output limits default by mode (8,192 tokens, 65,536 with
 thinking, 131,072 at max effort), capped by what the context and the KV cache leave.
 """
 from __future__ import annotations
 
-import json
-import secrets
 from dataclasses import dataclass
 from typing import Callable
 
 from ..chat_prompt import check_conversation, encode_chat
-from ..codecs import ConversationRequest, Message, OutputParser, ParsedOutput, ProtocolError, ToolCall
+from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError
 from ..engine.sampling_params import SamplingParams
 from .grammar import GrammarCompiler
+from .tool_calls import HermesToolParser, template_messages, template_renders_tools, tool_call_tag, tools_active
 
 DEFAULT_MAX_TOKENS = 8192
 THINKING_MAX_TOKENS = 65536
@@ -43,73 +40,6 @@ class PlainTextParser:
         return ParsedOutput()
 
 
-class ToolCallJsonParser:
-    """Output generated under the forced-tool-call grammar: one ``{"name", "arguments"}``
-    object, emitted as a tool call when generation ends."""
-
-    def __init__(self) -> None:
-        self._text = ""
-
-    def push(self, text: str) -> ParsedOutput:
-        self._text += text
-        return ParsedOutput()
-
-    def finish(self) -> ParsedOutput:
-        try:
-            value = json.loads(self._text)
-            call = ToolCall(name=value["name"], arguments=json.dumps(value["arguments"], ensure_ascii=False), id="call_" + secrets.token_hex(12))
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: give the text back
-            return ParsedOutput(content=self._text)
-        return ParsedOutput(tool_calls=(call,))
-
-
-def forced_tool_schema(request: ConversationRequest) -> dict | None:
-    """The JSON schema of a forced tool call, or None when the tool choice forces nothing."""
-    choice = request.tool_choice
-    if not request.tools or choice in (None, "auto", "none"):
-        return None
-    functions = [t["function"] for t in request.tools]
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        functions = [f for f in functions if f["name"] == name]
-        if not functions:
-            raise ProtocolError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-def _template_messages(request: ConversationRequest, forced: bool) -> list[dict]:
-    """Messages for a Hugging Face chat template; tool calls are written as the JSON the
-    forced-call grammar produces, so a tool-result round trip reads naturally."""
-    messages = []
-    for m in request.messages:
-        role = "system" if m.role == "developer" else m.role
-        content = m.content
-        if m.tool_calls:
-            calls = "\n".join(json.dumps({"name": c.name, "arguments": json.loads(c.arguments or "{}")}, ensure_ascii=False) for c in m.tool_calls)
-            content = f"{content}\n{calls}" if content else calls
-        entry = {"role": role, "content": content}
-        if m.tool_call_id:
-            entry["tool_call_id"] = m.tool_call_id
-        messages.append(entry)
-    if request.tools and request.tool_choice != "none":
-        listing = json.dumps([t["function"] for t in request.tools], ensure_ascii=False)
-        note = f"You can call these tools: {listing}\n" + ('To call one, answer with JSON {"name": ..., "arguments": {...}}.' if forced else "")
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}
-        else:
-            messages.insert(0, {"role": "system", "content": note})
-    return messages
-
-
 class ConversationPreparer:
     """Everything the server needs to know about the model to turn requests into work."""
 
@@ -124,6 +54,7 @@ class ConversationPreparer:
                 self.encoding = encoding
                 break
         self.parsers = host.output_parsers()
+        self.native_tools = self.tokenizer is not None and template_renders_tools(self.tokenizer.chat_template)
         self._grammar: GrammarCompiler | None = None
 
     @property
@@ -136,7 +67,6 @@ class ConversationPreparer:
     # -- prompt -----------------------------------------------------------------------------
     def encode(self, request: ConversationRequest) -> tuple[list[int], Callable[[], OutputParser], bool, tuple[int, ...]]:
         """(token ids, parser factory, thinking, extra stop ids)."""
-        forced = forced_tool_schema(request) is not None
         if "prompt" in request.extra:  # /v1/completions: a raw prompt
             prompt = request.extra["prompt"]
             if isinstance(prompt, list):
@@ -151,12 +81,13 @@ class ConversationPreparer:
             return list(encoded.token_ids), new_parser, bool(options.get("thinking")), tuple(encoded.stop_token_ids)
         tok = self._tokenizer_or_fail()
         try:  # special tokens only where the template puts them: message text stays text
-            conversation = check_conversation(_template_messages(request, forced))
+            messages, variables = template_messages(request, native=self.native_tools)
+            conversation = check_conversation(messages)
             self._check_text("".join(m["content"] for m in conversation), "messages")
-            ids, _ = encode_chat(tok, conversation, add_generation_prompt=True)
+            ids, _ = encode_chat(tok, conversation, add_generation_prompt=True, **variables)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"messages: {exc}", param="messages") from None
-        return ids, (ToolCallJsonParser if forced else PlainTextParser), False, ()
+        return ids, (HermesToolParser if tools_active(request) else PlainTextParser), False, ()
 
     def _check_text(self, text: str, param: str) -> None:
         """Text the tokenizer cannot take (lone surrogates), or surely too long for the context
@@ -214,8 +145,12 @@ class ConversationPreparer:
         return PreparedRequest(tuple(ids), params, new_parser, thinking)
 
     def _processors(self, request: ConversationRequest) -> list:
-        if self.encoding is None and (schema := forced_tool_schema(request)) is not None:
-            return [self.grammar.json_schema(schema, "tools")]
+        if self.encoding is None and self.tokenizer is not None and tools_active(request):
+            try:
+                tag = tool_call_tag(request, self.grammar.compiles)
+            except ValueError as exc:  # xgrammar's pydantic models refuse a tool
+                raise ProtocolError(f"tools: {exc}", param="tools") from None
+            return [self.grammar.structural_tag(tag, "tools")]
         fmt = request.response_format
         if not fmt or fmt.get("type") == "text":
             return []

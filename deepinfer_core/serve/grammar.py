@@ -79,6 +79,23 @@ class GrammarCompiler:
             raise ProtocolError(f"{param}: the JSON schema cannot be compiled: {exc}", param=param) from None
         return GrammarProcessor(compiled, self.vocab_size)
 
+    def compiles(self, schema: Any) -> bool:
+        """Whether xgrammar can compile ``schema`` (compiled grammars are cached, so the
+        structural tag that embeds it later costs little more)."""
+        try:
+            self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        except Exception:  # xgrammar's reason is not needed: the caller decides what to do
+            return False
+        return True
+
+    def structural_tag(self, tag: Any, param: str) -> GrammarProcessor:
+        """A processor for an xgrammar structural tag (tool calls); a failure is a 400."""
+        try:
+            compiled = self._compiler.compile_structural_tag(tag)
+        except Exception as exc:
+            raise ProtocolError(f"{param}: the tool-call grammar cannot be compiled: {exc}", param=param) from None
+        return GrammarProcessor(compiled, self.vocab_size)
+
     def json_object(self) -> GrammarProcessor:
         """Any JSON object, without free whitespace (a small model could pad it forever)."""
         return self.json_schema({"type": "object"}, "response_format")

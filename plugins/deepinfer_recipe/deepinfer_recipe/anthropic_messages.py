@@ -97,6 +97,8 @@ def _tools(raw: list) -> tuple[dict, ...]:
         if (description := v.get_str(tool, "description", param=f"{where}.description")) is not None:
             function["description"] = description
         function["parameters"] = v.require_object(tool.get("input_schema"), f"{where}.input_schema")
+        if tool.get("strict") is not None:  # Anthropic's strict tool use: inputs always match the schema
+            function["strict"] = v.get_bool(tool, "strict", param=f"{where}.strict")
         tools.append({"type": "function", "function": function})
     return tuple(tools)
 

@@ -57,6 +57,7 @@ def parse_function_tools(raw: list, param: str) -> tuple[dict, ...]:
         v.get_str(function, "description", param=f"{where}.function.description")
         if function.get("parameters") is not None:
             v.require_object(function["parameters"], f"{where}.function.parameters")
+        v.get_bool(function, "strict", param=f"{where}.function.strict")
         tools.append(tool)
     return tuple(tools)
 

@@ -142,6 +142,8 @@ class OpenAIChatCodec:
             extra["stream_options"] = v.require_object(options, "stream_options")
         if (user := v.get_str(body, "user")) is not None:
             extra["user"] = user
+        if body.get("parallel_tool_calls") is not None:
+            extra["parallel_tool_calls"] = v.get_bool(body, "parallel_tool_calls")
         return ConversationRequest(
             messages=messages,
             model=model,

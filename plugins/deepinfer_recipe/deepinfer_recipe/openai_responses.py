@@ -92,6 +92,8 @@ def _tools(raw: list) -> tuple[dict, ...]:
             function["description"] = description
         if tool.get("parameters") is not None:
             function["parameters"] = v.require_object(tool["parameters"], f"{where}.parameters")
+        if tool.get("strict") is not None:  # arguments constrained to the schema (the server's grammar)
+            function["strict"] = v.get_bool(tool, "strict", param=f"{where}.strict")
         tools.append({"type": "function", "function": function})
     return tuple(tools)
 
@@ -146,6 +148,8 @@ class OpenAIResponsesCodec:
         extra = {"echo_tools": tools, "echo_tool_choice": body.get("tool_choice", "auto")}
         if (metadata := body.get("metadata")) is not None:
             extra["metadata"] = v.require_object(metadata, "metadata")
+        if body.get("parallel_tool_calls") is not None:
+            extra["parallel_tool_calls"] = v.get_bool(body, "parallel_tool_calls")
         return ConversationRequest(
             messages=tuple(messages),
             model=model,

@@ -1,0 +1,230 @@
+"""Tool calls for chat-template models (those without a native prompt encoding such as V4's).
+
+The syntax is Hermes-style, the one the ChatML family of templates (Qwen2.5, Hermes, SmolLM3)
+was trained on, so a single parser serves them all::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+* Prompt: a template that renders ``tools`` itself and writes ``<tool_call>`` gets the tools
+  and the tool calls of earlier turns in Hugging Face's shapes (:func:`template_renders_tools`).
+  Any other template (SmolLM2's renders only ``role`` and ``content``) gets
+  :data:`GENERIC_TOOL_PROMPT` in its system message, earlier calls written in the same syntax
+  and tool results as ``<tool_response>`` blocks in a user turn.
+* Output: :class:`HermesToolParser` passes text through and turns each closed block into a
+  :class:`~deepinfer_core.codecs.ToolCall`; the markup never reaches the content.
+* Constraint: :func:`tool_call_tag` is an xgrammar structural tag. Under ``auto`` the text is free
+  until the model writes ``<tool_call>``; from there the grammar admits only a declared tool's
+  name and arguments matching its schema, then ``</tool_call>``. ``required`` must start with a
+  call, a named tool choice is exactly one call. A call ends the answer unless the request sets
+  ``parallel_tool_calls: true`` explicitly (then calls and text may follow): small models,
+  left free after a call, tend to ramble or call again until the output limit. Arguments follow the tool's ``parameters``:
+  for ``strict: true`` tools a schema xgrammar cannot compile is the client's error; other tools
+  fall back to any JSON object. So every call parses, and strict arguments always validate.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Callable
+
+from ..codecs import ConversationRequest, ParsedOutput, ProtocolError, ToolCall
+
+START, END = "<tool_call>", "</tool_call>"
+ANY_OBJECT: dict = {"type": "object"}
+
+GENERIC_TOOL_PROMPT = """# Tools
+
+You can call functions to answer. Their signatures, one JSON object per line:
+<tools>
+{tools}
+</tools>
+
+To call a function, write its name and arguments as a JSON object between tags, exactly so:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}
+</tool_call>
+Each result comes back in a <tool_response></tool_response> block."""
+
+
+def tools_active(request: ConversationRequest) -> bool:
+    """Tools are offered unless none are given or ``tool_choice`` is ``none``; under ``auto`` a
+    JSON ``response_format`` wins (the answer is that JSON, not a call)."""
+    if not request.tools or request.tool_choice == "none":
+        return False
+    fmt = request.response_format
+    return not (request.tool_choice in (None, "auto") and fmt and fmt.get("type") != "text")
+
+
+def template_renders_tools(template: str | None) -> bool:
+    """A template that reads the ``tools`` variable and writes Hermes-style calls."""
+    if not template or START not in template:
+        return False
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return False
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments or "{}")
+    except ValueError:
+        return call.arguments
+
+
+def _call_text(call: ToolCall) -> str:
+    body = json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
+    return f"{START}\n{body}\n{END}"
+
+
+def template_messages(request: ConversationRequest, native: bool) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) for a Hugging Face chat template."""
+    offered = tools_active(request)
+    messages: list[dict] = []
+    for m in request.messages:
+        role = "system" if m.role == "developer" else m.role
+        if native:
+            entry: dict = {"role": role, "content": m.content}
+            if m.tool_calls:
+                entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}} for c in m.tool_calls]
+            if m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+            messages.append(entry)
+        elif m.role == "tool":  # results of one turn's calls share one user turn
+            block = f"<tool_response>\n{m.content}\n</tool_response>"
+            if messages and messages[-1].get("tool_results"):
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + "\n" + block}
+            else:
+                messages.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            content = "\n".join([m.content] * bool(m.content) + [_call_text(c) for c in m.tool_calls])
+            messages.append({"role": role, "content": content})
+    for entry in messages:
+        entry.pop("tool_results", None)
+    if native:
+        return messages, ({"tools": [dict(t) for t in request.tools]} if offered else {})
+    if offered:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in request.tools)
+        note = GENERIC_TOOL_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+    return messages, {}
+
+
+def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]) -> Any:
+    """The xgrammar structural tag for this request's tool calls (see the module docstring);
+    ``compiles(schema)`` says whether xgrammar can compile an argument schema."""
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
+
+    choice = request.tool_choice
+    functions = [t["function"] for t in request.tools]
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise ProtocolError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    tags, seen = [], set()
+    for i, function in enumerate(functions):
+        name = function["name"]
+        if name in seen:
+            raise ProtocolError(f"tools[{i}].function.name: {name!r} is declared twice", param="tools")
+        seen.add(name)
+        schema = function.get("parameters") or ANY_OBJECT
+        if not compiles(schema):
+            if function.get("strict") is True:
+                raise ProtocolError(f"tools: the parameters of the strict tool {name!r} cannot be compiled into a grammar", param="tools")
+            schema = ANY_OBJECT
+        begin = f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        tags.append(TagFormat(begin=begin, content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1), end=f"}}\n{END}"))
+    parallel = request.extra.get("parallel_tool_calls") is True
+    if isinstance(choice, dict):
+        return StructuralTag(format=tags[0])
+    if choice == "required":
+        return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel))
+    return StructuralTag(format=TriggeredTagsFormat(triggers=[START], tags=tags, stop_after_first=not parallel))
+
+
+class HermesToolParser:
+    """Incremental: text outside ``<tool_call>`` blocks is content (a tail that could begin a
+    tag is held back until it cannot), each closed block one tool call. Whitespace around calls
+    is dropped (text on both sides of a call is joined by one line break). A block that is not a JSON ``{"name", "arguments"}`` object, or one cut short by
+    the output limit, is given back as the text the model wrote."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._after_call = False  # drop whitespace between calls
+        self._wrote = False  # some content was emitted
+
+    def push(self, text: str) -> ParsedOutput:
+        self._buffer += text
+        content, calls = "", []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(END)
+                if end < 0:
+                    break
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
+                self._in_call = False
+                call = _parse_call(body)
+                if call is None:
+                    content += self._text(START + body + END)
+                else:
+                    calls.append(call)
+                    self._after_call = True
+                continue
+            start = self._buffer.find(START)
+            if start >= 0:
+                content += self._text(self._buffer[:start].rstrip())
+                self._buffer, self._in_call = self._buffer[start + len(START) :], True
+                continue
+            keep = _partial_tag(self._buffer)
+            ready = self._buffer[: len(self._buffer) - keep]
+            held = len(ready) - len(ready.rstrip())  # whitespace before a possible call waits too
+            content += self._text(ready[: len(ready) - held])
+            self._buffer = self._buffer[len(ready) - held :]
+            break
+        return ParsedOutput(content=content, tool_calls=tuple(calls))
+
+    def finish(self) -> ParsedOutput:
+        rest, self._buffer = self._buffer, ""
+        if self._in_call:
+            call = _parse_call(rest)
+            return ParsedOutput(tool_calls=(call,)) if call is not None else ParsedOutput(content=START + rest)
+        return ParsedOutput(content=self._text(rest))
+
+    def _text(self, text: str) -> str:
+        if self._after_call:  # text after a call: one line break from earlier text, if any
+            text = text.lstrip()
+            self._after_call = not text
+            if text and self._wrote:
+                text = "\n" + text
+        self._wrote = self._wrote or bool(text)
+        return text
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for n in range(min(len(START) - 1, len(text)), 0, -1):
+        if START.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(name=value["name"], arguments=text, id="call_" + secrets.token_hex(12))

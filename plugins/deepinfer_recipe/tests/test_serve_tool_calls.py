@@ -1,0 +1,266 @@
+"""Tool calls on a chat-template model (SmolLM2-135M-Instruct, no native tool format): the
+Hermes ``<tool_call>`` syntax, the incremental parser, the structural-tag grammar and the three
+APIs through the official SDKs.
+
+A 135M model does not decide to call a tool by itself, so the ``auto`` tests force only the
+start of a call (the five tokens of ``<tool_call>``); from there the real model writes the name
+and arguments under the grammar, and the server must stream a call that validates against the
+tool's schema, with no markup in the content.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from serve_harness import MODEL
+
+from deepinfer_core.serve.tool_calls import HermesToolParser
+
+# A strict schema the model would not meet by chance: an enum, a bounded integer, a pattern.
+BOOKING = {
+    "name": "book_table",
+    "description": "Book a table at a restaurant",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome", "Oslo"]},
+            "guests": {"type": "integer", "minimum": 1, "maximum": 8},
+            "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+        },
+        "required": ["city", "guests", "time"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}
+TOOLS = [{"type": "function", "function": BOOKING}, {"type": "function", "function": WEATHER}]
+SCHEMAS = {"book_table": BOOKING["parameters"], "get_weather": WEATHER["parameters"]}
+ASK = "Book a table for two in Paris at eight tonight."
+
+
+class ForcedStart:
+    """Forces the first tokens of the output, then leaves the logits alone."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, output_token_ids, logits: torch.Tensor) -> torch.Tensor:
+        n = len(output_token_ids)
+        if n >= len(self.token_ids):
+            return logits
+        out = torch.full_like(logits, float("-inf"))
+        out[self.token_ids[n]] = 0.0
+        return out
+
+
+@pytest.fixture
+def start_with_call(served, monkeypatch):
+    """The next requests' outputs begin with ``<tool_call>`` (after the grammar's own mask)."""
+    preparer = served.server.preparer
+    ids = preparer.tokenizer.encode("<tool_call>")
+    real = type(preparer).prepare
+
+    def prepare(self, conversation):
+        prepared = real(self, conversation)
+        assert prepared.params.logits_processors, "a tool request without a grammar"
+        params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)])
+        return dataclasses.replace(prepared, params=params)
+
+    monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def check_call(name: str, arguments) -> None:
+    assert name in SCHEMAS, name
+    jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, SCHEMAS[name])
+
+
+# -- the parser, alone -----------------------------------------------------------------------
+def test_parser_split_at_every_character():
+    text = ('Sure.\n<tool_call>\n{"name": "book_table", "arguments": {"city": "Paris", "note": "窓際 🌍 <b>"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nDone. a < b <tool')
+    want_content = "Sure.\nDone. a < b <tool"
+    want_calls = [("book_table", {"city": "Paris", "note": "窓際 🌍 <b>"}), ("get_weather", {})]
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        parser, content, calls = HermesToolParser(), "", []
+        for piece in pieces:
+            out = parser.push(piece)
+            assert "<tool_call" not in out.content and "</tool_call" not in out.content
+            content, calls = content + out.content, calls + list(out.tool_calls)
+        out = parser.finish()
+        content, calls = content + out.content, calls + list(out.tool_calls)
+        assert content == want_content
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
+
+
+def test_parser_gives_back_what_is_not_a_call():
+    parser = HermesToolParser()
+    out = parser.push("<tool_call>\nnot json\n</tool_call> then <tool_call>\n{\"name\": \"x\", \"argu")
+    end = parser.finish()
+    assert out.content + end.content == "<tool_call>\nnot json\n</tool_call> then<tool_call>\n{\"name\": \"x\", \"argu"
+    assert not out.tool_calls and not end.tool_calls
+
+
+# -- through the server ---------------------------------------------------------------------
+def test_chat_auto_strict_call_streamed(oai, start_with_call):
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="auto",
+                                         temperature=0, max_tokens=80, stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert calls, content
+    for entry in calls.values():
+        check_call(entry["name"], entry["arguments"])
+    assert "tool_call" not in content and "{" not in content
+    assert finish == "tool_calls"
+
+
+def test_chat_auto_call_not_streamed_then_result(oai, start_with_call):
+    messages = [{"role": "user", "content": ASK}]
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=80)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert message.tool_calls and not (message.content or "").strip()
+    for call in message.tool_calls:
+        check_call(call.function.name, call.function.arguments)
+
+
+def test_messages_auto_strict_tool_use_streamed(claude, start_with_call):
+    tools = [{"name": BOOKING["name"], "description": BOOKING["description"], "input_schema": BOOKING["parameters"], "strict": True},
+             {"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
+    with claude.messages.stream(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=tools, tool_choice={"type": "auto"},
+                                messages=[{"role": "user", "content": ASK}]) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert uses and final.stop_reason == "tool_use"
+    for use in uses:
+        check_call(use.name, use.input)
+    assert all("tool_call" not in b.text for b in final.content if b.type == "text")
+
+
+def test_responses_auto_strict_function_call_streamed(oai, start_with_call):
+    tools = [{"type": "function", "name": BOOKING["name"], "parameters": BOOKING["parameters"], "strict": True},
+             {"type": "function", "name": WEATHER["name"], "parameters": WEATHER["parameters"]}]
+    events = list(oai.responses.create(model=MODEL, input=ASK, tools=tools, tool_choice="auto", temperature=0, max_output_tokens=80, stream=True))
+    final = [e for e in events if e.type == "response.completed"][-1].response
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        check_call(call.name, call.arguments)
+    assert "tool_call" not in final.output_text
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "tool_call" not in deltas
+
+
+def test_auto_left_to_the_model_never_leaks_markup(oai):
+    """No forcing: whatever SmolLM2 writes, a call is parsed and valid, and text has no tags."""
+    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                        tools=TOOLS, temperature=0, max_tokens=60)
+    message = reply.choices[0].message
+    assert "<tool_call>" not in (message.content or "") and "</tool_call>" not in (message.content or "")
+    for call in message.tool_calls or ():
+        check_call(call.function.name, call.function.arguments)
+
+
+def test_required_on_messages_uses_a_declared_tool(claude):
+    tools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}, {"name": BOOKING["name"], "input_schema": BOOKING["parameters"], "strict": True}]
+    reply = claude.messages.create(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=tools, tool_choice={"type": "any"},
+                                   messages=[{"role": "user", "content": "Is it raining in Oslo?"}])
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert uses and reply.stop_reason == "tool_use"
+    for use in uses:
+        check_call(use.name, use.input)
+
+
+def test_strict_schema_that_cannot_compile_is_a_400_naming_tools(served):
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}]}
+    refused = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools" and "'f'" in refused.json()["error"]["message"]
+    body["tools"][0]["function"]["strict"] = False  # not strict: any JSON object as arguments
+    assert httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+# -- a template that renders tools itself ----------------------------------------------------
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls | default([]) %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them():
+    """Our prompt for a tool-aware template equals transformers' ``apply_chat_template`` with
+    the same tools and Hugging Face's message shapes (tool calls with dict arguments)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from deepinfer_core.chat_prompt import encode_chat
+    from deepinfer_core.codecs import ConversationRequest, Message, ToolCall
+    from deepinfer_core.models.sources import smollm2_gguf
+    from deepinfer_core.serve.tool_calls import template_messages, template_renders_tools
+    from deepinfer_core.tokenizer import Tokenizer
+
+    smol = Tokenizer.from_gguf(smollm2_gguf())
+    assert not template_renders_tools(smol.chat_template)  # SmolLM2's template: the generic prompt
+    assert template_renders_tools(HERMES_TEMPLATE)
+    ours = Tokenizer(smol.backend, bos_token_id=smol.bos_token_id, eos_token_id=smol.eos_token_id, chat_template=HERMES_TEMPLATE)
+    request = ConversationRequest(messages=(
+        Message(role="user", content=ASK),
+        Message(role="assistant", tool_calls=(ToolCall(name="book_table", arguments='{"city": "Paris", "guests": 2, "time": "20:00"}', id="c1"),)),
+        Message(role="tool", content="Booked.", tool_call_id="c1"),
+    ), tools=tuple(TOOLS), tool_choice="auto")
+    messages, variables = template_messages(request, native=True)
+    _, text = encode_chat(ours, messages, add_generation_prompt=True, **variables)
+
+    reference = PreTrainedTokenizerFast(tokenizer_object=smol.backend, chat_template=HERMES_TEMPLATE)
+    hf_messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "book_table", "arguments": {"city": "Paris", "guests": 2, "time": "20:00"}}}]},
+        {"role": "tool", "content": "Booked."},
+    ]
+    assert text == reference.apply_chat_template(hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"name": "book_table"' in text and "Tools:" in text
+
+
+@pytest.mark.parametrize(("tools", "choice", "status"), [
+    ([{"name": 'say "hi"\n', "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}], "required", 200),  # name JSON-escaped
+    ([{"name": "", "parameters": {"type": "object"}}], "auto", 200),
+    ([{"name": "f"}, {"name": "f"}], "auto", 400),  # declared twice
+    ([{"name": "f"}], {"type": "function", "function": {"name": "g"}}, 400),
+    ([{"name": "f", "parameters": {"type": "object"}, "strict": "yes"}], "auto", 400),
+])
+def test_odd_tool_declarations_are_served_or_refused_never_500(served, tools, choice, status):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+            "tools": [{"type": "function", "function": f} for f in tools], "tool_choice": choice}
+    reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == status, reply.text
+    if status == 200 and choice == "required":
+        (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == tools[0]["name"] and isinstance(json.loads(call["function"]["arguments"]), dict)
