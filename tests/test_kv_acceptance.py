@@ -240,6 +240,39 @@ def test_an_expired_block_is_written_again_by_the_engine_that_hid_it(model, tmp_
     assert third.num_cached_tokens == 7 * BS and third.outputs[0].token_ids == refs[SHORT]
 
 
+def test_an_expired_block_is_written_again_by_the_engine_that_wrote_it(model, tmp_path):
+    """The writer's "already stored" memo lasts only as long as the record: the engine that
+    wrote a block writes it again once its record expired, whether the block comes back as a
+    device hit or is computed again after the device cache lost it; a fresh engine is then
+    served from the rewritten records. Rewrites use the 3-day "agent" class, so only the
+    first writes expire during the test (2 seconds)."""
+    model_dir, prompts, refs = model
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=12, kv_host_pool_gib=1e-6, kv_store=f"local://{tmp_path}?retention_seconds=chat:2")  # host pool: 1 block
+    store = llm.engine.tiers.store
+    short, other = prompts[SHORT], prompts[LONG][:SHORT]
+    agent = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, kv_retention="agent")
+
+    def serve(prompt, params=GREEDY):
+        out = llm.generate([prompt], params)[0]
+        llm.engine.tiers.flush()
+        return out
+
+    assert serve(short).num_cached_tokens == 0 and store.stats()["blocks"] == 8
+    time.sleep(3)  # past the 2-second retention
+    assert store.stats()["blocks"] == 0 and store.stats()["expired_not_deleted"] == 8
+    again = serve(short, agent)  # 7 device hits (the 8th block computed)
+    assert again.num_cached_tokens == 7 * BS and again.outputs[0].token_ids == refs[SHORT]
+    assert store.stats()["blocks"] == 8 and store.stats()["expired_not_deleted"] == 0  # rewritten
+    other_tokens = serve(other).outputs[0].token_ids  # 2-second records; evicts short's device blocks
+    time.sleep(3)
+    assert serve(short).num_cached_tokens == 7 * BS  # from the store (rewritten): evicts other's
+    recomputed = serve(other, agent)
+    assert recomputed.num_cached_tokens < 7 * BS and recomputed.outputs[0].token_ids == other_tokens
+    assert store.stats()["blocks"] == 16 and store.stats()["expired_not_deleted"] == 0
+    fresh = tiny(model_dir, f"local://{tmp_path}").generate([other], GREEDY)[0]
+    assert fresh.num_cached_tokens == 7 * BS and fresh.outputs[0].token_ids == other_tokens
+
+
 def test_kv_cli_ls_stats_gc_through_subprocess(model, tmp_path, capsys):
     model_dir, prompts, refs = model
     root = tmp_path / "store"

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 GC_INTERVAL_S = 600.0  # the writer thread runs store.gc() this often (expired blocks, stale temp files)
 LOAD_THREADS = 4  # store reads in parallel (file I/O and crc32 release the GIL)
 PREFAULT_BYTES = 256 * 2**20  # host buffers touched at start, off the critical path (see HostPool)
+REVALIDATE_S = 600.0  # a block the store held already (another writer's, or loaded) is trusted this long
 
 
 class BlockCopier:
@@ -151,7 +152,13 @@ class KVTiers:
         self._loads: dict[str, Future] = {}  # request id -> load of its store blocks
         self._loaded: set[str] = set()  # requests whose load finished (no second lookup)
         self._writes: list[Future] = []
-        self._known: set[bytes] = set()  # keys already in the store or queued for it
+        # key -> time.time() until which it is surely in the store (or queued for it): a block
+        # produced again before then is not copied again; after then it is offered again, and
+        # the store rewrites it if its record expired (retention is per write, not forever).
+        self._known: dict[bytes, float] = {}
+        retention = getattr(store, "retention_seconds", None)
+        self._retention: dict[str, float] = dict(retention()) if callable(retention) else {}
+        self._trust_s = min([REVALIDATE_S, *self._retention.values()])
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._last_gc = time.monotonic()
@@ -241,8 +248,9 @@ class KVTiers:
         self.counters["load_bytes"] += len(keys) * self.copier.block_bytes
         self.counters["store_blocks_loaded"] += n
         self.counters["store_blocks_missed"] += len(keys) - n
+        trusted = time.time() + self._trust_s  # the record's own expiry is not known here
         with self._lock:
-            self._known.update(keys[:n])
+            self._known.update(dict.fromkeys(keys[:n], trusted))
         return list(zip(keys[:n], bufs[:n]))
 
     def _read_chunk(self, lease, bufs: Sequence[torch.Tensor]) -> list[bool]:
@@ -268,12 +276,16 @@ class KVTiers:
     def write_back(self, requests: Sequence[Request]) -> None:
         """After a step: copy each request's newly computed full blocks to host buffers and
         queue them for the store. Runs on the step loop before any block can be reused;
-        never raises (a block that is not written is only recomputed later)."""
+        never raises (a block that is not written is only recomputed later). Its time on the
+        step loop is counted in ``write_back_step_seconds`` (the issue's decode-overhead line)."""
+        start = time.perf_counter()
         try:
             self._write_back(requests)
         except Exception:
             log.exception("KV write-back failed; the blocks stay in the device cache only")
             self.counters["write_failures"] += 1
+        self.counters["write_back_step_seconds"] += time.perf_counter() - start
+        self.counters["write_back_steps"] += 1
 
     def _write_back(self, requests: Sequence[Request]) -> None:
         bs = self.kv.block_size
@@ -282,12 +294,13 @@ class KVTiers:
             if full <= req.num_stored_blocks:
                 continue
             batch = []
+            now = time.time()
             for i in range(req.num_stored_blocks, full):
                 key = req.block_keys[i]
                 with self._lock:
-                    if key in self._known:
+                    if self._known.get(key, 0.0) > now:
                         continue
-                    self._known.add(key)
+                    self._known[key] = now + REVALIDATE_S  # queued; the writer sets the real time
                 buf = self.host.get(key)
                 if buf is None:
                     buf = self.host.new_buffer()
@@ -304,24 +317,32 @@ class KVTiers:
         by_key = dict(batch)
         ticket = None
         try:
+            start = time.time()  # before the store stamps its expiry: never later than it
             ticket = self.store.reserve_write([k for k, _ in batch], retention)
+            reserved = set(ticket.keys)
+            held = [k for k in by_key if k not in reserved]  # the store has them already
+            with self._lock:
+                self._known.update(dict.fromkeys(held, start + self._trust_s))
             if not ticket.keys:
                 return
             self.store.write_from(ticket, [memoryview(by_key[k].numpy()) for k in ticket.keys])
-            wanted = len(ticket.keys)
+            wanted, ticket_keys = len(ticket.keys), ticket.keys
             made = self.store.commit(ticket, [True] * wanted)
             ticket = None
             self.counters["blocks_written"] += made
-            if made < wanted:  # dropped by the store (a full disk at commit, a lost race)
-                self.counters["blocks_not_committed"] += wanted - made
-                with self._lock:
-                    self._known.difference_update(by_key)
+            with self._lock:
+                self._known.update(dict.fromkeys(ticket_keys, start + self._retention.get(retention, self._trust_s)))
+                if made < wanted:  # dropped by the store (a full disk at commit, a lost race)
+                    self.counters["blocks_not_committed"] += wanted - made
+                    for key in by_key:
+                        self._known.pop(key, None)
             self._maybe_gc()
         except Exception as exc:
             self.counters["write_failures"] += 1
             log.warning("KV store write-back of %d blocks failed (they stay recomputable): %s", len(batch), exc)
             with self._lock:
-                self._known.difference_update(by_key)
+                for key in by_key:
+                    self._known.pop(key, None)
             if ticket is not None:
                 try:
                     self.store.commit(ticket, [False] * len(ticket.keys))  # drops the temp data
@@ -334,6 +355,10 @@ class KVTiers:
         if time.monotonic() - self._last_gc < GC_INTERVAL_S:
             return
         self._last_gc = time.monotonic()
+        now = time.time()
+        with self._lock:
+            for key in [k for k, until in self._known.items() if until <= now]:
+                del self._known[key]  # offered again when produced again
         try:
             self.counters["gc_removed"] += self.store.gc()
         except Exception as exc:

@@ -413,6 +413,11 @@ class LocalDiskKVStore:
         return count
 
     # -- misc -----------------------------------------------------------------------------
+    def retention_seconds(self) -> dict[str, float]:
+        """Each retention class's lifetime in seconds (the engine's writer uses it to know
+        when a block it wrote has expired and must be written again when it reappears)."""
+        return dict(self._retention)
+
     def stats(self) -> dict:
         with self._lock:
             now = time.time()

@@ -154,6 +154,11 @@ class MemoryKVStore:
             self._counters["evictions"] += 1
 
     # -- misc -----------------------------------------------------------------------------
+    def retention_seconds(self) -> dict[str, float]:
+        """Each retention class's lifetime in seconds (the engine's writer uses it to know
+        when a block it wrote has expired and must be written again when it reappears)."""
+        return dict(self._retention)
+
     def stats(self) -> dict:
         with self._lock:
             return {
