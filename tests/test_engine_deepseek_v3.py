@@ -47,7 +47,7 @@ def prompts():
 
 def test_greedy_tokens_match_transformers(checkpoint):
     path, hf = checkpoint
-    llm = LLM(str(path), device="cpu", kv_cache_blocks=24)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=24)
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     for p, out in zip(prompts(), outs):
         with torch.no_grad():
@@ -57,7 +57,7 @@ def test_greedy_tokens_match_transformers(checkpoint):
 
 def test_logits_match_transformers_in_one_flat_batch(checkpoint):
     path, hf = checkpoint
-    llm = LLM(str(path), device="cpu", kv_cache_blocks=24)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=24)
     runner = llm.engine.runner
     ps = prompts()
     # every prompt in one step, each in its own (non-contiguous, reversed) blocks
@@ -80,7 +80,7 @@ def test_logits_match_transformers_in_one_flat_batch(checkpoint):
 def test_prefix_cache_and_preemption_keep_outputs(checkpoint):
     path, _ = checkpoint
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    big = LLM(str(path), device="cpu", kv_cache_blocks=24)
+    big = LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=24)
     reference = big.generate(prompts(), params)
     again = big.generate(prompts(), params)
     assert [o.num_cached_tokens for o in again] == [(n - 1) // 128 * 128 for n in PROMPT_LENS]
@@ -93,7 +93,7 @@ def test_prefix_cache_and_preemption_keep_outputs(checkpoint):
     crowd = [torch.randint(2, 384, (120,), generator=g).tolist() for _ in range(3)]
     long_params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     expected = big.generate(crowd, long_params)
-    small = LLM(str(path), device="cpu", kv_cache_blocks=4)
+    small = LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=4)
     squeezed = small.generate(crowd, long_params)
     assert small.engine.scheduler.num_preemptions > 0
     for a, b in zip(expected, squeezed):

@@ -35,7 +35,7 @@ import hashlib, json, os, signal, sys, time
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.request import Request
 cfg = json.loads(sys.argv[1])
-llm = LLM(cfg["model"], device="cpu", kv_cache_blocks=40, kv_store=cfg["url"])
+llm = LLM(cfg["model"], device="cpu", dtype="float32", kv_cache_blocks=40, kv_store=cfg["url"])
 store = llm.engine.tiers.store
 if cfg.get("die") == "before_commit":  # every temp record complete, none committed
     real_write = store.write_from
@@ -134,7 +134,7 @@ def deepinfer_kv_here(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def tiny(model_dir: str, url: str) -> LLM:
-    return LLM(model_dir, device="cpu", kv_cache_blocks=40, kv_store=url)
+    return LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=40, kv_store=url)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

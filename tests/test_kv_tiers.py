@@ -30,7 +30,7 @@ TEXT = " ".join(f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps ove
 
 
 def smollm2(url: str | None, **kw) -> LLM:
-    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=24, kv_store=url, **kw)
+    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=24, kv_store=url, **{"dtype": "float32", **kw})
 
 
 def block_keys(llm: LLM, ids: list[int]) -> list[bytes]:
@@ -220,10 +220,10 @@ def test_deepseek_v3_mla_blocks_through_the_store_match_transformers(tmp_path):
     prompt = torch.randint(2, 384, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     url = f"local://{tmp_path / 'store'}"
-    first = LLM(str(tmp_path / "ckpt"), device="cpu", kv_cache_blocks=8, kv_store=url)
+    first = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="float32", kv_cache_blocks=8, kv_store=url)
     a = first.generate([prompt], params)[0]
     first.engine.tiers.flush()
-    b = LLM(str(tmp_path / "ckpt"), device="cpu", kv_cache_blocks=8, kv_store=url).generate([prompt], params)[0]
+    b = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="float32", kv_cache_blocks=8, kv_store=url).generate([prompt], params)[0]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 300, dtype=torch.long), max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 256

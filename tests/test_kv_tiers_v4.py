@@ -46,18 +46,18 @@ def test_v4_block_kv_served_from_the_store_by_a_new_engine(checkpoint, tmp_path)
         prompt = torch.randint(2, TINY_V4_KWARGS["vocab_size"], (600,), generator=torch.Generator().manual_seed(31)).tolist()
         ref = reference(hf, prompt)
         url = f"local://{tmp_path / 'store'}"
-        a = LLM(path, device="cpu", kv_cache_blocks=16, kv_store=url)
+        a = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, kv_store=url)
         first = a.generate([prompt], greedy())[0]
         a.engine.tiers.flush()
         assert a.engine.stats()["kv_tiers"]["blocks_written"] == 4  # (600 + 9) // 128 full blocks
-        b = LLM(path, device="cpu", kv_cache_blocks=16, kv_store=url)
+        b = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, kv_store=url)
         second = b.generate([prompt], greedy())[0]
         assert first.num_cached_tokens == 0 and second.num_cached_tokens == 512
         assert b.engine.stats()["kv_tiers"]["store_blocks_loaded"] == 4
         assert first.outputs[0].token_ids == ref and second.outputs[0].token_ids == ref
         # a prefix hit from the store with a new suffix: state rebuilt at 384, then 150 new tokens
         branch = prompt[:384] + torch.randint(2, TINY_V4_KWARGS["vocab_size"], (150,), generator=torch.Generator().manual_seed(32)).tolist()
-        c = LLM(path, device="cpu", kv_cache_blocks=16, kv_store=url)
+        c = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, kv_store=url)
         out = c.generate([branch], greedy(12))[0]
         assert out.num_cached_tokens == 384 and out.outputs[0].token_ids == reference(hf, branch, 12)
     finally:

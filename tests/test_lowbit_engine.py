@@ -1,4 +1,4 @@
-"""The engine's CPU default on a block-quantized GGUF: packed low-bit weights.
+"""The engine's CPU default (``dtype="auto"``) on a block-quantized GGUF: packed low-bit weights.
 
 The reference is the same engine with ``dtype="float32"``, which dequantizes the same file
 (itself pinned to transformers by test_engine_smollm2.py); the Q8_0 file is written by the
@@ -43,7 +43,7 @@ def _greedy(path: str, dtype: str, n: int) -> tuple[list[list[int]], LLM]:
 
 
 def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
-    lowbit, llm = _greedy(q8_gguf, "lowbit", 64)
+    lowbit, llm = _greedy(q8_gguf, "auto", 64)  # the default
     assert describe_weights(llm.engine.model) == "low-bit: 121 q8<Q8_0>"  # 4 linear modules per layer x 30, + the tied head
     dense, ref = _greedy(q8_gguf, "float32", 64)
     assert describe_weights(ref.engine.model) == "dense"
@@ -51,10 +51,12 @@ def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
     assert identical >= 14, f"only {identical}/16 prompts identical over 64 tokens"
 
 
-def test_lowbit_keeps_the_file_s_q4_1_and_q8_0_weights_packed():
-    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8)
+def test_the_default_keeps_the_file_s_q4_1_and_q8_0_weights_packed_and_says_why(caplog):
+    with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.llm_engine"):
+        llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)
     # qkv fused, o, gate+up fused, down: 4 modules per layer (of 7 tensors); the tied Q8_0 head
     assert describe_weights(llm.engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
+    assert "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0> (block-quantized GGUF on CPU: weights kept packed" in caplog.text
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out[0].outputs[0].text
 
@@ -67,6 +69,7 @@ def test_without_kernels_lowbit_loads_dense_weights_and_says_why(monkeypatch, ca
     assert "no C compiler found" in caplog.text
 
 
-def test_default_serves_dense_weights_until_lowbit_is_faster():
-    llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)
-    assert describe_weights(llm.engine.model) == "dense"
+def test_lowbit_by_name_is_the_default_and_a_float_dtype_pins_dense_weights():
+    assert describe_weights(LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8).engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
+    dense = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=8).engine
+    assert describe_weights(dense.model) == "dense" and dense.weights_choice == "dense weights: a float dtype was asked for"

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", help="a text file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (the first usable installed platform)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, auto (CPU: bfloat16 with AVX512-BF16/AMX, else float32; bfloat16 elsewhere) or lowbit (CPU: keep a quantized GGUF's weights packed; experimental)")
+    p.add_argument("--dtype", default="auto", help="auto (CPU: a quantized GGUF's weights kept packed, low-bit kernels; dense weights bfloat16 with AVX512-BF16/AMX, else float32; bfloat16 elsewhere), lowbit (the same), or float32 / bfloat16 / float16 (dense; float32 is the exact reference)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice, one per core; on a busy machine fewer is faster)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most (the Python API's SamplingParams defaults to 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

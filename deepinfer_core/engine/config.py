@@ -16,10 +16,11 @@ _DTYPES = {
 class EngineConfig:
     model: str
     device: str = "auto"
-    # auto: on CPU bfloat16 where it has bf16 dot products (AVX512-BF16/AMX) else float32;
-    # bfloat16 elsewhere. lowbit: like auto, but a block-quantized GGUF keeps its low-bit weights
-    # packed (deepinfer_core.lowbit) -- opt-in until its kernels beat the dense path (see
-    # benchmarks/README.md). Any other dtype loads dense weights (float32: the exact reference).
+    # auto: on CPU a block-quantized GGUF keeps its low-bit weights packed (deepinfer_core.lowbit,
+    # float32 activations; the fastest CPU path, benchmarks/README.md) where the kernels run;
+    # dense weights compute in bfloat16 where the CPU has bf16 dot products (AVX512-BF16/AMX),
+    # else float32; bfloat16 off the CPU. lowbit: the same as auto (kept as an explicit name).
+    # Any other dtype loads dense weights (float32: the exact reference the tests pin).
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -66,5 +67,5 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def allows_lowbit(self, device_type: str) -> bool:
-        """Serve a block-quantized checkpoint's weights packed (``dtype="lowbit"`` on CPU)."""
-        return self.dtype == "lowbit" and device_type == "cpu"
+        """Serve a block-quantized checkpoint's weights packed (``auto`` or ``lowbit`` on CPU)."""
+        return self.dtype in ("auto", "lowbit") and device_type == "cpu"

@@ -50,6 +50,7 @@ class LLMEngine:
             config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend,
             allow_lowbit=config.allows_lowbit(self.platform.device_type),
         )
+        self.weights_choice = loading.weights_choice(self.files, self.device, config.allows_lowbit(self.platform.device_type))
         self.dtype = ctx.dtype  # low-bit weights run float32 activations
         self.num_fused = fused_ops.install(self.model, self.host.fused_ops(self.platform)) if config.fused_ops else 0
         self.tokenizer = self.files.tokenizer
@@ -97,7 +98,7 @@ class LLMEngine:
         self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None)
         self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
         self._in_flight: overlap.InFlight | None = None
-        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB); weights %s%s", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), _cpu_note(self.platform.device_type))
+        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), self.weights_choice, _cpu_note(self.platform.device_type))
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()

@@ -84,6 +84,15 @@ def lowbit_unavailable(files: ModelFiles, device: torch.device) -> str | None:
     return native.load().reason or None
 
 
+def weights_choice(files: ModelFiles, device: torch.device, allow_lowbit: bool) -> str:
+    """Why the weights are packed or dense, for the start-up line (``dtype`` as the user gave it
+    decides ``allow_lowbit``: ``auto``/``lowbit`` on CPU allow it, a float dtype pins dense)."""
+    if not allow_lowbit:
+        return "dense weights: a float dtype was asked for" if files.quantized_weights is not None else "dense checkpoint"
+    why_not = lowbit_unavailable(files, device)
+    return f"dense weights: {why_not}" if why_not else "block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference)"
+
+
 def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False):
     """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
     provider's implementation for every layer; None takes the host's default order.

@@ -22,7 +22,7 @@ TEXT = " ".join(f"Shelf {i} holds {i * 5} {['apples', 'pears', 'plums'][i % 3]}.
 
 
 def engine(url: str | None) -> LLM:
-    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=16, block_size=BS, kv_store=url)
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=16, block_size=BS, kv_store=url)
 
 
 @pytest.fixture(scope="module")

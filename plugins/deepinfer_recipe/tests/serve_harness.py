@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 MODEL = "smollm2-135m-instruct"
-ENGINE_ARGS = {"max_model_len": 1024, "kv_cache_blocks": 40, "max_num_seqs": 8, "block_size": 32}
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 1024, "kv_cache_blocks": 40, "max_num_seqs": 8, "block_size": 32}
 MAX_QUEUE = 4
 
 
@@ -73,7 +73,7 @@ def start_in_thread(model: str = MODEL, model_name: str = MODEL, **overrides) ->
 def start_subprocess(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """``deepinfer serve`` as a child process; returns (process, base url) once /health answers."""
     port = free_port()
-    args = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--max-model-len", "1024",
+    args = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
             "--kv-cache-blocks", "40", "--block-size", "32", "--max-num-seqs", "8", "--log-level", "warning", *extra]
     proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
