@@ -247,7 +247,7 @@ def test_an_expired_block_is_written_again_by_the_engine_that_wrote_it(model, tm
     served from the rewritten records. Rewrites use the 3-day "agent" class, so only the
     first writes expire during the test (2 seconds)."""
     model_dir, prompts, refs = model
-    llm = LLM(model_dir, device="cpu", kv_cache_blocks=12, kv_host_pool_gib=1e-6, kv_store=f"local://{tmp_path}?retention_seconds=chat:2")  # host pool: 1 block
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=12, kv_host_pool_gib=1e-6, kv_store=f"local://{tmp_path}?retention_seconds=chat:2")  # host pool: 1 block
     store = llm.engine.tiers.store
     short, other = prompts[SHORT], prompts[LONG][:SHORT]
     agent = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, kv_retention="agent")
