@@ -6,6 +6,7 @@ the codec's shape); this module holds the server's state and the plain routes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ from .conversation import ConversationPreparer
 from .exchange import ProtocolRoute
 from .front import EngineFront
 from .metrics import ServerMetrics
+from .sampling_defaults import SamplingDefaults, model_sampling_defaults
+
+log = logging.getLogger(__name__)
 
 
 class NoProtocolCodecs(RuntimeError):
@@ -25,6 +29,7 @@ class ServerConfig:
     model_name: str
     max_queue: int = 64  # requests waiting beyond the running batch before 429
     retry_after_s: int = 1
+    sampling_defaults: str = "model"  # "model": the model's recommended sampling; "protocol": each API's
 
 
 class Server:
@@ -41,7 +46,13 @@ class Server:
         self.metrics = ServerMetrics(config.model_name)
         self.front = EngineFront(engine, max_queue=config.max_queue, on_output=self.metrics.on_output, on_step=self.metrics.on_step,
                                  on_abort=self.metrics.on_abort)
-        self.preparer = ConversationPreparer(engine, host)
+        files = getattr(engine, "files", None)
+        if config.sampling_defaults == "model" and files is not None:
+            self.sampling_defaults = model_sampling_defaults(files.source)
+        else:
+            self.sampling_defaults = SamplingDefaults()
+        log.info("sampling defaults for requests that leave them unset: %s", self.sampling_defaults.describe())
+        self.preparer = ConversationPreparer(engine, host, self.sampling_defaults)
         self.app = self._build_app()
 
     def _build_app(self):

@@ -24,6 +24,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the running batch before 429 (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
+    p.add_argument("--sampling-defaults", default="model", choices=("model", "protocol"),
+                   help="for requests that leave temperature / top_p / top_k unset: the model's recommendation (generation_config.json, "
+                        "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine options")
     engine.add_argument("--device", default="auto")
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine(config, host)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return _fail(f"error: {exc}")
-    server = Server(engine, host, ServerConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue))
+    server = Server(engine, host, ServerConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue, sampling_defaults=args.sampling_defaults))
     serve(server.app, args.host, args.port, args.drain_timeout, args.log_level)
     if engine.tiers is not None:  # queued KV write-backs reach the store before exit
         engine.tiers.flush(timeout=args.drain_timeout + 30)

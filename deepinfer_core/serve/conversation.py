@@ -15,6 +15,7 @@ from ..chat_prompt import check_conversation, encode_chat
 from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError
 from ..engine.sampling_params import SamplingParams
 from .grammar import GrammarCompiler
+from .sampling_defaults import SamplingDefaults
 from .tool_calls import HermesToolParser, template_messages, template_renders_tools, tool_call_tag, tools_active
 
 DEFAULT_MAX_TOKENS = 8192
@@ -43,8 +44,9 @@ class PlainTextParser:
 class ConversationPreparer:
     """Everything the server needs to know about the model to turn requests into work."""
 
-    def __init__(self, engine, host) -> None:
+    def __init__(self, engine, host, defaults: SamplingDefaults | None = None) -> None:
         self.engine = engine
+        self.defaults = defaults or SamplingDefaults()  # for fields a request leaves unset
         self.tokenizer = engine.tokenizer
         self.encoding = None
         config = engine.model.config if isinstance(engine.model.config, dict) else {}
@@ -128,9 +130,9 @@ class ConversationPreparer:
         uses_native_parser = self.encoding is not None
         try:
             params = SamplingParams(
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if not request.top_p else request.top_p,
-                top_k=int(extra.get("top_k", 0)),
+                temperature=self.defaults.temperature if request.temperature is None else request.temperature,
+                top_p=self.defaults.top_p if request.top_p is None else request.top_p or 1.0,
+                top_k=int(extra["top_k"]) if extra.get("top_k") is not None else self.defaults.top_k,
                 presence_penalty=float(extra.get("presence_penalty", 0.0)),
                 frequency_penalty=float(extra.get("frequency_penalty", 0.0)),
                 seed=request.seed,

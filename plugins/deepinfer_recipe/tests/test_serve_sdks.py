@@ -4,6 +4,7 @@ tool-result round trip, the Responses API, legacy completions and the model list
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import jsonschema
@@ -179,3 +180,29 @@ def test_responses_function_call_round_trip(oai):
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny and 22 degrees Celsius."}],
     )
     assert follow_up.output_text.strip()
+
+
+def test_unset_sampling_fields_take_the_models_recommendation(oai, served, monkeypatch):
+    """The APIs document temperature 1 as their default, and SmolLM2-135M sampled at 1 answers
+    this question with fiction; unset fields take the model card's values (0.2 / 0.9), so the
+    plain SDK call a new user writes mostly gets a sensible answer. A value the request sends wins."""
+    seen = []
+    add = served.server.engine.add_request
+    monkeypatch.setattr(served.server.engine, "add_request", lambda ids, params, **kw: seen.append(params) or add(ids, params, **kw))
+
+    def answers(**sampling):  # 8 seeds at once (one batch)
+        def ask(seed):
+            reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, seed=seed, **sampling)
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(ask, range(1, 9)))
+
+    unset = answers()
+    assert {(p.temperature, p.top_p) for p in seen} == {(0.2, 0.9)}
+    hot = answers(temperature=1.0, top_p=1.0)
+    assert {(p.temperature, p.top_p) for p in seen[8:]} == {(1.0, 1.0)}
+    assert sum("Paris" in a for a in unset) >= 6 > sum("Paris" in a for a in hot), (unset, hot)
+    claude_reply = anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300).messages.create(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
+    assert (seen[-1].temperature, seen[-1].top_p) == (0.2, 0.9) and claude_reply.content[0].text
