@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from recipe_testdata import DATA, load
@@ -139,3 +140,20 @@ def test_parse_goes_on_where_the_reference_raises(name, content, calls):
         got = parse(chunks, vector["thinking_mode"] == "thinking")
         assert got["content"] == content
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["tool_calls"]] == calls
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    ({"role": "system", "content": 5}, "messages[0].content"),                    # reference: "5"
+    ({"role": "tool", "content": {"a": 1}, "tool_call_id": "c"}, "messages[0].content"),  # reference: "{'a': 1}"
+    ({"role": "user", "content": ["text"]}, "messages[0].content[0]"),
+    ({"role": "assistant", "reasoning_content": 3}, "messages[0].reasoning_content"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"name": "f"}]}, "messages[0].tool_calls[0]"),
+    ({"content": "no role"}, "messages[0]"),
+])
+def test_reference_messages_of_the_wrong_shape_are_refused_naming_the_field(message, field):
+    """The reference renders Python's str() of a non-string content (or raises); we refuse with
+    the field's name instead of rendering it, crashing with "'int' object is not iterable", or
+    silently dropping it."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)} must be"):
+        conversation_from_reference([message])
