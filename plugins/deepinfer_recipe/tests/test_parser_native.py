@@ -1,10 +1,11 @@
-"""The V4 parser's C quiet push (``deepseek_v4/_quiet.c``) against the pure-Python one.
+"""The V4 parser's C base class (``deepseek_v4/_quiet.c``) against the pure-Python quiet push.
 
-The helper is compiled at first use; where a C compiler and the interpreter's headers exist it
-must build (a broken build fails here instead of silently falling back). Both implementations
-must give exactly the one-shot parse for any text and any chunking, including pieces the C path
-hands back to Python (bars, lone surrogates, ``str`` subclasses) and non-ASCII text it stores as
-UTF-8.
+The helper is compiled when the parser is first imported; where a C compiler and the
+interpreter's headers exist it must build (a broken build fails here instead of silently
+falling back). Every implementation (C base storing quiet pieces, C base with the Python
+closure, pure-Python base) must give exactly the one-shot parse for any text and any chunking,
+including pieces the C path hands back to Python (bars, lone surrogates, ``str`` subclasses) and
+non-ASCII text it stores as UTF-8.
 """
 from __future__ import annotations
 
@@ -18,19 +19,29 @@ import types
 import pytest
 
 from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native
+from deepinfer_recipe.deepseek_v4.parser import ParserLogic, PythonBase
+
+
+class PythonOnlyParser(ParserLogic, PythonBase):
+    """The parser as built where the C base is not available."""
+
 
 HELPER = native.load()
 CAN_BUILD = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or os.environ.get("CC")
 CAN_BUILD = bool(CAN_BUILD) and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-needs_helper = pytest.mark.skipif(HELPER.module is None, reason=f"C quiet push unavailable here: {HELPER.reason}")
+BASE = native.quiet_base()
+needs_helper = pytest.mark.skipif(
+    BASE is None or not issubclass(DeepSeekV4Parser, BASE),
+    reason=f"the parser has no C base here: {HELPER.reason or 'DEEPINFER_NATIVE_PARSER=0'}",
+)
 
 HEAD = 'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">'
 TAIL = '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
 WORDS = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "中文 ", "🌍", "é ", "\ud800", "x" * 40]
 
 
-def parse(pieces, accelerate: bool) -> tuple:
-    parser = DeepSeekV4Parser(thinking=False, accelerate=accelerate)
+def parse(pieces, accelerate: bool, cls=DeepSeekV4Parser) -> tuple:
+    parser = cls(thinking=False, accelerate=accelerate)
     outs = [parser.push(p) for p in pieces] + [parser.finish()]
     return ("".join(o.content for o in outs), [(c.name, c.arguments) for o in outs for c in o.tool_calls])
 
@@ -48,11 +59,13 @@ def test_long_quiet_run_is_stored_by_the_c_helper():
     parser = DeepSeekV4Parser(thinking=False, accelerate=True)
     for piece in [HEAD] + ["abcd"] * 20:
         parser.push(piece)
-    assert isinstance(parser.push, types.BuiltinFunctionType)
-    python = DeepSeekV4Parser(thinking=False, accelerate=False)
-    for piece in [HEAD] + ["abcd"] * 20:
-        python.push(piece)
-    assert isinstance(python.push, types.FunctionType)
+    assert isinstance(parser, BASE) and parser._q_on and len(parser._q_buffer) > 40
+    assert isinstance(parser.push, types.BuiltinMethodType)
+    for cls in (DeepSeekV4Parser, PythonOnlyParser):
+        python = cls(thinking=False, accelerate=False)
+        for piece in [HEAD] + ["abcd"] * 20:
+            python.push(piece)
+        assert isinstance(python.push, types.FunctionType) and not python._q_on
 
 
 @needs_helper
@@ -70,6 +83,7 @@ def test_c_and_python_quiet_push_equal_the_one_shot_parse(seed):
         i += step
     assert parse(pieces, accelerate=True) == whole
     assert parse(pieces, accelerate=False) == whole
+    assert parse(pieces, accelerate=True, cls=PythonOnlyParser) == whole
 
 
 class Piece(str):
@@ -83,6 +97,7 @@ def test_str_subclass_and_truncated_output_in_quiet_state():
     assert json.loads(calls[0][1]) == {"a": "abcd" * 10 + "efgh" + "ijkl" * 10}
     # a length stop inside the argument: stored pieces are flushed by finish, the call is dropped
     assert parse(pieces, accelerate=True) == parse(pieces, accelerate=False) == ("ok", [])
+    assert parse(pieces + [TAIL], accelerate=True, cls=PythonOnlyParser) == (content, calls)
 
 
 def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
@@ -92,8 +107,11 @@ def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
     assert helper.module is None and "failed" in helper.reason
     assert os.listdir(tmp_path / "native") == []  # no half-written file left behind
     monkeypatch.setattr(native, "load", lambda: helper)
+    assert native.quiet_base() is None
     pieces = [HEAD] + ["abcd"] * 30 + [TAIL]
-    assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False)
+    parser = DeepSeekV4Parser(thinking=False)  # the class was built with the C base: not used now
+    assert not parser._native
+    assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False, cls=PythonOnlyParser)
 
 
 def test_environment_switch_turns_the_helper_off(monkeypatch):
@@ -101,4 +119,4 @@ def test_environment_switch_turns_the_helper_off(monkeypatch):
     parser = DeepSeekV4Parser(thinking=False)
     for piece in [HEAD] + ["abcd"] * 20:
         parser.push(piece)
-    assert isinstance(parser.push, types.FunctionType)
+    assert isinstance(parser.push, types.FunctionType) and not parser._native

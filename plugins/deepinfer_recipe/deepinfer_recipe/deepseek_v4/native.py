@@ -1,14 +1,14 @@
-"""Build and load ``_quiet.c`` (the V4 parser's quiet push) once per machine and interpreter.
+"""Build and load ``_quiet.c`` (the V4 parser's C base class) once per machine and interpreter.
 
-Why a C helper at all: a long tool argument is streamed a few characters per ``push``, and on a
-small CPU one Python-level call per piece costs more than the whole one-shot parse of the text
-(measured in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one
-function, compiled at first use with whatever C compiler the machine has (``CC``, ``cc``,
-``gcc``, ``clang``) against the running interpreter's headers, in well under a second. It is
-cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``)
-keyed by a hash of the source, flags and interpreter. Nothing is required: without a compiler
-or headers, or with ``DEEPINFER_NATIVE_PARSER=0``, the parser keeps its pure-Python quiet push,
-which behaves the same.
+Why C at all: a long tool argument is streamed a few characters per ``push``, and on a small CPU
+one Python-level call per piece costs more than the whole one-shot parse of the text (measured
+in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one small type,
+compiled when the parser module is first imported, with whatever C compiler the machine has
+(``CC``, ``cc``, ``gcc``, ``clang``) against the running interpreter's headers, in well under a
+second. It is cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or
+``~/.cache/deepinfer``) keyed by a hash of the source, flags and interpreter. Nothing is
+required: without a compiler or headers, or with ``DEEPINFER_NATIVE_PARSER=0`` set before the
+import, the parser uses its pure-Python quiet push, which behaves the same.
 """
 from __future__ import annotations
 
@@ -88,3 +88,11 @@ def load() -> QuietHelper:
     except ImportError as exc:
         return QuietHelper(None, f"loading {target} failed: {exc}")
     return QuietHelper(module)
+
+
+def quiet_base() -> type | None:
+    """The C base class of the parser, or None (not built here, or turned off)."""
+    if not enabled():
+        return None
+    module = load().module
+    return None if module is None else module.QuietBase

@@ -80,18 +80,24 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def _nothing_to_flush() -> None:
-    """The pure-Python quiet push stores pieces where the parser reads them."""
+class PythonBase:
+    """Where the C base (``native.QuietBase``) cannot be built: ``push`` is the general path,
+    and the parser shadows it per instance with a pure-Python quiet push."""
+
+    _q_on = False  # never set here: quiet pieces go through the closure instead
+
+    def push(self, text: str) -> ParsedOutput:
+        return self._push(text)
 
 
-class DeepSeekV4Parser:
-    """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest."""
+class ParserLogic:
+    """Everything but ``push``, which the base class provides (see :class:`DeepSeekV4Parser`)."""
 
     def __init__(
         self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None
     ) -> None:
-        """``accelerate``: use the C quiet push where it builds (None: unless
-        ``DEEPINFER_NATIVE_PARSER=0``); False keeps the pure-Python one. Same results either way."""
+        """``accelerate``: let the C base store quiet pieces where it was built (None: unless
+        ``DEEPINFER_NATIVE_PARSER=0``); False uses the pure-Python quiet push. Same results."""
         self.tags = tags
         self.stop = tuple(s for s in stop if s)
         self._finish: str | None = None
@@ -103,67 +109,67 @@ class DeepSeekV4Parser:
         self._pieces: list[str] = []
         self._append = self._pieces.append  # the one list, cleared and refilled, never replaced
         self._since_bar = 0
-        self._quiet_push, self._flush_quiet = self._make_quiet_push(native.enabled() if accelerate is None else accelerate)
+        base = native.quiet_base()
+        self._native = base is not None and isinstance(self, base) and (native.enabled() if accelerate is None else accelerate)
+        if self._native:
+            self._q_nothing = NOTHING
+        self._quiet_push = self._make_quiet_push()
+        self._shadowed = False  # whether the quiet closure shadows the class's push
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
         # every closing marker contains the full-width bar, so a window without one completes none
         self._window = max(len(m) for m in self._block_markers) - 1
         self._param_tag = f"<{DSML}{tags.parameter}"
         self._invoke_tag = f"<{DSML}{tags.invoke}"
 
-    def push(self, text: str) -> ParsedOutput:
+    def _push(self, text: str) -> ParsedOutput:
+        """``push`` in general: every piece outside the quiet state, and the one that ends it."""
+        if self._q_on:  # the C push hands over a piece it does not store
+            self._leave_quiet()
         if self.state is TOOL_CALLS:
             bar = text.rfind("｜")
             self._since_bar = len(text) - bar - 1 if bar != -1 else self._since_bar + len(text)
             if not self._completes_marker(text):
                 self._append(text)
-                if self._since_bar >= self._window:  # no marker can be in progress
-                    self.push = self._quiet_push  # shadows this method until a bar arrives
+                if self._since_bar >= self._window:  # no marker can be in progress: quiet state
+                    if self._native:
+                        self._q_on = True  # the C push stores the next pieces itself
+                    else:
+                        self.push, self._shadowed = self._quiet_push, True  # until a bar arrives
                 return NOTHING
         self._join(text)
         return self._drain(final=False)
 
     def finish(self) -> ParsedOutput:
-        self._flush_quiet()
+        if self._q_on:
+            self._leave_quiet()
         self._join("")
         out = self._drain(final=True)
         self.state, self._buf = DONE, ""
         return out
 
     # -- internals --------------------------------------------------------------------------
-    def _make_quiet_push(self, accelerate: bool) -> tuple[Callable[[str], ParsedOutput], Callable[[], None]]:
-        """``push`` while an argument streams in and no closing marker can be in progress, and
-        what must run before the pieces it stored are read.
+    def _leave_quiet(self) -> None:
+        """The C push's stored pieces (UTF-8) become one piece among the others."""
+        self._q_on = False
+        buffer = self._q_buffer
+        if buffer:
+            self._append(buffer.decode())
+            buffer.clear()
 
-        A served model pushes a few characters at a time, so per-call cost is what a long
-        argument costs. The C helper (``native``) stores bar-free pieces in a byte buffer with
-        no Python frame at all; the fallback closure only tests for the bar and stores the piece
-        (no attribute lookups). A piece with a bar hands control back to the general
-        :meth:`push` (removing the instance attribute that shadows it)."""
-        helper = native.load() if accelerate else None
-        if helper is not None and helper.module is not None:
-            buffer = bytearray()
-
-            def flush() -> None:
-                if buffer:
-                    self._append(buffer.decode())
-                    buffer.clear()
-
-            def leave(text: str) -> ParsedOutput:
-                flush()
-                del self.push
-                return self.push(text)
-
-            return helper.module.make(buffer, NOTHING, leave), flush
-
+    def _make_quiet_push(self) -> Callable[[str], ParsedOutput]:
+        """The pure-Python quiet push: while an argument streams in and no closing marker can be
+        in progress, only test for the bar and store the piece (no attribute lookups). A piece
+        with a bar removes this shadowing instance attribute and takes the general path."""
         def quiet_push(text: str, append=self._append, bar="｜", nothing=NOTHING) -> ParsedOutput:
             # defaults, not globals or closure cells: the fastest lookups CPython has
             if bar in text:
                 del self.push
-                return self.push(text)
+                self._shadowed = False
+                return self._push(text)
             append(text)
             return nothing
 
-        return quiet_push, _nothing_to_flush
+        return quiet_push
 
     def _completes_marker(self, text: str) -> bool:
         """Whether a closing marker ends inside ``text`` (looks at most one marker back)."""
@@ -186,7 +192,9 @@ class DeepSeekV4Parser:
 
     def _park(self) -> None:
         """After draining: still inside a block, keep the buffer as one piece."""
-        self.__dict__.pop("push", None)
+        if self._shadowed:  # (a flag, not self.__dict__: touching that would cost every push a
+            del self.push   # dictionary lookup, as CPython stops specializing the method lookup)
+            self._shadowed = False
         self._since_bar = 0
         if self.state == TOOL_CALLS and self._buf:
             self._append(self._buf)
@@ -279,3 +287,11 @@ class DeepSeekV4Parser:
                 params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
             pos = end + len(close)
         return ToolCall(name=head.group(1), arguments=arguments_text(params))
+
+
+class DeepSeekV4Parser(ParserLogic, native.quiet_base() or PythonBase):
+    """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest.
+
+    ``push`` comes from the base class: the C ``QuietBase`` where it builds (a method CPython
+    finds with its specialized lookup, storing quiet pieces without a Python frame), else
+    :class:`PythonBase`. Either way anything but a quiet piece goes to :meth:`_push`."""
