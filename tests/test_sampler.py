@@ -44,6 +44,14 @@ def test_top_p_support_is_the_smallest_prefix_reaching_p():
     assert got <= allowed and len(got) == len(allowed)
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-9])
+def test_top_p_below_float32_range_still_keeps_the_most_likely_token(top_p):
+    """The nucleus always holds the most likely token. A top_p that rounds to 0 in float32
+    (1e-300, 1e-50) used to mask every token, and the NaN row sampled token 0."""
+    lg = logits(seed=3)
+    assert draws(lg, lambda seed: row(seed=seed, temperature=1.0, top_p=top_p), n=20) == {int(lg[0].argmax())}
+
+
 def test_min_p_excludes_unlikely_tokens():
     lg = logits()
     probs = lg[0].softmax(-1)

@@ -103,6 +103,7 @@ def _filter_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p  # keep the token that crosses
+        drop_sorted[0] = False  # and always the most likely one (a top_p that is 0 in float32 dropped all)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, neg_inf)
     if p.min_p > 0.0:
