@@ -8,7 +8,11 @@ in the same run: streaming should stay within a small factor of it, at every siz
     python benchmarks/parser_streaming.py                # 64 KB .. 1 MB, 4-character pieces
     python benchmarks/parser_streaming.py --sizes 1048576 --piece 1 --repeats 5
 
-Needs only the recipe plugin (``pip install -e plugins/deepinfer_recipe``).
+Streamed is measured twice: with the parser as installed (its C base class where it was built,
+see ``deepseek_v4/native.py``) and with its pure-Python quiet push (the fallback, the same class
+with ``accelerate=False``). The three runs of each repeat are interleaved, so a change in machine
+load between them biases no column. Needs only the recipe plugin
+(``pip install -e plugins/deepinfer_recipe``).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import argparse
 import json
 import time
 
-from deepinfer_recipe.deepseek_v4 import make_parser
+from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native
 
 D = "｜DSML｜"
 
@@ -31,9 +35,9 @@ def completion(size: int) -> str:
             f"</{D}invoke>\n</{D}tool_calls><｜end▁of▁sentence｜>")
 
 
-def run(pieces: list[str]) -> tuple[float, int]:
+def run(pieces: list[str], accelerate: bool = True) -> tuple[float, int]:
     start = time.perf_counter()
-    parser = make_parser({"thinking": False})
+    parser = DeepSeekV4Parser(thinking=False, accelerate=accelerate)
     calls = [c for p in pieces for c in parser.push(p).tool_calls] + list(parser.finish().tool_calls)
     elapsed = time.perf_counter() - start
     assert len(calls) == 1
@@ -46,15 +50,23 @@ def main() -> None:
     ap.add_argument("--piece", type=int, default=4, help="characters per streamed piece")
     ap.add_argument("--repeats", type=int, default=3, help="best of R runs each")
     args = ap.parse_args()
-    print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole |")
-    print("|---:|---:|---:|---:|---:|")
+    base = native.quiet_base()
+    print(f"parser base: {'C (QuietBase)' if base is not None and issubclass(DeepSeekV4Parser, base) else 'pure Python'}"
+          f"{'' if native.load().module else ' - ' + native.load().reason}")
+    print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push (s) | its ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         text = completion(size)
         pieces = [text[i:i + args.piece] for i in range(0, len(text), args.piece)]
-        whole = min(run([text])[0] for _ in range(args.repeats))
-        streamed, got = min(run(pieces) for _ in range(args.repeats))
-        assert got == size
-        print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {streamed:.3f} | {whole:.4f} | {streamed / whole:.1f}x |")
+        whole, streamed, python = [], [], []
+        for _ in range(args.repeats):
+            whole.append(run([text])[0])
+            elapsed, got = run(pieces)
+            assert got == size
+            streamed.append(elapsed)
+            python.append(run(pieces, accelerate=False)[0])
+        w, s_, p = min(whole), min(streamed), min(python)
+        print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x |")
 
 
 if __name__ == "__main__":
