@@ -20,7 +20,7 @@ import pytest
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.kv_store.local import LocalDiskKVStore, stored_namespaces
 from deepinfer_core.kv_store import KVStoreConfig
-from deepinfer_core.kv_store.records import HEADER_BYTES
+from deepinfer_core.kv_store.records import payload_offset
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -116,7 +116,7 @@ def open_namespace(root) -> LocalDiskKVStore:
 
 def payload_digest(path: str, key_hex: str) -> str:
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()[HEADER_BYTES + len(bytes.fromhex(key_hex)) :]).hexdigest()
+        return hashlib.sha256(f.read()[payload_offset(bytes.fromhex(key_hex)) :]).hexdigest()
 
 
 def deepinfer_kv(*args: str) -> subprocess.CompletedProcess:

@@ -34,7 +34,7 @@ from .request import Request
 
 log = logging.getLogger(__name__)
 GC_INTERVAL_S = 600.0  # the writer thread runs store.gc() this often (expired blocks, stale temp files)
-LOAD_THREADS = 4  # store reads in parallel (file I/O and crc32 release the GIL)
+LOAD_THREADS = 4  # store reads in parallel (file I/O and crc32c release the GIL)
 PREFAULT_BYTES = 256 * 2**20  # host buffers touched at start, off the critical path (see HostPool)
 REVALIDATE_S = 600.0  # a block the store held already (another writer's, or loaded) is trusted this long
 

@@ -4,17 +4,21 @@ One block is one file::
 
     +-------------------------- header (44 bytes, little endian) ---------------------------+
     | magic "DIKV" | version u16 | key_len u16 | namespace fp 16B | payload_len u64 |        |
-    | expires_at f64 | crc32 u32                                                           |
+    | expires_at f64 | crc32c u32                                                          |
     +-------------------------------------------------------------------------------------+
-    | key (key_len bytes)                                                                 |
+    | key (key_len bytes), then zero bytes up to the next multiple of 64                  |
     +-------------------------------------------------------------------------------------+
     | payload (payload_len bytes: the block's KV bytes)                                   |
     +-------------------------------------------------------------------------------------+
 
 Why each field: the namespace fingerprint and the key make a record that landed at the wrong
 path (another model, dtype or rank; a hash collision in a file name) a miss instead of wrong
-KV; the payload length catches truncation; the crc32 over header, key and payload catches torn
-or flipped bytes. ``expires_at`` lets a reader tell an expired record without a directory scan.
+KV; the payload length catches truncation; the CRC-32C over header, key and payload catches
+torn or flipped bytes (CRC-32C, not zlib's CRC-32: the CPU computes it in hardware, 10x faster
+here, and a load verifies every byte it reads; version 1 records used zlib's and are misses).
+The payload starts at a multiple of :data:`PAYLOAD_ALIGN` in the file: a read whose file offset
+is not cache-line aligned copied out of the page cache 2.5-3x slower here (60 vs 64 bytes:
+0.9-1.2 vs 2.8-3.3 GB/s), and the padding (the zero bytes) is not covered by the checksum. ``expires_at`` lets a reader tell an expired record without a directory scan.
 
 The file I/O itself goes through a :class:`RecordIO` so that a backend can swap POSIX calls
 for another client (3FS USRBIO) and keep the format and its checks in one place.
@@ -28,14 +32,16 @@ import shutil
 import stat
 import struct
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from crc32c import crc32c
+
 MAGIC = b"DIKV"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sHH16sQdI")
 HEADER_BYTES = _HEADER.size
+PAYLOAD_ALIGN = 64
 
 
 def namespace_fingerprint(namespace: str) -> bytes:
@@ -43,9 +49,14 @@ def namespace_fingerprint(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=16, person=b"deepinfer-kv-ns").digest()
 
 
+def payload_offset(key: bytes) -> int:
+    """Where a record's payload starts: header and key, rounded up to :data:`PAYLOAD_ALIGN`."""
+    return -(-(HEADER_BYTES + len(key)) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+
+
 def record_bytes(key: bytes, payload_len: int) -> int:
     """Total size of a well-formed record file (lets a directory scan spot truncation)."""
-    return HEADER_BYTES + len(key) + payload_len
+    return payload_offset(key) + payload_len
 
 
 @dataclass(frozen=True)
@@ -59,13 +70,14 @@ class RecordHeader:
 
 def _checksum(namespace_fp: bytes, key: bytes, payload_len: int, expires_at: float, payload) -> int:
     prefix = _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, payload_len, expires_at, 0)
-    return zlib.crc32(payload, zlib.crc32(key, zlib.crc32(prefix)))
+    return crc32c(payload, crc32c(key, crc32c(prefix)))
 
 
 def encode_header(namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float) -> bytes:
-    """Header followed by the key; the payload is written after it unchanged (no copy)."""
+    """Header, key and padding; the payload is written after it unchanged (no copy)."""
     crc = _checksum(namespace_fp, key, len(payload), expires_at, payload)
-    return _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, len(payload), expires_at, crc) + key
+    head = _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, len(payload), expires_at, crc) + key
+    return head + bytes(payload_offset(key) - len(head))
 
 
 def decode_header(data: bytes | memoryview, namespace_fp: bytes, key: bytes) -> RecordHeader | None:
@@ -156,6 +168,28 @@ class RecordIO(Protocol):
 class PosixRecordIO:
     """Plain ``os`` calls; the default everywhere, including on a 3FS FUSE mount."""
 
+    def read_parts(self, path: str, outs: Sequence[memoryview]) -> int:
+        """Read the file from its start into ``outs`` back to back (one open, one ``preadv``
+        for a whole record: header, key and payload land in their own buffers, no copy);
+        return the bytes read. Same rules as :meth:`read_file`."""
+        fd = open_regular(path)
+        try:
+            views = [memoryview(o).cast("B") for o in outs]
+            done = 0
+            while views:
+                n = os.preadv(fd, views, done)
+                if n == 0:
+                    break
+                done += n
+                while views and n >= len(views[0]):  # drop the parts filled, cut a partial one
+                    n -= len(views[0])
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+            return done
+        finally:
+            os.close(fd)
+
     def write_file(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -190,14 +224,18 @@ def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: m
     """Read the record at ``path`` into ``out`` (payload only). False, with ``out`` in an
     unspecified state, when the file is missing, short, of another namespace/key, or fails
     its checksum: the caller treats that as a miss."""
-    head = bytearray(HEADER_BYTES + len(key))
+    head = bytearray(payload_offset(key))
     try:
-        if io.read_file(path, 0, memoryview(head)) != len(head):
+        read_parts = getattr(io, "read_parts", None)
+        if read_parts is not None:  # one open and one read for the whole record
+            if read_parts(path, [memoryview(head), out]) != len(head) + len(out):
+                return False
+        elif io.read_file(path, 0, memoryview(head)) != len(head):
             return False
         header = decode_header(head, namespace_fp, key)
         if header is None or header.payload_len != len(out) or header.expires_at <= time.time():
             return False  # not this record, or past its retention: a miss
-        if io.read_file(path, len(head), out) != len(out):
+        if read_parts is None and io.read_file(path, len(head), out) != len(out):
             return False
     except OSError:
         return False
