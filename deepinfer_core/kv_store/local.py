@@ -166,11 +166,16 @@ class LocalDiskKVStore:
         return None if header is None else header.expires_at
 
     def _day_dirs(self, retention: str) -> list[tuple[int, str]]:
-        try:
-            items = list(os.scandir(self._dir / retention))
-        except FileNotFoundError:
+        """The day buckets of a retention class: real directories only (a symlink planted in
+        the tree is never followed: it would read, or let gc delete, files outside the root)."""
+        top = self._dir / retention
+        if os.path.islink(top):
             return []
-        return [(int(d.name), d.path) for d in items if d.name.isdigit() and d.is_dir()]
+        try:
+            items = list(os.scandir(top))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [(int(d.name), d.path) for d in items if d.name.isdigit() and d.is_dir(follow_symlinks=False)]
 
     def _lookup(self, key: bytes) -> _Entry | None:
         """Index first, then the disk (another process may have committed it)."""
@@ -184,7 +189,7 @@ class LocalDiskKVStore:
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
-                if _bucket_end(day) > now and is_regular_file(path):  # a FIFO or directory is a miss
+                if _bucket_end(day) > now and is_regular_file(path) and not os.path.islink(path.parent):  # a FIFO, directory or symlink is a miss
                     expires_at = self._record_expiry(str(path), key) if day == int(now // DAY) else _bucket_end(day)
                     if expires_at is None or expires_at <= now:
                         continue
@@ -222,7 +227,7 @@ class LocalDiskKVStore:
             paths = [self._pinned_path(k) if k in pinned else None for k in lease.keys]
         # I/O outside the lock: pinned files are not deleted by this process meanwhile.
         results = [
-            path is not None and read_record(self.io, path, self._fp, key, memoryview(buf).cast("B"))
+            path is not None and self._inside(path) and read_record(self.io, path, self._fp, key, memoryview(buf).cast("B"))
             for key, path, buf in zip(lease.keys, paths, buffers)
         ]
         _touch([p for p, ok in zip(paths, results) if ok])  # LRU order for other processes
@@ -244,12 +249,27 @@ class LocalDiskKVStore:
         if entry is not None and entry.path == path:
             del self._index[key]
         self._leases.forget_retired(key)
-        remove_file(path)
+        self._remove_record(path)
+
+    def _inside(self, path: str) -> bool:
+        """False when a directory between the namespace directory and the record is a
+        symlink (planted after the record was indexed): such a path is neither read nor
+        deleted, since it leads outside the root. Three ``lstat`` calls per record."""
+        parent = os.path.dirname(path)
+        for _ in range(3):  # key prefix, day, retention
+            if os.path.islink(parent):
+                return False
+            parent = os.path.dirname(parent)
+        return parent == str(self._dir)
+
+    def _remove_record(self, path: str) -> None:
+        if self._inside(path):
+            remove_file(path)
 
     def release(self, lease: ReadLease) -> None:
         with self._lock:
             for _key, path in self._leases.release(lease):
-                remove_file(path)
+                self._remove_record(path)
             self._evict_to_capacity()
 
     # -- writes ---------------------------------------------------------------------------
@@ -268,6 +288,7 @@ class LocalDiskKVStore:
         written: dict[bytes, str] = {}
         try:
             for key, buffer in zip(ticket.keys, buffers):
+                _real_dir(self._tmp)
                 tmp = str(self._tmp / f"{key.hex()}.{os.getpid()}.{self._token}.{ticket.ticket_id}.tmp")
                 remove_file(tmp)  # a second write_from on the same ticket replaces the first
                 try:
@@ -332,7 +353,8 @@ class LocalDiskKVStore:
     def _publish(tmp: str, final: Path) -> None:
         """Rename a complete temp record into place. Whatever is not a regular file at the
         final path (a directory, a FIFO) is cleared first: it would be a miss forever."""
-        final.parent.mkdir(parents=True, exist_ok=True)
+        for level in (final.parents[2], final.parents[1], final.parent):  # retention, day, key prefix
+            _real_dir(level)
         if os.path.lexists(final) and not is_regular_file(final):
             remove_file(final)
         os.replace(tmp, final)  # atomic: readers see nothing or the whole record
@@ -349,7 +371,7 @@ class LocalDiskKVStore:
         if self._leases.is_pinned(key):
             self._leases.retire(key, entry.path)
         else:
-            remove_file(entry.path)
+            self._remove_record(entry.path)
 
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
@@ -359,7 +381,7 @@ class LocalDiskKVStore:
         now = time.time()
         expired = [k for k, e in self._index.items() if e.expires_at <= now]
         for key in eviction_victims(self._index, len(self._index), capacity, self._leases, expired):
-            remove_file(self._index.pop(key).path)
+            self._remove_record(self._index.pop(key).path)
             self._counters["evictions"] += 1
 
     def gc(self, now: float | None = None) -> int:
@@ -386,6 +408,8 @@ class LocalDiskKVStore:
                     elif day == today:  # records expiring today: their headers say when
                         count += self._gc_bucket(day_dir, now)
             live = {tmp for tmp, _ in self._tickets.live_temp_values()}
+            if os.path.islink(self._tmp):  # never list (and delete in) a directory elsewhere
+                remove_file(self._tmp)
             for item in _files_under(str(self._tmp), depth=0):
                 if item.path not in live and _mtime_size(item)[0] + self._reservation_s <= now:
                     remove_file(item.path)
@@ -471,8 +495,16 @@ def _files_under(directory: str, depth: int = 1) -> list[os.DirEntry]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     if depth == 0:
-        return [e for e in entries if not e.is_dir()]
-    return [f for e in entries if e.is_dir() for f in _files_under(e.path, depth - 1)]
+        return [e for e in entries if not e.is_dir(follow_symlinks=False)]
+    return [f for e in entries if e.is_dir(follow_symlinks=False) for f in _files_under(e.path, depth - 1)]
+
+
+def _real_dir(path: Path) -> None:
+    """Make ``path`` a real directory: a symlink there (planted, or left by anything) is
+    removed first, so that nothing is written through it to a place outside the root."""
+    if os.path.islink(path):
+        remove_file(path)
+    path.mkdir(parents=True, exist_ok=True)
 
 
 LRU_STEP_NS = 10_000  # mtime step between a chain's blocks (above float mtime resolution)
@@ -486,7 +518,7 @@ def _touch(paths: Sequence[str]) -> None:
     now = time.time_ns()
     for i, path in enumerate(paths):
         try:
-            os.utime(path, ns=(now - i * LRU_STEP_NS, now - i * LRU_STEP_NS))
+            os.utime(path, ns=(now - i * LRU_STEP_NS, now - i * LRU_STEP_NS), follow_symlinks=False)
         except OSError:
             pass  # gone meanwhile: nothing to order
 
@@ -494,7 +526,7 @@ def _touch(paths: Sequence[str]) -> None:
 def _mtime_size(entry: os.DirEntry) -> tuple[float, int | None]:
     """(mtime, size), or (inf, None) for a file that vanished meanwhile: nothing to do."""
     try:
-        stat = entry.stat()
+        stat = entry.stat(follow_symlinks=False)  # a symlink's own size: never a record's
     except FileNotFoundError:
         return float("inf"), None
     return stat.st_mtime, stat.st_size
