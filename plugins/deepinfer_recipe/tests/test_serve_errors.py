@@ -162,15 +162,48 @@ def test_fifty_disconnecting_clients_free_everything(served):
     assert (health["in_flight"], health["running"], health["waiting"], health["kv_usage"]) == (0, 0, 0, 0.0), health
 
 
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from /proc (Linux, as CI)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        table[int(entry)] = (int(fields[1]), fields[19])  # ppid, starttime (fields 4 and 22 of stat)
+    return table
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    table, found, frontier = _process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, start) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
 def test_sigterm_drains_and_exits_zero():
+    """SIGTERM mid-stream: the stream finishes, the server exits 0, and no process it started
+    (at any depth) outlives it."""
     proc, url = start_subprocess()
     try:
         with httpx.Client(base_url=url, timeout=120) as client, client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}) as response:
             assert response.status_code == 200
+            children = _descendants(proc.pid)  # whatever the server runs while it serves
             proc.send_signal(signal.SIGTERM)  # mid-stream: the stream still finishes
             text = response.read().decode()
         assert text.rstrip().endswith("data: [DONE]")
         assert proc.wait(120) == 0
+        table = _process_table()
+        survivors = {pid for pid, start in children.items() if pid in table and table[pid][1] == start}  # same pid and start: the same process
+        assert not survivors, f"processes the server started are still running: {survivors}"
+        assert not _descendants(proc.pid)
     finally:
         if proc.poll() is None:
             proc.kill()
