@@ -45,7 +45,7 @@ class Server:
         self.engine = engine
         self.metrics = ServerMetrics(config.model_name)
         self.front = EngineFront(engine, max_queue=config.max_queue, on_output=self.metrics.on_output, on_step=self.metrics.on_step,
-                                 on_abort=self.metrics.on_abort)
+                                 on_abort=self.metrics.on_abort, on_early_stop=self.metrics.on_early_stop)
         files = getattr(engine, "files", None)
         if config.sampling_defaults == "model" and files is not None:
             self.sampling_defaults = model_sampling_defaults(files.source)

@@ -101,7 +101,7 @@ class ProtocolRoute:
         from starlette.responses import StreamingResponse
 
         front = self.server.front
-        frames = start_frames_thread(self.codec, conversation, sink, prepared.new_parser(), lambda: front.abort(request_id), loop)
+        frames = start_frames_thread(self.codec, conversation, sink, prepared.new_parser(), lambda: front.stop_early(request_id), loop)
 
         async def body():
             while (frame := await frames.get()) is not None:

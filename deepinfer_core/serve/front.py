@@ -136,12 +136,14 @@ class EngineFront:
         on_output: Callable[[RequestOutput, StepTiming], None] | None = None,
         on_step: Callable[[dict], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
+        on_early_stop: Callable[[str, float], None] | None = None,
     ) -> None:
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queue
         self._on_output = on_output or (lambda out, timing: None)
         self._on_step = on_step or (lambda stats: None)
         self._on_abort = on_abort or (lambda request_id: None)
+        self._on_early_stop = on_early_stop or (lambda request_id, arrival: None)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[RequestSink, Submission, list[float]]] = {}  # step thread only
         self._lock = threading.Lock()
@@ -175,6 +177,11 @@ class EngineFront:
         """Stop a request early (its slot stays taken until its lease is released)."""
         self._commands.put(("abort", request_id, None))
 
+    def stop_early(self, request_id: str) -> None:
+        """End a request whose answer is complete although the engine would go on (its output
+        parser found a stop sequence): freed like an abort, counted as a normal stop."""
+        self._commands.put(("stop", request_id, None))
+
     def _release(self, request_id: str) -> None:
         self.abort(request_id)  # after the request's "add" in the queue; no-op once finished
         with self._lock:
@@ -203,14 +210,17 @@ class EngineFront:
                 return
             self._sinks[payload.request_id] = (sink, payload, [payload.arrival])
             sink.admit(None)
-        elif kind == "abort":
+        elif kind in ("abort", "stop"):
             entry = self._sinks.pop(payload, None)
-            if entry is not None:
+            if entry is not None:  # None: it already finished (or ended) in the engine
                 try:
                     self.engine.abort_request(payload)
                 finally:
                     entry[0].close()
-                    self._on_abort(payload)
+                    if kind == "stop":
+                        self._on_early_stop(payload, entry[1].arrival)
+                    else:
+                        self._on_abort(payload)
         elif kind == "abort_all":
             for request_id in list(self._sinks):
                 self._handle("abort", request_id, None)

@@ -7,6 +7,8 @@ thread safe.
 """
 from __future__ import annotations
 
+import time
+
 from ..engine.outputs import RequestOutput
 from .front import StepTiming
 
@@ -67,8 +69,13 @@ class ServerMetrics:
             self.request_success.labels(self.model_name, completion.finish_reason or "abort").inc()
 
     def on_abort(self, request_id: str) -> None:
-        """A request stopped before it finished (its client went away, or a stop the parser saw)."""
+        """A request stopped before it finished (its client went away, the server drained)."""
         self.request_success.labels(self.model_name, "abort").inc()
+
+    def on_early_stop(self, request_id: str, arrival: float) -> None:
+        """A request its output parser ended at a stop sequence: a normal stop, not an abort."""
+        self.e2e.observe(time.monotonic() - arrival)
+        self.request_success.labels(self.model_name, "stop").inc()
 
     def on_step(self, stats: dict) -> None:
         self.running.set(stats.get("running", 0))

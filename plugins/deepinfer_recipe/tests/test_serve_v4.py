@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 
 import anthropic
+import httpx
 import openai
 import pytest
 import torch
@@ -204,3 +206,30 @@ def test_emoji_and_cjk_never_stream_a_replacement_character(v4, force):
     assert all("\ufffd" not in p for p in pieces), pieces
     assert "".join(pieces) == TEXT
     assert len(pieces) > 10
+
+
+def test_a_stop_sequence_the_parser_finds_is_a_stop_not_an_abort(v4, force):
+    """V4's stop sequences apply to the answer only, so its parser finds them and the server
+    ends the request early: the metrics count a finished request (reason stop), no abort, and
+    the engine frees it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{v4.base_url}/metrics", timeout=10).text
+        return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "deepinfer:request_success_total"}
+
+    force("Paris is lovely. END and then a long ramble that never stops" * 4 + EOS, by_character=False)
+    before = counts()
+    stream = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0, stream=True,
+                                             reasoning_effort="none", stop=["END"])
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Paris is lovely. "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 30
+    while (after := counts()).get("stop", 0) == before.get("stop", 0):
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after.get("stop", 0) - before.get("stop", 0) == 1
+    assert after.get("abort", 0) == before.get("abort", 0)
+    assert v4.wait_idle()["kv_usage"] == 0.0
