@@ -8,9 +8,9 @@ in the same run: streaming should stay within a small factor of it, at every siz
     python benchmarks/parser_streaming.py                # 64 KB .. 1 MB, 4-character pieces
     python benchmarks/parser_streaming.py --sizes 1048576 --piece 1 --repeats 5
 
-Streamed is measured twice: with the parser as installed (its C base class where it was built,
-see ``deepseek_v4/native.py``) and with its pure-Python quiet push (the fallback, the same class
-with ``accelerate=False``). The three runs of each repeat are interleaved, so a change in machine
+Streamed is measured twice: with the parser as ``make_parser`` gives it (its C front where that
+was built, see ``deepseek_v4/native.py``) and with its pure-Python quiet push (the fallback,
+``accelerate=False``). The three runs of each repeat are interleaved, so a change in machine
 load between them biases no column. Needs only the recipe plugin
 (``pip install -e plugins/deepinfer_recipe``).
 """
@@ -20,7 +20,7 @@ import argparse
 import json
 import time
 
-from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native
+from deepinfer_recipe.deepseek_v4 import native, new_parser
 
 D = "｜DSML｜"
 
@@ -37,7 +37,7 @@ def completion(size: int) -> str:
 
 def run(pieces: list[str], accelerate: bool = True) -> tuple[float, int]:
     start = time.perf_counter()
-    parser = DeepSeekV4Parser(thinking=False, accelerate=accelerate)
+    parser = new_parser(thinking=False, accelerate=accelerate)
     calls = [c for p in pieces for c in parser.push(p).tool_calls] + list(parser.finish().tool_calls)
     elapsed = time.perf_counter() - start
     assert len(calls) == 1
@@ -50,9 +50,9 @@ def main() -> None:
     ap.add_argument("--piece", type=int, default=4, help="characters per streamed piece")
     ap.add_argument("--repeats", type=int, default=3, help="best of R runs each")
     args = ap.parse_args()
-    base = native.quiet_base()
-    print(f"parser base: {'C (QuietBase)' if base is not None and issubclass(DeepSeekV4Parser, base) else 'pure Python'}"
-          f"{'' if native.load().module else ' - ' + native.load().reason}")
+    helper = native.load()
+    print(f"streamed through: {'the C front' if helper.module is not None and native.enabled() else 'the pure-Python push'}"
+          f"{'' if helper.module is not None else ' (' + helper.reason + ')'}")
     print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push (s) | its ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):

@@ -1,38 +1,32 @@
-"""The V4 parser's C base class (``deepseek_v4/_quiet.c``) against the pure-Python quiet push.
+"""The V4 parser's C front (``deepseek_v4/_quiet.c``) against the pure-Python quiet push.
 
-The helper is compiled when the parser is first imported; where a C compiler and the
-interpreter's headers exist it must build (a broken build fails here instead of silently
-falling back). Every implementation (C base storing quiet pieces, C base with the Python
-closure, pure-Python base) must give exactly the one-shot parse for any text and any chunking,
-including pieces the C path hands back to Python (bars, lone surrogates, ``str`` subclasses) and
-non-ASCII text it stores as UTF-8.
+The helper is compiled when the first parser is made; where a C compiler and the interpreter's
+headers exist it must build (a broken build fails here instead of silently falling back). The
+parser with its C front and the parser alone (pure-Python quiet push) must give exactly the
+one-shot parse for any text and any chunking, including pieces the front hands back to Python
+(bars, lone surrogates, ``str`` subclasses) and non-ASCII text it stores as UTF-8.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
 import shutil
 import sysconfig
 import types
+import weakref
 
 import pytest
 
-from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native
-from deepinfer_recipe.deepseek_v4.parser import ParserLogic, PythonBase
-
-
-class PythonOnlyParser(ParserLogic, PythonBase):
-    """The parser as built where the C base is not available."""
-
+from deepinfer_recipe.deepseek_v4 import DeepSeekV4Parser, native, new_parser
 
 HELPER = native.load()
 CAN_BUILD = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or os.environ.get("CC")
 CAN_BUILD = bool(CAN_BUILD) and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-BASE = native.quiet_base()
 needs_helper = pytest.mark.skipif(
-    BASE is None or not issubclass(DeepSeekV4Parser, BASE),
-    reason=f"the parser has no C base here: {HELPER.reason or 'DEEPINFER_NATIVE_PARSER=0'}",
+    HELPER.module is None or not native.enabled(),
+    reason=f"no C front here: {HELPER.reason or 'DEEPINFER_NATIVE_PARSER=0'}",
 )
 
 HEAD = 'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">'
@@ -40,8 +34,8 @@ TAIL = '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="g">
 WORDS = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "中文 ", "🌍", "é ", "\ud800", "x" * 40]
 
 
-def parse(pieces, accelerate: bool, cls=DeepSeekV4Parser) -> tuple:
-    parser = cls(thinking=False, accelerate=accelerate)
+def parse(pieces, accelerate: bool) -> tuple:
+    parser = new_parser(thinking=False, accelerate=accelerate)
     outs = [parser.push(p) for p in pieces] + [parser.finish()]
     return ("".join(o.content for o in outs), [(c.name, c.arguments) for o in outs for c in o.tool_calls])
 
@@ -54,23 +48,25 @@ def test_helper_builds_wherever_a_compiler_and_headers_exist():
 
 
 @needs_helper
-def test_long_quiet_run_is_stored_by_the_c_helper():
+def test_long_quiet_run_is_stored_by_the_c_front():
     """The C path is really the one streaming (else the comparisons below compare Python with itself)."""
-    parser = DeepSeekV4Parser(thinking=False, accelerate=True)
+    front = new_parser(thinking=False, accelerate=True)
+    assert isinstance(front, HELPER.module.Front) and isinstance(front.logic, DeepSeekV4Parser)
     for piece in [HEAD] + ["abcd"] * 20:
-        parser.push(piece)
-    assert isinstance(parser, BASE) and parser._q_on and len(parser._q_buffer) > 40
-    assert isinstance(parser.push, types.BuiltinMethodType)
-    for cls in (DeepSeekV4Parser, PythonOnlyParser):
-        python = cls(thinking=False, accelerate=False)
-        for piece in [HEAD] + ["abcd"] * 20:
-            python.push(piece)
-        assert isinstance(python.push, types.FunctionType) and not python._q_on
+        front.push(piece)
+    assert front._q_on and len(front.logic._pieces) < 10  # the parser holds the first few pieces,
+    stored = front._take()                                 # the front the rest
+    assert "".join(front.logic._pieces) + stored == HEAD[HEAD.index("\n<｜DSML｜invoke"):] + "abcd" * 20
+    python = new_parser(thinking=False, accelerate=False)
+    assert isinstance(python, DeepSeekV4Parser)
+    for piece in [HEAD] + ["abcd"] * 20:
+        python.push(piece)
+    assert isinstance(python.push, types.FunctionType)  # the quiet closure
 
 
 @needs_helper
 @pytest.mark.parametrize("seed", range(30))
-def test_c_and_python_quiet_push_equal_the_one_shot_parse(seed):
+def test_c_front_and_python_quiet_push_equal_the_one_shot_parse(seed):
     rng = random.Random(seed)
     value = "".join(rng.choice(WORDS) for _ in range(rng.randint(20, 150)))
     text = HEAD + value + TAIL
@@ -83,11 +79,10 @@ def test_c_and_python_quiet_push_equal_the_one_shot_parse(seed):
         i += step
     assert parse(pieces, accelerate=True) == whole
     assert parse(pieces, accelerate=False) == whole
-    assert parse(pieces, accelerate=True, cls=PythonOnlyParser) == whole
 
 
 class Piece(str):
-    """A str subclass: the C helper does not trust it and hands it to Python."""
+    """A str subclass: the front does not trust it and hands it to Python."""
 
 
 @needs_helper
@@ -95,9 +90,21 @@ def test_str_subclass_and_truncated_output_in_quiet_state():
     pieces = [HEAD] + ["abcd"] * 10 + [Piece("efgh")] + ["ijkl"] * 10
     content, calls = parse(pieces + [TAIL], accelerate=True)
     assert json.loads(calls[0][1]) == {"a": "abcd" * 10 + "efgh" + "ijkl" * 10}
-    # a length stop inside the argument: stored pieces are flushed by finish, the call is dropped
+    assert parse(pieces + [TAIL], accelerate=False) == (content, calls)
+    # a length stop inside the argument: stored text is taken by finish, the call is dropped
     assert parse(pieces, accelerate=True) == parse(pieces, accelerate=False) == ("ok", [])
-    assert parse(pieces + [TAIL], accelerate=True, cls=PythonOnlyParser) == (content, calls)
+
+
+@needs_helper
+def test_front_and_parser_are_freed():
+    """The front and its parser refer to each other; the cycle must be collectable."""
+    front = new_parser(thinking=False, accelerate=True)
+    for piece in [HEAD] + ["abcd"] * 20:
+        front.push(piece)
+    logic = weakref.ref(front.logic)
+    del front
+    gc.collect()
+    assert logic() is None
 
 
 def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
@@ -107,16 +114,11 @@ def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
     assert helper.module is None and "failed" in helper.reason
     assert os.listdir(tmp_path / "native") == []  # no half-written file left behind
     monkeypatch.setattr(native, "load", lambda: helper)
-    assert native.quiet_base() is None
     pieces = [HEAD] + ["abcd"] * 30 + [TAIL]
-    parser = DeepSeekV4Parser(thinking=False)  # the class was built with the C base: not used now
-    assert not parser._native
-    assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False, cls=PythonOnlyParser)
+    assert isinstance(new_parser(thinking=False, accelerate=True), DeepSeekV4Parser)
+    assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False)
 
 
 def test_environment_switch_turns_the_helper_off(monkeypatch):
     monkeypatch.setenv("DEEPINFER_NATIVE_PARSER", "0")
-    parser = DeepSeekV4Parser(thinking=False)
-    for piece in [HEAD] + ["abcd"] * 20:
-        parser.push(piece)
-    assert isinstance(parser.push, types.FunctionType) and not parser._native
+    assert isinstance(new_parser(thinking=False), DeepSeekV4Parser)

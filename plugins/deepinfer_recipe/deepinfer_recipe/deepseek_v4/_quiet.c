@@ -1,16 +1,16 @@
-/* Base class of the V4 parser whose push() stores quiet pieces in C.
+/* The V4 parser's front object in C: push() stores quiet pieces without a Python frame.
  *
  * Why C: a served model pushes a long tool argument a few characters at a time, and on a small
- * CPU one Python-level call per piece (plus the attribute lookup of a per-instance push) costs
- * more than the whole one-shot parse of the text. As a method of the parser's base type, push
- * is found by CPython's specialized method lookup and runs with no Python frame.
+ * CPU one Python-level call per piece costs more than the whole one-shot parse of the text.
+ * push is a method of this (final) type, so CPython's specialized call reaches it directly.
  *
- * push(text): while _q_on is set (the parser is inside a tool-call block and no closing marker
- * can be in progress), a str piece with no full-width bar (U+FF5C, part of every closing
- * marker) is appended as UTF-8 to _q_buffer and _q_nothing (the shared empty ParsedOutput) is
- * returned. Anything else goes to the Python method _push(text), which flushes the buffer and
- * does the general work. The parser keeps a pure-Python equivalent for machines where this
- * file cannot be compiled.
+ * Front(logic, nothing): logic is the Python parser (DeepSeekV4Parser). While _q_on is set
+ * (inside a tool-call block, no closing marker possibly in progress) a str piece with no
+ * full-width bar (U+FF5C, part of every closing marker) is appended to an internal UTF-8
+ * buffer and `nothing` (the shared empty ParsedOutput) is returned. Every other piece goes to
+ * logic._push(text), which takes the stored text (_take()) and does the general work; finish()
+ * is logic.finish(). Where this file cannot be compiled the parser is used without a front
+ * (its pure-Python quiet push behaves the same).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,88 +21,142 @@
 
 typedef struct {
     PyObject_HEAD
-    PyObject *buffer;  /* bytearray, UTF-8 of the stored pieces */
-    PyObject *nothing; /* returned for a stored piece */
-    char on;           /* quiet state: store bar-free pieces */
-} QuietBase;
+    PyObject *logic;
+    PyObject *nothing;
+    char *data; /* UTF-8 of the stored pieces */
+    Py_ssize_t size, capacity;
+    char on;
+} Front;
 
-static PyObject *general_push_name; /* interned "_push" */
+static PyObject *push_name, *finish_name; /* interned "_push", "finish" */
 
-static PyObject *quiet_push(QuietBase *self, PyObject *text) {
-    if (self->on && self->nothing != NULL && PyUnicode_CheckExact(text)) {
+static int store(Front *self, const char *bytes, Py_ssize_t n) {
+    if (self->size + n > self->capacity) {
+        Py_ssize_t capacity = (self->size + n) * 2 + 64;
+        char *data = PyMem_Realloc(self->data, (size_t)capacity);
+        if (data == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->data = data;
+        self->capacity = capacity;
+    }
+    memcpy(self->data + self->size, bytes, (size_t)n);
+    self->size += n;
+    return 0;
+}
+
+static PyObject *front_push(Front *self, PyObject *text) {
+    if (self->on && PyUnicode_CheckExact(text)) {
+        if (PyUnicode_IS_COMPACT_ASCII(text)) {
+            if (store(self, (const char *)PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text)) < 0)
+                return NULL;
+            Py_INCREF(self->nothing);
+            return self->nothing;
+        }
         Py_ssize_t length = PyUnicode_GET_LENGTH(text);
         if (PyUnicode_KIND(text) == PyUnicode_1BYTE_KIND || PyUnicode_FindChar(text, BAR, 0, length, 1) == -1) {
-            Py_ssize_t size;
-            const char *utf8 = PyUnicode_AsUTF8AndSize(text, &size);
+            Py_ssize_t n;
+            const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n);
             if (utf8 != NULL) {
-                Py_ssize_t used = PyByteArray_GET_SIZE(self->buffer);
-                if (PyByteArray_Resize(self->buffer, used + size) < 0)
+                if (store(self, utf8, n) < 0)
                     return NULL;
-                memcpy(PyByteArray_AS_STRING(self->buffer) + used, utf8, (size_t)size);
                 Py_INCREF(self->nothing);
                 return self->nothing;
             }
             PyErr_Clear(); /* e.g. a lone surrogate (not UTF-8): the Python path keeps it */
         }
     }
-    return PyObject_CallMethodOneArg((PyObject *)self, general_push_name, text);
+    return PyObject_CallMethodOneArg(self->logic, push_name, text);
 }
 
-static PyObject *quiet_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    QuietBase *self = (QuietBase *)type->tp_alloc(type, 0);
+static PyObject *front_finish(Front *self, PyObject *unused) {
+    return PyObject_CallMethodNoArgs(self->logic, finish_name);
+}
+
+static PyObject *front_take(Front *self, PyObject *unused) {
+    PyObject *text = PyUnicode_DecodeUTF8(self->data, self->size, "strict");
+    if (text != NULL)
+        self->size = 0;
+    return text;
+}
+
+static PyObject *front_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *logic, *nothing;
+    static char *names[] = {"logic", "nothing", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Front", names, &logic, &nothing))
+        return NULL;
+    Front *self = (Front *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    self->buffer = PyByteArray_FromStringAndSize(NULL, 0);
-    if (self->buffer == NULL) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    Py_INCREF(logic);
+    self->logic = logic;
+    Py_INCREF(nothing);
+    self->nothing = nothing;
     return (PyObject *)self;
 }
 
-static void quiet_dealloc(QuietBase *self) {
-    Py_CLEAR(self->buffer);
+static int front_traverse(Front *self, visitproc visit, void *arg) {
+    Py_VISIT(self->logic); /* the logic refers back to its front: a cycle the GC must see */
+    Py_VISIT(self->nothing);
+    return 0;
+}
+
+static int front_clear(Front *self) {
+    Py_CLEAR(self->logic);
     Py_CLEAR(self->nothing);
+    return 0;
+}
+
+static void front_dealloc(Front *self) {
+    PyObject_GC_UnTrack(self);
+    front_clear(self);
+    PyMem_Free(self->data);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyMethodDef quiet_methods[] = {
-    {"push", (PyCFunction)quiet_push, METH_O, "Store a quiet piece, else hand it to self._push."},
+static PyMethodDef front_methods[] = {
+    {"push", (PyCFunction)front_push, METH_O, "Store a quiet piece, else logic._push(text)."},
+    {"finish", (PyCFunction)front_finish, METH_NOARGS, "logic.finish()"},
+    {"_take", (PyCFunction)front_take, METH_NOARGS, "The stored text (and forget it)."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyMemberDef quiet_members[] = {
-    {"_q_buffer", T_OBJECT, offsetof(QuietBase, buffer), READONLY, "stored pieces, UTF-8"},
-    {"_q_nothing", T_OBJECT, offsetof(QuietBase, nothing), 0, "returned for a stored piece"},
-    {"_q_on", T_BOOL, offsetof(QuietBase, on), 0, "whether push stores bar-free pieces"},
+static PyMemberDef front_members[] = {
+    {"logic", T_OBJECT, offsetof(Front, logic), READONLY, "the Python parser"},
+    {"_q_on", T_BOOL, offsetof(Front, on), 0, "whether push stores bar-free pieces"},
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject QuietBaseType = {
+static PyTypeObject FrontType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "deepinfer_recipe.deepseek_v4._quiet.QuietBase",
-    .tp_basicsize = sizeof(QuietBase),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Base of the V4 parser: push() stores quiet pieces without a Python frame.",
-    .tp_new = quiet_new,
-    .tp_dealloc = (destructor)quiet_dealloc,
-    .tp_methods = quiet_methods,
-    .tp_members = quiet_members,
+    .tp_name = "deepinfer_recipe.deepseek_v4._quiet.Front",
+    .tp_basicsize = sizeof(Front),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The V4 parser's push in C for quiet pieces; everything else goes to the Python parser.",
+    .tp_new = front_new,
+    .tp_dealloc = (destructor)front_dealloc,
+    .tp_traverse = (traverseproc)front_traverse,
+    .tp_clear = (inquiry)front_clear,
+    .tp_methods = front_methods,
+    .tp_members = front_members,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quiet", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quiet", NULL, -1, NULL, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__quiet(void) {
-    if (general_push_name == NULL && (general_push_name = PyUnicode_InternFromString("_push")) == NULL)
+    if (push_name == NULL && (push_name = PyUnicode_InternFromString("_push")) == NULL)
         return NULL;
-    if (PyType_Ready(&QuietBaseType) < 0)
+    if (finish_name == NULL && (finish_name = PyUnicode_InternFromString("finish")) == NULL)
+        return NULL;
+    if (PyType_Ready(&FrontType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&QuietBaseType);
-    if (PyModule_AddObject(m, "QuietBase", (PyObject *)&QuietBaseType) < 0) {
-        Py_DECREF(&QuietBaseType);
+    Py_INCREF(&FrontType);
+    if (PyModule_AddObject(m, "Front", (PyObject *)&FrontType) < 0) {
+        Py_DECREF(&FrontType);
         Py_DECREF(m);
         return NULL;
     }

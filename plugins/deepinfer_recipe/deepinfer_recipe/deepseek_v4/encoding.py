@@ -18,7 +18,7 @@ from deepinfer_core.codecs import ConversationRequest, EncodedPrompt, OutputPars
 from ..common import EFFORT_LEVELS
 
 from .dsml import V4_TAGS, DsmlTags
-from .parser import DeepSeekV4Parser
+from .parser import new_parser
 from .prompt import RenderOptions, attach_request_level, opens_thinking, render_parts
 from .tokens import EOS, Part, SegmentTokenizer, load_segment_tokenizer, prompt_text
 
@@ -86,9 +86,9 @@ class DeepSeekV4Encoding:
         return make_parser(options or {})
 
 
-def make_parser(options: dict) -> DeepSeekV4Parser:
+def make_parser(options: dict) -> OutputParser:
     """Factory registered under ``deepseek_v4``: options from :meth:`DeepSeekV4Encoding.encode`."""
     from .dsml import V4_1_TAGS
 
     tags = V4_1_TAGS if options.get("dsml_calls_tag") == V4_1_TAGS.calls else V4_TAGS
-    return DeepSeekV4Parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())))
+    return new_parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())))

@@ -1,14 +1,14 @@
-"""Build and load ``_quiet.c`` (the V4 parser's C base class) once per machine and interpreter.
+"""Build and load ``_quiet.c`` (the V4 parser's C front) once per machine and interpreter.
 
 Why C at all: a long tool argument is streamed a few characters per ``push``, and on a small CPU
 one Python-level call per piece costs more than the whole one-shot parse of the text (measured
-in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one small type,
-compiled when the parser module is first imported, with whatever C compiler the machine has
-(``CC``, ``cc``, ``gcc``, ``clang``) against the running interpreter's headers, in well under a
-second. It is cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or
+in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one small type (the
+parser's front), compiled when the first parser is made, with whatever C compiler the machine
+has (``CC``, ``cc``, ``gcc``, ``clang``) against the running interpreter's headers, in well
+under a second. It is cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or
 ``~/.cache/deepinfer``) keyed by a hash of the source, flags and interpreter. Nothing is
-required: without a compiler or headers, or with ``DEEPINFER_NATIVE_PARSER=0`` set before the
-import, the parser uses its pure-Python quiet push, which behaves the same.
+required: without a compiler or headers, or with ``DEEPINFER_NATIVE_PARSER=0``, the parser uses
+its pure-Python quiet push, which behaves the same.
 """
 from __future__ import annotations
 
@@ -89,10 +89,3 @@ def load() -> QuietHelper:
         return QuietHelper(None, f"loading {target} failed: {exc}")
     return QuietHelper(module)
 
-
-def quiet_base() -> type | None:
-    """The C base class of the parser, or None (not built here, or turned off)."""
-    if not enabled():
-        return None
-    module = load().module
-    return None if module is None else module.QuietBase

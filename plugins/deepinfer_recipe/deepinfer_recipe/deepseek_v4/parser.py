@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from deepinfer_core.codecs import ParsedOutput, ToolCall
+from deepinfer_core.codecs import OutputParser, ParsedOutput, ToolCall
 
 from . import native
 from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
@@ -80,24 +80,13 @@ def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class PythonBase:
-    """Where the C base (``native.QuietBase``) cannot be built: ``push`` is the general path,
-    and the parser shadows it per instance with a pure-Python quiet push."""
+class DeepSeekV4Parser:
+    """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest.
 
-    _q_on = False  # never set here: quiet pieces go through the closure instead
+    :func:`new_parser` (what ``make_parser`` uses) puts the C front of ``native`` before it where
+    that was built; used alone, quiet pieces take a pure-Python closure. Same results."""
 
-    def push(self, text: str) -> ParsedOutput:
-        return self._push(text)
-
-
-class ParserLogic:
-    """Everything but ``push``, which the base class provides (see :class:`DeepSeekV4Parser`)."""
-
-    def __init__(
-        self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None
-    ) -> None:
-        """``accelerate``: let the C base store quiet pieces where it was built (None: unless
-        ``DEEPINFER_NATIVE_PARSER=0``); False uses the pure-Python quiet push. Same results."""
+    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = ()) -> None:
         self.tags = tags
         self.stop = tuple(s for s in stop if s)
         self._finish: str | None = None
@@ -109,10 +98,7 @@ class ParserLogic:
         self._pieces: list[str] = []
         self._append = self._pieces.append  # the one list, cleared and refilled, never replaced
         self._since_bar = 0
-        base = native.quiet_base()
-        self._native = base is not None and isinstance(self, base) and (native.enabled() if accelerate is None else accelerate)
-        if self._native:
-            self._q_nothing = NOTHING
+        self._front = None  # the C front that stores quiet pieces, when new_parser set one
         self._quiet_push = self._make_quiet_push()
         self._shadowed = False  # whether the quiet closure shadows the class's push
         self._block_markers = (tags.invoke_close, tags.calls_close, EOS)
@@ -123,7 +109,7 @@ class ParserLogic:
 
     def _push(self, text: str) -> ParsedOutput:
         """``push`` in general: every piece outside the quiet state, and the one that ends it."""
-        if self._q_on:  # the C push hands over a piece it does not store
+        if self._front is not None and self._front._q_on:  # the front hands over a piece it does not store
             self._leave_quiet()
         if self.state is TOOL_CALLS:
             bar = text.rfind("｜")
@@ -131,16 +117,18 @@ class ParserLogic:
             if not self._completes_marker(text):
                 self._append(text)
                 if self._since_bar >= self._window:  # no marker can be in progress: quiet state
-                    if self._native:
-                        self._q_on = True  # the C push stores the next pieces itself
+                    if self._front is not None:
+                        self._front._q_on = True  # the front stores the next pieces itself
                     else:
                         self.push, self._shadowed = self._quiet_push, True  # until a bar arrives
                 return NOTHING
         self._join(text)
         return self._drain(final=False)
 
+    push = _push
+
     def finish(self) -> ParsedOutput:
-        if self._q_on:
+        if self._front is not None and self._front._q_on:
             self._leave_quiet()
         self._join("")
         out = self._drain(final=True)
@@ -149,12 +137,11 @@ class ParserLogic:
 
     # -- internals --------------------------------------------------------------------------
     def _leave_quiet(self) -> None:
-        """The C push's stored pieces (UTF-8) become one piece among the others."""
-        self._q_on = False
-        buffer = self._q_buffer
-        if buffer:
-            self._append(buffer.decode())
-            buffer.clear()
+        """The text the front stored becomes one piece among the others."""
+        self._front._q_on = False
+        text = self._front._take()
+        if text:
+            self._append(text)
 
     def _make_quiet_push(self) -> Callable[[str], ParsedOutput]:
         """The pure-Python quiet push: while an argument streams in and no closing marker can be
@@ -289,9 +276,17 @@ class ParserLogic:
         return ToolCall(name=head.group(1), arguments=arguments_text(params))
 
 
-class DeepSeekV4Parser(ParserLogic, native.quiet_base() or PythonBase):
-    """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest.
 
-    ``push`` comes from the base class: the C ``QuietBase`` where it builds (a method CPython
-    finds with its specialized lookup, storing quiet pieces without a Python frame), else
-    :class:`PythonBase`. Either way anything but a quiet piece goes to :meth:`_push`."""
+def new_parser(
+    *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None
+) -> OutputParser:
+    """A V4 parser; ``accelerate`` (None: unless ``DEEPINFER_NATIVE_PARSER=0``) puts the C front
+    before it where that builds. The front is its own type so that CPython's specialized method
+    call reaches its ``push`` (a Python subclass of a C type loses that), and it hands every
+    piece it does not store to the parser."""
+    parser = DeepSeekV4Parser(thinking=thinking, tags=tags, stop=stop)
+    module = native.load().module if (native.enabled() if accelerate is None else accelerate) else None
+    if module is None:
+        return parser
+    parser._front = module.Front(parser, NOTHING)
+    return parser._front
