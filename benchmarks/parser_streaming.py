@@ -35,11 +35,14 @@ def completion(size: int) -> str:
             f"</{D}invoke>\n</{D}tool_calls><｜end▁of▁sentence｜>")
 
 
-def run(pieces: list[str], accelerate: bool = True) -> tuple[float, int]:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def run(pieces: list[str], accelerate: bool = True, clock=time.perf_counter) -> tuple[float, int]:
+    start = clock()
     parser = new_parser(thinking=False, accelerate=accelerate)
     calls = [c for p in pieces for c in parser.push(p).tool_calls] + list(parser.finish().tool_calls)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     assert len(calls) == 1
     return elapsed, len(json.loads(calls[0].arguments)["text"])
 
@@ -49,7 +52,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="65536,262144,1048576", help="argument sizes in characters")
     ap.add_argument("--piece", type=int, default=4, help="characters per streamed piece")
     ap.add_argument("--repeats", type=int, default=3, help="best of R runs each")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall time, or this thread's CPU time (on a busy shared machine: time spent waiting for a core is left out)")
     args = ap.parse_args()
+    clock = CLOCKS[args.clock]
     helper = native.load()
     print(f"streamed through: {'the C front' if helper.module is not None and native.enabled() else 'the pure-Python push'}"
           f"{'' if helper.module is not None else ' (' + helper.reason + ')'}")
@@ -60,11 +66,11 @@ def main() -> None:
         pieces = [text[i:i + args.piece] for i in range(0, len(text), args.piece)]
         whole, streamed, python = [], [], []
         for _ in range(args.repeats):
-            whole.append(run([text])[0])
-            elapsed, got = run(pieces)
+            whole.append(run([text], clock=clock)[0])
+            elapsed, got = run(pieces, clock=clock)
             assert got == size
             streamed.append(elapsed)
-            python.append(run(pieces, accelerate=False)[0])
+            python.append(run(pieces, accelerate=False, clock=clock)[0])
         w, s_, p = min(whole), min(streamed), min(python)
         print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x |")
 
