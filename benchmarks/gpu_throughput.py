@@ -3,6 +3,7 @@
     python benchmarks/gpu_throughput.py --model v3mini            # random DeepSeek-V3-mini, bf16
     python benchmarks/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
     python benchmarks/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
+    python benchmarks/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64   # random DeepSeek-V4-mini
 
 For each model, in one process (each engine measured after the other was freed):
 
@@ -36,6 +37,15 @@ V3_MINI = dict(
     q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
     n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, n_shared_experts=1,
     routed_scaling_factor=2.5, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+# DeepSeek-V4's layout at V3-mini's scale (released-name bf16 checkpoint, every layer kind:
+# sliding, CSA (rate 4, indexer top-512), HCA (rate 128); 2 hash-routed layers; hyper-connections).
+V4_MINI = dict(
+    vocab_size=129280, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=1,
+    head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=4, o_lora_rank=512,
+    n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=1024, num_hash_layers=2,
+    compress_ratios=[0, 4, 128, 4, 128, 4, 128, 0, 0], compress_rate_hca=128, sliding_window=128,
+    index_n_heads=16, index_head_dim=128, index_topk=512, max_position_embeddings=4096,
 )  # fmt: skip
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
@@ -72,6 +82,12 @@ def make_v3mini(folder: str) -> None:
         model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
+
+
+def make_v4mini(folder: str) -> None:
+    from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint
+
+    write_tiny_v4_checkpoint(folder, weights="bf16", experts="bf16", config=dict(TINY_V4_CONFIG) | V4_MINI, shards=1)
 
 
 def fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +345,7 @@ def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["v3mini", "v3mini-fp8", "smollm2"], default="v3mini")
+    ap.add_argument("--model", choices=["v3mini", "v3mini-fp8", "v4mini", "smollm2"], default="v3mini")
     ap.add_argument("--path", default=None, help="model path (smollm2: the GGUF; default: the installed alias)")
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--steps", type=int, default=32)
@@ -354,6 +370,12 @@ def main() -> int:
             config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
         log(f"{args.model} random checkpoint written in {time.perf_counter() - t:.0f}s")
         path = tmp
+    elif args.model == "v4mini":
+        tmp = tempfile.mkdtemp(prefix="v4mini")
+        t = time.perf_counter()
+        make_v4mini(tmp)
+        log(f"v4mini random checkpoint written in {time.perf_counter() - t:.0f}s")
+        path, config = tmp, V4_MINI
     else:
         from deepinfer_core.engine.loading import resolve_model_path
         from deepinfer_core.plugin_host import default_host
