@@ -183,9 +183,70 @@ class Alignment:
     counts: torch.Tensor  # [E] int64: rows per expert
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, expert_ptr, total_ptr, counts_ptr, num_rows, capacity, num_experts,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """moe_align in one program (decode-sized batches): rows counted per expert, each row's rank
+    among its expert's rows in row order (the stable sort's order), padded offsets by a prefix sum,
+    then every row scattered to its place; ~25 small torch launches per MoE layer become one."""
+    experts = tl.arange(0, E_P)
+    counts = tl.zeros([E_P], tl.int32)
+    for c0 in range(0, num_rows, CHUNK):  # pass 1: rows per expert
+        r = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < num_rows, other=E_P)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, axis=0)
+    for f0 in range(0, capacity, CHUNK):  # padding rows point past the last real row
+        f = f0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + f, tl.full([CHUNK], 0, tl.int32) + num_rows, mask=f < capacity)
+    for t0 in range(0, capacity // BLOCK_M, CHUNK):  # each row tile's expert (searchsorted)
+        t = t0 + tl.arange(0, CHUNK)
+        owner = tl.sum((padded_end[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + t, tl.minimum(owner, num_experts - 1), mask=t < capacity // BLOCK_M)
+    tl.debug_barrier()  # the fill above before the scatter below
+    seen = tl.zeros([E_P], tl.int32)
+    for c0 in range(0, num_rows, CHUNK):  # pass 2: scatter, ranks carried across chunks
+        r = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < num_rows, other=E_P)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
+        dest = tl.sum(onehot * (before + padded_start[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, r, mask=r < num_rows)
+        seen += tl.sum(onehot, axis=0)
+    tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < num_experts)
+    tl.store(total_ptr, total)
+
+
+ALIGN_MAX_ROWS = 2048  # one program up to here (decode batches); larger batches sort with torch
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the T*k (token, choice) rows by expert and pad each expert's run to ``block_m``,
-    with tensor ops only (no host read-back, so capturable in a CUDA graph)."""
+    with no host read-back (capturable in a CUDA graph): one Triton program for decode-sized
+    batches, tensor ops otherwise (the same result)."""
+    num_rows = topk_ids.numel()
+    if 0 < num_rows <= ALIGN_MAX_ROWS and num_experts <= 256:
+        flat = topk_ids.reshape(-1).to(torch.int32)
+        capacity = -(-(num_rows + num_experts * (block_m - 1)) // block_m) * block_m
+        sorted_rows = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+        total = torch.empty(1, dtype=torch.int32, device=flat.device)
+        counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
+        _align_kernel[(1,)](
+            flat, sorted_rows, block_expert, total, counts, num_rows, capacity, num_experts,
+            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=64, num_warps=4,
+        )  # fmt: skip
+        return Alignment(sorted_rows, block_expert, total, counts)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`moe_align` in torch ops (any batch size)."""
     flat = topk_ids.reshape(-1).long()
     num_rows = flat.numel()
     dev = flat.device
