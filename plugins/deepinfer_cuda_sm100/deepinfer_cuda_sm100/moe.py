@@ -24,8 +24,11 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         an order that depends on the batch's shape, and the normalising sum (and the final sum
         over a token's k rows) would otherwise round differently alone and in a batch."""
         from .kernels.invariant import INVARIANT
+        from .kernels.routing import fused_routing_supported, route
 
         if not INVARIANT.get():
+            if fused_routing_supported(spec, correction_bias) and router_logits.dim() == 2:
+                return route(spec, router_logits, correction_bias)  # one launch instead of ~15
             return super().select_experts(spec, router_logits, correction_bias, **kwargs)
         raw = replace(spec, normalize_topk=False, routed_scaling=1.0)
         ids, weights = super().select_experts(raw, router_logits, correction_bias, **kwargs)
