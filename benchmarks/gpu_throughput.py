@@ -267,8 +267,10 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    g = graphs.graphs.get(1) if graphs is not None else None
-    if g is not None:  # what the 1-request step's GPU time is made of (kernels inside the graph)
+    for n in (1, 64):  # what a replayed step's GPU time is made of (kernels inside the graph)
+        g = graphs.graphs.get(n) if graphs is not None else None
+        if g is None:
+            continue
         reps = 20
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
@@ -278,7 +280,7 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
         kernels = [ev for ev in events if getattr(ev, key) > 0]
         total = sum(getattr(ev, key) for ev in kernels) / reps
-        log(f"PROFILE decode N=1 graph: {sum(ev.count for ev in kernels) / reps:.0f} kernels, {total / 1e3:.2f} ms of kernel time per step; top:")
+        log(f"PROFILE decode N={n} graph: {sum(ev.count for ev in kernels) / reps:.0f} kernels, {total / 1e3:.2f} ms of kernel time per step; top:")
         for ev in sorted(kernels, key=lambda ev: -getattr(ev, key))[:14]:
             log(f"  {getattr(ev, key) / reps / 1e3:7.3f} ms  {ev.count / reps:5.0f}x  {ev.key[:90]}")
     import cProfile
