@@ -42,7 +42,7 @@ def act_quant64(x):
 
 @pytest.mark.parametrize(
     "M,N,K,dtype",
-    [(1, 200, 300, torch.float32), (5, 256, 384, torch.bfloat16), (70, 130, 256, torch.bfloat16), (300, 136, 128, torch.bfloat16)],
+    [(1, 200, 300, torch.float32), (5, 256, 384, torch.bfloat16), (70, 130, 256, torch.bfloat16), (300, 136, 128, torch.bfloat16), (300, 136, 256, torch.float32)],
     ids=lambda v: str(v).replace("torch.", ""),
 )
 def test_fp8_linear_matches_dequantized_product(M, N, K, dtype):
@@ -101,7 +101,7 @@ def test_fused_moe_fp8_matches_dequantized_reference(T, dtype, prequant, monkeyp
     plain = ExpertWeights(dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale))
     exact = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, plain)
     want = exact if dtype == torch.float32 else quantized_moe64(hidden, ids, w, plain, dtype)
-    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 128, 128, 4, 2)):
+    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 128, 128, 4, 2), MoEConfig(128, 128, 64, 8, 3)):  # the prefill tile too
         got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < (1e-6 if dtype == torch.float32 else 4e-3), f"{cfg}: relative error {err:.2e}"

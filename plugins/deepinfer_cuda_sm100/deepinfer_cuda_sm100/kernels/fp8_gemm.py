@@ -130,8 +130,8 @@ def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
         return 16, 64, 128, 4, 3
     if M <= 16:
         return 16, (16 if N <= 4096 else 32 if N <= 8192 else 64), 128, 4, 5
-    if M <= 64:
-        return 32, 64, 128, 4, 4
+    if M <= 64:  # one row tile: the weight is read once (a 64-request decode step measured 1.05 ms
+        return 64, 64, 128, 4, 4  # in its 48 dense FP8 GEMMs with two 32-row tiles)
     if M <= 256:
         return 64, 128, 128, 8, 3
     return 128, 128, 128, 8, 3
@@ -158,6 +158,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
         invariant = INVARIANT.get()
         bm, bn, bk, warps, stages = _config(M, N, invariant)
         mode = 0 if x.dtype == torch.float32 else 1 if M < PREQUANT_ROWS or invariant else 2
+        if mode == 0:  # 4-byte A tiles: smaller tiles and two stages fit shared memory
+            bm, bn, warps, stages = min(bm, 64), min(bn, 64), 4, 2
         xs = out  # unused unless mode 2
         if mode == 2:
             x2, xs = act_quant(x2)

@@ -294,6 +294,8 @@ def fused_moe(
     quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
     if fp8:  # one 128-channel activation group and weight scale column per K step
         config = replace(config, block_k=128, block_n=32 if config.block_m == 16 else config.block_n)
+        if not quant_a:  # float32 activations: 4-byte A tiles, so narrower and two stages (shared memory)
+            config = replace(config, block_n=min(config.block_n, 64), num_stages=2)
     preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
     gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
     ds = down_scale if fp8 else topk_weights
