@@ -148,7 +148,10 @@ def deepinfer_batch_invariant_ops(platform: Platform) -> Callable[[], ContextMan
 @hookspec(firstresult=True)
 def deepinfer_fused_ops(platform: Platform) -> FusedOps | None:
     """Offer one-kernel versions of small elementwise chains: RMSNorm, SiLU-and-mul, and MLA's
-    rotary embedding with the query / key concatenation.
+    rotary embedding with the query / key concatenation; and ``fp8_linear``, a GEMM for FP8
+    block-scaled weights. The loader also asks (``engine.loading.keep_fp8``): when the answer has
+    ``fp8_linear``, a DeepSeek FP8 checkpoint's weights stay FP8 (``models.fp8``), also with
+    ``LLM(fused_ops=False)``, where those modules then dequantize on every call.
 
     Called by ``PluginHost.fused_ops()`` once when an engine is built (not with
     ``LLM(fused_ops=False)``); the engine points the model's ``RMSNorm``, gated-MLP and MLA modules
