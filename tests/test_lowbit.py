@@ -103,3 +103,38 @@ def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
     assert features.amx == ("amx_tile" in flags)
     assert features.auto_dtype == (torch.bfloat16 if {"avx512_bf16", "amx_tile"} & flags else torch.float32)
     assert ("avx2" in flags) == native.cpu_supports_kernels()[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
+    """One-token rows read in place from a paged cache (scattered blocks, GQA 9/3 heads) against
+    torch's scaled_dot_product_attention on each request's keys and values taken out by hand."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+    from deepinfer_core.lowbit.attention import PagedDecodeAttention
+
+    g = torch.Generator().manual_seed(5)
+    hkv, heads, hd, bs, nb = 3, 9, 64, 16, 24
+    spec = AttentionLayerSpec(kind=AttentionKind.FULL, layer_index=0, num_heads=heads, num_kv_heads=hkv,
+                              head_dim=hd, v_head_dim=hd, scale=hd**-0.5, window=window)
+    cache = torch.randn(2, hkv, nb, bs, hd, generator=g)
+    positions = torch.tensor([0, 5, 40, 70])  # the new token's position = context length - 1
+    tables = torch.randperm(nb, generator=g)[:20].reshape(4, 5).int()  # each request's blocks
+    q = torch.randn(4, heads, hd, generator=g)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=(positions + 1).int(), positions=positions,
+        slot_mapping=torch.zeros(4, dtype=torch.long), block_tables=tables, block_size=bs, max_query_len=1,
+        max_seq_len=int(positions.max()) + 1,
+    )  # fmt: skip
+    out = PagedDecodeAttention(KERNELS.lib)._forward_decode(spec, q, cache, dataclasses.replace(meta))
+    for r, pos in enumerate(positions.tolist()):
+        first = 0 if window is None else max(0, pos - window + 1)
+        slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(first, pos + 1)])
+        k = cache[0].reshape(hkv, nb * bs, hd)[:, slots]  # [Hkv, n, D]
+        v = cache[1].reshape(hkv, nb * bs, hd)[:, slots]
+        ref = F.scaled_dot_product_attention(q[r][:, None], k, v, scale=spec.scale, enable_gqa=True)[:, 0]  # [H, D]
+        torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)

@@ -154,3 +154,67 @@ void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
     if (M >= PANEL_MIN_M) gemm_panel(x, M, K, kind, qs, d, m, N, y, nthreads);
     else gemm_direct(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
+
+/* Decode attention straight over the paged KV cache: one new query token per request, its keys
+ * and values read where they lie (no gathered copy of the context per layer, which at 32
+ * requests moved more bytes than the arithmetic read). Cache layout as the torch reference's::
+ *
+ *   cache [2, Hkv, num_blocks, bs, W]   plane 0 keys, plane 1 values; slot = block * bs + offset
+ *
+ * Work item = (request, KV head); its G = H / Hkv query heads share each key/value row loaded.
+ * Scores and softmax in float32 (max-subtracted, expf), then the weighted sum of values. Each
+ * request is computed alone: the result never depends on the rest of the batch. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float alpha, const float *x, float *y, int64_t n) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += alpha * x[i];
+}
+
+void paged_decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                            int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+                            const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
+                            float scale, int64_t window, float *out, int nthreads) {
+    const int64_t groups = num_heads / num_kv_heads, plane = num_kv_heads * num_blocks * block_size * width;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_requests * num_kv_heads; item++) {
+        const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+        const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        const int64_t n = last - first + 1;
+        float *scores = (float *)malloc((size_t)(groups * n) * sizeof(float));
+        const float *keys = cache + h * num_blocks * block_size * width;
+        const float *values = keys + plane;
+        const int32_t *table = block_tables + r * max_blocks;
+        for (int64_t s = 0; s < n; s++) {
+            const int64_t p = first + s;
+            const float *k = keys + ((int64_t)table[p / block_size] * block_size + p % block_size) * width;
+            for (int64_t g = 0; g < groups; g++)
+                scores[g * n + s] = dot_f32(q + (r * num_heads + h * groups + g) * head_dim, k, head_dim) * scale;
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            float *sc = scores + g * n, mx = sc[0], total = 0.0f;
+            for (int64_t s = 1; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+            for (int64_t s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); total += sc[s]; }
+            const float inv = 1.0f / total;
+            for (int64_t s = 0; s < n; s++) sc[s] *= inv;
+            float *o = out + (r * num_heads + h * groups + g) * v_head_dim;
+            for (int64_t c = 0; c < v_head_dim; c++) o[c] = 0.0f;
+        }
+        for (int64_t s = 0; s < n; s++) {
+            const int64_t p = first + s;
+            const float *v = values + ((int64_t)table[p / block_size] * block_size + p % block_size) * width;
+            for (int64_t g = 0; g < groups; g++)
+                axpy_f32(scores[g * n + s], v, out + (r * num_heads + h * groups + g) * v_head_dim, v_head_dim);
+        }
+        free(scores);
+    }
+}

@@ -1,0 +1,48 @@
+"""Decode attention for the CPU low-bit path, read in place from the paged KV cache.
+
+The torch reference backend answers a decode step by gathering every request's whole context
+into a fresh ``[Hkv, R, S, D]`` copy per layer (one ``index_select``), then about ten ops on it.
+At 32 requests that copy moved more bytes than the attention arithmetic read, and at one
+request the ops cost more host time than the arithmetic. :class:`PagedDecodeAttention` keeps
+the reference for prefill, mixed and batch-invariant steps and sends one-token rows to
+``paged_decode_attention`` in ``kernels.c``: one call per layer, keys and values read where
+they lie, each request computed alone (float32 scores, softmax and sum).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..attention import AttentionLayerSpec, AttentionMetadata
+from ..attention.torch_ref import TorchAttentionBackend
+
+
+class PagedDecodeAttention(TorchAttentionBackend):
+    name = "torch-reference+paged-decode"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def _forward_decode(self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if spec.kv_shared or q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            return super()._forward_decode(spec, q, kv_cache, meta)
+        R = meta.num_requests
+        q = q.contiguous()  # [R, H, D]
+        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
+        tables = tables.contiguous()  # [R, max_blocks]
+        positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+        out = torch.empty(R, spec.num_heads, spec.v_head_dim)  # [R, H, Dv]
+        _, heads, blocks, bs, width = kv_cache.shape
+        self._lib.paged_decode_attention(
+            q.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.num_heads, spec.head_dim, spec.v_head_dim,
+            tables.data_ptr(), tables.shape[1], positions.contiguous().data_ptr(), R, spec.scale, spec.window or 0,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def paged_decode(backend, lib: ctypes.CDLL):
+    """``backend``, or its paged-decode form when it is the plain torch reference (a backend a
+    plugin provides, or one asked for by name, is kept as it is)."""
+    return PagedDecodeAttention(lib) if type(backend) is TorchAttentionBackend else backend
