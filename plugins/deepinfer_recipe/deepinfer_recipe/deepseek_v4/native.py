@@ -85,7 +85,7 @@ def load() -> QuietHelper:
         spec = importlib.util.spec_from_file_location(f"{__package__}._quiet", target, loader=loader)
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
-    except ImportError as exc:
-        return QuietHelper(None, f"loading {target} failed: {exc}")
+    except Exception as exc:  # ImportError; or a warning raised as an error (a free-threaded build, -W error)
+        return QuietHelper(None, f"loading {target} failed: {type(exc).__name__}: {exc}")
     return QuietHelper(module)
 
