@@ -108,13 +108,15 @@ def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
-    """One-token rows read in place from a paged cache (scattered blocks, GQA 9/3 heads) against
-    torch's scaled_dot_product_attention on each request's keys and values taken out by hand."""
+    """One-token rows written to and read in place from a paged cache (scattered blocks, GQA 9/3
+    heads) against torch's index_put for the write and scaled_dot_product_attention on each
+    request's keys and values taken out by hand."""
     import dataclasses
 
     import torch.nn.functional as F
 
     from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+    from deepinfer_core.attention.torch_ref import write_kv
     from deepinfer_core.lowbit.attention import PagedDecodeAttention
 
     g = torch.Generator().manual_seed(5)
@@ -130,7 +132,13 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
         slot_mapping=torch.zeros(4, dtype=torch.long), block_tables=tables, block_size=bs, max_query_len=1,
         max_seq_len=int(positions.max()) + 1,
     )  # fmt: skip
-    out = PagedDecodeAttention(KERNELS.lib)._forward_decode(spec, q, cache, dataclasses.replace(meta))
+    new_k, new_v = torch.randn(2, 4, hkv, hd, generator=g)  # the new tokens' K and V, written first
+    slots = torch.stack([tables[r, p // bs].long() * bs + p % bs for r, p in enumerate(positions.tolist())])
+    meta = dataclasses.replace(meta, slot_mapping=slots)
+    expected_cache = cache.clone()
+    write_kv(spec, new_k, new_v, expected_cache, slots)  # the reference backend's write (index_put)
+    out = PagedDecodeAttention(KERNELS.lib).forward(spec, q, new_k, new_v, cache, meta)
+    assert torch.equal(cache, expected_cache)
     for r, pos in enumerate(positions.tolist()):
         first = 0 if window is None else max(0, pos - window + 1)
         slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(first, pos + 1)])

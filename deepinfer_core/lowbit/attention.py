@@ -24,8 +24,19 @@ class PagedDecodeAttention(TorchAttentionBackend):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
 
+    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        one_token_rows = meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not meta.replay
+        if meta.batch_invariant or not one_token_rows or not _plain(spec, q, kv_cache) or k.dtype != q.dtype or v.dtype != q.dtype:
+            return super().forward(spec, q, k, v, kv_cache, meta)
+        k, v = k.contiguous(), v.contiguous()  # [R, Hkv, D]
+        slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
+        _, heads, blocks, bs, width = kv_cache.shape
+        self._lib.paged_write_kv(k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.head_dim,
+                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0])
+        return self._forward_decode(spec, q, kv_cache, meta)
+
     def _forward_decode(self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if spec.kv_shared or q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        if not _plain(spec, q, kv_cache):
             return super()._forward_decode(spec, q, kv_cache, meta)
         R = meta.num_requests
         q = q.contiguous()  # [R, H, D]
@@ -40,6 +51,11 @@ class PagedDecodeAttention(TorchAttentionBackend):
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+def _plain(spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The layout the C path reads: separate K/V planes, float32 everywhere, a contiguous cache."""
+    return not spec.kv_shared and q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
 
 
 def paged_decode(backend, lib: ctypes.CDLL):

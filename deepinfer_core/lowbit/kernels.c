@@ -180,6 +180,18 @@ static inline void axpy_f32(float alpha, const float *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] += alpha * x[i];
 }
 
+/* The new tokens' keys and values into their slots first (k, v [R, Hkv, D]; cache as below). */
+void paged_write_kv(const float *k, const float *v, float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                    int64_t width, int64_t head_dim, int64_t v_head_dim, const int64_t *slots, int64_t num_tokens) {
+    const int64_t plane = num_kv_heads * num_blocks * block_size * width;
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            float *row = cache + (h * num_blocks * block_size + slots[t]) * width;
+            for (int64_t c = 0; c < head_dim; c++) row[c] = k[(t * num_kv_heads + h) * head_dim + c];
+            for (int64_t c = 0; c < v_head_dim; c++) row[plane + c] = v[(t * num_kv_heads + h) * v_head_dim + c];
+        }
+}
+
 void paged_decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,

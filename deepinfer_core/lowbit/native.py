@@ -84,3 +84,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_f32_act.restype = None
     lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32]
     lib.paged_decode_attention.restype = None
+    lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64]
+    lib.paged_write_kv.restype = None
