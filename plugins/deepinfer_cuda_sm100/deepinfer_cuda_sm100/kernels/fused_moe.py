@@ -287,13 +287,14 @@ def fused_moe(
     inter = two_i // 2
     k = topk_ids.shape[1]
     num_rows = T * k
+    explicit = config is not None
     config = config or choose_config(num_rows, E)
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None) or (fp8 and inter % 128):
         raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
     quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
     if fp8:  # one 128-channel activation group and weight scale column per K step
-        config = replace(config, block_k=128, block_n=32 if config.block_m == 16 else config.block_n)
+        config = replace(config, block_k=128, block_n=32 if config.block_m == 16 and not explicit else config.block_n)
         if not quant_a:  # float32 activations: 4-byte A tiles, so narrower and two stages (shared memory)
             config = replace(config, block_n=min(config.block_n, 64), num_stages=2)
     preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
