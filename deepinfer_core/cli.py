@@ -13,6 +13,8 @@ import argparse
 import importlib
 import importlib.util
 import json
+import logging
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -122,8 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_deepinfer_logs() -> None:
+    """The CLI prints deepinfer's own INFO lines on stderr (the engine's start-up line: model,
+    platform, dtype, how the weights are held and why) and every library's warnings;
+    ``DEEPINFER_LOG_LEVEL=warning`` hides the INFO lines. ``LLM(...)`` used as a library leaves
+    logging to the application."""
+    level = logging.getLevelName(os.environ.get("DEEPINFER_LOG_LEVEL", "INFO").upper())
+    if not isinstance(level, int):
+        level = logging.INFO
+    root = logging.getLogger()
+    if root.handlers:  # configured by whoever called main()
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name.startswith("deepinfer"))
+    root.addHandler(handler)
+    root.setLevel(min(level, logging.WARNING))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_deepinfer_logs()
     return int(args.func(args) or 0)
 
 
