@@ -107,7 +107,7 @@ def expected(hf):
 
 
 def generate(path):
-    llm = LLM(str(path), device="cpu", kv_cache_blocks=8, max_num_seqs=4)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     return llm, [o.outputs[0].token_ids for o in outs]
 
