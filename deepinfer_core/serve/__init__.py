@@ -5,6 +5,8 @@
 * :mod:`.conversation` turns a protocol-neutral conversation into token ids and sampling
   parameters and the generated text back into reasoning / content / tool calls;
 * :mod:`.grammar` constrains a request's tokens with xgrammar (structured output);
+* :mod:`.tool_calls` gives chat-template models tool calls (Hermes syntax: prompt, parser and
+  the structural tag that constrains a call once it starts);
 * :mod:`.app` mounts the protocol codecs that plugins register, plus ``/v1/completions``,
   ``/v1/models``, ``/health`` and ``/metrics`` (:mod:`.metrics`);
 * :mod:`.cli` is the ``serve`` subcommand.
