@@ -34,3 +34,19 @@ def served():
     running = start_in_thread()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def oai(served):
+    """The official ``openai`` SDK, unmodified, pointed at the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def claude(served):
+    """The official ``anthropic`` SDK, unmodified, pointed at the shared server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)

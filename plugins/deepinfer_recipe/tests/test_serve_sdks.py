@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 from serve_harness import MODEL
 
@@ -19,16 +17,6 @@ WEATHER_TOOL = {
     "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False},
 }
-
-
-@pytest.fixture(scope="module")
-def oai(served):
-    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def claude(served):
-    return anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def test_chat_completion(oai):
@@ -182,7 +170,7 @@ def test_responses_function_call_round_trip(oai):
     assert follow_up.output_text.strip()
 
 
-def test_unset_sampling_fields_take_the_models_recommendation(oai, served, monkeypatch):
+def test_unset_sampling_fields_take_the_models_recommendation(oai, claude, served, monkeypatch):
     """The APIs document temperature 1 as their default, and SmolLM2-135M sampled at 1 answers
     this question with fiction; unset fields take the model card's values (0.2 / 0.9), so the
     plain SDK call a new user writes mostly gets a sensible answer. A value the request sends wins."""
@@ -203,6 +191,5 @@ def test_unset_sampling_fields_take_the_models_recommendation(oai, served, monke
     hot = answers(temperature=1.0, top_p=1.0)
     assert {(p.temperature, p.top_p) for p in seen[8:]} == {(1.0, 1.0)}
     assert sum("Paris" in a for a in unset) >= 6 > sum("Paris" in a for a in hot), (unset, hot)
-    claude_reply = anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300).messages.create(
-        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
+    claude_reply = claude.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
     assert (seen[-1].temperature, seen[-1].top_p) == (0.2, 0.9) and claude_reply.content[0].text

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 from serve_harness import MODEL
@@ -74,16 +72,6 @@ def start_with_call(served, monkeypatch):
         return dataclasses.replace(prepared, params=params)
 
     monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
-
-
-@pytest.fixture(scope="module")
-def oai(served):
-    return openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def claude(served):
-    return anthropic.Anthropic(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def check_call(name: str, arguments) -> None:
