@@ -206,3 +206,60 @@ def test_generate_returns_error_outputs_instead_of_hanging(llm, monkeypatch):
     outs = llm.generate(["x y", "z w"], GREEDY)
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     assert "OutOfMemoryError" in outs[0].outputs[0].error
+
+
+# -- a row with nothing left to sample ------------------------------------------------------------
+def _eos_only_after(n: int, eos: list[int]):
+    """Like a grammar that is complete after ``n`` tokens: from then on only EOS is allowed."""
+
+    def process(output_token_ids, logits):
+        if len(output_token_ids) < n:
+            return logits
+        allowed = torch.full_like(logits, float("-inf"))
+        allowed[eos] = 0.0
+        return logits + allowed
+
+    return process
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_processor_and_min_tokens_that_mask_every_token_fail_that_request_at_once(model_dir, overlapped):
+    """Grammar + min_tokens: once the grammar allows only EOS and min_tokens bans it, no token is
+    left. The request ends on that very step (not with token 0 sampled and a grammar error one
+    step later) with an error naming the conflict; the others are unaffected."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8,
+              overlap_scheduling=overlapped, overlap_debug=overlapped)
+    tok = llm.get_tokenizer()
+    prompts = ["One two three", "Red green blue"]
+    expected = [alone(llm, p) for p in prompts]
+    free = llm.engine.kv.pool.num_free
+    eos = list(tok.stop_token_ids)
+    conflicted = SamplingParams(temperature=0, max_tokens=12, min_tokens=8, logits_processors=[_eos_only_after(3, eos)])
+    ok_after = SamplingParams(temperature=0, max_tokens=12, min_tokens=2, logits_processors=[_eos_only_after(3, eos)])
+    ids = [llm.engine.add_request(tok.encode(p), GREEDY) for p in prompts]
+    bad = llm.engine.add_request(tok.encode("Poison"), conflicted)
+    fine = llm.engine.add_request(tok.encode("Poison"), ok_after)
+    done = run_all(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == expected
+    failed = done[bad].outputs[0]
+    assert failed.finish_reason == "error" and len(failed.token_ids) == 3, (failed.finish_reason, failed.token_ids)
+    assert "no token can be sampled" in failed.error and "min_tokens" in failed.error
+    ended = done[fine].outputs[0]  # min_tokens reached before the mask closes: a normal stop on EOS
+    assert ended.finish_reason == "stop" and len(ended.token_ids) == 4 and ended.token_ids[3] in eos
+    assert failed.token_ids == ended.token_ids[:3]  # nothing (token 0) was sampled for the failing step
+    assert llm.engine.kv.pool.num_free == free
+
+
+def test_the_sampler_marks_a_fully_masked_row_without_touching_the_others():
+    from deepinfer_core.engine.sampler import ALL_MASKED, Sampler, SamplingRow
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    nothing = lambda ids, row: torch.full_like(row, float("-inf"))  # noqa: E731
+    rows = [
+        SamplingRow(SamplingParams(temperature=0), 1, 4, [1], []),
+        SamplingRow(SamplingParams(temperature=0.7, seed=2, logits_processors=[nothing]), 2, 4, [1], []),
+        SamplingRow(SamplingParams(temperature=0.7, seed=3), 3, 4, [1], [], suppressed=tuple(range(50))),
+    ]
+    got = Sampler()(logits.clone(), rows)
+    assert got[1] == ALL_MASKED and got[2] == ALL_MASKED
+    assert got[0] == int(logits[0].argmax())

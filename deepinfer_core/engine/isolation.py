@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .sampler import SamplingRow
+from .sampler import SamplingRow, invalid_token_message
 
 MAX_MESSAGE = 500
 
@@ -44,9 +44,12 @@ def sample_isolated(
     for i, (request_id, row) in enumerate(zip(request_ids, rows)):
         try:
             token = tokens[i] if tokens is not None else sampler(pristine[i : i + 1].clone(), [row])[0]
-            if not 0 <= token < vocab:
-                raise RuntimeError(f"the sampler picked token {token}, outside the vocabulary [0, {vocab})")
-            sampled[request_id] = int(token)
+            valid = 0 <= token < vocab
         except Exception as exc:
             failed[request_id] = describe(exc)
+            continue
+        if valid:
+            sampled[request_id] = int(token)
+        else:
+            failed[request_id] = invalid_token_message(token, vocab)
     return sampled, failed

@@ -17,7 +17,7 @@ from ..models import CausalLM
 from .batch_build import Batch, build
 from .graphs import DecodeGraphs
 from .isolation import sample_isolated
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler, SamplingRow, invalid_token_message
 from .scheduler import SchedulerOutput
 
 
@@ -77,8 +77,8 @@ class ModelRunner:
         for request_id, token in zip(launched.request_ids, tokens):
             if 0 <= token < launched.vocab:
                 sampled[request_id] = token
-            else:
-                failed[request_id] = f"RuntimeError: the sampler picked token {token}, outside the vocabulary [0, {launched.vocab})"
+            else:  # ALL_MASKED: nothing was allowed (see the sampler)
+                failed[request_id] = invalid_token_message(token, launched.vocab)
         return RunnerOutput(sampled, failed)
 
     def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None) -> Launched:

@@ -16,6 +16,24 @@ from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
+#: The id a row gets when nothing may be sampled: its logits processors and suppressed tokens
+#: together mask the whole vocabulary (a finished grammar allows only EOS while ``min_tokens``
+#: bans it). It travels with the step's other ids in their one device-to-host copy, so the
+#: engine finishes that request at once, with :data:`ALL_MASKED_MESSAGE`, without a sync.
+ALL_MASKED = -1
+ALL_MASKED_MESSAGE = (
+    "ValueError: no token can be sampled: the request's logits processors (its grammar, "
+    "response_format or tool-call constraint) and its banned tokens (min_tokens bans the stop "
+    "tokens until it is reached) together mask the whole vocabulary; lower min_tokens or loosen the constraint"
+)
+
+
+def invalid_token_message(token: int, vocab: int) -> str:
+    """Why a sampled id outside ``[0, vocab)`` fails its request (an ``error`` field)."""
+    if token == ALL_MASKED:
+        return ALL_MASKED_MESSAGE
+    return f"RuntimeError: the sampler picked token {token}, outside the vocabulary [0, {vocab})"
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -47,11 +65,19 @@ class Sampler:
         a step can copy them back once, asynchronously, or feed them to the next step."""
         logits = logits.float()
         self._apply_penalties(logits, rows)
+        masked = False
         for i, row in enumerate(rows):
             if row.suppressed:
                 logits[i, _on(logits.device, list(row.suppressed))] = float("-inf")
             for process in row.params.logits_processors:  # e.g. a grammar's token mask
                 logits[i] = process(row.output_token_ids, logits[i])
+            masked = masked or bool(row.suppressed or row.params.logits_processors)
+        # only masks can leave a row with nothing to sample; the flag stays on the device
+        dead = torch.isneginf(logits.amax(dim=-1)) if masked else None
+        out = self._choose(logits, rows)
+        return out if dead is None else out.masked_fill(dead, ALL_MASKED)
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = [row.params.greedy for row in rows]
         out = torch.argmax(logits, dim=-1)  # greedy rows are done
         if not all(greedy):

@@ -81,6 +81,8 @@ class CompletionsCodec:
         if not isinstance(ignore_eos, bool):
             raise _fail("ignore_eos", "must be a boolean")
         extra["ignore_eos"] = ignore_eos
+        if (min_tokens := _int(body, "min_tokens", 0)) is not None:  # vLLM's extension too
+            extra["min_tokens"] = min_tokens
         for key in ("presence_penalty", "frequency_penalty"):
             if (value := _number(body, key, -2, 2)) is not None:
                 extra[key] = value

@@ -140,6 +140,7 @@ class ConversationPreparer:
                 stop=None if uses_native_parser else list(request.stop),  # V4's parser applies stops to the answer only
                 stop_token_ids=list(stop_ids),
                 ignore_eos=bool(extra.get("ignore_eos", False)),
+                min_tokens=int(extra.get("min_tokens", 0)),
                 logits_processors=processors,
             )
         except ValueError as exc:

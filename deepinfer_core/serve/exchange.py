@@ -123,7 +123,7 @@ class ProtocolRoute:
                 raise RequestFailed(f"the engine failed: {sink.error}" if sink.error is not None else "the request was aborted")
             result, reason = final_result(out, prepared.new_parser())
         except RequestFailed as exc:
-            return self._error(ProtocolError(str(exc), status=500, code="server_error"))
+            return self._error(ProtocolError(str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"))
         from starlette.responses import JSONResponse
 
         return JSONResponse(self.codec.render(conversation, result, usage_of(out), reason))

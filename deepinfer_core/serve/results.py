@@ -15,13 +15,19 @@ from typing import Callable, Iterator
 
 from ..codecs import OutputParser, ParsedOutput, ProtocolError
 from ..engine.outputs import RequestOutput
+from ..engine.sampler import ALL_MASKED_MESSAGE
 from .front import RequestSink
 
 log = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
-    """The engine failed this request (or the whole step): a 500 in the protocol's shape."""
+    """The engine failed this request (or the whole step): a 500 in the protocol's shape, or a
+    400 when the request itself asked for the impossible (``status``)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def usage_of(out: RequestOutput) -> dict:
@@ -36,7 +42,10 @@ def finish_reason_of(out: RequestOutput) -> str:
     """The engine's reason in the codecs' neutral vocabulary (see the recipe's ``common``)."""
     completion = out.outputs[0]
     if completion.finish_reason == "error":
-        raise RequestFailed(f"the engine failed this request: {getattr(completion, 'error', None) or 'internal error'}")
+        error = getattr(completion, "error", None) or "internal error"
+        if error == ALL_MASKED_MESSAGE:  # its constraints and min_tokens conflict: the client's error
+            raise RequestFailed(f"the request cannot be completed: {error}", status=400)
+        raise RequestFailed(f"the engine failed this request: {error}")
     if completion.finish_reason == "length":
         return "length"
     if isinstance(completion.stop_reason, str):
@@ -103,7 +112,8 @@ def start_frames_thread(codec, request, sink: RequestSink, parser: OutputParser,
         except Exception as exc:
             if not isinstance(exc, RequestFailed):
                 log.exception("streaming a response failed")
-            error = ProtocolError(str(exc), status=500, code="server_error")
+            status = exc.status if isinstance(exc, RequestFailed) else 500
+            error = ProtocolError(str(exc), status=status, code="server_error" if status >= 500 else "invalid_request_error")
             error_frame = getattr(codec, "error_frame", None)
             if error_frame is not None:
                 put(error_frame(error))

@@ -1,6 +1,6 @@
 """OpenAI Chat Completions codec (``POST /v1/chat/completions``).
 
-Request extensions DeepSeek's API adds and we accept: ``thinking: {"type": "enabled" |
+Request extensions DeepSeek's API adds and we accept (and vLLM's ``min_tokens``): ``thinking: {"type": "enabled" |
 "disabled"}``, ``reasoning_effort`` up to ``max``, ``reasoning_content`` on assistant messages
 (and in our responses, as DeepSeek returns it). Effort names are normalized to the model's
 levels here (``minimal``/``low`` -> low, ``medium``/``high``/``xhigh`` -> high, ``max``;
@@ -138,6 +138,8 @@ class OpenAIChatCodec:
         for key in ("presence_penalty", "frequency_penalty"):
             if (value := v.get_number(body, key, -2, 2)) is not None:
                 extra[key] = value
+        if (min_tokens := v.get_int(body, "min_tokens", lo=0)) is not None:  # vLLM's extension
+            extra["min_tokens"] = min_tokens
         if (options := body.get("stream_options")) is not None:
             extra["stream_options"] = v.require_object(options, "stream_options")
         if (user := v.get_str(body, "user")) is not None:

@@ -75,3 +75,28 @@ def test_json_object(oai):
                                         temperature=0, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_a_grammar_that_ends_before_min_tokens_is_a_clean_400_and_the_server_goes_on(served, oai):
+    """The grammar is complete after a few tokens (only EOS allowed) while ``min_tokens`` bans EOS:
+    no token is left. Non-streamed: the protocol's 400 naming the conflict; streamed: an error
+    frame after the started stream; a free request meanwhile is unaffected."""
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Is the sky blue? Answer in JSON."}], "max_tokens": 60, "extra_body": {"min_tokens": 50},
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "yes", "schema": SCHEMAS[2]}}}
+    raw = {**{k: v for k, v in body.items() if k != "extra_body"}, "min_tokens": 50}
+    alone = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        free = pool.submit(oai.chat.completions.create, model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16, temperature=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(**body)
+        assert free.result().choices[0].message.content == alone.choices[0].message.content
+    assert "no token can be sampled" in refused.value.message and "min_tokens" in refused.value.message
+    with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", json={**raw, "stream": True}, timeout=120) as reply:
+        assert reply.status_code == 200
+        frames = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    error = json.loads(frames[-1][len("data: "):])["error"]
+    assert error["type"] == "invalid_request_error" and "min_tokens" in error["message"]
+    ok = oai.chat.completions.create(**{**body, "extra_body": {"min_tokens": 2}})
+    assert json.loads(ok.choices[0].message.content) in ({"ok": True}, {"ok": False})
