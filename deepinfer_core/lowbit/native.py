@@ -1,4 +1,5 @@
-"""Build and load ``kernels.c`` (the AVX2 low-bit weight GEMMs) once per machine, through ctypes.
+"""Build and load ``kernels.c`` (the AVX2 low-bit weight GEMMs) and ``layer.c`` (a whole Llama
+decode step around them) once per machine, through ctypes.
 
 Why ctypes and not a torch C++ extension: the C file needs no torch headers, so it compiles in
 about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "kernels.c")
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "layer.c"))  # one shared object
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -57,15 +58,15 @@ def load() -> NativeKernels:
     compiler = compiler_path()
     if compiler is None:
         return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)")
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    source = b"".join(open(path, "rb").read() for path in _SOURCES)
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
     if not os.path.exists(target):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
-            subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], check=True, capture_output=True, text=True, timeout=300)
+            subprocess.run([compiler, *_FLAGS, "-o", tmp, *_SOURCES], check=True, capture_output=True, text=True, timeout=300)
             os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
@@ -86,3 +87,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.restype = None
     lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64]
     lib.paged_write_kv.restype = None
+    lib.llama_decode_scratch_per_row.argtypes = [p]
+    lib.llama_decode_scratch_per_row.restype = i64
+    lib.llama_decode_step.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i32]
+    lib.llama_decode_step.restype = None

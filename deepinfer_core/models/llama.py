@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from . import ModelContext, WeightsError
+from ..lowbit import llama_decode
 from ..lowbit.formats import QuantWeight
 from ..lowbit.modules import LowBitEmbedding, LowBitLinear
 from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
@@ -26,6 +27,7 @@ from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, RotaryAt, fused_targ
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LOWBIT_HEADS = (LowBitEmbedding, LowBitLinear)
+_UNPLANNED = object()
 
 
 def rope_settings(config: dict) -> tuple[float, dict | None]:
@@ -121,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.to_empty(device=ctx.device)
         self.to(ctx.dtype)
         self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(ctx.device)
+        self._decode_plan: object | None = _UNPLANNED  # low-bit CPU: one native call per decode step
 
     # -- forward -----------------------------------------------------------------------------
     def forward(
@@ -130,6 +133,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, D]
+        if self._decode_plan is _UNPLANNED:  # after the weights are in: the first forward
+            packed = len(self.model.layers) and isinstance(self.model.layers[0].self_attn.o_proj, LowBitLinear)
+            self._decode_plan = llama_decode.plan_for(self) if packed else None
+        if self._decode_plan is not None and (hidden := self._decode_plan.run(input_ids, kv_caches, meta)) is not None:
+            return hidden
         h = self.model.embed_tokens(input_ids)  # [T, D]
         rotary = self.rotary.at(positions, h.dtype)  # looked up once for all layers
         meta = dataclasses.replace(meta, scratch={})  # backends share per-step work across layers

@@ -1,0 +1,185 @@
+/* A whole Llama-family decode step on the low-bit CPU path in one native call.
+ *
+ * Why: at one request a SmolLM2-135M decode step spent ~14 of ~40 ms dispatching ~2,800 small
+ * torch ops (norms, rotary, views, SiLU-mul, residual adds, the attention wrapper), each costing
+ * more host time than its arithmetic. Here every decoder layer of a step where each request
+ * feeds one token runs as plain loops around the GEMMs and the paged attention of kernels.c
+ * (called through their C entry points, so both paths share the same arithmetic):
+ *
+ *   embed -> L x (rmsnorm -> qkv -> rotary -> KV write + paged attention -> o -> +res
+ *                 -> rmsnorm -> gate|up -> silu(gate) * up -> down -> +res) -> final rmsnorm
+ *
+ * Elementwise maths follows the torch path's expressions operation by operation (this file is
+ * compiled with FP contraction off (the pragmas below), so a*b + c is never fused into one rounding); only the
+ * reductions (rmsnorm's sum of squares) and expf may differ from torch's by an ulp. The GEMMs
+ * and attention are the very same functions the torch path calls. Prefill and mixed steps, and
+ * every other model family, keep the torch path (deepinfer_core.lowbit.llama_decode decides).
+ */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* kernels.c's entry points (one shared object: native.py compiles both files together) */
+void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                  int64_t N, float *y, int nthreads);
+void paged_decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                            int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
+                            const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
+                            float scale, int64_t window, float *out, int nthreads);
+
+#define MAX_SEGMENTS 4
+
+typedef struct {        /* one packed weight segment: rows [n, k] in 32-blocks (kinds as kernels.c's) */
+    int64_t kind;       /* 4 or 8 */
+    const void *qs;
+    const float *d, *m; /* m: NULL for 8 bits */
+    int64_t n;
+} lb_segment;
+
+typedef struct {        /* y = x W^T (+ bias), W = the segments stacked by rows */
+    lb_segment seg[MAX_SEGMENTS];
+    int64_t nseg, k, n;
+    const float *bias;  /* NULL or [n] */
+} lb_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [D] */
+    lb_linear qkv, o, gate_up, down;
+    float *kv_cache;                      /* [2, Hkv, num_blocks, block_size, width] */
+} lb_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim;
+    float eps, scale;
+    int64_t window;                                /* 0: full attention */
+    int64_t num_blocks, block_size, width;         /* the paged cache's geometry */
+    const float *cos, *sin;                        /* [max_positions, head_dim] */
+    const float *final_norm;                       /* [D] */
+    /* token embedding: dense float rows (embed_kind 0) or a packed weight (4 / 8) */
+    int64_t embed_kind;
+    const void *embed_qs;
+    const float *embed_d, *embed_m;
+} lb_model;
+
+/* Scratch floats per request row; the caller allocates rows * this once and reuses it. */
+int64_t llama_decode_scratch_per_row(const lb_model *md) {
+    const int64_t D = md->hidden, I = md->intermediate, hd = md->head_dim;
+    const int64_t qkv = (md->heads + 2 * md->kv_heads) * hd, attn = md->heads * hd;
+    int64_t widest = qkv > 2 * I ? qkv : 2 * I;
+    widest = widest > D ? widest : D;
+    return 3 * D + qkv + 2 * attn + 2 * I + I + widest + 64;
+}
+
+static void embed_row(const lb_model *md, int64_t id, float *out) {
+    const int64_t D = md->hidden, nb = D / 32;
+    if (md->embed_kind == 0) {
+        memcpy(out, (const float *)md->embed_qs + id * D, (size_t)D * sizeof(float));
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = md->embed_d[id * nb + b];
+        if (md->embed_kind == 8) {
+            const int8_t *q = (const int8_t *)md->embed_qs + (id * nb + b) * 32;
+            for (int j = 0; j < 32; j++) out[b * 32 + j] = (float)q[j] * d;
+        } else {
+            const uint8_t *q = (const uint8_t *)md->embed_qs + (id * nb + b) * 16;
+            const float m = md->embed_m[id * nb + b];
+            for (int j = 0; j < 16; j++) {
+                out[b * 32 + j] = (float)(q[j] & 0x0F) * d + m;
+                out[b * 32 + 16 + j] = (float)(q[j] >> 4) * d + m;
+            }
+        }
+    }
+}
+
+/* torch's float32 rms_norm: x * rsqrt(mean(x^2) + eps) * w, a row at a time */
+static void rmsnorm(const float *x, const float *w, float eps, int64_t R, int64_t D, float *y) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        float ss = _mm_cvtss_f32(s4);
+        for (; i < D; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t j = 0; j < D; j++) y[r * D + j] = (xr[j] * inv) * w[j];
+    }
+}
+
+static void linear(const lb_linear *lin, const float *x, int64_t R, float *y, float *tmp, int nthreads) {
+    if (lin->nseg == 1) {
+        const lb_segment *s = &lin->seg[0];
+        gemm_f32_act(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, y, nthreads);
+    } else {  /* segments of different formats: each into tmp, then into its columns */
+        int64_t col = 0;
+        for (int64_t i = 0; i < lin->nseg; i++) {
+            const lb_segment *s = &lin->seg[i];
+            gemm_f32_act(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, tmp, nthreads);
+            for (int64_t r = 0; r < R; r++) memcpy(y + r * lin->n + col, tmp + r * s->n, (size_t)s->n * sizeof(float));
+            col += s->n;
+        }
+    }
+    if (lin->bias)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < lin->n; j++) y[r * lin->n + j] += lin->bias[j];
+}
+
+/* rotate-half (NeoX) rotary of one head: x * cos + cat(-x2, x1) * sin, as the torch path */
+static void rotary(const float *x, const float *c, const float *s, int64_t hd, float *y) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (int64_t i = half; i < hd; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* h_out [R, D]: the final-normed hidden state of each request's new token. */
+void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t *ids, const int64_t *positions,
+                       const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, int64_t R,
+                       float *scratch, float *h_out, int nthreads) {
+    const int64_t D = md->hidden, I = md->intermediate, H = md->heads, Hkv = md->kv_heads, hd = md->head_dim;
+    const int64_t nqkv = (H + 2 * Hkv) * hd, nattn = H * hd;
+    float *h = scratch, *xn = h + R * D, *t = xn + R * D, *qkv = t + R * D, *q = qkv + R * nqkv;
+    float *attn = q + R * nattn, *gu = attn + R * nattn, *act = gu + R * 2 * I, *tmp = act + R * I;
+    for (int64_t r = 0; r < R; r++) embed_row(md, ids[r], h + r * D);
+    const int64_t plane = Hkv * md->num_blocks * md->block_size * md->width;
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const lb_layer *ly = &layers[l];
+        rmsnorm(h, ly->input_norm, md->eps, R, D, xn);
+        linear(&ly->qkv, xn, R, qkv, tmp, nthreads);
+        for (int64_t r = 0; r < R; r++) {
+            const float *c = md->cos + positions[r] * hd, *s = md->sin + positions[r] * hd;
+            const float *row = qkv + r * nqkv;
+            for (int64_t head = 0; head < H; head++) rotary(row + head * hd, c, s, hd, q + (r * H + head) * hd);
+            for (int64_t kh = 0; kh < Hkv; kh++) {  /* the new key (rotated) and value into the cache */
+                float *dst = ly->kv_cache + (kh * md->num_blocks * md->block_size + slots[r]) * md->width;
+                rotary(row + (H + kh) * hd, c, s, hd, dst);
+                memcpy(dst + plane, row + (H + Hkv + kh) * hd, (size_t)hd * sizeof(float));
+            }
+        }
+        paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables,
+                               max_blocks, positions, R, md->scale, md->window, attn, nthreads);
+        linear(&ly->o, attn, R, t, tmp, nthreads);
+        for (int64_t i = 0; i < R * D; i++) h[i] = h[i] + t[i];
+        rmsnorm(h, ly->post_norm, md->eps, R, D, xn);
+        linear(&ly->gate_up, xn, R, gu, tmp, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * I >= 8192)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < I; i++) act[r * I + i] = silu(gu[r * 2 * I + i]) * gu[r * 2 * I + I + i];
+        linear(&ly->down, act, R, t, tmp, nthreads);
+        for (int64_t i = 0; i < R * D; i++) h[i] = h[i] + t[i];
+    }
+    rmsnorm(h, md->final_norm, md->eps, R, D, h_out);
+}
