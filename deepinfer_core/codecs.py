@@ -69,6 +69,9 @@ class ParsedOutput:
     # that ``ProtocolCodec.stream`` can emit the protocol's final frame with reason and usage.
     finish_reason: str | None = None
     usage: dict | None = None
+    # Additive: the stop sequence that ended the output (finish reason ``stop_sequence``), which
+    # Anthropic's ``stop_sequence`` field names.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ class PreparedRequest:
     params: SamplingParams
     new_parser: Callable[[], OutputParser]
     thinking: bool = False
+    # the output parser, not the engine, finds this request's stop sequences (V4 applies them to
+    # the answer only): a non-streamed request is parsed as it goes, so it ends at the stop
+    parser_stops: bool = False
 
 
 class PlainTextParser:
@@ -145,7 +148,7 @@ class ConversationPreparer:
             )
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        return PreparedRequest(tuple(ids), params, new_parser, thinking)
+        return PreparedRequest(tuple(ids), params, new_parser, thinking, parser_stops=uses_native_parser and bool(request.stop))
 
     def _processors(self, request: ConversationRequest) -> list:
         if self.encoding is None and self.tokenizer is not None and tools_active(request):

@@ -22,7 +22,7 @@ import secrets
 
 from ..codecs import ProtocolError
 from .front import Closed, QueueFull, RequestSink, Submission
-from .results import RequestFailed, final_result, start_frames_thread, usage_of
+from .results import RequestFailed, final_result, start_collect_thread, start_frames_thread, usage_of
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ProtocolRoute:
             conversation = await self._parse(request)
             prepared = await asyncio.to_thread(server.preparer.prepare, conversation)  # grammar compiles off the loop
             request_id = secrets.token_hex(8)
-            sink = RequestSink(loop, conversation.stream)
+            sink = RequestSink(loop, conversation.stream or prepared.parser_stops)  # parser stops: read as it goes
             lease = server.front.submit(Submission(request_id, prepared.prompt_token_ids, prepared.params), sink)
         except QueueFull as exc:
             server.metrics.rejected.inc()
@@ -91,7 +91,7 @@ class ProtocolRoute:
             elif conversation.stream:
                 response = self._stream(conversation, prepared, request_id, sink, loop)
             else:
-                response = await self._complete(conversation, prepared, sink, receive)
+                response = await self._complete(conversation, prepared, request_id, sink, receive)
             await response(scope, receive, send)
         finally:
             lease.release()  # aborts the engine request unless it finished
@@ -109,14 +109,27 @@ class ProtocolRoute:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _complete(self, conversation, prepared, sink: RequestSink, receive):
+    async def _complete(self, conversation, prepared, request_id: str, sink: RequestSink, receive):
+        from starlette.responses import JSONResponse
+
+        parsed = None
+        if prepared.parser_stops:  # parsed as it runs, so that the parser's stop ends it early
+            front = self.server.front
+            parsed = start_collect_thread(sink, prepared.new_parser(), lambda: front.stop_early(request_id), asyncio.get_running_loop())
+        waited = parsed if parsed is not None else sink.final
         hung_up = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait({sink.final, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waited, hung_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hung_up.cancel()
-        if not sink.final.done():  # the lease's release aborts the request
+        if not waited.done():  # the lease's release aborts the request
             return self._error(ProtocolError("the client disconnected", status=499))
+        if parsed is not None:
+            try:
+                result, reason, usage = parsed.result()
+            except RequestFailed as exc:
+                return self._error(ProtocolError(str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"))
+            return JSONResponse(self.codec.render(conversation, result, usage, reason))
         out = sink.final.result()
         try:
             if out is None:
@@ -124,8 +137,6 @@ class ProtocolRoute:
             result, reason = final_result(out, prepared.new_parser())
         except RequestFailed as exc:
             return self._error(ProtocolError(str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"))
-        from starlette.responses import JSONResponse
-
         return JSONResponse(self.codec.render(conversation, result, usage_of(out), reason))
 
 

@@ -60,6 +60,7 @@ def merge(a: ParsedOutput, b: ParsedOutput) -> ParsedOutput:
         tool_calls=a.tool_calls + b.tool_calls,
         finish_reason=b.finish_reason or a.finish_reason,
         usage=b.usage if b.usage is not None else a.usage,
+        stop_sequence=b.stop_sequence or a.stop_sequence,
     )
 
 
@@ -67,6 +68,8 @@ def final_result(out: RequestOutput, parser: OutputParser) -> tuple[ParsedOutput
     """A finished request's whole output, parsed; (result, neutral finish reason)."""
     reason = finish_reason_of(out)
     parsed = merge(parser.push(out.outputs[0].text), parser.finish())
+    if parsed.finish_reason is None and reason == "stop_sequence":  # the engine matched a stop string
+        parsed = replace(parsed, stop_sequence=out.outputs[0].stop_reason)
     return parsed, parsed.finish_reason or reason
 
 
@@ -88,13 +91,42 @@ def events(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[],
             return
         if out.finished:
             reason = finish_reason_of(out)
-            yield replace(merge(parsed, parser.finish()), finish_reason=reason, usage=usage_of(out))
+            hit = completion.stop_reason if reason == "stop_sequence" else None
+            yield replace(merge(parsed, parser.finish()), finish_reason=reason, usage=usage_of(out), stop_sequence=hit)
             return
         if first:
             parsed, first = replace(parsed, usage=usage_of(out)), False
             yield parsed
         elif parsed.content or parsed.reasoning or parsed.tool_calls:
             yield parsed
+
+
+def start_collect_thread(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None],
+                         loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """A non-streamed request parsed while it runs (its stop sequences are found by the parser,
+    see ``PreparedRequest.parser_stops``), so it ends at the stop instead of at ``max_tokens``.
+    Resolves to (whole result, neutral finish reason, usage); an abort or failure is a
+    :class:`RequestFailed`. A thread of its own: it blocks on the request's output queue."""
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(value)
+
+    def collect() -> None:
+        try:
+            result = ParsedOutput()
+            for event in events(sink, parser, on_parser_stop):
+                result = merge(result, event)
+            if result.finish_reason is None:
+                raise RequestFailed("the request was aborted")
+            value, error = (result, result.finish_reason, result.usage or {}), None
+        except Exception as exc:
+            value, error = None, exc if isinstance(exc, RequestFailed) else RequestFailed(f"parsing the output failed: {exc}")
+        loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=collect, name="deepinfer-collect", daemon=True).start()
+    return done
 
 
 def start_frames_thread(codec, request, sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None],

@@ -205,7 +205,7 @@ class AnthropicMessagesCodec:
             "model": request.model,
             "content": content,
             "stop_reason": anthropic_stop_reason(finish_reason, bool(result.tool_calls)),
-            "stop_sequence": None,
+            "stop_sequence": result.stop_sequence if finish_reason == "stop_sequence" else None,
             "usage": self._usage(usage),
         }
 

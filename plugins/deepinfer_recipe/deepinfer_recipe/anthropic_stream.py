@@ -67,7 +67,7 @@ class MessageStream:
             "usage": start_usage,
         }
         yield sse_event("message_start", {"type": "message_start", "message": message})
-        finish_reason, calls = "stop", 0
+        finish_reason, calls, stop_sequence = "stop", 0, None
         for event in _chain(first, iterator):
             if event.reasoning:
                 yield from self._switch("thinking")
@@ -84,9 +84,11 @@ class MessageStream:
                 yield from self._close_tool()
                 calls += 1
             finish_reason = event.finish_reason or finish_reason
+            stop_sequence = event.stop_sequence or stop_sequence
             usage = event.usage if event.usage is not None else usage
         yield from self._close()
-        delta = {"stop_reason": anthropic_stop_reason(finish_reason, calls > 0), "stop_sequence": None}
+        delta = {"stop_reason": anthropic_stop_reason(finish_reason, calls > 0),
+                 "stop_sequence": stop_sequence if finish_reason == "stop_sequence" else None}
         yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": self._usage(usage)["output_tokens"]}})
         yield sse_event("message_stop", {"type": "message_stop"})
 

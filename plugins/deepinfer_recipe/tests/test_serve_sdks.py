@@ -78,6 +78,18 @@ def test_messages_stream(claude):
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 10  # message_start carried the prompt usage
 
 
+def test_messages_name_the_stop_sequence_that_ended_them(claude):
+    """Anthropic's ``stop_sequence`` names the matched stop (it was always null)."""
+    kwargs = dict(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}], stop_sequences=["zzz", "Paris"])
+    reply = claude.messages.create(**kwargs)
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == "Paris"
+    assert "Paris" not in reply.content[0].text
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "Paris"
+    assert final.content[0].text == reply.content[0].text
+
+
 def test_responses(oai):
     reply = oai.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=30)
     assert reply.status == "completed"

@@ -233,3 +233,28 @@ def test_a_stop_sequence_the_parser_finds_is_a_stop_not_an_abort(v4, force):
     assert after.get("stop", 0) - before.get("stop", 0) == 1
     assert after.get("abort", 0) == before.get("abort", 0)
     assert v4.wait_idle()["kv_usage"] == 0.0
+
+
+def test_a_non_streamed_request_ends_at_the_stop_sequence_not_at_max_tokens(v4, force):
+    """Non-streamed requests are parsed while they run too: the engine stops right after the
+    stop sequence appears (usage counts a few tokens past it at most, not the forced hundreds),
+    the reply is trimmed at the stop, and the request is freed as a stop."""
+    text = "Paris is lovely. END and then a long ramble that never stops" * 8 + EOS
+    force(text, by_character=False)
+    total = len(v4.tokenizer.encode(text.removesuffix(EOS), add_special_tokens=False).ids)
+    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                            reasoning_effort="none", stop=["END"], max_tokens=1000)
+    assert reply.choices[0].message.content == "Paris is lovely. "
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 12 < total, (reply.usage, total)
+    client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
+    message = client.messages.create(model=NAME, max_tokens=1000, messages=[{"role": "user", "content": "Hi"}], stop_sequences=["END"],
+                                     thinking={"type": "disabled"})
+    assert [b.text for b in message.content if b.type == "text"] == ["Paris is lovely. "]
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "END"
+    assert message.usage.output_tokens < 12
+    with client.messages.stream(model=NAME, max_tokens=1000, messages=[{"role": "user", "content": "Hi"}], stop_sequences=["never", "END"],
+                                thinking={"type": "disabled"}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == "END"
+    assert v4.wait_idle()["kv_usage"] == 0.0

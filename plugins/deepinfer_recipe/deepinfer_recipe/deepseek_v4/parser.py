@@ -90,6 +90,7 @@ class DeepSeekV4Parser:
         self.tags = tags
         self.stop = tuple(s for s in stop if s)
         self._finish: str | None = None
+        self._stop_hit: str | None = None  # the stop sequence that ended the answer
         self.state = REASONING if thinking else CONTENT
         self._buf = ""
         # tool-call state: pieces not yet joined, and how many characters arrived since the last
@@ -215,14 +216,15 @@ class DeepSeekV4Parser:
             if marker == EOS:
                 self.state = DONE
             elif marker in self.stop and self.state == CONTENT:
-                self.state, self._buf, self._finish = DONE, "", "stop_sequence"
+                self.state, self._buf, self._finish, self._stop_hit = DONE, "", "stop_sequence", marker
             elif marker == THINK_CLOSE:
                 self.state = CONTENT
             else:
                 self.state = TOOL_CALLS
         self._park()
         finish, self._finish = self._finish, None
-        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish)
+        hit, self._stop_hit = self._stop_hit, None
+        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish, stop_sequence=hit)
 
     def _drain_tool_calls(self, calls: list[ToolCall], final: bool) -> bool:
         """Emit every complete invoke; True when the block ended (state changed)."""
