@@ -246,3 +246,103 @@ def test_host_pool_recycles_only_buffers_nobody_else_holds():
     assert pool.new_buffer().data_ptr() == loose_ptr
     pool.prefault(max_bytes=64 * 5)
     assert len(pool._spare) == 1  # never past capacity
+
+
+def test_host_pool_carves_aligned_buffers_from_slabs_and_reclaims_held_ones():
+    import sys
+
+    from deepinfer_core.engine.kv_host import HostPool
+
+    pool = HostPool(capacity_blocks=8, block_bytes=100, pin=True)  # no accelerator here: pageable
+    bufs = [pool.new_buffer() for _ in range(8)]
+    assert pool.pin is False and all(b.numel() == 100 and b.data_ptr() % 64 == 0 for b in bufs)
+    assert len({b.untyped_storage().data_ptr() for b in bufs}) == 1  # one allocation for all
+    held = bufs[0]
+    for i, b in enumerate(bufs):
+        pool.put(bytes([i]), b)
+    del bufs, b
+    for i in range(8, 16):  # evicts 0..7; buffer 0 is still held by someone
+        pool.put(bytes([i]), pool.new_buffer())
+    assert held.data_ptr() not in {pool.new_buffer().data_ptr() for _ in range(8)}
+    ptr = held.data_ptr()
+    assert sys.getrefcount(held) == 3  # ours, the pool's held list, getrefcount's argument
+    del held
+    assert ptr in {pool.new_buffer().data_ptr() for _ in range(9)}  # reclaimed once let go
+
+
+class _FakeDeviceAPI:
+    """Stands in for torch.cuda: records the order of stream and event calls; an event passes
+    only when the test says the device got there."""
+
+    def __init__(self):
+        self.log, self.active, self.events = [], None, []
+        api = self
+
+        class Event:
+            def __init__(self):
+                self.done = False
+                api.events.append(self)
+
+            def record(self, stream):
+                api.log.append(("record", stream.name))
+
+            def query(self):
+                return self.done
+
+        class Stream:
+            def __init__(self, name="side", device=None):
+                self.name = name
+
+            def wait_stream(self, other):
+                api.log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, event):
+                api.log.append(("wait_event", self.name))
+
+        class Context:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                api.active = self.stream.name
+
+            def __exit__(self, *exc):
+                api.active = None
+
+        self.Event, self.Stream, self.stream = Event, Stream, Context
+        self.compute = Stream("compute")
+
+    def current_stream(self, device=None):
+        return self.compute
+
+
+def test_host_to_device_copies_run_on_a_side_stream_fenced_and_hold_their_sources():
+    import torch
+
+    from deepinfer_core.engine.kv_host import BlockCopier, HostPool, HostToDevice
+
+    caches = [torch.zeros(4, 2, 3, dtype=torch.float32), torch.zeros(2, 4, 5, dtype=torch.bfloat16)]
+    copier = BlockCopier(caches, [0, 1])
+    api = _FakeDeviceAPI()
+    h2d = HostToDevice(copier, torch.device("cuda"), api=api)
+    real_to_device = copier.to_device
+    copier.to_device = lambda block, buf: api.log.append(("copy", block, api.active)) or real_to_device(block, buf)
+    pool = HostPool(capacity_blocks=2, block_bytes=copier.block_bytes, pin=False)
+    src = [pool.new_buffer() for _ in range(2)]
+    for i, buf in enumerate(src):
+        want = [torch.randn(2, 3), torch.randn(2, 5).to(torch.bfloat16)]
+        buf[:24].view(torch.float32).copy_(want[0].flatten())
+        buf[24:44].view(torch.bfloat16).copy_(want[1].flatten())
+        pool.put(bytes([i]), buf)
+    h2d.copy([(3, src[0]), (1, src[1])])
+    assert api.log == [("wait_stream", "side", "compute"), ("copy", 3, "side"), ("copy", 1, "side"), ("record", "side"), ("wait_event", "compute")]
+    assert torch.equal(caches[0][3].flatten(), src[0][:24].view(torch.float32))
+    assert torch.equal(caches[1][:, 1].flatten(), src[1][24:44].view(torch.bfloat16))
+    ptrs = {b.data_ptr() for b in src}
+    del src, buf
+    pool.put(b"x", pool.new_buffer())
+    pool.put(b"y", pool.new_buffer())  # evicts both sources: the device still reads them
+    assert h2d.held() == 2 and not ptrs & {pool.new_buffer().data_ptr() for _ in range(4)}
+    api.events[0].done = True
+    h2d.copy([])  # any later call drops the copies the device has finished
+    assert h2d.held() == 0 and ptrs <= {pool.new_buffer().data_ptr() for _ in range(4)}

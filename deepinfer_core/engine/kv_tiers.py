@@ -15,14 +15,15 @@ schedule promotes the loaded blocks into the device pool as ordinary cached bloc
 device prefix cache serves them and ``num_cached_tokens`` counts them. Blocks are bytes in
 the store: one block is every layer's slice for that block id, back to back, in
 ``kv_caches`` order (the namespace fingerprints that layout, so a mismatch is never read).
+On a GPU the host buffers are pinned and host -> device copies run on a side stream fenced
+by an event (engine/kv_host.py).
 """
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Sequence
 
@@ -30,37 +31,13 @@ import torch
 
 from ..kv_store import KVStore
 from .kv_cache_manager import KVCacheManager
+from .kv_host import BlockCopier, HostPool, HostToDevice
 from .request import Request
 
 log = logging.getLogger(__name__)
 GC_INTERVAL_S = 600.0  # the writer thread runs store.gc() this often (expired blocks, stale temp files)
 LOAD_THREADS = 4  # store reads in parallel (file I/O and crc32c release the GIL)
-PREFAULT_BYTES = 256 * 2**20  # host buffers touched at start, off the critical path (see HostPool)
 REVALIDATE_S = 600.0  # a block the store held already (another writer's, or loaded) is trusted this long
-
-
-class BlockCopier:
-    """Copies one block id of every layer's cache to or from a flat byte buffer."""
-
-    def __init__(self, kv_caches: Sequence[torch.Tensor], block_dims: Sequence[int]) -> None:
-        self.kv_caches = list(kv_caches)
-        self.block_dims = list(block_dims)
-        self.parts = []  # (offset, nbytes, dtype, block-slice shape) per layer
-        offset = 0
-        for cache, dim in zip(self.kv_caches, self.block_dims):
-            shape = cache.select(dim, 0).shape
-            nbytes = cache.select(dim, 0).numel() * cache.element_size()
-            self.parts.append((offset, nbytes, cache.dtype, shape))
-            offset += nbytes
-        self.block_bytes = offset
-
-    def to_host(self, block: int, out: torch.Tensor) -> None:
-        for cache, dim, (off, n, dtype, shape) in zip(self.kv_caches, self.block_dims, self.parts):
-            out[off : off + n].view(dtype).view(shape).copy_(cache.select(dim, block))
-
-    def to_device(self, block: int, src: torch.Tensor) -> None:
-        for cache, dim, (off, n, dtype, shape) in zip(self.kv_caches, self.block_dims, self.parts):
-            cache.select(dim, block).copy_(src[off : off + n].view(dtype).view(shape), non_blocking=True)
 
 
 def block_dim(shape_one: Sequence[int], shape_two: Sequence[int]) -> int:
@@ -71,80 +48,15 @@ def block_dim(shape_one: Sequence[int], shape_two: Sequence[int]) -> int:
     return dims[0]
 
 
-class HostPool:
-    """Block bytes in host memory (pinned when the device is not the host), LRU-bounded.
-
-    Buffers are recycled: a buffer the pool evicts and nobody else holds goes to a spare list
-    that :meth:`new_buffer` takes from first, and :meth:`prefault` fills that list at start.
-    Why: reading a block into freshly allocated memory page-faults every 4 KiB page inside the
-    read, which made a store load run at a fifth of the speed of a read into touched memory
-    (benchmarks/README.md, persistent KV cache)."""
-
-    def __init__(self, capacity_blocks: int, block_bytes: int, pin: bool) -> None:
-        self.capacity = max(1, capacity_blocks)
-        self.block_bytes = block_bytes
-        self.pin = pin
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._spare: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def prefault(self, max_bytes: int = PREFAULT_BYTES) -> None:
-        """Allocate and touch up to ``max_bytes`` of spare buffers (never past capacity)."""
-        count = min(self.capacity, max(0, max_bytes // max(1, self.block_bytes)))
-        fresh = [self._allocate().zero_() for _ in range(count)]
-        with self._lock:
-            self._spare.extend(fresh)
-
-    def new_buffer(self) -> torch.Tensor:
-        with self._lock:
-            if self._spare:
-                return self._spare.pop()
-        return self._allocate()
-
-    def _allocate(self) -> torch.Tensor:
-        if self.pin:
-            try:
-                return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError:  # no pinning on this host: pageable memory still works
-                self.pin = False
-        return torch.empty(self.block_bytes, dtype=torch.uint8)
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        with self._lock:
-            buf = self._blocks.get(key)
-            if buf is not None:
-                self._blocks.move_to_end(key)
-            return buf
-
-    def put(self, key: bytes, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._blocks[key] = buf
-            self._blocks.move_to_end(key)
-            while len(self._blocks) > self.capacity:
-                _, old = self._blocks.popitem(last=False)
-                # Recycled only when this frame holds the last reference (getrefcount's own
-                # argument and ``old``): a pending write or a load result keeps its buffer.
-                if sys.getrefcount(old) <= 2 and len(self._spare) < self.capacity:
-                    self._spare.append(old)
-                del old
-
-    def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._blocks)
-
-
 class KVTiers:
     """The host pool, the loader and the writer of one engine, around one store."""
 
-    def __init__(self, store: KVStore, kv: KVCacheManager, copier: BlockCopier, host_pool: HostPool) -> None:
+    def __init__(self, store: KVStore, kv: KVCacheManager, copier: BlockCopier, host_pool: HostPool, device: torch.device | None = None) -> None:
         self.store = store
         self.kv = kv
         self.copier = copier
         self.host = host_pool
+        self.h2d = HostToDevice(copier, device or torch.device("cpu"))
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="deepinfer-kv-read")
         self._loader.submit(host_pool.prefault)  # before any load: the loader runs in order
@@ -201,6 +113,8 @@ class KVTiers:
         pool = self.kv.pool
         for block in device_hits:
             pool.touch(block)
+        copies = []
+        copied = False
         try:
             for key in keys:
                 if pool.num_free == 0:
@@ -210,14 +124,17 @@ class KVTiers:
                     buf = self.host.get(key)
                 if buf is None:
                     break
-                block = pool.allocate()
-                self.copier.to_device(block, buf)
-                pool.register(block, key)
-                pool.release(block)
-                self.counters["host_to_device_blocks"] += 1
+                copies.append((pool.allocate(), buf))  # held until registered: no allocation here evicts it
+            self.h2d.copy(copies)  # on the device, the next forward runs after these copies
+            copied = True
         finally:
+            for key, (block, _) in zip(keys, copies):
+                if copied:  # a failed copy leaves the blocks free and unnamed
+                    pool.register(block, key)
+                pool.release(block)
             for block in device_hits:
                 pool.release(block)
+        self.counters["host_to_device_blocks"] += len(copies)
 
     def _load(self, keys: tuple[bytes, ...]) -> list[tuple[bytes, torch.Tensor]]:
         """Loader thread: store -> host buffers (also put in the host pool), the leading
@@ -411,4 +328,4 @@ def open_tiers(url: str, *, namespace: str, kv: KVCacheManager, kv_caches: Seque
     copier = BlockCopier(block_tensors(kv_caches), dims)
     store = open_kv_store_url(url, namespace=namespace, block_bytes=copier.block_bytes, capacity_gib=capacity_gib, host=plugin_host)
     pool = HostPool(int(host_pool_gib * 2**30) // copier.block_bytes, copier.block_bytes, pin=device.type != "cpu")
-    return KVTiers(store, kv, copier, pool)
+    return KVTiers(store, kv, copier, pool, device)
