@@ -16,7 +16,7 @@ from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolEr
 from ..engine.sampling_params import SamplingParams
 from .grammar import GrammarCompiler
 from .sampling_defaults import SamplingDefaults
-from .tool_calls import HermesToolParser, template_messages, template_renders_tools, tool_call_tag, tools_active
+from .tool_calls import FirstCallOnly, HermesToolParser, single_call, template_messages, template_renders_tools, tool_call_tag, tools_active
 
 DEFAULT_MAX_TOKENS = 8192
 THINKING_MAX_TOKENS = 65536
@@ -29,8 +29,9 @@ class PreparedRequest:
     params: SamplingParams
     new_parser: Callable[[], OutputParser]
     thinking: bool = False
-    # the output parser, not the engine, finds this request's stop sequences (V4 applies them to
-    # the answer only): a non-streamed request is parsed as it goes, so it ends at the stop
+    # the output parser, not the engine, ends this request (V4 applies stop sequences to the
+    # answer only; FirstCallOnly ends it at its first tool call): a non-streamed request is
+    # parsed as it goes, so it ends there, not at max_tokens
     parser_stops: bool = False
 
 
@@ -116,6 +117,9 @@ class ConversationPreparer:
     # -- sampling ---------------------------------------------------------------------------
     def prepare(self, request: ConversationRequest) -> PreparedRequest:
         ids, new_parser, thinking, stop_ids = self.encode(request)
+        one_call = single_call(request)
+        if one_call:
+            new_parser = _first_call_only(new_parser)
         n, context = len(ids), self.engine.max_model_len
         if n >= context:
             raise ProtocolError(
@@ -148,7 +152,7 @@ class ConversationPreparer:
             )
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        return PreparedRequest(tuple(ids), params, new_parser, thinking, parser_stops=uses_native_parser and bool(request.stop))
+        return PreparedRequest(tuple(ids), params, new_parser, thinking, parser_stops=one_call or (uses_native_parser and bool(request.stop)))
 
     def _processors(self, request: ConversationRequest) -> list:
         if self.encoding is None and self.tokenizer is not None and tools_active(request):
@@ -165,3 +169,7 @@ class ConversationPreparer:
         if fmt["type"] == "json_object":
             return [self.grammar.json_object()]
         return [self.grammar.json_schema(fmt["json_schema"].get("schema", {}), "response_format.json_schema.schema")]
+
+
+def _first_call_only(new_parser: Callable[[], OutputParser]) -> Callable[[], OutputParser]:
+    return lambda: FirstCallOnly(new_parser())

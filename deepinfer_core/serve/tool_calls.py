@@ -22,14 +22,20 @@ was trained on, so a single parser serves them all::
   left free after a call, tend to ramble or call again until the output limit. Arguments follow the tool's ``parameters``:
   for ``strict: true`` tools a schema xgrammar cannot compile is the client's error; other tools
   fall back to any JSON object. So every call parses, and strict arguments always validate.
+* At most one call: ``parallel_tool_calls: false`` (OpenAI) or ``disable_parallel_tool_use``
+  (Anthropic) is honoured for every model by :class:`FirstCallOnly`, a cut in the output parser:
+  the first complete call ends the answer (the engine is stopped there, streamed or not), so
+  formats without a grammar (DeepSeek-V4's DSML, where the model may write several invokes in
+  one block) give one call too.
 """
 from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import replace
 from typing import Any, Callable
 
-from ..codecs import ConversationRequest, ParsedOutput, ProtocolError, ToolCall
+from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 ANY_OBJECT: dict = {"type": "object"}
@@ -228,3 +234,30 @@ def _parse_call(body: str) -> ToolCall | None:
     arguments = value.get("arguments", {})
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(name=value["name"], arguments=text, id="call_" + secrets.token_hex(12))
+
+
+def single_call(request: ConversationRequest) -> bool:
+    """The request allows at most one tool call (``parallel_tool_calls`` set to false)."""
+    return tools_active(request) and request.extra.get("parallel_tool_calls") is False
+
+
+class FirstCallOnly:
+    """Wraps an output parser: the delta that completes the first tool call ends the output
+    (``finish_reason="tool_calls"``: the server stops the engine there, as for a stop sequence);
+    further calls, and anything after, are dropped."""
+
+    def __init__(self, inner: OutputParser) -> None:
+        self.inner = inner
+        self.done = False
+
+    def push(self, text: str) -> ParsedOutput:
+        return ParsedOutput() if self.done else self._cut(self.inner.push(text))
+
+    def finish(self) -> ParsedOutput:
+        return ParsedOutput() if self.done else self._cut(self.inner.finish())
+
+    def _cut(self, parsed: ParsedOutput) -> ParsedOutput:
+        if not parsed.tool_calls:
+            return parsed
+        self.done = True
+        return replace(parsed, tool_calls=parsed.tool_calls[:1], finish_reason="tool_calls", stop_sequence=None)

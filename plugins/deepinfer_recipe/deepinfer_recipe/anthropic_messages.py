@@ -9,6 +9,9 @@ turn's reasoning. A final assistant message is a prefill the model continues (ma
 ``wo_eos``: its turn is left open). Tools are turned
 into OpenAI-style function tools, the form encodings render. Thinking: ``enabled`` /
 ``adaptive`` -> on, ``disabled`` -> off; ``output_config.effort`` carries the effort.
+``tool_choice.disable_parallel_tool_use`` becomes OpenAI's ``parallel_tool_calls`` (negated),
+which the server honours for every model: true gives at most one ``tool_use`` block, the
+output cut after the first complete call (``deepinfer_core.serve.tool_calls.FirstCallOnly``).
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ def _tool_choice(raw):
         return None
     v.require_object(raw, "tool_choice")
     kind = v.get_choice(raw, "type", ("auto", "any", "tool", "none"), param="tool_choice.type", required=True)
+    v.get_bool(raw, "disable_parallel_tool_use", param="tool_choice.disable_parallel_tool_use")
     if kind == "tool":
         name = v.get_str(raw, "name", required=True, param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}
@@ -160,6 +164,10 @@ class AnthropicMessagesCodec:
             extra["top_k"] = top_k
         if (metadata := body.get("metadata")) is not None:
             extra["metadata"] = v.require_object(metadata, "metadata")
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is not None:
+            # at most one tool_use block: the server's parser cut (serve/tool_calls.FirstCallOnly)
+            extra["parallel_tool_calls"] = not choice["disable_parallel_tool_use"]
         effort = None
         if (config := body.get("output_config")) is not None:
             effort = v.get_choice(v.require_object(config, "output_config"), "effort", EFFORT_NAMES, param="output_config.effort")

@@ -56,6 +56,7 @@ class TestAnthropicMessagesConformance(ProtocolCodecSuite):
             {**minimal_body, "thinking": {}},
             {**minimal_body, "tool_choice": {}},
             {**minimal_body, "tool_choice": {"type": "tool"}},  # no name
+            {**minimal_body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
         ]
 
 

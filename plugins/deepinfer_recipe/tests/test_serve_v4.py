@@ -258,3 +258,29 @@ def test_a_non_streamed_request_ends_at_the_stop_sequence_not_at_max_tokens(v4, 
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == "END"
     assert v4.wait_idle()["kv_usage"] == 0.0
+
+
+def test_disable_parallel_tool_use_gives_one_tool_use_block(v4, force):
+    """The model writes two invokes in one DSML block; Anthropic's ``disable_parallel_tool_use``
+    (and OpenAI's ``parallel_tool_calls: false``) keep the first and end the request there,
+    streamed or not; without it both calls come back."""
+    golden = PARSE["chat_answer_with_tool"]
+    force(golden["completion"], by_character=False)
+    first = expected_calls(golden)[:1]
+    client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
+    tools = [{"name": "lookup", "input_schema": {"type": "object"}}, {"name": "noargs", "input_schema": {"type": "object"}}]
+    kwargs = dict(model=NAME, max_tokens=500, messages=[{"role": "user", "content": "Look it up."}], tools=tools, thinking={"type": "disabled"})
+    both = client.messages.create(**kwargs, tool_choice={"type": "auto"})
+    assert [(b.name, b.input) for b in both.content if b.type == "tool_use"] == expected_calls(golden)
+    one = client.messages.create(**kwargs, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [(b.name, b.input) for b in one.content if b.type == "tool_use"] == first
+    assert one.stop_reason == "tool_use" and one.usage.output_tokens < both.usage.output_tokens
+    with client.messages.stream(**kwargs, tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == first
+    assert streamed.stop_reason == "tool_use"
+    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Look it up."}], tools=[WEATHER],
+                                            temperature=0, reasoning_effort="none", parallel_tool_calls=False)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls] == first
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert v4.wait_idle()["kv_usage"] == 0.0
