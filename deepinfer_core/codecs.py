@@ -105,6 +105,9 @@ class OutputParser(Protocol):
 
 @runtime_checkable
 class PromptEncoding(Protocol):
+    """May also define ``warm_up() -> str`` (optional): work its first request would wait for,
+    which ``deepinfer serve`` runs in the background at start-up and logs (what it returns)."""
+
     name: str
 
     def matches(self, model_config: dict) -> bool:

@@ -53,6 +53,7 @@ class Server:
             self.sampling_defaults = SamplingDefaults()
         log.info("sampling defaults for requests that leave them unset: %s", self.sampling_defaults.describe())
         self.preparer = ConversationPreparer(engine, host, self.sampling_defaults)
+        self.warm_up = None  # the encoding's warm-up thread, once the app has started
         self.app = self._build_app()
 
     def _build_app(self):
@@ -61,6 +62,7 @@ class Server:
         @contextlib.asynccontextmanager
         async def lifespan(app):
             self.front.start()
+            self.warm_up = self.preparer.start_warm_up()
             try:
                 yield
             finally:

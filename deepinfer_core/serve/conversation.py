@@ -8,6 +8,9 @@ thinking, 131,072 at max effort), capped by what the context and the KV cache le
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +20,8 @@ from ..engine.sampling_params import SamplingParams
 from .grammar import GrammarCompiler
 from .sampling_defaults import SamplingDefaults
 from .tool_calls import FirstCallOnly, HermesToolParser, single_call, template_messages, template_renders_tools, tool_call_tag, tools_active
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 8192
 THINKING_MAX_TOKENS = 65536
@@ -62,6 +67,27 @@ class ConversationPreparer:
         self.parsers = host.output_parsers()
         self.native_tools = self.tokenizer is not None and template_renders_tools(self.tokenizer.chat_template)
         self._grammar: GrammarCompiler | None = None
+
+    def start_warm_up(self) -> threading.Thread | None:
+        """Run the prompt encoding's optional ``warm_up()`` (DeepSeek-V4: tokenizer load, the
+        parser's C front compiled) in a background thread at server start-up, so the first
+        request does not pay for it; logged, never fatal (a request would do the same work)."""
+        warm_up = getattr(self.encoding, "warm_up", None)
+        if warm_up is None:
+            return None
+
+        def run() -> None:
+            start = time.monotonic()
+            try:
+                said = warm_up()
+            except Exception as exc:  # the first request will try again and report it
+                log.warning("warming up the %s prompt encoding failed: %s: %s", self.encoding.name, type(exc).__name__, exc)
+                return
+            log.info("%s prompt encoding warmed up in %.2f s: %s", self.encoding.name, time.monotonic() - start, said)
+
+        thread = threading.Thread(target=run, name="deepinfer-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def grammar(self) -> GrammarCompiler:

@@ -284,3 +284,21 @@ def test_disable_parallel_tool_use_gives_one_tool_use_block(v4, force):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls] == first
     assert reply.choices[0].finish_reason == "tool_calls"
     assert v4.wait_idle()["kv_usage"] == 0.0
+
+
+def test_the_parsers_c_front_is_built_at_start_up_not_in_the_first_request(v4, tmp_path, monkeypatch):
+    """``deepinfer serve`` warms the V4 encoding up in the background as it starts (tokenizer,
+    the parser's C front); on a machine with no cached build the warm-up compiles it."""
+    from deepinfer_recipe.deepseek_v4 import native
+    from deepinfer_recipe.deepseek_v4.encoding import DeepSeekV4Encoding
+
+    v4.server.warm_up.join(120)
+    assert not v4.server.warm_up.is_alive()
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # a fresh machine: nothing built yet
+    native.load.cache_clear()
+    try:
+        said = DeepSeekV4Encoding().warm_up()
+        built = list((tmp_path / "native").glob("v4quiet-*"))
+    finally:
+        native.load.cache_clear()
+    assert (said, len(built)) == ("the parser's C front is built and loaded", 1)

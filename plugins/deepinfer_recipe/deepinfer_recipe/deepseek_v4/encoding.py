@@ -85,6 +85,20 @@ class DeepSeekV4Encoding:
     def parser(self, options: dict | None = None) -> OutputParser:
         return make_parser(options or {})
 
+    def warm_up(self) -> str:
+        """What the first request would otherwise wait for, done at server start-up (in the
+        background; see ``deepinfer_core.serve.conversation``): the tokenizer's load and the
+        parser's C front, compiled once per machine (0.3-1 s). Returns what it did, for the log."""
+        from . import native
+
+        self.tokenizer
+        if not native.enabled():
+            return "the parser's C front is off (DEEPINFER_NATIVE_PARSER=0): pure-Python parser"
+        helper = native.load()
+        if helper.module is None:
+            return f"the parser's C front is unavailable, pure-Python parser: {helper.reason}"
+        return "the parser's C front is built and loaded"
+
 
 def make_parser(options: dict) -> OutputParser:
     """Factory registered under ``deepseek_v4``: options from :meth:`DeepSeekV4Encoding.encode`."""
