@@ -346,3 +346,54 @@ def test_host_to_device_copies_run_on_a_side_stream_fenced_and_hold_their_source
     api.events[0].done = True
     h2d.copy([])  # any later call drops the copies the device has finished
     assert h2d.held() == 0 and ptrs <= {pool.new_buffer().data_ptr() for _ in range(4)}
+
+
+def _refuse_writes_under(monkeypatch, root, err: int, ops: tuple[str, ...]) -> list[str]:
+    """Make the file system under ``root`` behave as a read-only mount (EROFS) or a directory
+    the process may not write (EACCES) for the ``os`` calls named in ``ops``: a store write
+    fails the way the kernel fails it, reads still work. (Why not chmod: tests run as root,
+    which ignores permission bits.) Returns the log of refused calls."""
+    root = os.path.realpath(root)
+    refused: list[str] = []
+    real = {name: getattr(os, name) for name in ("open", "mkdir", "replace", "rename", "unlink", "utime")}
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def under(path) -> bool:
+        return isinstance(path, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(path)).startswith(root + os.sep)
+
+    def guard(name):
+        def call(path, *args, **kw):
+            target = args[0] if name in ("replace", "rename") else path
+            flags = args[0] if name == "open" and args else kw.get("flags", 0)
+            if name in ops and (under(path) or under(target)) and (name != "open" or flags & writing):
+                if not (name == "mkdir" and os.path.isdir(path)):  # an existing directory: EEXIST first
+                    refused.append(name)
+                    raise OSError(err, os.strerror(err), os.fsdecode(path))
+            return real[name](path, *args, **kw)
+
+        return call
+
+    for name in real:
+        monkeypatch.setattr(os, name, guard(name))
+    return refused
+
+
+@needs_smollm2
+@pytest.mark.parametrize("err, ops", [(errno.EROFS, ("open", "mkdir", "replace", "rename", "unlink", "utime")), (errno.EACCES, ("replace", "rename"))], ids=["read-only mount", "rename refused"])
+def test_store_turning_read_only_mid_run_fails_writes_and_keeps_serving_reads(copy, monkeypatch, err, ops):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    assert llm.generate([ids[:300]], GREEDY)[0].num_cached_tokens == 256  # writable until now
+    refused = _refuse_writes_under(monkeypatch, root, err, ops)
+    out = llm.generate([ids], GREEDY)[0]  # blocks 3-5 from the store: reads keep hitting
+    assert out.num_cached_tokens == 640 and out.outputs[0].token_ids == ref
+    branch = llm.generate([ids[:640] + ids[:200]], GREEDY)[0]  # block 6 is new: its write fails
+    assert branch.num_cached_tokens == 640 and branch.outputs[0].finish_reason == "length"
+    llm.engine.tiers.flush()
+    stats = llm.engine.stats()["kv_tiers"]
+    assert refused and stats.get("write_failures", 0) + stats.get("blocks_not_committed", 0) >= 1
+    assert stats["store"]["blocks"] == 5 and len(records(root)) == 5 and temp_files(root) == []
+    assert llm.generate([ids[:400]], GREEDY)[0].outputs[0].finish_reason == "length"  # still serving
+    if err == errno.EROFS:  # a new engine on the read-only store still serves from it
+        again = smollm2(f"local://{root}").generate([ids], GREEDY)[0]
+        assert again.num_cached_tokens == 640 and again.outputs[0].token_ids == ref
