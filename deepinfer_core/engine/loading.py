@@ -95,6 +95,15 @@ def weights_choice(files: ModelFiles, device: torch.device, allow_lowbit: bool) 
     return f"dense weights: {why_not}" if why_not else "block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference)"
 
 
+def resolve_dtype(files: ModelFiles, device: torch.device, dtype: torch.dtype, allow_lowbit: bool) -> tuple[torch.dtype, str | None]:
+    """(the dtype the model computes and caches KV in, why its weights are not kept packed or
+    None when they are). Packed low-bit weights run float32 activations whatever ``dtype`` says.
+    The engine (through :func:`load`) and ``deepinfer plan`` both decide here, so the plan's KV
+    dtype is the engine's."""
+    why_not = lowbit_unavailable(files, device) if allow_lowbit else "not requested"
+    return (torch.float32 if why_not is None else dtype), why_not
+
+
 def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False):
     """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
     provider's implementation for every layer; None takes the host's default order.
@@ -103,7 +112,7 @@ def load(name: str, host: PluginHost, platform: Platform, device: torch.device, 
     host.check_backend_name("moe", moe_backend)
     path = resolve_model_path(name, host)
     files = open_model_files(path)
-    why_not = lowbit_unavailable(files, device) if allow_lowbit else "not requested"
+    dtype, why_not = resolve_dtype(files, device, dtype, allow_lowbit)
     if allow_lowbit and why_not and files.quantized_weights is not None:
         log.warning("%s: serving dequantized %s weights (%s)", path, dtype, why_not)
     model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, lowbit=why_not is None)
