@@ -15,7 +15,7 @@ import json
 import os
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 import jinja2
 import tokenizers
@@ -83,15 +83,19 @@ class Tokenizer:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader_or_path: Any) -> "Tokenizer":
-        """Byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata (a path or a GGUFReader)."""
-        import gguf
+    def from_gguf(cls, source: Any) -> "Tokenizer":
+        """Byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata: a path, the metadata as
+        plain values (``models.gguf_index``'s mapping) or a ``gguf.GGUFReader``."""
+        if isinstance(source, (str, os.PathLike)):
+            from .models.gguf_index import read_index
 
-        reader = gguf.GGUFReader(reader_or_path) if isinstance(reader_or_path, (str, os.PathLike)) else reader_or_path
-
-        def field(name: str, default: Any = None) -> Any:
-            f = reader.fields.get(name)
-            return default if f is None else f.contents()
+            source = read_index(os.fspath(source), lambda key: key.startswith("tokenizer.")).metadata
+        if isinstance(source, Mapping):
+            field = source.get
+        else:
+            def field(name: str, default: Any = None) -> Any:
+                f = source.fields.get(name)
+                return default if f is None else f.contents()
 
         kind = field("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -9,7 +9,10 @@ import gguf
 import numpy as np
 import pytest
 
+from deepinfer_core.models import gguf_index
+from deepinfer_core.models.gguf_loader import open_gguf
 from deepinfer_core.models.sources import smollm2_gguf
+from deepinfer_core.testing.gguf_files import write_tiny_llama_gguf
 from deepinfer_core.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
 
 
@@ -52,6 +55,15 @@ def test_gguf_sampling_keys(tmp_path):
     writer.close()
     got = model_sampling_defaults(path)
     assert (round(got.temperature, 6), round(got.top_p, 6), got.top_k) == (0.7, 0.8, 40)
+
+
+def test_gguf_keys_come_from_the_opened_model_without_a_second_read(tmp_path, monkeypatch):
+    keys = {"general.sampling.temp": 0.5, "general.sampling.top_p": 0.75}
+    files = open_gguf(write_tiny_llama_gguf(tmp_path / "m.gguf", keys), cache=False)
+    monkeypatch.setattr(gguf_index, "read_index", lambda *a, **k: pytest.fail("the GGUF was read again"))
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the GGUF was read again"))
+    got = model_sampling_defaults(files.source, files)
+    assert (got.temperature, got.top_p, got.top_k) == (0.5, 0.75, 0)
 
 
 def test_the_embedded_model_uses_its_cards_values():

@@ -13,7 +13,7 @@ Loaders translate names and layouts to Hugging Face's, so each architecture impl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -47,6 +47,9 @@ class ModelFiles:
     # with their ``weight_scale_inv`` for a model holding them FP8 (models.fp8.swap_in_fp8).
     fp8_weights: "Callable[[frozenset], Iterator[tuple[str, torch.Tensor]]] | None" = None
     fp8_names: frozenset = frozenset()
+    # The checkpoint's own sampling recommendation as stored in it (a GGUF's ``general.sampling.*``
+    # keys, raw); the server's defaults read it here instead of opening the file again.
+    sampling: dict = field(default_factory=dict)
 
 
 def open_model_files(path: str) -> ModelFiles:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from ..lowbit.formats import FLOAT_TYPES, from_gguf
+from . import gguf_cache
 from .files import ModelFiles
+from .gguf_cache import GGUFParts
+from .gguf_index import read_index
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
@@ -42,42 +45,55 @@ _BLOCK_NAMES = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _SAMPLE_BYTES = 1 << 20
+SAMPLING_PREFIX = "general.sampling."  # the model's recommended sampling (temp, top_p, top_k...)
 
 
 def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
-    """Read metadata and tensor index now; tensors are dequantized only when streamed. With
-    ``cache`` (the default), a start-up cache entry of this file is used when there is one and
-    written by the first complete weight stream otherwise (see :mod:`.gguf_cache`)."""
-    import gguf
+    """Config, tokenizer and tensor index now; tensors are read (and dequantized, for the float
+    stream) only when streamed. With ``cache`` (the default) a start-up cache entry of this file
+    (see :mod:`.gguf_cache`) replaces the header parse and the tokenizer build, and the float
+    weights once a first complete stream has written them."""
+    entry = gguf_cache.entry_for(path) if cache else None
+    parts = gguf_cache.read_entry(entry) if entry is not None else None
+    if parts is None:
+        parts = parse_gguf(path)
+        if entry is not None:
+            gguf_cache.write_entry(entry, parts)
+    files = files_from_parts(path, parts)
+    return files if entry is None else gguf_cache.cached_weights(files, entry)
 
-    from .gguf_cache import caching, entry_for, open_cached
 
-    entry = entry_for(path) if cache else None
-    if entry is not None:
-        hit = open_cached(entry, path, lambda p: open_gguf(p, cache=False))
-        if hit is not None:
-            return hit
-
+def parse_gguf(path: str) -> GGUFParts:
+    """Everything a start-up needs from the file's header (the cold path: the metadata walk
+    and the tokenizer build)."""
     from ..tokenizer import Tokenizer
 
-    reader = gguf.GGUFReader(path)
-    meta = _Metadata(reader)
+    index = read_index(path)
+    meta = index.metadata
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise NotImplementedError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
         )
-    tensor_names = {t.name for t in reader.tensors}
-    config = llama_config(meta, arch, tensor_names)
-    tokenizer = Tokenizer.from_gguf(reader) if meta.get("tokenizer.ggml.model") == "gpt2" else None
+    config = llama_config(meta, arch, {t.name for t in index.tensors})
+    tokenizer = Tokenizer.from_gguf(meta) if meta.get("tokenizer.ggml.model") == "gpt2" else None
+    sampling = {k: v for k, v in meta.items() if k.startswith(SAMPLING_PREFIX)}
+    return GGUFParts(config, tokenizer, gguf_fingerprint(path, index.data_offset), sampling, index.tensors)
+
+
+def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
+    """The weight streams over ``path``'s tensors as ``parts`` indexes them (one memmap)."""
+    import gguf
+
+    config = parts.config
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for t in reader.tensors:
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        for t in parts.tensors:
             name = hf_name(t.name)
-            shape = tuple(reversed([int(d) for d in t.shape]))  # GGUF lists dims fastest-first
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+            data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
+            tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape))
             if name.endswith("self_attn.q_proj.weight"):
                 tensor = unpermute_rotary_rows(tensor, heads)
             elif name.endswith("self_attn.k_proj.weight"):
@@ -87,28 +103,25 @@ def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
     def quantized_weights() -> Iterator[tuple[str, Any]]:
         """Block-quantized tensors packed for the low-bit kernels (never dequantized to a
         float copy); float tensors (norms) as in ``weights``."""
-        for t in reader.tensors:
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        for t in parts.tensors:
             name = hf_name(t.name)
-            shape = tuple(reversed([int(d) for d in t.shape]))
-            if t.tensor_type.name in FLOAT_TYPES or len(shape) != 2:
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-                yield name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+            if t.type_name in FLOAT_TYPES or len(t.shape) != 2:
+                data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
+                yield name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape))
                 continue
-            packed = from_gguf(t.tensor_type.name, t.data, shape)
+            packed = from_gguf(t.type_name, t.data(file), t.shape)
             if name.endswith("self_attn.q_proj.weight"):
-                packed = packed.rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
+                packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads))
             elif name.endswith("self_attn.k_proj.weight"):
-                packed = packed.rows(unpermute_rotary_rows(torch.arange(shape[0]), kv_heads))
+                packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), kv_heads))
             yield name, packed
 
-    quantized = frozenset(
-        hf_name(t.name) for t in reader.tensors if t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
+    quantized = frozenset(hf_name(t.name) for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2)
+    return ModelFiles(
+        config=config, weights=weights, tokenizer=parts.tokenizer, source=path, fingerprint=parts.fingerprint,
+        quantized_weights=quantized_weights if quantized else None, quantized_names=quantized, sampling=dict(parts.sampling),
     )
-    files = ModelFiles(
-        config=config, weights=weights, tokenizer=tokenizer, source=path, fingerprint=gguf_fingerprint(path, reader),
-        quantized_weights=quantized_weights if quantized else None, quantized_names=quantized,
-    )
-    return files if entry is None else caching(files, entry)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -129,7 +142,7 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def llama_config(meta: "_Metadata", arch: str, tensor_names: set[str]) -> dict:
+def llama_config(meta: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict:
     """Hugging Face ``LlamaConfig``-style dict from ``{arch}.*`` metadata keys."""
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
@@ -174,27 +187,16 @@ def llama_config(meta: "_Metadata", arch: str, tensor_names: set[str]) -> dict:
     return config
 
 
-def gguf_fingerprint(path: str, reader: Any) -> str:
-    """sha256 over the header (metadata + tensor index), the file size and the first and last MiB
-    of tensor data: cheap on a multi-GB file, and two checkpoints with the same shapes (a
-    fine-tune) still differ in their data samples."""
+def gguf_fingerprint(path: str, data_offset: int) -> str:
+    """sha256 over the header (metadata + tensor index, the first ``data_offset`` bytes), the
+    file size and the first and last MiB of tensor data: cheap on a multi-GB file, and two
+    checkpoints with the same shapes (a fine-tune) still differ in their data samples."""
     h = hashlib.sha256()
     size = os.path.getsize(path)
     h.update(str(size).encode())
     with open(path, "rb") as f:
-        h.update(f.read(reader.data_offset))
+        h.update(f.read(data_offset))
         h.update(f.read(_SAMPLE_BYTES))
-        f.seek(max(reader.data_offset, size - _SAMPLE_BYTES))
+        f.seek(max(data_offset, size - _SAMPLE_BYTES))
         h.update(f.read(_SAMPLE_BYTES))
     return "gguf-sha256:" + h.hexdigest()
-
-
-class _Metadata:
-    """Plain Python values of a reader's metadata fields (strings decoded, arrays as lists)."""
-
-    def __init__(self, reader: Any) -> None:
-        self._fields = reader.fields
-
-    def get(self, name: str, default: Any = None) -> Any:
-        f = self._fields.get(name)
-        return default if f is None else f.contents()

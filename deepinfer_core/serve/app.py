@@ -48,7 +48,7 @@ class Server:
                                  on_abort=self.metrics.on_abort, on_early_stop=self.metrics.on_early_stop)
         files = getattr(engine, "files", None)
         if config.sampling_defaults == "model" and files is not None:
-            self.sampling_defaults = model_sampling_defaults(files.source)
+            self.sampling_defaults = model_sampling_defaults(files.source, files)
         else:
             self.sampling_defaults = SamplingDefaults()
         log.info("sampling defaults for requests that leave them unset: %s", self.sampling_defaults.describe())

@@ -20,6 +20,10 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..models.files import ModelFiles
 
 log = logging.getLogger(__name__)
 
@@ -70,29 +74,32 @@ def _from_generation_config(path: str) -> dict | None:
     return values or None
 
 
-def _from_gguf(path: str) -> dict | None:
-    import gguf
-
-    try:
-        fields = gguf.GGUFReader(path).fields
-    except (OSError, ValueError):
-        return None
-    values = {}
-    for key, name in _GGUF_KEYS.items():
-        field = fields.get(key)
-        if field is not None and field.data:
-            values[name] = field.parts[field.data[0]][0].item()
+def _from_gguf_keys(stored: dict) -> dict | None:
+    values = {name: stored[key] for key, name in _GGUF_KEYS.items() if key in stored}
     return values or None
 
 
-def model_sampling_defaults(model_path: str) -> SamplingDefaults:
-    """What the model at ``model_path`` recommends, or the protocol defaults."""
+def _read_gguf_keys(path: str) -> dict:
+    """The ``general.sampling.*`` keys of ``path``'s header, the other values stepped over
+    (no vocabulary is decoded); {} for a file that cannot be read."""
+    from ..models.gguf_index import read_index
+
+    try:
+        return read_index(path, lambda key: key in _GGUF_KEYS).metadata
+    except (OSError, ValueError):
+        return {}
+
+
+def model_sampling_defaults(model_path: str, files: "ModelFiles | None" = None) -> SamplingDefaults:
+    """What the model at ``model_path`` recommends, or the protocol defaults. ``files``: the
+    engine's opened model, whose GGUF keys the loader already holds (no second read)."""
     if os.path.isdir(model_path):
         config = os.path.join(model_path, "generation_config.json")
         if (values := _from_generation_config(config)) is not None:
             return _checked(values, config)
     elif model_path.endswith(".gguf"):
-        if (values := _from_gguf(model_path)) is not None:
+        stored = files.sampling if files is not None and files.source == model_path else _read_gguf_keys(model_path)
+        if (values := _from_gguf_keys(stored)) is not None:
             return _checked(values, f"{os.path.basename(model_path)} general.sampling.*")
         from ..models.sources import smollm2_gguf
 

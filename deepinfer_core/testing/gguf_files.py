@@ -1,6 +1,9 @@
 """Write GGUF variants of a checkpoint for tests and benchmarks (the ``gguf`` library's own
 quantizers, so the reference never comes from deepinfer's code).
 
+``write_tiny_llama_gguf(path, {"general.sampling.temp": 0.5})`` writes a two-tensor llama GGUF
+(no tokenizer) with extra float keys, for loader and cache tests.
+
 ``requantize_gguf(src, dst, "Q8_0")`` dequantizes every block-quantized tensor of ``src`` and
 quantizes it again with ``gguf.quants.quantize``: the result is what llama.cpp's converter would
 write from those float weights. Metadata is copied, ``general.file_type`` updated.
@@ -37,3 +40,24 @@ def requantize_gguf(src: str, dst: str, type_name: str = "Q8_0") -> str:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0) -> str:
+    """A llama GGUF of one Q8_0 embedding [32, 64] and one F32 norm, plus ``float_keys``
+    (``general.sampling.*``...) as float32 values, written by the ``gguf`` library's writer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"embedding_length": 64, "feed_forward_length": 128, "block_count": 1, "attention.head_count": 2}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    for key, value in float_keys.items():
+        writer.add_float32(key, value)
+    w = np.random.default_rng(seed).standard_normal((32, 64)).astype(np.float32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(w, q8), raw_dtype=q8)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
