@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from ..engine.fast_init import materialize
 from . import ModelContext, WeightsError
 from ..lowbit import llama_decode
 from ..lowbit.formats import QuantWeight
@@ -120,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = LlamaModel(config, self.attention_specs, backends)
             self.lm_head = None if self.tie_word_embeddings else nn.Linear(config["hidden_size"], self.vocab_size, bias=False)
-        self.to_empty(device=ctx.device)
+        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
         self.to(ctx.dtype)
         self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(ctx.device)
         self._decode_plan: object | None = _UNPLANNED  # low-bit CPU: one native call per decode step
