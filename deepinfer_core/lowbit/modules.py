@@ -40,6 +40,7 @@ class LowBitLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(torch.empty(self.out_features, dtype=torch.float32), requires_grad=False)
         self._pending: dict[str, QuantWeight] = {}
         self.segments: list[QuantWeight] = []
+        self.int_rows = ops.int_rows()  # calls with at most this many rows use the integer kernel
 
     def fill(self, part: str, weight: QuantWeight) -> None:
         self._pending[part] = weight
@@ -54,9 +55,9 @@ class LowBitLinear(nn.Module):
         flat = x.dim() == 2 and x.dtype == torch.float32
         a = x if flat else x.reshape(-1, self.in_features).float()
         if len(self.segments) == 1:
-            y = ops.matmul(a, self.segments[0])
+            y = ops.matmul(a, self.segments[0], self.int_rows)
         else:
-            y = torch.cat([ops.matmul(a, w) for w in self.segments], dim=-1)
+            y = torch.cat([ops.matmul(a, w, self.int_rows) for w in self.segments], dim=-1)
         if self.bias is not None:
             y += self.bias
         return y if flat else y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -79,6 +80,7 @@ class LowBitEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.in_features = num_embeddings, dim
         self.weight_q: QuantWeight | None = None
+        self.int_rows = ops.int_rows()
 
     def fill(self, part: str, weight: QuantWeight) -> None:
         self.weight_q = weight
@@ -87,7 +89,19 @@ class LowBitEmbedding(nn.Module):
         return self.weight_q.dequantize(ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
-        return ops.matmul(hidden, self.weight_q)
+        return ops.matmul(hidden, self.weight_q, self.int_rows)
+
+
+def use_exact_kernels(model: nn.Module) -> int:
+    """Put every low-bit module of ``model`` on the exact float32 kernel (a batch-invariant
+    engine: the integer kernel is taken by row count, so a row's result would depend on the
+    batch). Returns how many modules changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, (LowBitLinear, LowBitEmbedding)) and module.int_rows:
+            module.int_rows = 0
+            changed += 1
+    return changed
 
 
 def _merge_same_kind(weights: list[QuantWeight]) -> list[QuantWeight]:

@@ -83,6 +83,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gemm_f32_act.argtypes = [p, i64, i64, i32, p, p, p, i64, p, i32]
     lib.gemm_f32_act.restype = None
+    lib.gemm_i16_act.argtypes = [p, i64, i64, i32, p, p, p, i64, p, i32]
+    lib.gemm_i16_act.restype = None
+    lib.quantize_act16.argtypes = [p, i64, i64, p, p, p]
+    lib.quantize_act16.restype = None
     lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32]
     lib.paged_decode_attention.restype = None
     lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64]

@@ -1,0 +1,75 @@
+"""The two low-bit GEMM kernels alone, at SmolLM2-135M's shapes: exact (float32 activations)
+vs integer (activations rounded to int16 per 32-block), same weights, same run.
+
+    .venv/bin/python benchmarks/lowbit_kernels.py --rows 1,2,4,8,16,32 --threads 1
+
+Weights are random packed blocks of the model's shapes (q4 for the layers, q8 for the tied
+49,152 x 576 head); each (shape, M) cell is the best of 3 timings of enough calls for ~0.2 s.
+Prints milliseconds per call and exact / integer (above 1: the integer kernel is faster). The
+row count where the ratio falls below 1 is where ``ops.DEFAULT_INT_ROWS`` should sit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+SHAPES = (("qkv", 960, 576, "q4"), ("o", 576, 576, "q4"), ("gate+up", 3072, 576, "q4"), ("down", 576, 1536, "q4"), ("head", 49152, 576, "q8"))
+
+
+def packed(n: int, k: int, kind: str):
+    from deepinfer_core.lowbit.formats import QuantWeight, quantize_q8
+
+    g = torch.Generator().manual_seed(n + k)
+    if kind == "q8":
+        return quantize_q8(torch.randn(n, k, generator=g))
+    d = torch.rand(n, k // 32, generator=g) * 0.01
+    return QuantWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g), d, -8 * d, "Q4_0")
+
+
+def best_ms(fn, budget_s: float = 0.2) -> float:
+    fn()
+    start = time.perf_counter()
+    fn()
+    reps = max(1, int(budget_s / max(time.perf_counter() - start, 1e-6)))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from deepinfer_core.lowbit import ops
+
+    print(f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n")
+    print("| matrix (N x K, kind) | M | exact ms | integer ms | exact / integer |")
+    print("|---|---:|---:|---:|---:|")
+    totals: dict[int, list[float]] = {m: [0.0, 0.0] for m in args.rows}
+    for name, n, k, kind in SHAPES:
+        w = packed(n, k, kind)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            exact = best_ms(lambda: ops.matmul(x, w, 0))
+            integer = best_ms(lambda: ops.matmul(x, w, m))
+            totals[m][0] += exact * (1 if name == "head" else 30)
+            totals[m][1] += integer * (1 if name == "head" else 30)
+            print(f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {integer:.3f} | {exact / integer:.2f}x |", flush=True)
+    print("\nA whole decode step's GEMMs (30 layers + head):\n")
+    print("| M | exact ms | integer ms | exact / integer |")
+    print("|---:|---:|---:|---:|")
+    for m, (exact, integer) in totals.items():
+        print(f"| {m} | {exact:.1f} | {integer:.1f} | {exact / integer:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
