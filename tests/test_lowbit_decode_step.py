@@ -13,6 +13,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.lowbit import llama_decode, native
+from deepinfer_core.lowbit.modules import use_exact_kernels
 from deepinfer_core.models.sources import smollm2_gguf
 
 GGUF = smollm2_gguf()
@@ -70,6 +71,17 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
 
 @pytest.fixture(scope="module")
 def lowbit():
+    """Every GEMM on the exact float32-activation kernel, so the two paths differ only in the
+    elementwise maths (the integer kernel rounds activations: an ulp of difference before it
+    can move a value by one 16-bit step; that kernel is checked in the test after)."""
+    llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
+    use_exact_kernels(llm.engine.model)  # before the first forward builds the plan
+    return llm
+
+
+@pytest.fixture(scope="module")
+def lowbit_int():
+    """The default: calls of <= 4 rows (every decode step here) on the int16-activation kernel."""
     return LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
 
 
@@ -94,6 +106,17 @@ def test_one_call_steps_equal_the_torch_path_and_the_dequantized_float32_model(l
     assert fused_tokens == dense_tokens
     for a, b in zip(fused_logits, dense_logits):  # the same weight values, summed in another order
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)  # measured 9e-5
+
+
+def test_one_call_steps_on_the_integer_kernel_stay_with_the_dequantized_float32_model(lowbit_int, dense):
+    lowbit_int.generate("Hi", SamplingParams(max_tokens=2))
+    assert lowbit_int.engine.model.model.layers[0].self_attn.o_proj.int_rows >= len(PROMPTS)
+    fused_tokens, fused_logits, fused_steps, _ = _run(lowbit_int, use_plan=True)
+    dense_tokens, dense_logits, _, _ = _run(dense, use_plan=False)
+    assert fused_steps >= NEW_TOKENS and fused_tokens == dense_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(fused_logits, dense_logits))
+    print(f"int16 vs float32 logits: {worst:.2e}")
+    assert worst < 0.05  # measured 2.1e-2 (the exact kernel: 9e-5)
 
 
 def test_the_switch_turns_the_plan_off(lowbit, monkeypatch):

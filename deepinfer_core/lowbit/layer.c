@@ -4,7 +4,8 @@
  * torch ops (norms, rotary, views, SiLU-mul, residual adds, the attention wrapper), each costing
  * more host time than its arithmetic. Here every decoder layer of a step where each request
  * feeds one token runs as plain loops around the GEMMs and the paged attention of kernels.c
- * (called through their C entry points, so both paths share the same arithmetic):
+ * (called through their C entry points, lowbit_gemm choosing the kernel by row count as
+ * ops.matmul does, so both paths share the same arithmetic):
  *
  *   embed -> L x (rmsnorm -> qkv -> rotary -> KV write + paged attention -> o -> +res
  *                 -> rmsnorm -> gate|up -> silu(gate) * up -> down -> +res) -> final rmsnorm
@@ -26,8 +27,8 @@
 #include <string.h>
 
 /* kernels.c's entry points (one shared object: native.py compiles both files together) */
-void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                  int64_t N, float *y, int nthreads);
+void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                 int64_t N, float *y, int nthreads, int64_t int_rows);
 void paged_decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
@@ -46,6 +47,7 @@ typedef struct {        /* y = x W^T (+ bias), W = the segments stacked by rows 
     lb_segment seg[MAX_SEGMENTS];
     int64_t nseg, k, n;
     const float *bias;  /* NULL or [n] */
+    int64_t int_rows;   /* the module's: calls of <= int_rows rows take the integer kernel */
 } lb_linear;
 
 typedef struct {
@@ -121,12 +123,12 @@ static void rmsnorm(const float *x, const float *w, float eps, int64_t R, int64_
 static void linear(const lb_linear *lin, const float *x, int64_t R, float *y, float *tmp, int nthreads) {
     if (lin->nseg == 1) {
         const lb_segment *s = &lin->seg[0];
-        gemm_f32_act(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, y, nthreads);
+        lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, y, nthreads, lin->int_rows);
     } else {  /* segments of different formats: each into tmp, then into its columns */
         int64_t col = 0;
         for (int64_t i = 0; i < lin->nseg; i++) {
             const lb_segment *s = &lin->seg[i];
-            gemm_f32_act(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, tmp, nthreads);
+            lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, tmp, nthreads, lin->int_rows);
             for (int64_t r = 0; r < R; r++) memcpy(y + r * lin->n + col, tmp + r * s->n, (size_t)s->n * sizeof(float));
             col += s->n;
         }
