@@ -21,6 +21,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """Part of a tool call still being written, for streams (additive; a parser may or may not
+    emit them). A call's first delta has its ``id`` and ``name``; the next ones (same ``id``)
+    carry pieces of its arguments text. The whole :class:`ToolCall` still follows in
+    ``ParsedOutput.tool_calls`` once the call is complete, with the same id and arguments equal
+    to the pieces joined: a codec that streamed the deltas then only closes the call. A call
+    whose deltas began but that never completes (cut by the output limit) is closed by the
+    codec at the end of the stream with what it has."""
+
+    id: str
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class Message:
     role: str  # system | user | assistant | tool | developer
     content: str = ""
@@ -72,6 +87,8 @@ class ParsedOutput:
     # Additive: the stop sequence that ended the output (finish reason ``stop_sequence``), which
     # Anthropic's ``stop_sequence`` field names.
     stop_sequence: str | None = None
+    # Additive: tool calls streamed piece by piece before they complete (see ToolCallDelta).
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def merge(a: ParsedOutput, b: ParsedOutput) -> ParsedOutput:
         finish_reason=b.finish_reason or a.finish_reason,
         usage=b.usage if b.usage is not None else a.usage,
         stop_sequence=b.stop_sequence or a.stop_sequence,
+        tool_call_deltas=a.tool_call_deltas + b.tool_call_deltas,
     )
 
 
@@ -97,7 +98,7 @@ def events(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[],
         if first:
             parsed, first = replace(parsed, usage=usage_of(out)), False
             yield parsed
-        elif parsed.content or parsed.reasoning or parsed.tool_calls:
+        elif parsed.content or parsed.reasoning or parsed.tool_calls or parsed.tool_call_deltas:
             yield parsed
 
 

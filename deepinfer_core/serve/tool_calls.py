@@ -13,7 +13,10 @@ was trained on, so a single parser serves them all::
   :data:`GENERIC_TOOL_PROMPT` in its system message, earlier calls written in the same syntax
   and tool results as ``<tool_response>`` blocks in a user turn.
 * Output: :class:`HermesToolParser` passes text through and turns each closed block into a
-  :class:`~deepinfer_core.codecs.ToolCall`; the markup never reaches the content.
+  :class:`~deepinfer_core.codecs.ToolCall`; the markup never reaches the content. While a call
+  is written it streams it: a :class:`~deepinfer_core.codecs.ToolCallDelta` with the name as
+  soon as ``{"name": ..., "arguments": `` has arrived, then the arguments text piece by piece
+  (the arguments are kept exactly as the model wrote them, so the pieces join to the call's).
 * Constraint: :func:`tool_call_tag` is an xgrammar structural tag. Under ``auto`` the text is free
   until the model writes ``<tool_call>``; from there the grammar admits only a declared tool's
   name and arguments matching its schema, then ``</tool_call>``. ``required`` must start with a
@@ -31,13 +34,16 @@ was trained on, so a single parser serves them all::
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError, ToolCall
+from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError, ToolCall, ToolCallDelta
 
 START, END = "<tool_call>", "</tool_call>"
+# the head of a call's body up to its arguments value (which must have begun: (?=\S))
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 ANY_OBJECT: dict = {"type": "object"}
 
 GENERIC_TOOL_PROMPT = """# Tools
@@ -168,23 +174,31 @@ class HermesToolParser:
         self._in_call = False
         self._after_call = False  # drop whitespace between calls
         self._wrote = False  # some content was emitted
+        self._call_id = ""  # the open call's id, once its name was streamed
+        self._args_at = -1  # where its arguments begin in the buffer (-1: not yet known)
+        self._sent = 0  # characters of its arguments streamed
 
     def push(self, text: str) -> ParsedOutput:
         self._buffer += text
-        content, calls = "", []
+        content, calls, deltas = "", [], []
         while True:
             if self._in_call:
                 end = self._buffer.find(END)
                 if end < 0:
+                    deltas += self._stream_call()
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
                 self._in_call = False
-                call = _parse_call(body)
+                call = _parse_call(body, self._call_id or "call_" + secrets.token_hex(12))
                 if call is None:
                     content += self._text(START + body + END)
                 else:
+                    if self._call_id and call.arguments.startswith(self._streamed(body)):
+                        rest = call.arguments[self._sent :]
+                        deltas += [ToolCallDelta(call.id, arguments=rest)] if rest else []
                     calls.append(call)
                     self._after_call = True
+                self._call_id, self._args_at, self._sent = "", -1, 0
                 continue
             start = self._buffer.find(START)
             if start >= 0:
@@ -197,14 +211,48 @@ class HermesToolParser:
             content += self._text(ready[: len(ready) - held])
             self._buffer = self._buffer[len(ready) - held :]
             break
-        return ParsedOutput(content=content, tool_calls=tuple(calls))
+        return ParsedOutput(content=content, tool_calls=tuple(calls), tool_call_deltas=tuple(deltas))
 
     def finish(self) -> ParsedOutput:
         rest, self._buffer = self._buffer, ""
         if self._in_call:
-            call = _parse_call(rest)
+            call = _parse_call(rest, self._call_id or "call_" + secrets.token_hex(12))
+            if call is not None and self._call_id and call.arguments.startswith(self._streamed(rest)):
+                tail = call.arguments[self._sent :]
+                return ParsedOutput(tool_calls=(call,), tool_call_deltas=(ToolCallDelta(call.id, arguments=tail),) if tail else ())
             return ParsedOutput(tool_calls=(call,)) if call is not None else ParsedOutput(content=START + rest)
         return ParsedOutput(content=self._text(rest))
+
+    def _streamed(self, body: str) -> str:
+        return body[self._args_at : self._args_at + self._sent]
+
+    def _stream_call(self) -> list[ToolCallDelta]:
+        """Deltas of the open call (the buffer holds its body so far): its name once the head
+        is complete, then arguments text, holding back a tail that may still turn out to be the
+        body's closing ``}`` (with the whitespace before it) or the start of ``</tool_call>``.
+        Only object or array arguments are streamed (a string value would be unwrapped)."""
+        out = []
+        if not self._call_id:
+            head = _HEAD.match(self._buffer)
+            if head is None:
+                return out
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return out
+            self._call_id, self._args_at = "call_" + secrets.token_hex(12), head.end()
+            out.append(ToolCallDelta(self._call_id, name=name))
+        region = self._buffer[self._args_at :]
+        if region[:1] not in ("{", "["):
+            return out
+        keep = len(region) - _partial_end(region)
+        keep = len(region[:keep].rstrip())
+        if region[:keep].endswith("}"):
+            keep = len(region[: keep - 1].rstrip())
+        if keep > self._sent:
+            out.append(ToolCallDelta(self._call_id, arguments=region[self._sent : keep]))
+            self._sent = keep
+        return out
 
     def _text(self, text: str) -> str:
         if self._after_call:  # text after a call: one line break from earlier text, if any
@@ -224,7 +272,17 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def _parse_call(body: str) -> ToolCall | None:
+def _partial_end(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``</tool_call>``."""
+    for n in range(min(len(END) - 1, len(text)), 0, -1):
+        if END.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _parse_call(body: str, call_id: str) -> ToolCall | None:
+    """A block's call, its arguments as the model wrote them where the body has the usual
+    ``{"name": ..., "arguments": ...}`` layout (else re-serialized)."""
     try:
         value = json.loads(body)
     except ValueError:
@@ -233,7 +291,16 @@ def _parse_call(body: str) -> ToolCall | None:
         return None
     arguments = value.get("arguments", {})
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(name=value["name"], arguments=text, id="call_" + secrets.token_hex(12))
+    head = _HEAD.match(body)
+    if head is not None and isinstance(arguments, (dict, list)):
+        raw = body[head.end() :].rstrip()
+        raw = raw[:-1].rstrip() if raw.endswith("}") else raw
+        try:
+            if json.loads(raw) == arguments:
+                text = raw
+        except ValueError:
+            pass
+    return ToolCall(name=value["name"], arguments=text, id=call_id)
 
 
 def single_call(request: ConversationRequest) -> bool:
@@ -260,4 +327,6 @@ class FirstCallOnly:
         if not parsed.tool_calls:
             return parsed
         self.done = True
-        return replace(parsed, tool_calls=parsed.tool_calls[:1], finish_reason="tool_calls", stop_sequence=None)
+        first = parsed.tool_calls[0]
+        deltas = tuple(d for d in parsed.tool_call_deltas if d.id == first.id)  # a later call's start is dropped
+        return replace(parsed, tool_calls=(first,), tool_call_deltas=deltas, finish_reason="tool_calls", stop_sequence=None)

@@ -27,7 +27,9 @@ class MessageStream:
         self._usage = usage
         self._tool_use = tool_use
         self._index = -1
-        self._open: str | None = None  # kind of the open block: thinking | text
+        self._open: str | None = None  # kind of the open block: thinking | text | tool_use
+        self._streamed: set[str] = set()  # ids of tool calls streamed piece by piece
+        self._tool_id = ""  # the streamed tool call whose block is open
 
     def _start(self, block: dict) -> str:
         self._index += 1
@@ -72,10 +74,15 @@ class MessageStream:
             if event.reasoning:
                 yield from self._switch("thinking")
                 yield self._delta({"type": "thinking_delta", "thinking": event.reasoning})
+            earlier = set(self._streamed)  # a tool_use block already open ends before this event's content
+            calls += yield from self._pieces(event, earlier)
             if event.content:
                 yield from self._switch("text")
                 yield self._delta({"type": "text_delta", "text": event.content})
+            calls += yield from self._pieces(event, None, skip=earlier)
             for call in event.tool_calls:
+                if call.id in self._streamed:  # streamed piece by piece (closed above)
+                    continue
                 yield from self._close()
                 block = self._tool_use(call)
                 arguments = block["input"]
@@ -91,6 +98,27 @@ class MessageStream:
                  "stop_sequence": stop_sequence if finish_reason == "stop_sequence" else None}
         yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": self._usage(usage)["output_tokens"]}})
         yield sse_event("message_stop", {"type": "message_stop"})
+
+    def _pieces(self, event: ParsedOutput, only: set[str] | None, skip: set[str] = frozenset()):
+        """Tool calls streamed piece by piece (``input_json_delta``), those of ``only`` ids or
+        all but ``skip``; a complete one closes its block. Returns how many calls it began."""
+        began = 0
+        chosen = (lambda i: i in only) if only is not None else (lambda i: i not in skip)
+        for piece in event.tool_call_deltas:
+            if not chosen(piece.id):
+                continue
+            if piece.id not in self._streamed:
+                self._streamed.add(piece.id)
+                began += 1
+                yield from self._close()
+                yield self._start({"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+                self._tool_id = piece.id
+            if piece.arguments and self._open == "tool_use" and self._tool_id == piece.id:
+                yield self._delta({"type": "input_json_delta", "partial_json": piece.arguments})
+        for call in event.tool_calls:
+            if chosen(call.id) and call.id in self._streamed and self._open == "tool_use" and self._tool_id == call.id:
+                yield from self._close()
+        return began
 
     def _close_tool(self) -> Iterator[str]:
         yield sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})

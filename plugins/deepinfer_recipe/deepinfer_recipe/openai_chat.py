@@ -216,12 +216,24 @@ class OpenAIChatCodec:
 
         yield chunk({"role": "assistant", "content": ""})
         calls, finish_reason, usage = 0, "stop", {}
+        streamed: dict[str, int] = {}  # id -> index of calls streamed piece by piece
         for event in events:
             if event.reasoning:
                 yield chunk({"reasoning_content": event.reasoning})
             if event.content:
                 yield chunk({"content": event.content})
+            for piece in event.tool_call_deltas:
+                if piece.id not in streamed:
+                    streamed[piece.id], calls = calls, calls + 1
+                    call = {"index": streamed[piece.id], "id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": piece.arguments}}
+                elif not piece.arguments:
+                    continue
+                else:
+                    call = {"index": streamed[piece.id], "function": {"arguments": piece.arguments}}
+                yield chunk({"tool_calls": [call]})
             for call in event.tool_calls:
+                if call.id in streamed:  # its pieces went out already
+                    continue
                 yield chunk({"tool_calls": [self._tool_call_json(call, calls)]})
                 calls += 1
             finish_reason = event.finish_reason or finish_reason

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from deepinfer_core.codecs import ConversationRequest, ParsedOutput, ToolCall
+from deepinfer_core.codecs import ConversationRequest, ParsedOutput, ToolCall, ToolCallDelta
 
 from . import validation as v
 from .common import sse_event
@@ -57,7 +57,9 @@ class ResponseEventStream:
         self.response_id = request.extra.get("request_id") or v.new_id("resp_")
         self.output: list[dict] = []  # finished items
         self._seq = 0
-        self._open: str | None = None  # "reasoning" | "message"
+        self._open: str | None = None  # "reasoning" | "message" | "call" (streamed piece by piece)
+        self._streaming: ToolCall | None = None  # the call being streamed (its arguments in _text)
+        self._streamed: set[str] = set()  # ids of the calls streamed piece by piece
         self._item_id = ""
         self._text = ""
 
@@ -92,6 +94,9 @@ class ResponseEventStream:
     def _close(self) -> Iterator[str]:
         if self._open is None:
             return
+        if self._open == "call":
+            yield from self._end_call(ToolCall(self._streaming.name, self._text, self._streaming.id))
+            return
         if self._open == "reasoning":
             item = reasoning_item(self._item_id, self._text, "completed")
             yield self._event("response.reasoning_text.done", **self._where(), content_index=0, text=self._text)
@@ -114,6 +119,39 @@ class ResponseEventStream:
         yield self._event("response.output_item.done", output_index=where["output_index"], item=item)
         self.output.append(item)
 
+    def _calls(self, event: ParsedOutput, only: set[str] | None, skip: frozenset | set = frozenset()) -> Iterator[str]:
+        """The event's call pieces and calls (those of ``only`` ids, or all but ``skip``)."""
+        for piece in event.tool_call_deltas:
+            if (piece.id in only) if only is not None else piece.id not in skip:
+                self._streamed.add(piece.id)
+                yield from self._call_piece(piece)
+        for call in event.tool_calls:
+            if (call.id in only) if only is not None else call.id not in skip:
+                if self._open == "call" and self._streaming.id == call.id:
+                    yield from self._end_call(call)
+                elif call.id not in self._streamed:  # streamed ones closed early are not repeated
+                    yield from self._call(call)
+
+    def _call_piece(self, piece: ToolCallDelta) -> Iterator[str]:
+        """A call streamed piece by piece: its item opens on the first delta, each arguments
+        piece is a ``function_call_arguments.delta``, and the complete call closes it."""
+        if self._open != "call" or self._streaming.id != piece.id:
+            yield from self._close()
+            self._open, self._text, self._item_id = "call", "", v.new_id("fc_")
+            self._streaming = ToolCall(piece.name, "", piece.id)
+            yield self._event("response.output_item.added", output_index=len(self.output), item=call_item(self._item_id, self._streaming, "", "in_progress"))
+        if piece.arguments:
+            self._text += piece.arguments
+            yield self._event("response.function_call_arguments.delta", **self._where(), delta=piece.arguments)
+
+    def _end_call(self, call: ToolCall) -> Iterator[str]:
+        where = self._where()
+        yield self._event("response.function_call_arguments.done", **where, arguments=call.arguments, name=call.name)
+        item = call_item(self._item_id, call, call.arguments, "completed")
+        yield self._event("response.output_item.done", output_index=where["output_index"], item=item)
+        self.output.append(item)
+        self._open, self._streaming = None, None
+
     def frames(self, events: Iterable[ParsedOutput]) -> Iterator[str]:
         start = self.codec.response(self.request, [], {}, None, self.response_id)
         yield self._event("response.created", response=start)
@@ -123,11 +161,12 @@ class ResponseEventStream:
             if event.reasoning:
                 yield from self._start("reasoning")
                 yield self._delta(event.reasoning)
+            earlier = set(self._streamed)  # a call already open ends before this event's content
+            yield from self._calls(event, earlier)
             if event.content:
                 yield from self._start("message")
                 yield self._delta(event.content)
-            for call in event.tool_calls:
-                yield from self._call(call)
+            yield from self._calls(event, None, skip=earlier)
             finish_reason = event.finish_reason or finish_reason
             usage = event.usage if event.usage is not None else usage
         yield from self._close()

@@ -182,6 +182,29 @@ def test_stream_events_validate_and_accumulate(codec):
     assert indexes == [0, 1, 2]
 
 
+def test_a_tool_use_streamed_piece_by_piece_validates_and_one_cut_short_is_closed(codec):
+    from deepinfer_core.codecs import ToolCallDelta
+
+    request = codec.parse_request({**MINIMAL, "stream": True, "tools": [LOOKUP]})
+    events = [
+        ParsedOutput(content="Check.", usage={"prompt_tokens": 11, "completion_tokens": 0}),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", name="lookup"), ToolCallDelta("call_1", arguments='{"q"'))),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", arguments=': "x"}'),), tool_calls=(ToolCall("lookup", '{"q": "x"}', "call_1"),), content="Then."),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_2", name="lookup"), ToolCallDelta("call_2", arguments='{"q": "y'))),
+        ParsedOutput(finish_reason="length", usage={"prompt_tokens": 11, "completion_tokens": 30}),
+    ]
+    frames = parse_frames(list(codec.stream(request, events)))
+    snapshot, json_bufs = None, {}
+    for _, data in frames:
+        snapshot = accumulate_event(event=EVENT.validate_python(data), current_snapshot=snapshot, json_bufs=json_bufs)
+    assert [b.type for b in snapshot.content] == ["text", "tool_use", "text", "tool_use"]
+    assert snapshot.content[1].input == {"q": "x"} and snapshot.content[1].id == "call_1" and snapshot.content[2].text == "Then."
+    assert snapshot.stop_reason == "max_tokens"
+    starts = [n for n, _ in frames].count("content_block_start")
+    assert starts == [n for n, _ in frames].count("content_block_stop") == 4
+    assert [d["delta"]["partial_json"] for n, d in frames if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"] == ['{"q"', ': "x"}', '{"q": "y']
+
+
 def test_stream_error_frame(codec):
     (name, data), = parse_frames([codec.error_frame(ProtocolError("overloaded", status=529))])
     assert name == "error" and data["error"] == {"type": "overloaded_error", "message": "overloaded"}

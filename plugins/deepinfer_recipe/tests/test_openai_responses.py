@@ -122,3 +122,30 @@ def test_errors(codec):
     assert status == 400 and body["error"]["param"] == "max_output_tokens"
     (name, data), = parse_frames([codec.error_frame(ProtocolError("late", status=500))])
     assert name == "error" and EVENT.validate_python(data).message == "late"
+
+
+def test_a_call_streamed_piece_by_piece_validates_and_one_cut_short_is_closed(codec):
+    """Tool calls streamed as ToolCallDelta pieces: the SDK's own accumulator gets the whole
+    call, content after it stays after it, and a call the output limit cut is still closed."""
+    from deepinfer_core.codecs import ToolCallDelta
+
+    request = codec.parse_request({**MINIMAL, "stream": True, "tools": [LOOKUP]})
+    events = [
+        ParsedOutput(content="Check."),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", name="lookup"), ToolCallDelta("call_1", arguments='{"q"'))),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", arguments=': "x"}'),), tool_calls=(ToolCall("lookup", '{"q": "x"}', "call_1"),), content="Then."),
+        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_2", name="lookup"), ToolCallDelta("call_2", arguments='{"q": "y'))),
+        ParsedOutput(finish_reason="length", usage={"prompt_tokens": 9, "completion_tokens": 4}),
+    ]
+    frames = parse_frames(list(codec.stream(request, events)))
+    assert [data["sequence_number"] for _, data in frames] == list(range(len(frames)))
+    state = ResponseStreamState(input_tools=[LOOKUP], text_format=omit)
+    final = None
+    for _, data in frames:
+        for out in state.handle_event(EVENT.validate_python(data)):
+            if out.type in ("response.completed", "response.incomplete"):
+                final = out.response
+    assert [item.type for item in final.output] == ["message", "function_call", "message", "function_call"]
+    assert [(i.call_id, i.arguments) for i in final.output if i.type == "function_call"] == [("call_1", '{"q": "x"}'), ("call_2", '{"q": "y')]
+    deltas = [d["delta"] for _, d in frames if d["type"] == "response.function_call_arguments.delta"]
+    assert deltas == ['{"q"', ': "x"}', '{"q": "y']

@@ -252,3 +252,57 @@ def test_odd_tool_declarations_are_served_or_refused_never_500(served, tools, ch
     if status == 200 and choice == "required":
         (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
         assert call["function"]["name"] == tools[0]["name"] and isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_parser_streams_a_call_piece_by_piece_at_every_split():
+    """The name as soon as the head is complete, then the arguments text in pieces that join to
+    the finished call's arguments (kept as the model wrote them), whatever the chunking."""
+    from deepinfer_core.codecs import ToolCallDelta
+
+    args = '{"city": "Paris", "note": {"a": [1, 2], "b": "} </tool"}}'
+    text = f'Hi <tool_call>\n{{"name": "book_table", "arguments": {args}}}\n</tool_call> bye'
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    head, end = text.index(args), text.index("</tool_call>") + len("</tool_call>")  # a split in between streams
+    for pieces in splits:
+        parser, deltas, calls = HermesToolParser(), [], []
+        for piece in pieces:
+            out = parser.push(piece)
+            deltas += out.tool_call_deltas
+            calls += out.tool_calls
+        out = parser.finish()
+        deltas, calls = deltas + list(out.tool_call_deltas), calls + list(out.tool_calls)
+        assert [c.arguments for c in calls] == [args] and calls[0].name == "book_table"
+        if len(pieces) > 2 or head < len(pieces[0]) < end:  # the head arrived before the end of the call
+            assert deltas[0] == ToolCallDelta(calls[0].id, name="book_table")
+            assert {d.id for d in deltas} == {calls[0].id}
+            assert "".join(d.arguments for d in deltas) == args
+    assert len(deltas) > 20  # one character at a time: streamed in many pieces
+
+
+def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_reply(oai, claude, start_with_call):
+    """Chat deltas, Responses ``function_call_arguments.delta`` and Anthropic ``input_json_delta``
+    carry the arguments in several pieces; joined, they are the non-streamed reply's."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS, temperature=0, max_tokens=80)
+    whole = oai.chat.completions.create(**chat).choices[0].message.tool_calls[0].function
+    pieces = [c.choices[0].delta.tool_calls[0] for c in oai.chat.completions.create(**chat, stream=True)
+              if c.choices and c.choices[0].delta.tool_calls]
+    assert pieces[0].function.name == whole.name and len(pieces) > 3
+    assert "".join(p.function.arguments or "" for p in pieces) == whole.arguments
+    check_call(whole.name, whole.arguments)
+
+    tools = [{"type": "function", "name": f["function"]["name"], "parameters": f["function"]["parameters"]} for f in TOOLS]
+    resp = dict(model=MODEL, input=ASK, tools=tools, temperature=0, max_output_tokens=80)
+    whole_r = [i for i in oai.responses.create(**resp).output if i.type == "function_call"][0]
+    events = list(oai.responses.create(**resp, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 3 and "".join(deltas) == whole_r.arguments == done[0].arguments
+
+    ant_tools = [{"name": f["function"]["name"], "input_schema": f["function"]["parameters"]} for f in TOOLS]
+    msg = dict(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=ant_tools, messages=[{"role": "user", "content": ASK}])
+    whole_m = [b for b in claude.messages.create(**msg).content if b.type == "tool_use"][0]
+    with claude.messages.stream(**msg) as stream:
+        partial = [e.delta.partial_json for e in stream if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        final = stream.get_final_message()
+    assert len(partial) > 3 and json.loads("".join(partial)) == whole_m.input
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(whole_m.name, whole_m.input)]
