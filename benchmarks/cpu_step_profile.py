@@ -73,6 +73,8 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
     # one-request step's ops), the paths alternating step by step so that both see the same load
     cpu: dict[str, float] = defaultdict(float)
     wall: dict[str, float] = defaultdict(float)
+    if plan is not None:  # the native step's own split of its CPU time
+        plan.phase_ms = torch.zeros(3, dtype=torch.float64)
     for _ in range(2 * steps):
         for path in paths:
             use(path)
@@ -86,6 +88,12 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
     for path in paths:
         ratio = f"{cpu['torch'] / cpu[path]:.2f}x" if "torch" in cpu else "-"
         print(f"| {path} | {cpu[path]:.1f} | {wall[path]:.1f} | {requests * 1000 / wall[path]:.0f} | {ratio} |")
+    if plan is not None and "fused" in paths:
+        gemm, attn, rest = (plan.phase_ms / (2 * steps)).tolist()
+        plan.phase_ms = None
+        print(f"\nfused path, CPU ms per step: native call {gemm + attn + rest:.1f} = layer GEMMs {gemm:.1f} + attention "
+              f"(rotary, KV write, paged attention) {attn:.1f} + the rest (embedding, norms, residuals, SiLU-mul) {rest:.1f}; "
+              f"outside it (LM head, sampling, scheduler, Python) {cpu['fused'] - gemm - attn - rest:.1f}")
     for path in paths:
         use(path)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -25,6 +25,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* kernels.c's entry points (one shared object: native.py compiles both files together) */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
@@ -175,10 +176,23 @@ static void silu_mul(const float *gate, const float *up, int64_t I, float *act) 
     for (; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* h_out [R, D]: the final-normed hidden state of each request's new token. */
+/* Process CPU time in ms, for the optional split of a step (benchmarks/cpu_step_profile.py). */
+static double cpu_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+#define TICK(phase) do { if (phase_ms) { const double now_ = cpu_ms(); phase_ms[last_phase] += now_ - last_ms; last_ms = now_; last_phase = (phase); } } while (0)
+
+/* h_out [R, D]: the final-normed hidden state of each request's new token. phase_ms: NULL, or
+ * 3 doubles that gain the step's CPU ms in the GEMMs, the attention (rotary, KV write, paged
+ * attention) and everything else (embedding, norms, residuals, SiLU-mul). */
 void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t *ids, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, int64_t R,
-                       float *scratch, float *h_out, int nthreads) {
+                       float *scratch, float *h_out, int nthreads, double *phase_ms) {
+    double last_ms = phase_ms ? cpu_ms() : 0.0;
+    int last_phase = 2;
     const int64_t D = md->hidden, I = md->intermediate, H = md->heads, Hkv = md->kv_heads, hd = md->head_dim;
     const int64_t nqkv = (H + 2 * Hkv) * hd, nattn = H * hd;
     float *h = scratch, *xn = h + R * D, *t = xn + R * D, *qkv = t + R * D, *q = qkv + R * nqkv;
@@ -188,7 +202,9 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
     for (int64_t l = 0; l < md->num_layers; l++) {
         const lb_layer *ly = &layers[l];
         rmsnorm(h, ly->input_norm, md->eps, R, D, xn);
+        TICK(0);
         linear(&ly->qkv, xn, R, qkv, tmp, nthreads);
+        TICK(1);
         for (int64_t r = 0; r < R; r++) {
             const float *c = md->cos + positions[r] * hd, *s = md->sin + positions[r] * hd;
             const float *row = qkv + r * nqkv;
@@ -201,13 +217,20 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
         }
         paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables,
                                max_blocks, positions, R, md->scale, md->window, attn, nthreads);
+        TICK(0);
         linear(&ly->o, attn, R, t, tmp, nthreads);
+        TICK(2);
         for (int64_t i = 0; i < R * D; i++) h[i] = h[i] + t[i];
         rmsnorm(h, ly->post_norm, md->eps, R, D, xn);
+        TICK(0);
         linear(&ly->gate_up, xn, R, gu, tmp, nthreads);
+        TICK(2);
         for (int64_t r = 0; r < R; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, I, act + r * I);
+        TICK(0);
         linear(&ly->down, act, R, t, tmp, nthreads);
+        TICK(2);
         for (int64_t i = 0; i < R * D; i++) h[i] = h[i] + t[i];
     }
     rmsnorm(h, md->final_norm, md->eps, R, D, h_out);
+    TICK(2);
 }

@@ -93,6 +93,9 @@ class LlamaDecodePlan:
         self._caches: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._per_row = lib.llama_decode_scratch_per_row(ctypes.byref(md))
+        # None, or float64 [3] that each step adds its CPU ms to: GEMMs, attention, the rest
+        # (benchmarks/cpu_step_profile.py sets it; a few clock reads per layer when set)
+        self.phase_ms: torch.Tensor | None = None
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every request feeds one token, positions inside the rotary table, no replay."""
@@ -135,6 +138,7 @@ class LlamaDecodePlan:
         self._lib.llama_decode_step(
             ctypes.byref(self._md), self._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
             tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            None if self.phase_ms is None else self.phase_ms.data_ptr(),
         )  # fmt: skip
         return out
 

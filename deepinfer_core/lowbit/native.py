@@ -93,5 +93,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_write_kv.restype = None
     lib.llama_decode_scratch_per_row.argtypes = [p]
     lib.llama_decode_scratch_per_row.restype = i64
-    lib.llama_decode_step.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i32]
+    lib.llama_decode_step.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i32, p]
     lib.llama_decode_step.restype = None
