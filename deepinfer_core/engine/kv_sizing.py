@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .zeroed import zeros
+
 
 @dataclass(frozen=True)
 class KVSizing:
@@ -83,7 +85,8 @@ def kv_sizing(model, attention_backend: Callable, block_size: int, max_num_seqs:
         entry[1] += nbytes
 
     def allocate(num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-        return [torch.zeros(b.kv_cache_shape(spec, num_blocks, block_size), dtype=spec.kv_dtype, device=device) for b, spec in zip(backends, specs)]
+        # zero pages on first write (CPU): no start-up pass over the whole cache (zeroed.py)
+        return [zeros(b.kv_cache_shape(spec, num_blocks, block_size), spec.kv_dtype, device) for b, spec in zip(backends, specs)]
 
     return KVSizing(
         block_size=block_size,
