@@ -227,9 +227,11 @@ void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, 
 
 static inline __attribute__((always_inline)) void widen_block_i16(int kind, const void *qs, int64_t blk, __m256i *w0, __m256i *w1) {
     if (kind == 4) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + blk * (QK / 2)));
-        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
-        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        /* each byte widened to 16 bits holds both nibbles: the low one is element j, the high
+         * one (a shift, no mask needed) element j + 16 */
+        const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)qs + blk * (QK / 2))));
+        *w0 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
+        *w1 = _mm256_srli_epi16(both, 4);
     } else {
         const int8_t *q = (const int8_t *)qs + blk * QK;
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
@@ -261,16 +263,16 @@ static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int6
         for (int t = 0; t < T; t++) {
             const float *st = a->s + (i0 + t) * nb + b;
             const int16_t *vr = a->v + (i0 + t) * K + b * QK;
-            acc0[t] = _mm256_fmadd_ps(block_dot_i16(w0, w1, vr), _mm256_set1_ps(wd[b] * st[0]), acc0[t]);
-            acc1[t] = _mm256_fmadd_ps(block_dot_i16(u0, u1, vr + QK), _mm256_set1_ps(wd[b + 1] * st[1]), acc1[t]);
+            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, vr), _mm256_broadcast_ss(wd + b)), _mm256_broadcast_ss(st), acc0[t]);
+            acc1[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(u0, u1, vr + QK), _mm256_broadcast_ss(wd + b + 1)), _mm256_broadcast_ss(st + 1), acc1[t]);
         }
     }
     if (b < nb) {
         __m256i w0, w1;
         widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
         for (int t = 0; t < T; t++)
-            acc0[t] = _mm256_fmadd_ps(block_dot_i16(w0, w1, a->v + (i0 + t) * K + b * QK),
-                                      _mm256_set1_ps(wd[b] * a->s[(i0 + t) * nb + b]), acc0[t]);
+            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, a->v + (i0 + t) * K + b * QK), _mm256_broadcast_ss(wd + b)),
+                                      _mm256_broadcast_ss(a->s + (i0 + t) * nb + b), acc0[t]);
     }
     for (int t = 0; t < T; t++) {
         float r = hsum8(_mm256_add_ps(acc0[t], acc1[t]));
