@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import pathlib
 import shutil
 import subprocess
 import tempfile
@@ -58,7 +59,7 @@ def load() -> NativeKernels:
     compiler = compiler_path()
     if compiler is None:
         return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)")
-    source = b"".join(open(path, "rb").read() for path in _SOURCES)
+    source = b"".join(pathlib.Path(path).read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
     if not os.path.exists(target):
