@@ -95,14 +95,18 @@ def copy(written, tmp_path):
 
 
 @needs_smollm2
-def test_restart_serves_the_prompt_from_the_store(copy):
+@pytest.mark.parametrize("direct", [True, False], ids=["into the cache", "through host buffers"])
+def test_restart_serves_the_prompt_from_the_store(copy, direct):
     root, ids, ref = copy
     llm = smollm2(f"local://{root}")
+    assert llm.engine.tiers.direct  # on the CPU with a local store
+    llm.engine.tiers.direct = direct  # False: the path a GPU takes (host pool, then a copy)
     out = llm.generate([ids], GREEDY)[0]
     assert out.num_cached_tokens == 640 >= 0.9 * PROMPT_TOKENS
     assert out.outputs[0].token_ids == ref
     stats = llm.engine.stats()["kv_tiers"]
-    assert stats["store_blocks_loaded"] == 5 and stats["host_to_device_blocks"] == 5
+    moved = "store_to_cache_blocks" if direct else "host_to_device_blocks"
+    assert stats["store_blocks_loaded"] == stats[moved] == 5 and stats["host_pool_blocks"] == (0 if direct else 5)
     other = llm.generate([ids[:300]], GREEDY)[0]  # a shorter prompt: its 2 blocks from the device cache
     assert other.num_cached_tokens == 256
 
@@ -125,6 +129,29 @@ def test_a_request_loading_from_the_store_does_not_stall_others(copy):
     while loading not in done:
         done.update({o.request_id: o for o in llm.engine.step() if o.finished})
     assert done[loading].num_cached_tokens == 640 and done[loading].outputs[0].token_ids == ref
+
+
+@needs_smollm2
+def test_abort_during_a_direct_load_keeps_its_blocks_until_the_read_ends(copy):
+    root, ids, ref = copy
+    llm = smollm2(f"local://{root}")
+    store, pool = llm.engine.tiers.store, llm.engine.kv.pool
+    gate = threading.Event()
+    real_read = store.read_into
+    store.read_into = lambda lease, buffers: gate.wait(120) and real_read(lease, buffers)
+    rid = llm.engine.add_request(ids, GREEDY)
+    llm.engine.step()
+    assert [r.request_id for r in llm.engine.scheduler.loading] == [rid] and pool.num_free == pool.num_blocks - 5
+    assert llm.engine.abort_request(rid).outputs[0].finish_reason == "abort"
+    llm.engine.step()  # nothing to run; the reserved blocks are still being read into
+    assert pool.num_free == pool.num_blocks - 5
+    gate.set()
+    llm.engine.tiers._loader.submit(lambda: None).result(timeout=120)
+    llm.engine.step()  # the read ended: its blocks come back, cached
+    assert pool.num_free == pool.num_blocks and len(pool.cached) == 5
+    out = llm.generate([ids], GREEDY)[0]
+    assert out.num_cached_tokens == 640 and out.outputs[0].token_ids == ref
+    assert llm.engine.stats()["kv_tiers"]["store_blocks_loaded"] == 5  # from the aborted load: no second read
 
 
 @needs_smollm2

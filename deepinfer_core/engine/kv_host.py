@@ -34,6 +34,30 @@ class BlockCopier:
             self.parts.append((offset, nbytes, cache.dtype, shape))
             offset += nbytes
         self.block_bytes = offset
+        self._rows = self._byte_rows()
+
+    def _byte_rows(self) -> list | None:
+        """Per layer, the cache's bytes as a (rows, blocks, row bytes) array: a block's slice
+        is ``rows`` contiguous runs, in the order :meth:`to_host` lays them out. None unless
+        every cache is a contiguous host tensor and the parts are packed (no padding)."""
+        rows, end = [], 0
+        for cache, dim, (off, n, _dtype, _shape) in zip(self.kv_caches, self.block_dims, self.parts):
+            if cache.device.type != "cpu" or not cache.is_contiguous() or off != end:
+                return None
+            lead = 1
+            for size in cache.shape[:dim]:
+                lead *= size
+            flat = cache.reshape(-1).view(torch.uint8)
+            rows.append(flat.view(lead, cache.shape[dim], n // max(1, lead)).numpy())
+            end = off + n
+        return rows
+
+    def scatter(self, block: int) -> list[memoryview] | None:
+        """The block's bytes in the cache itself, as views in record order (a store reads a
+        record straight into them), or None when the layout does not allow it."""
+        if self._rows is None:
+            return None
+        return [memoryview(rows[i, block]) for rows in self._rows for i in range(rows.shape[0])]
 
     def to_host(self, block: int, out: torch.Tensor) -> None:
         """Device -> host, synchronous: ``out`` is complete when this returns."""

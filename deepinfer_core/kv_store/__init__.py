@@ -80,7 +80,10 @@ class KVStore(Protocol):
 
     def read_into(self, lease: ReadLease, buffers: Sequence[memoryview]) -> list[bool]:
         """Copy each leased block into its host buffer; False for a block that could not be
-        read or failed verification (the caller recomputes from there)."""
+        read or failed verification (the caller recomputes from there). A store whose
+        ``scatter_reads`` is true also takes, for a block, a list of buffers that its bytes
+        fill back to back (the engine then reads straight into the KV cache's per-layer
+        slices on the CPU, with no host-buffer hop)."""
         ...
 
     def release(self, lease: ReadLease) -> None:

@@ -13,9 +13,10 @@ Two tables, no I/O and no locking of their own (the store holds its lock around 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from . import ReadLease, StaleTicketError, WriteTicket
 
@@ -125,13 +126,20 @@ class TicketTable:
         return len(self._open)
 
 
+def pieces(buffer) -> list[memoryview]:
+    """A block's destination as byte views: one buffer, or a list of them (a scatter list)."""
+    parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+    return [memoryview(part).cast("B") for part in parts]
+
+
 def check_buffers(keys: Sequence[bytes], buffers: Sequence[memoryview], block_bytes: int) -> None:
-    """One buffer per key, each exactly one block (why: a size mismatch means the caller's
-    layout disagrees with the store's namespace, which must fail loudly, not truncate)."""
+    """One buffer (or scatter list) per key, each exactly one block (why: a size mismatch
+    means the caller's layout disagrees with the store's namespace, which must fail loudly,
+    not truncate)."""
     if len(buffers) != len(keys):
         raise ValueError(f"{len(buffers)} buffers for {len(keys)} keys")
     for buffer in buffers:
-        nbytes = memoryview(buffer).nbytes
+        nbytes = sum(p.nbytes for p in pieces(buffer))
         if nbytes != block_bytes:
             raise ValueError(f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
 
@@ -147,3 +155,18 @@ def eviction_victims(keys_oldest_first, size: int, capacity: int | None, leases:
     order = dict.fromkeys(itertools.chain(expired, keys_oldest_first)) if expired else keys_oldest_first
     unpinned = (k for k in order if not leases.is_pinned(k))
     return list(itertools.islice(unpinned, size - capacity))
+
+
+def evict_to_capacity(entries, capacity: int | None, leases: LeaseTable, drop: Callable[[bytes, object], None]) -> int:
+    """Bring ``entries`` (key -> entry with ``expires_at``, least recently used first) down to
+    ``capacity`` by :func:`eviction_victims`, popping each victim and handing it to ``drop``
+    (a store's own clean-up: nothing for memory, the record file for disk); returns how many
+    went. One loop for every store, so their eviction order cannot drift apart."""
+    if capacity is None or len(entries) <= capacity:
+        return 0
+    now = time.time()
+    expired = [k for k, e in entries.items() if e.expires_at <= now]
+    victims = eviction_victims(entries, len(entries), capacity, leases, expired)
+    for key in victims:
+        drop(key, entries.pop(key))
+    return len(victims)

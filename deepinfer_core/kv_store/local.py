@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
+from .leases import LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
 from .records import HEADER_BYTES, PosixRecordIO, RecordIO, decode_header, key_from_filename, namespace_fingerprint, read_record
 from .records import is_regular_file, record_bytes, record_filename, remove_file, write_record
 
@@ -97,6 +97,7 @@ class LocalDiskKVStore:
     :data:`RETENTION_SECONDS`), ``reservation_seconds``. ``io`` swaps the file I/O layer."""
 
     name = "local"
+    scatter_reads = True  # read_into takes a list of buffers per block (see KVStore)
 
     def __init__(self, config: KVStoreConfig, *, io: RecordIO | None = None) -> None:
         self.config = config
@@ -227,7 +228,7 @@ class LocalDiskKVStore:
             paths = [self._pinned_path(k) if k in pinned else None for k in lease.keys]
         # I/O outside the lock: pinned files are not deleted by this process meanwhile.
         results = [
-            path is not None and self._inside(path) and read_record(self.io, path, self._fp, key, memoryview(buf).cast("B"))
+            path is not None and self._inside(path) and read_record(self.io, path, self._fp, key, pieces(buf))
             for key, path, buf in zip(lease.keys, paths, buffers)
         ]
         _touch([p for p, ok in zip(paths, results) if ok])  # LRU order for other processes
@@ -375,14 +376,7 @@ class LocalDiskKVStore:
 
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
-        capacity = self.config.capacity_blocks
-        if capacity is None or len(self._index) <= capacity:
-            return
-        now = time.time()
-        expired = [k for k, e in self._index.items() if e.expires_at <= now]
-        for key in eviction_victims(self._index, len(self._index), capacity, self._leases, expired):
-            self._remove_record(self._index.pop(key).path)
-            self._counters["evictions"] += 1
+        self._counters["evictions"] += evict_to_capacity(self._index, self.config.capacity_blocks, self._leases, lambda key, entry: self._remove_record(entry.path))
 
     def gc(self, now: float | None = None) -> int:
         """Expire records whose day bucket has ended, abandoned reservations of this process,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers, eviction_victims
+from .leases import LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
 
 DEFAULT_RESERVATION_SECONDS = 300.0
 
@@ -28,6 +28,7 @@ class MemoryKVStore:
     :data:`RETENTION_SECONDS`), ``reservation_seconds`` (how long a write ticket lives)."""
 
     name = "memory"
+    scatter_reads = True  # read_into takes a list of buffers per block (see KVStore)
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
@@ -74,7 +75,10 @@ class MemoryKVStore:
                     self._counters["misses"] += 1
                     results.append(False)
                     continue
-                memoryview(buffer).cast("B")[:] = block.data
+                offset = 0
+                for piece in pieces(buffer):  # one buffer, or a scatter list
+                    piece[:] = memoryview(block.data)[offset : offset + len(piece)]
+                    offset += len(piece)
                 self._counters["hits"] += 1
                 results.append(True)
             return results
@@ -144,14 +148,7 @@ class MemoryKVStore:
 
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
-        capacity = self.config.capacity_blocks
-        if capacity is None or len(self._blocks) <= capacity:
-            return
-        now = time.time()
-        expired = [k for k, b in self._blocks.items() if b.expires_at <= now]
-        for key in eviction_victims(self._blocks, len(self._blocks), capacity, self._leases, expired):
-            del self._blocks[key]
-            self._counters["evictions"] += 1
+        self._counters["evictions"] += evict_to_capacity(self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None)
 
     # -- misc -----------------------------------------------------------------------------
     def retention_seconds(self) -> dict[str, float]:

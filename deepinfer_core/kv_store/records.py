@@ -69,8 +69,12 @@ class RecordHeader:
 
 
 def _checksum(namespace_fp: bytes, key: bytes, payload_len: int, expires_at: float, payload) -> int:
+    """CRC-32C of header, key and payload; ``payload`` may be a list of pieces (a scatter read)."""
     prefix = _HEADER.pack(MAGIC, VERSION, len(key), namespace_fp, payload_len, expires_at, 0)
-    return crc32c(payload, crc32c(key, crc32c(prefix)))
+    crc = crc32c(key, crc32c(prefix))
+    for piece in payload if isinstance(payload, list) else [payload]:
+        crc = crc32c(piece, crc)
+    return crc
 
 
 def encode_header(namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float) -> bytes:
@@ -92,9 +96,10 @@ def decode_header(data: bytes | memoryview, namespace_fp: bytes, key: bytes) -> 
     return RecordHeader(fp, key, payload_len, expires_at, crc)
 
 
-def payload_matches(header: RecordHeader, payload: memoryview) -> bool:
-    """Length and checksum check of a payload read after ``header``."""
-    if len(payload) != header.payload_len:
+def payload_matches(header: RecordHeader, payload: memoryview | list[memoryview]) -> bool:
+    """Length and checksum check of a payload read after ``header`` (one view or pieces)."""
+    size = sum(len(p) for p in payload) if isinstance(payload, list) else len(payload)
+    if size != header.payload_len:
         return False
     return _checksum(header.namespace_fp, header.key, header.payload_len, header.expires_at, payload) == header.checksum
 
@@ -220,23 +225,30 @@ def write_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, paylo
     io.write_file(path, [encode_header(namespace_fp, key, payload, expires_at), payload])
 
 
-def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: memoryview) -> bool:
-    """Read the record at ``path`` into ``out`` (payload only). False, with ``out`` in an
-    unspecified state, when the file is missing, short, of another namespace/key, or fails
-    its checksum: the caller treats that as a miss."""
+def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: memoryview | list[memoryview]) -> bool:
+    """Read the record at ``path`` into ``out`` (payload only; one view, or a list of byte
+    views filled back to back). False, with ``out`` in an unspecified state, when the file is
+    missing, short, of another namespace/key, or fails its checksum: the caller treats that
+    as a miss."""
+    outs = out if isinstance(out, list) else [out]
+    size = sum(len(o) for o in outs)
     head = bytearray(payload_offset(key))
     try:
         read_parts = getattr(io, "read_parts", None)
         if read_parts is not None:  # one open and one read for the whole record
-            if read_parts(path, [memoryview(head), out]) != len(head) + len(out):
+            if read_parts(path, [memoryview(head), *outs]) != len(head) + size:
                 return False
         elif io.read_file(path, 0, memoryview(head)) != len(head):
             return False
         header = decode_header(head, namespace_fp, key)
-        if header is None or header.payload_len != len(out) or header.expires_at <= time.time():
+        if header is None or header.payload_len != size or header.expires_at <= time.time():
             return False  # not this record, or past its retention: a miss
-        if read_parts is None and io.read_file(path, len(head), out) != len(out):
-            return False
+        if read_parts is None:
+            offset = len(head)
+            for piece in outs:
+                if io.read_file(path, offset, piece) != len(piece):
+                    return False
+                offset += len(piece)
     except OSError:
         return False
-    return payload_matches(header, out)
+    return payload_matches(header, outs)

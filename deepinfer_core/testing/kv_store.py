@@ -147,6 +147,31 @@ class KVStoreSuite:
         assert store.match_prefix([key(1), key(2), key(3)]) == 3
         assert self.read(store, [3, 1, 2]) == [self.payload(3), self.payload(1), self.payload(2)]
 
+    def test_scatter_read_fills_pieces_back_to_back(self, store):
+        """A store with ``scatter_reads`` fills a list of buffers per block as one payload
+        (the engine's direct read into KV cache slices); a damaged record is still a miss."""
+        if not getattr(store, "scatter_reads", False):
+            pytest.skip(f"{store.name} takes one buffer per block")
+        self.put(store, [1, 2])
+        cuts = [0, 1, self.block_bytes // 3, self.block_bytes // 3, self.block_bytes]  # an empty piece too
+        out = {i: [bytearray(b - a) for a, b in zip(cuts, cuts[1:])] for i in (1, 2)}
+        lease = store.acquire_read([key(1), key(2), key(3)])
+        try:
+            with pytest.raises(ValueError):
+                store.read_into(lease, [[memoryview(bytearray(1))]] * 3)  # pieces must add up to a block
+            ok = store.read_into(lease, [[memoryview(p) for p in out[1]], [memoryview(p) for p in out[2]], [memoryview(bytearray(self.block_bytes))]])
+        finally:
+            store.release(lease)
+        assert ok == [True, True, False]
+        assert [b"".join(out[i]) for i in (1, 2)] == [self.payload(1), self.payload(2)]
+        if self.persistent:
+            self.corrupt(store, key(2), "flip")
+            lease = store.acquire_read([key(2)])
+            try:
+                assert store.read_into(lease, [[memoryview(p) for p in out[2]]]) == [False]
+            finally:
+                store.release(lease)
+
     def test_read_of_missing_key_is_false(self, store):
         self.put(store, [1])
         assert self.read(store, [1, 9]) == [self.payload(1), None]
