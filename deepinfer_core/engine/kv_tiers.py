@@ -18,8 +18,8 @@ the store: one block is every layer's slice for that block id, back to back, in
 On a GPU the host buffers are pinned and host -> device copies run on a side stream fenced
 by an event (engine/kv_host.py). On the CPU, where the cache is host memory, a load reserves
 the request's cache blocks at admission and reads each record straight into them (a scatter
-list of per-layer slices; no host buffer, no copy per layer at promotion): 2x the
-store -> cache bandwidth of the two-hop path and a lower hit TTFT (benchmarks/README.md).
+list of per-layer slices; no host buffer, no copy per layer at promotion): a higher
+store -> cache bandwidth than the two-hop path (benchmarks/README.md, fourth run).
 """
 from __future__ import annotations
 
