@@ -58,10 +58,11 @@ class Timing:
     text: str
 
 
-def time_process(cmd: list[str], env: dict[str, str]) -> Timing:
-    """Seconds from spawning ``cmd`` to the first byte it writes on stdout, and to its exit."""
+def time_process(cmd: list[str], env: dict[str, str], cwd: str) -> Timing:
+    """Seconds from spawning ``cmd`` to the first byte it writes on stdout, and to its exit.
+    ``cwd`` must not be a source tree: ``python -m`` puts it first on ``sys.path``."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
     first = os.read(proc.stdout.fileno(), 1)
     first_s = time.perf_counter() - start
     rest, err = proc.communicate()
@@ -105,7 +106,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: str) -> None:
     base_env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DEEPINFER_LOG_LEVEL": "warning"}
-    codes = {"after": base_env}
+    codes = {"after": {**base_env, "PYTHONPATH": ""}}
     if args.before:
         tree = os.path.join(work, "before")
         os.makedirs(tree)
@@ -119,7 +120,10 @@ def run(args: argparse.Namespace, work: str) -> None:
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp row (pip install llama-cpp-python)")
     for code, env in codes.items():  # untimed: builds each version's low-bit kernels once
-        time_process(deepinfer_cmd(args.model, "auto", args.threads), {**env, "DEEPINFER_CACHE_DIR": os.path.join(work, "prime")})
+        where = subprocess.run([sys.executable, "-c", "import deepinfer_core; print(deepinfer_core.__file__)"],
+                               env=env, cwd=work, capture_output=True, text=True, check=True).stdout.strip()
+        print(f"code {code}: {where}", flush=True)
+        time_process(deepinfer_cmd(args.model, "auto", args.threads), {**env, "DEEPINFER_CACHE_DIR": os.path.join(work, "prime")}, work)
     shutil.rmtree(os.path.join(work, "prime"), ignore_errors=True)
 
     timings: dict[Config, list[Timing]] = {c: [] for c in configs}
@@ -127,13 +131,13 @@ def run(args: argparse.Namespace, work: str) -> None:
         for config in configs:
             if config.code == "llama.cpp":
                 cmd = [sys.executable, "-c", LLAMACPP_CHILD, args.model, str(args.threads), PROMPT]
-                timings[config].append(time_process(cmd, base_env))
+                timings[config].append(time_process(cmd, base_env, work))
                 continue
             cache = os.path.join(work, f"{config.code}-{config.dtype}-{repeat}")
             if config.cache == "cold":
                 shutil.rmtree(cache, ignore_errors=True)
             env = {**codes[config.code], "DEEPINFER_CACHE_DIR": cache}
-            timings[config].append(time_process(deepinfer_cmd(args.model, config.dtype, args.threads), env))
+            timings[config].append(time_process(deepinfer_cmd(args.model, config.dtype, args.threads), env, work))
             if config.cache == "warm":
                 shutil.rmtree(cache, ignore_errors=True)
         print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
