@@ -9,6 +9,7 @@ thinking, 131,072 at max effort), capped by what the context and the KV cache le
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -176,8 +177,9 @@ class ConversationPreparer:
                 min_tokens=int(extra.get("min_tokens", 0)),
                 logits_processors=processors,
             )
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
+        except (ValueError, TypeError) as exc:  # "invalid sampling parameter NAME=...": name the field
+            field = re.match(r"invalid sampling parameter (\w+)=", str(exc))
+            raise ProtocolError(str(exc), param=field.group(1) if field else None) from None
         return PreparedRequest(tuple(ids), params, new_parser, thinking, parser_stops=one_call or (uses_native_parser and bool(request.stop)))
 
     def _processors(self, request: ConversationRequest) -> list:

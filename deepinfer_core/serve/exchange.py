@@ -83,6 +83,9 @@ class ProtocolRoute:
             return self._error(ProtocolError(str(exc), status=503, code="service_unavailable"))
         except ProtocolError as error:
             return self._error(error)
+        except Exception as exc:  # a bug, not the client's: still the protocol's own error shape
+            log.exception("%s: preparing a request failed", self.codec.name)
+            return self._error(ProtocolError(f"internal error: {type(exc).__name__}: {exc}", status=500, code="server_error"))
         try:  # from here the request holds a slot: the finally below is the one place it ends
             refused = await sink.admitted
             if refused is not None:

@@ -45,6 +45,8 @@ def _user_messages(content, where: str) -> list[Message]:
         return [Message(role="user", content=content)]
     if not isinstance(content, list):
         raise v.fail(f"{where}.content", "must be a string or an array of content blocks")
+    if not content:
+        raise v.fail(f"{where}.content", "must hold at least one content block")
     messages = []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"

@@ -133,6 +133,10 @@ class OpenAIChatCodec:
         legacy_max = v.get_int(body, "max_tokens", lo=1)
         if v.get_int(body, "n", lo=1) not in (None, 1):
             raise v.fail("n", "only n=1 is supported")
+        if v.get_bool(body, "logprobs"):  # refused, not silently answered without them
+            raise v.fail("logprobs", "is not supported (this server returns no log probabilities)")
+        if v.get_int(body, "top_logprobs", lo=0) not in (None, 0):
+            raise v.fail("top_logprobs", "is not supported (this server returns no log probabilities)")
         thinking, effort = _thinking(body)
         extra = {}
         for key in ("presence_penalty", "frequency_penalty"):

@@ -132,6 +132,8 @@ class OpenAIResponsesCodec:
         model = v.get_str(body, "model", required=True)
         if body.get("previous_response_id") is not None:
             raise v.fail("previous_response_id", "is not supported (nothing is stored): send the whole conversation in input")
+        if v.get_int(body, "top_logprobs", lo=0) not in (None, 0):  # refused, not silently answered without them
+            raise v.fail("top_logprobs", "is not supported (this server returns no log probabilities)")
         raw = body.get("input")
         if raw is None or raw == [] or raw == "":
             raise v.fail("input", "is required and must not be empty")

@@ -217,3 +217,20 @@ def test_serve_without_protocol_plugins_exits_at_once():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "deepinfer-recipe" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(("path", "change", "param"), [
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 10**9}, "top_logprobs"),
+    ("/v1/responses", {"top_logprobs": 5}, "top_logprobs"),
+    ("/v1/chat/completions", {"seed": 2**200}, "seed"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+])
+def test_fields_the_server_cannot_honour_are_refused_by_name(http, path, change, param):
+    """Asked-for log probabilities were silently left out (200 with ``logprobs: null``); a seed
+    out of range named no field; an empty Anthropic content list gave a message about lists."""
+    error = assert_error_shape(path, http.post(path, json={**BODIES[path], **change}), 400)
+    assert param in error["message"]
+    if path != "/v1/messages":
+        assert error["param"] == param

@@ -306,3 +306,42 @@ def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_repl
         final = stream.get_final_message()
     assert len(partial) > 3 and json.loads("".join(partial)) == whole_m.input
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(whole_m.name, whole_m.input)]
+
+
+def test_a_client_gone_mid_tool_call_stream_and_a_bad_request_leave_the_others_alone(served, oai, monkeypatch):
+    """While one client hangs up in the middle of a streamed tool call and another sends a
+    malformed request, a third request gets exactly its solo reply; then nothing is left running."""
+    import concurrent.futures
+
+    preparer = served.server.preparer
+    real, ids = type(preparer).prepare, preparer.tokenizer.encode("<tool_call>")
+
+    def prepare(self, conversation):  # requests with tools begin with a call (as start_with_call)
+        prepared = real(self, conversation)
+        if not conversation.tools:
+            return prepared
+        params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)])
+        return dataclasses.replace(prepared, params=params)
+
+    monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
+
+    free = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], temperature=0, max_tokens=12)
+    solo = oai.chat.completions.create(**free).choices[0].message.content
+
+    def hang_up() -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "tools": TOOLS, "temperature": 0, "max_tokens": 80, "stream": True}
+        with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", json=body, timeout=300) as reply:
+            for line in reply.iter_lines():
+                if '"tool_calls"' in line and '"arguments": "{' in line.replace('\\"', '"'):
+                    return reply.status_code  # the arguments have begun: hang up here
+        return -1
+
+    def bad() -> int:
+        return httpx.post(f"{served.base_url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": 5}]}, timeout=300).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        gone, refused = pool.submit(hang_up), pool.submit(bad)
+        other = pool.submit(lambda: oai.chat.completions.create(**free).choices[0].message.content)
+        assert (gone.result(), refused.result(), other.result()) == (200, 400, solo)
+    health = served.wait_idle()
+    assert (health["in_flight"], health["running"], health["waiting"], health["kv_usage"]) == (0, 0, 0, 0.0), health
