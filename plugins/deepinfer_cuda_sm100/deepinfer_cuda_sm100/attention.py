@@ -26,9 +26,33 @@ class PortableCudaAttention(TorchAttentionBackend):
 
 class PortableCudaV4Attention(TorchV4AttentionBackend):
     """DeepSeek-V4 layers (window in per-request state KV, compressed entries in block KV): the
-    core's torch reference on a CUDA device; correct, not fast (no Triton V4 kernels yet)."""
+    core's torch reference on a CUDA device; correct, not fast (used without Triton)."""
 
     name = "cuda-sm100-portable-v4"
+
+
+class TritonV4Attention(TorchV4AttentionBackend):
+    """DeepSeek-V4 sliding / CSA / HCA layers through
+    :mod:`deepinfer_cuda_sm100.kernels.v4_attention`: one attention launch per layer (prefill,
+    chunked prefill and split-KV decode) plus one ring-write launch. Head widths the kernel does
+    not tile (not a power of two) take the reference path."""
+
+    name = "cuda-sm100-triton-v4"
+
+    def forward_v4(self, spec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
+        from .kernels.v4_attention import supported_head_dim, v4_attention
+
+        if spec.kind not in SUPPORTED_V4 or not supported_head_dim(spec.head_dim):
+            return super().forward_v4(spec, q, kv, sinks, cache, meta, selected)
+        if spec.kind is AttentionKind.COMPRESSED_SPARSE and selected is None:
+            raise ValueError(f"{self.name}: compressed_sparse layer {spec.layer_index} needs the indexer's `selected` entry ids")
+        return v4_attention(
+            spec.kind.value, q.contiguous(), kv.contiguous(), sinks.contiguous(), cache.window,
+            cache.entries if spec.compress_ratio else None, selected.contiguous() if selected is not None else None,
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.state_slots,
+            window=spec.window, ratio=spec.compress_ratio, block_size=meta.block_size, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, scale=spec.scale, batch_invariant=meta.batch_invariant,
+        )  # fmt: skip
 
 
 class TritonAttention(TorchAttentionBackend):

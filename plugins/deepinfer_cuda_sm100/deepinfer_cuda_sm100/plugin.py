@@ -13,7 +13,7 @@ from deepinfer_core.platform import Platform, PlatformRequest, ProbeResult
 
 from deepinfer_core.attention.v4_ref import SUPPORTED_V4
 
-from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, PortableCudaV4Attention, TritonAttention, triton_available
+from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, PortableCudaV4Attention, TritonAttention, TritonV4Attention, triton_available
 from .moe import SCORINGS, TritonMoEDispatcher
 from .platform import CudaSM100Platform
 
@@ -35,7 +35,9 @@ def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform):
     if platform.device_type != "cuda":
         return None
     if layer.state_kv:  # DeepSeek-V4 layouts
-        return PortableCudaV4Attention() if layer.kind in SUPPORTED_V4 else None
+        if layer.kind not in SUPPORTED_V4:
+            return None
+        return TritonV4Attention() if triton_available() else PortableCudaV4Attention()
     if layer.kind in TRITON_KINDS and triton_available():
         return TritonAttention()
     if layer.kind in PORTABLE_KINDS:
