@@ -145,22 +145,25 @@ def test_import_needs_neither_triton_nor_a_gpu():
         "from deepinfer_core.attention import AttentionKind, AttentionLayerSpec\n"
         "from deepinfer_core.moe import MoESpec, ParallelConfig\n"
         "spec = AttentionLayerSpec(AttentionKind.FULL, 0, 2, 2, 8, 8, 0.3)\n"
+        "v4 = AttentionLayerSpec(AttentionKind.SLIDING, 0, 2, 1, 8, 8, 0.3, kv_shared=True, window=4, state_kv=True)\n"
         "print(type(plugin.deepinfer_attention_backend(spec, CudaSM100Platform())).__name__,"
+        " type(plugin.deepinfer_attention_backend(v4, CudaSM100Platform())).__name__,"
         " plugin.deepinfer_moe_dispatcher(MoESpec(0, 4, 2, 8, 8), CudaSM100Platform(), ParallelConfig()),"
         " 'triton' in [m for m in sys.modules if sys.modules[m] is not None])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["PortableCudaAttention", "None", "False"]
+    assert out.stdout.split() == ["PortableCudaAttention", "PortableCudaV4Attention", "None", "False"]
 
 
 @pytest.mark.parametrize("kind", [AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED])
 def test_deepseek_v4_layers_get_a_backend_with_the_v4_contract(kind):
     """V4 layers (state KV) must not get the paged kernels, which lack ``forward_v4`` (a V4
-    model failed to build on the H200 because its sliding layers did)."""
-    from deepinfer_cuda_sm100.attention import PortableCudaV4Attention
+    model failed to build on the H200 because its sliding layers did): they get the Triton V4
+    kernels where Triton is importable, else the portable reference."""
+    from deepinfer_cuda_sm100.attention import PortableCudaV4Attention, TritonV4Attention, triton_available
 
     spec = AttentionLayerSpec(kind, 0, num_heads=2, num_kv_heads=1, head_dim=8, v_head_dim=8, scale=0.3, window=4,
                               compress_ratio=0 if kind is AttentionKind.SLIDING else 4, index_topk=2 if kind is AttentionKind.COMPRESSED_SPARSE else 0, kv_shared=True, state_kv=True)  # fmt: skip
     backend = plugin.deepinfer_attention_backend(spec, CudaSM100Platform())
-    assert isinstance(backend, PortableCudaV4Attention) and hasattr(backend, "forward_v4")
+    assert type(backend) is (TritonV4Attention if triton_available() else PortableCudaV4Attention) and hasattr(backend, "forward_v4")
