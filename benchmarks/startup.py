@@ -5,7 +5,8 @@ opening the same GGUF and streaming its first chat token, in the same run.
     .venv/bin/python benchmarks/startup.py --repeats 3 --before 262da3f
 
 *cold*: an empty start-up cache directory (``DEEPINFER_CACHE_DIR``); *warm*: the directory a
-cold run of the same configuration left behind. The compiled low-bit kernels live elsewhere
+cold run of the same configuration left behind (an untimed one when only ``--caches warm`` is
+asked for). *last token -> exit*: from the last byte the process writes on stdout to its exit. The compiled low-bit kernels live elsewhere
 (``~/.cache/deepinfer/lowbit-*.so``) and are warm in both: a first untimed run per code version
 builds them. ``--before REV`` also times the code of git revision REV (``git archive`` into a
 temporary directory, put first on ``PYTHONPATH``; core and plugins both from REV), so the table
@@ -54,6 +55,7 @@ class Config:
 class Timing:
     first_token_s: float
     exit_s: float
+    last_output_s: float  # the last byte on stdout (the last token)
     load_s: float | None  # llama.cpp's own model load (the Llama constructor)
     text: str
 
@@ -64,13 +66,19 @@ def time_process(cmd: list[str], env: dict[str, str], cwd: str) -> Timing:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
     first = os.read(proc.stdout.fileno(), 1)
-    first_s = time.perf_counter() - start
-    rest, err = proc.communicate()
+    first_s = last_s = time.perf_counter() - start
+    chunks = [first]
+    while chunk := os.read(proc.stdout.fileno(), 65536):
+        chunks.append(chunk)
+        last_s = time.perf_counter() - start
+    err = proc.stderr.read()
+    proc.wait()
     exit_s = time.perf_counter() - start
+    rest = b"".join(chunks[1:])
     if proc.returncode != 0 or not first:
         raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}): {err.decode()[-2000:]}")
     load = next((float(line.split()[1]) for line in err.decode().splitlines() if line.startswith("LOAD ")), None)
-    return Timing(first_s, exit_s, load, (first + rest).decode(errors="replace").strip()[:20])
+    return Timing(first_s, exit_s, last_s, load, (first + rest).decode(errors="replace").strip()[:20])
 
 
 def deepinfer_cmd(model: str, dtype: str, threads: int) -> list[str]:
@@ -96,6 +104,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", metavar="REV", help="also time this git revision's code (e.g. the commit before a change)")
+    ap.add_argument("--dtypes", default="auto,float32", help="deepinfer --dtype values to time (comma-separated)")
+    ap.add_argument("--caches", default="cold,warm", help="start-up cache states to time (comma-separated)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="deepinfer-startup-")
     try:
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace, work: str) -> None:
         os.makedirs(tree)
         codes[args.before] = {**base_env, "PYTHONPATH": source_tree(args.before, tree)}
     configs = [Config(f"{'deepinfer ' + code if code != 'after' else 'deepinfer'} {dtype} {cache}", code, dtype, cache)
-               for code in codes for dtype in ("auto", "float32") for cache in ("cold", "warm")]
+               for code in codes for dtype in args.dtypes.split(",") for cache in args.caches.split(",")]
     try:
         import llama_cpp  # noqa: F401
 
@@ -137,6 +147,8 @@ def run(args: argparse.Namespace, work: str) -> None:
             if config.cache == "cold":
                 shutil.rmtree(cache, ignore_errors=True)
             env = {**codes[config.code], "DEEPINFER_CACHE_DIR": cache}
+            if config.cache == "warm" and not os.path.isdir(cache):  # --caches warm alone: fill it, untimed
+                time_process(deepinfer_cmd(args.model, config.dtype, args.threads), env, work)
             timings[config].append(time_process(deepinfer_cmd(args.model, config.dtype, args.threads), env, work))
             if config.cache == "warm":
                 shutil.rmtree(cache, ignore_errors=True)
@@ -150,13 +162,14 @@ def report(args: argparse.Namespace, timings: dict[Config, list[Timing]]) -> Non
     load = os.getloadavg()[0]
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
           f"load {load:.1f} at the end, median of {args.repeats}; model {os.path.basename(args.model)}")
-    print("| configuration | first token s | exit s | runs (first token s) | / llama.cpp |")
-    print("|---|---:|---:|---|---:|")
+    print("| configuration | first token s | exit s | last token -> exit s | runs (first token s) | / llama.cpp |")
+    print("|---|---:|---:|---:|---|---:|")
     for config, ts in timings.items():
         runs = ", ".join(f"{t.first_token_s:.2f}" for t in ts)
         ratio = f"{median[config] / median[peer]:.2f}x" if peer is not None else "-"
         exit_s = statistics.median(t.exit_s for t in ts)
-        print(f"| {config.label} | {median[config]:.2f} | {exit_s:.2f} | {runs} | {ratio} |")
+        tail_s = statistics.median(t.exit_s - t.last_output_s for t in ts)
+        print(f"| {config.label} | {median[config]:.2f} | {exit_s:.2f} | {tail_s:.2f} | {runs} | {ratio} |")
     if peer is not None:
         loads = [t.load_s for t in timings[peer] if t.load_s is not None]
         if loads:
