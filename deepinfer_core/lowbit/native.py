@@ -5,7 +5,7 @@ Why ctypes and not a torch C++ extension: the C file needs no torch headers, so 
 about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
 ``libgomp.so.1`` to the runtime torch already loaded, so it shares torch's threads. The shared
 object is cached under ``$XDG_CACHE_HOME/deepinfer`` (or ``~/.cache``) keyed by the hash of the
-source and flags; a failed build is reported, never raised: callers fall back to float weights.
+source and flags (builds of other versions pruned: ``deepinfer_core.build_cache``); a failed build is reported, never raised: callers fall back to float weights.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from .. import build_cache
 
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "layer.c"))  # one shared object
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -62,6 +64,9 @@ def load() -> NativeKernels:
     source = b"".join(pathlib.Path(path).read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
+    with build_cache.loading(target) as present:  # held against another process's pruning
+        if present:
+            return _open(target)
     if not os.path.exists(target):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
@@ -72,6 +77,12 @@ def load() -> NativeKernels:
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             return NativeKernels(None, f"building the low-bit kernels with {compiler} failed: {detail.strip()[:300]}")
+        build_cache.prune(cache_dir(), "lowbit-*.so")  # other source versions' builds, least recently used first
+    with build_cache.loading(target):
+        return _open(target)
+
+
+def _open(target: str) -> NativeKernels:
     try:
         lib = ctypes.CDLL(target)
     except OSError as exc:
