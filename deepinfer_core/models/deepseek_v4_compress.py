@@ -149,25 +149,37 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
 
-    def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int) -> torch.Tensor:
-        """Top-k entry indices per token ([T, index_topk], -1 where nothing is chosen)."""
+    def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None) -> torch.Tensor:
+        """Top-k entry indices per token ([T, index_topk], -1 where nothing is chosen).
+
+        ``scorer`` (optional, from the attention backend: ``V4AttentionBackend.index_scores``)
+        computes every row's masked scores in one call instead of the per-request torch ops
+        below (``None`` from it: use them); the top-k that follows is the same either way."""
         T = x.shape[0]
         cos, sin = rope.cos_sin(positions, x.dtype)
         q = V4Rope.apply(self.q_b_proj(q_residual).view(T, self.heads, self.dim), cos, sin)
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, h]
         out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
+        ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
+        n_max = max(ends, default=0) // self.ratio
+        every = None
+        if scorer is not None and n_max:
+            every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, n_max, self.dim**-0.5)  # [T, n_max]
         for r, ((a, b), s) in enumerate(zip(batch.token_ranges, batch.starts)):
-            n = (s + b - a) // self.ratio
+            n = ends[r] // self.ratio
             if n == 0:
                 continue
-            blocks, offsets = batch.entry_index(r, torch.arange(n, device=x.device), self.ratio)
-            keys = cache.entries[blocks, offsets, key_col : key_col + self.dim]  # [n, dI]
-            scores = torch.matmul(q[a:b].float(), keys.float().t())  # [t, h, n]
-            scores = F.relu(scores) * self.dim**-0.5
-            scores = (scores * weights[a:b].unsqueeze(-1)).sum(dim=1)  # [t, n]
             visible = (positions[a:b] + 1) // self.ratio  # entries each query may see
-            future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
-            scores = scores.masked_fill(future, float("-inf"))
+            if every is not None:
+                scores = every[a:b, :n]
+            else:
+                blocks, offsets = batch.entry_index(r, torch.arange(n, device=x.device), self.ratio)
+                keys = cache.entries[blocks, offsets, key_col : key_col + self.dim]  # [n, dI]
+                scores = torch.matmul(q[a:b].float(), keys.float().t())  # [t, h, n]
+                scores = F.relu(scores) * self.dim**-0.5
+                scores = (scores * weights[a:b].unsqueeze(-1)).sum(dim=1)  # [t, n]
+                future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
+                scores = scores.masked_fill(future, float("-inf"))
             prompt = batch.prompt_lens[r] if batch.prompt_lens else 0
             self._top(scores, visible, prompt, s, out[a:b])
         return out
@@ -189,7 +201,7 @@ class Indexer(Compressor):
             top = rows.topk(k, dim=-1).indices
             out[:in_prompt, :k] = torch.where(top >= visible[:in_prompt, None], -1, top)
         for i in range(in_prompt, t):
-            cols = int(visible[i])
+            cols = (start + i + 1) // self.ratio  # = visible[i], known on the host (no device sync)
             k = min(self.topk, cols)
             if k:
                 out[i, :k] = scores[i, :cols].topk(k).indices

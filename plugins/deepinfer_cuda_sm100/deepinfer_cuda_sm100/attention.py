@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from deepinfer_core.attention import AttentionKind, AttentionMetadata
 from deepinfer_core.attention.torch_ref import SUPPORTED, TorchAttentionBackend, write_kv
 from deepinfer_core.attention.v4_ref import SUPPORTED_V4, TorchV4AttentionBackend
@@ -53,6 +55,18 @@ class TritonV4Attention(TorchV4AttentionBackend):
             window=spec.window, ratio=spec.compress_ratio, block_size=meta.block_size, max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len, scale=spec.scale, batch_invariant=meta.batch_invariant,
         )  # fmt: skip
+
+    def index_scores(self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale):
+        """The CSA indexer's masked scores [T, n_max] for the whole batch in one launch
+        (``V4AttentionBackend.index_scores``); the core's top-k follows."""
+        from .kernels.v4_indexer import index_scores
+
+        if q.shape[-1] < 16 or q.shape[-1] & (q.shape[-1] - 1):  # no power-of-two tile: the core's torch path
+            return None
+        counts = [b - a for a, b in batch.token_ranges]
+        token_request = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)).to(q.device)
+        return index_scores(q, weights, entries, key_col, positions, token_request, batch.block_tables,
+                            ratio=ratio, block_size=batch.block_size, n_max=n_max, scale=scale)  # fmt: skip
 
 
 class TritonAttention(TorchAttentionBackend):
