@@ -66,21 +66,21 @@ def _v4_attention_kernel(
         last = tl.minimum(qlen, (t + 1) * TPT) - 1
         w_lo = tl.maximum(0, ctx + t * TPT - window + 1)
         w_hi = ctx + last + 1
-        win_tiles = tl.cdiv(w_hi - w_lo, BLOCK_N)
-        n_ent = 0
+        win_tiles = (w_hi - w_lo + BLOCK_N - 1) // BLOCK_N
+        n_ent = w_hi * 0  # sliding: no entries
         if MODE == 1:
             n_ent = w_hi // ratio
         if MODE == 2:
-            n_ent = num_sel
-        n_tiles = win_tiles + tl.cdiv(n_ent, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, num_splits)
+            n_ent = n_ent + num_sel
+        n_tiles = win_tiles + (n_ent + BLOCK_N - 1) // BLOCK_N
+        per_split = (n_tiles + num_splits - 1) // num_splits
         i_lo = split * per_split
         i_hi = tl.minimum(n_tiles, i_lo + per_split)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        visible = (qpos + 1) // tl.maximum(ratio, 1)
+        visible = (qpos + 1) // ratio  # HCA entries each row sees (the host passes ratio >= 1)
         for i in range(i_lo, i_hi):
             if i < win_tiles:
                 kpos = w_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,9 +166,11 @@ def supported_head_dim(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def choose_v4_config(num_heads: int, head_dim: int, max_query_len: int, sparse: bool, num_requests: int, max_seq_len: int,
+def choose_v4_config(num_heads: int, head_dim: int, max_query_len: int, sparse: bool, num_requests: int, max_keys: int,
                      batch_invariant: bool, sms: int = 132) -> LaunchConfig:  # fmt: skip
-    """Tile shape and split count from shapes only (never from data)."""
+    """Tile shape and split count from shapes only (never from data). ``max_keys`` bounds the keys
+    of one token (window + visible or selected entries). Decode splits only past 1024 keys per
+    token: below that one program's loop is shorter than the merge's extra launches."""
     wide = head_dim > 256
     block_n = 16 if interpreting() else (32 if wide else 64)
     warps, stages = (8, 2) if wide else (4, 2)
@@ -179,7 +181,7 @@ def choose_v4_config(num_heads: int, head_dim: int, max_query_len: int, sparse: 
         block_m = max(heads, 32 if wide else 64)
     splits = 1
     if max_query_len == 1 and not batch_invariant and num_requests < sms:
-        splits = max(1, min(8, -(-2 * sms // max(num_requests, 1)), -(-max_seq_len // 512)))
+        splits = max(1, min(8, -(-2 * sms // max(num_requests, 1)), max_keys // 1024))
     return LaunchConfig(block_m, block_n, splits, warps, stages)
 
 
@@ -215,7 +217,8 @@ def v4_attention(
         raise ValueError("v4_attention: q, kv and the ring need a contiguous last dimension")
     R = seq_lens.shape[0]
     if config is None:
-        config = choose_v4_config(H, D, max_query_len, mode == 2, R, max_seq_len, batch_invariant)
+        entries_max = (selected.shape[1] if mode == 2 else max_seq_len // ratio) if mode else 0
+        config = choose_v4_config(H, D, max_query_len, mode == 2, R, window + entries_max, batch_invariant)
     tpt = 1 if mode == 2 else max(1, config.block_m // H)
     tiles = -(-max_query_len // tpt)
     splits = config.num_splits
