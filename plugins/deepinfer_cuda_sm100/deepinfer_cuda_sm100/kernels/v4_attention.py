@@ -175,8 +175,8 @@ def choose_v4_config(num_heads: int, head_dim: int, max_query_len: int, sparse: 
     block_n = 16 if interpreting() else (32 if wide else 64)
     warps, stages = (8, 2) if wide else (4, 2)
     heads = max(16, _pow2(num_heads))
-    if sparse or max_query_len == 1:
-        block_m = heads  # one token per tile
+    if sparse or (max_query_len == 1 and not batch_invariant):
+        block_m = heads  # one token per tile (batch-invariant steps keep one tile shape throughout)
     else:
         block_m = max(heads, 32 if wide else 64)
     splits = 1
