@@ -85,11 +85,16 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     engine = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs)
     platform = host.platform(device)
     kv_dtype = engine.torch_dtype(platform.device_type)
+    cache_dtype = None  # the KV cache's dtype where it is not kv_dtype (ModelContext.kv_dtype)
     config, source, files = read_config(model)
     if files is not None:  # a block-quantized GGUF may run float32 (packed weights): the engine's rule
         from .engine.loading import resolve_dtype
 
-        kv_dtype, _ = resolve_dtype(files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type))
+        kv_dtype, why_not = resolve_dtype(files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type))
+        if why_not is None:  # packed weights: float32 activations over the low-bit path's cache dtype
+            from .lowbit.attention import kv_dtype as lowbit_kv_dtype
+
+            cache_dtype = lowbit_kv_dtype()
     archs = config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -97,7 +102,7 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
         raise ValueError(f"{source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}")
     meta = torch.device("meta")
     ctx = ModelContext(
-        device=meta, dtype=kv_dtype,
+        device=meta, dtype=kv_dtype, kv_dtype=cache_dtype,
         attention_backend=lambda spec: host.attention_backend(spec, platform),
         moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
     )  # fmt: skip

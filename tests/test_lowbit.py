@@ -106,11 +106,14 @@ def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
+@pytest.mark.parametrize("hd", [64, 20])
+def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cache_dtype, hd):
     """One-token rows written to and read in place from a paged cache (scattered blocks, GQA 9/3
-    heads) against torch's index_put for the write and scaled_dot_product_attention on each
-    request's keys and values taken out by hand."""
+    heads; a float32 or float16 cache; a head width that is and one that is not a multiple of 8)
+    against torch's index_put for the write (float16: torch's rounding of each value) and
+    scaled_dot_product_attention in float32 on each request's keys and values taken out by hand."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -120,10 +123,10 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
     from deepinfer_core.lowbit.attention import PagedDecodeAttention
 
     g = torch.Generator().manual_seed(5)
-    hkv, heads, hd, bs, nb = 3, 9, 64, 16, 24
+    hkv, heads, bs, nb = 3, 9, 16, 24
     spec = AttentionLayerSpec(kind=AttentionKind.FULL, layer_index=0, num_heads=heads, num_kv_heads=hkv,
                               head_dim=hd, v_head_dim=hd, scale=hd**-0.5, window=window)
-    cache = torch.randn(2, hkv, nb, bs, hd, generator=g)
+    cache = torch.randn(2, hkv, nb, bs, hd, generator=g).to(cache_dtype)
     positions = torch.tensor([0, 5, 40, 70])  # the new token's position = context length - 1
     tables = torch.randperm(nb, generator=g)[:20].reshape(4, 5).int()  # each request's blocks
     q = torch.randn(4, heads, hd, generator=g)
@@ -142,8 +145,8 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window):
     for r, pos in enumerate(positions.tolist()):
         first = 0 if window is None else max(0, pos - window + 1)
         slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(first, pos + 1)])
-        k = cache[0].reshape(hkv, nb * bs, hd)[:, slots]  # [Hkv, n, D]
-        v = cache[1].reshape(hkv, nb * bs, hd)[:, slots]
+        k = cache[0].reshape(hkv, nb * bs, hd)[:, slots].float()  # [Hkv, n, D]
+        v = cache[1].reshape(hkv, nb * bs, hd)[:, slots].float()
         ref = F.scaled_dot_product_attention(q[r][:, None], k, v, scale=spec.scale, enable_gqa=True)[:, 0]  # [H, D]
         torch.testing.assert_close(out[r], ref, rtol=1e-5, atol=1e-5)
 

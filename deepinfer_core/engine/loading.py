@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from ..lowbit import native
+from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
 from ..lowbit.attention import paged_decode
 from ..lowbit.modules import swap_in_lowbit
 from ..models import ModelContext
@@ -49,9 +50,9 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
         moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
     )
-    if lowbit:  # float32 activations; one-token attention rows read the paged cache in C
+    if lowbit:  # float32 activations over a float16 KV cache; one-token attention rows read it in C
         resolve = ctx.attention_backend
-        ctx = replace(ctx, dtype=torch.float32, attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
+        ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if lowbit and swap_in_lowbit(model, set(files.quantized_names)):

@@ -2,7 +2,9 @@
 scale per 32 values) and multiplied by AVX2 kernels that widen each block in registers, so a
 step reads 4-8x fewer weight bytes than float32. Calls of a few rows (decode) round the
 activations to int16 per 32-block and use integer dot products; larger ones keep them float32
-(``ops`` says when, ``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 everywhere).
+(``ops`` says when, ``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 everywhere). The KV cache of this
+path is float16 (``attention.kv_dtype``): decode attention at many requests is bounded by its
+reads of the cache.
 
 ``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels, ``ops`` calls them,
 ``modules`` holds the packed layers and swaps them into a model before its weights load.

@@ -5,17 +5,37 @@ into a fresh ``[Hkv, R, S, D]`` copy per layer (one ``index_select``), then abou
 At 32 requests that copy moved more bytes than the attention arithmetic read, and at one
 request the ops cost more host time than the arithmetic. :class:`PagedDecodeAttention` keeps
 the reference for prefill, mixed and batch-invariant steps and sends one-token rows to
-``paged_decode_attention`` in ``kernels.c``: one call per layer, keys and values read where
-they lie, each request computed alone (float32 scores, softmax and sum).
+``paged_decode_attention`` in ``attention.c`` (the one-call decode step in ``layer.c`` calls the
+same function): one call per layer, keys and values read where they lie, each request computed
+alone (float32 scores, softmax and sum). The low-bit path's cache is float16 (:func:`kv_dtype`).
 """
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
 from ..attention import AttentionLayerSpec, AttentionMetadata
 from ..attention.torch_ref import TorchAttentionBackend
+
+CACHE_DTYPES = (torch.float32, torch.float16)  # what attention.c reads
+KV_ENV = "DEEPINFER_LOWBIT_KV_DTYPE"
+_KV_NAMES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def kv_dtype() -> torch.dtype:
+    """The KV cache dtype of the low-bit path: float16 unless ``DEEPINFER_LOWBIT_KV_DTYPE=float32``.
+
+    Why half: at 32 requests the decode step's attention read the whole float32 cache each
+    layer (~250 MB a step), bounded by memory bandwidth; half elements halve those reads (and
+    the prefill's gathers). llama.cpp's default cache is f16 too. Activations and attention
+    arithmetic stay float32; a key or value is rounded once, when it is written (~5e-4 relative).
+    ``float32`` keeps the cache exact (the dequantized reference's, to compare logits closely)."""
+    name = os.environ.get(KV_ENV, "float16")
+    if name not in _KV_NAMES:
+        raise ValueError(f"{KV_ENV}={name!r}: allowed values are {', '.join(_KV_NAMES)}")
+    return _KV_NAMES[name]
 
 
 class PagedDecodeAttention(TorchAttentionBackend):
@@ -32,7 +52,7 @@ class PagedDecodeAttention(TorchAttentionBackend):
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         _, heads, blocks, bs, width = kv_cache.shape
         self._lib.paged_write_kv(k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.head_dim,
-                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0])
+                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0], kv_cache.dtype == torch.float16)
         return self._forward_decode(spec, q, kv_cache, meta)
 
     def _forward_decode(self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -48,14 +68,15 @@ class PagedDecodeAttention(TorchAttentionBackend):
         self._lib.paged_decode_attention(
             q.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.num_heads, spec.head_dim, spec.v_head_dim,
             tables.data_ptr(), tables.shape[1], positions.contiguous().data_ptr(), R, spec.scale, spec.window or 0,
-            out.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), torch.get_num_threads(), kv_cache.dtype == torch.float16,
         )  # fmt: skip
         return out
 
 
 def _plain(spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The layout the C path reads: separate K/V planes, float32 everywhere, a contiguous cache."""
-    return not spec.kv_shared and q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+    """The layout the C path reads: separate K/V planes, float32 queries, a contiguous float32 or
+    float16 cache."""
+    return not spec.kv_shared and q.dtype == torch.float32 and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous()
 
 
 def paged_decode(backend, lib: ctypes.CDLL):

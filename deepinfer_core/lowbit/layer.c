@@ -3,8 +3,8 @@
  * Why: at one request a SmolLM2-135M decode step spent ~14 of ~40 ms dispatching ~2,800 small
  * torch ops (norms, rotary, views, SiLU-mul, residual adds, the attention wrapper), each costing
  * more host time than its arithmetic. Here every decoder layer of a step where each request
- * feeds one token runs as plain loops around the GEMMs and the paged attention of kernels.c
- * (called through their C entry points, lowbit_gemm choosing the kernel by row count as
+ * feeds one token runs as plain loops around the GEMMs of kernels.c and the paged attention of
+ * attention.c (called through their C entry points, lowbit_gemm choosing the kernel by row count as
  * ops.matmul does, so both paths share the same arithmetic):
  *
  *   embed -> L x (rmsnorm -> qkv -> rotary -> KV write + paged attention -> o -> +res
@@ -27,13 +27,15 @@
 #include <string.h>
 #include <time.h>
 
+#include "vec.h"
+
 /* kernels.c's entry points (one shared object: native.py compiles both files together) */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                  int64_t N, float *y, int nthreads, int64_t int_rows);
-void paged_decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
-                            float scale, int64_t window, float *out, int nthreads);
+                            float scale, int64_t window, float *out, int nthreads, int f16);
 
 #define MAX_SEGMENTS 4
 
@@ -54,7 +56,7 @@ typedef struct {        /* y = x W^T (+ bias), W = the segments stacked by rows 
 typedef struct {
     const float *input_norm, *post_norm;  /* [D] */
     lb_linear qkv, o, gate_up, down;
-    float *kv_cache;                      /* [2, Hkv, num_blocks, block_size, width] */
+    void *kv_cache;                       /* [2, Hkv, num_blocks, block_size, width], float32 or half */
 } lb_layer;
 
 typedef struct {
@@ -68,6 +70,7 @@ typedef struct {
     int64_t embed_kind;
     const void *embed_qs;
     const float *embed_d, *embed_m;
+    int64_t kv_f16;                                /* the cache holds IEEE half elements (else float32) */
 } lb_model;
 
 /* Scratch floats per request row; the caller allocates rows * this once and reuses it. */
@@ -146,25 +149,6 @@ static void rotary(const float *x, const float *c, const float *s, int64_t hd, f
     for (int64_t i = half; i < hd; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-/* exp of 8 floats: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), and the
- * Cephes degree-6 polynomial for e^r (about 1 ulp; a scalar expf per element cost ~10 ms per
- * 32-request step in SiLU alone). Inputs are clamped to where e^x is a finite float. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* act = silu(gate) * up = gate / (1 + e^-gate) * up, a row of I at a time */
 static void silu_mul(const float *gate, const float *up, int64_t I, float *act) {
     int64_t i = 0;
@@ -174,80 +158,6 @@ static void silu_mul(const float *gate, const float *up, int64_t I, float *act) 
         _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(up + i)));
     }
     for (; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-/* Decode attention over the paged cache, as kernels.c's paged_decode_attention (same layout,
- * same work items, same float32 dot products for the scores) but cheaper per key: each
- * position's row offset is computed once for K and V, softmax's exponentials run 8 at a time
- * (exp8), and the weighted sum of values keeps a 64-wide slice of the output in registers across
- * all positions instead of loading and storing it per position. At 32 requests of ~170 tokens
- * this was ~30% of a fused step's CPU. v_head_dim a multiple of 8 (else kernels.c's is used). */
-static void decode_attention(const float *q, const float *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
-                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
-                             float scale, int64_t window, float *out, int nthreads) {
-    const int64_t groups = num_heads / num_kv_heads, plane = num_kv_heads * num_blocks * block_size * width;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_requests * num_kv_heads; item++) {
-        const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-        const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-        const int64_t n = last - first + 1;
-        float *scores = (float *)malloc((size_t)(groups * n) * sizeof(float) + (size_t)n * sizeof(int64_t));
-        int64_t *rows = (int64_t *)(scores + groups * n);
-        const float *keys = cache + h * num_blocks * block_size * width;
-        const float *values = keys + plane;
-        const int32_t *table = block_tables + r * max_blocks;
-        for (int64_t s = 0; s < n; s++) {
-            const int64_t p = first + s;
-            rows[s] = ((int64_t)table[p / block_size] * block_size + p % block_size) * width;
-        }
-        const float *qh = q + (r * num_heads + h * groups) * head_dim;
-        for (int64_t s = 0; s < n; s++) {
-            const float *k = keys + rows[s];
-            for (int64_t g = 0; g < groups; g++) {
-                const float *qg = qh + g * head_dim;
-                __m256 acc = _mm256_setzero_ps();
-                int64_t i = 0;
-                for (; i + 8 <= head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), acc);
-                __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-                s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-                s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-                float dot = _mm_cvtss_f32(s4);
-                for (; i < head_dim; i++) dot += qg[i] * k[i];
-                scores[g * n + s] = dot * scale;
-            }
-        }
-        for (int64_t g = 0; g < groups; g++) {
-            float *sc = scores + g * n, mx = sc[0], total = 0.0f;
-            for (int64_t s = 1; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
-            int64_t s = 0;
-            __m256 vt = _mm256_setzero_ps();
-            for (; s + 8 <= n; s += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), _mm256_set1_ps(mx)));
-                _mm256_storeu_ps(sc + s, e);
-                vt = _mm256_add_ps(vt, e);
-            }
-            float part[8];
-            _mm256_storeu_ps(part, vt);
-            for (int j = 0; j < 8; j++) total += part[j];
-            for (; s < n; s++) { sc[s] = expf(sc[s] - mx); total += sc[s]; }
-            const float inv = 1.0f / total;
-            for (s = 0; s < n; s++) sc[s] *= inv;
-            float *o = out + (r * num_heads + h * groups + g) * v_head_dim;
-            for (int64_t c0 = 0; c0 < v_head_dim; c0 += 64) {  /* up to 8 vectors of the output in registers */
-                const int nv = (int)((v_head_dim - c0) / 8 < 8 ? (v_head_dim - c0) / 8 : 8);
-                __m256 a[8];
-                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                for (int64_t t = 0; t < n; t++) {
-                    const __m256 w = _mm256_set1_ps(sc[t]);
-                    const float *v = values + rows[t] + c0;
-                    for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), a[j]);
-                }
-                for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + c0 + 8 * j, a[j]);
-            }
-        }
-        free(scores);
-    }
 }
 
 /* Process CPU time in ms, for the optional split of a step (benchmarks/cpu_step_profile.py). */
@@ -273,6 +183,7 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
     float *attn = q + R * nattn, *gu = attn + R * nattn, *act = gu + R * 2 * I, *tmp = act + R * I;
     for (int64_t r = 0; r < R; r++) embed_row(md, ids[r], h + r * D);
     const int64_t plane = Hkv * md->num_blocks * md->block_size * md->width;
+    const int f16 = md->kv_f16 != 0, esize = f16 ? 2 : 4;
     for (int64_t l = 0; l < md->num_layers; l++) {
         const lb_layer *ly = &layers[l];
         rmsnorm(h, ly->input_norm, md->eps, R, D, xn);
@@ -284,13 +195,14 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
             const float *row = qkv + r * nqkv;
             for (int64_t head = 0; head < H; head++) rotary(row + head * hd, c, s, hd, q + (r * H + head) * hd);
             for (int64_t kh = 0; kh < Hkv; kh++) {  /* the new key (rotated) and value into the cache */
-                float *dst = ly->kv_cache + (kh * md->num_blocks * md->block_size + slots[r]) * md->width;
-                rotary(row + (H + kh) * hd, c, s, hd, dst);
-                memcpy(dst + plane, row + (H + Hkv + kh) * hd, (size_t)hd * sizeof(float));
+                const int64_t at = (kh * md->num_blocks * md->block_size + slots[r]) * md->width;
+                rotary(row + (H + kh) * hd, c, s, hd, tmp);
+                kv_store((char *)ly->kv_cache + at * esize, tmp, hd, f16);
+                kv_store((char *)ly->kv_cache + (at + plane) * esize, row + (H + Hkv + kh) * hd, hd, f16);
             }
         }
-        (hd % 8 ? paged_decode_attention : decode_attention)(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables,
-                               max_blocks, positions, R, md->scale, md->window, attn, nthreads);
+        paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables, max_blocks,
+                               positions, R, md->scale, md->window, attn, nthreads, f16);
         TICK(0);
         linear(&ly->o, attn, R, t, tmp, nthreads);
         TICK(2);

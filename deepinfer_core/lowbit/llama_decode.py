@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionMetadata
-from .attention import PagedDecodeAttention
+from .attention import CACHE_DTYPES, PagedDecodeAttention
 from .formats import QuantWeight
 from .modules import LowBitEmbedding, LowBitLinear
 from .native import load
@@ -46,7 +46,7 @@ class _Model(ctypes.Structure):
         ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64), ("kv_heads", _i64),
         ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("window", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("width", _i64), ("cos", _p), ("sin", _p), ("final_norm", _p),
-        ("embed_kind", _i64), ("embed_qs", _p), ("embed_d", _p), ("embed_m", _p),
+        ("embed_kind", _i64), ("embed_qs", _p), ("embed_d", _p), ("embed_m", _p), ("kv_f16", _i64),
     ]  # fmt: skip
 
 
@@ -114,9 +114,10 @@ class LlamaDecodePlan:
         md.num_blocks, md.block_size, md.width = first.shape[2], first.shape[3], first.shape[4]
         want = (2, md.kv_heads, md.num_blocks, md.block_size, md.width)
         if len(kv_caches) != md.num_layers or any(
-            tuple(c.shape) != want or c.dtype != torch.float32 or not c.is_contiguous() for c in kv_caches
+            tuple(c.shape) != want or c.dtype != first.dtype or c.dtype not in CACHE_DTYPES or not c.is_contiguous() for c in kv_caches
         ):
             return False
+        md.kv_f16 = int(first.dtype == torch.float16)
         for layer, ptr in zip(self._layers, ptrs):
             layer.kv_cache = ptr
         self._caches = ptrs

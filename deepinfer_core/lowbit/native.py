@@ -1,5 +1,6 @@
-"""Build and load ``kernels.c`` (the AVX2 low-bit weight GEMMs) and ``layer.c`` (a whole Llama
-decode step around them) once per machine, through ctypes.
+"""Build and load ``kernels.c`` (the AVX2 low-bit weight GEMMs), ``attention.c`` (decode attention
+over the paged KV cache, float32 or half) and ``layer.c`` (a whole Llama decode step around them)
+once per machine, through ctypes.
 
 Why ctypes and not a torch C++ extension: the C file needs no torch headers, so it compiles in
 about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
@@ -23,8 +24,9 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "layer.c"))  # one shared object
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "attention.c", "layer.c"))  # one shared object
+_HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def load() -> NativeKernels:
     compiler = compiler_path()
     if compiler is None:
         return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)")
-    source = b"".join(pathlib.Path(path).read_bytes() for path in _SOURCES)
+    source = b"".join(pathlib.Path(path).read_bytes() for path in _SOURCES + _HEADERS)
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
     with build_cache.loading(target) as present:  # held against another process's pruning
@@ -99,9 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_i16_act.restype = None
     lib.quantize_act16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_act16.restype = None
-    lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32]
+    lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32, i32]
     lib.paged_decode_attention.restype = None
-    lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64]
+    lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64, i32]
     lib.paged_write_kv.restype = None
     lib.llama_decode_scratch_per_row.argtypes = [p]
     lib.llama_decode_scratch_per_row.restype = i64

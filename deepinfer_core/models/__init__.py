@@ -24,6 +24,9 @@ class ModelContext:
     dtype: torch.dtype
     attention_backend: Callable[[AttentionLayerSpec], AttentionBackend]
     moe_dispatcher: Callable[[MoESpec], MoEDispatcher]
+    # the KV cache's element type where it differs from ``dtype`` (None: ``dtype``); the low-bit
+    # CPU path computes in float32 over a float16 cache (lowbit.attention.kv_dtype)
+    kv_dtype: torch.dtype | None = None
 
 
 class WeightsError(ValueError):

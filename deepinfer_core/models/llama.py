@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention_specs = [
             AttentionLayerSpec(
                 kind=AttentionKind.FULL, layer_index=i, num_heads=heads, num_kv_heads=kv_heads,
-                head_dim=head_dim, v_head_dim=head_dim, scale=head_dim**-0.5, kv_dtype=ctx.dtype,
+                head_dim=head_dim, v_head_dim=head_dim, scale=head_dim**-0.5, kv_dtype=ctx.kv_dtype or ctx.dtype,
             )
             for i in range(int(config["num_hidden_layers"]))
         ]

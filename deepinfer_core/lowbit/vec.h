@@ -1,0 +1,54 @@
+/* Small AVX2 helpers shared by layer.c and attention.c (static inline: each file gets its copy). */
+#ifndef DEEPINFER_LOWBIT_VEC_H
+#define DEEPINFER_LOWBIT_VEC_H
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float vec_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp of 8 floats: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), and the
+ * Cephes degree-6 polynomial for e^r (about 1 ulp; a scalar expf per element cost ~10 ms per
+ * 32-request step in SiLU alone). Inputs are clamped to where e^x is a finite float. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* KV cache elements: float32, or IEEE half (F16C converts 8 at a time; round to nearest even on
+ * store, as torch's .to(torch.float16)). f16 is a compile-time constant after inlining. */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv_load1(const void *p, int64_t i, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* n floats into a cache row of either element type */
+static inline void kv_store(void *dst, const float *src, int64_t n, int f16) {
+    if (!f16) {
+        for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = src[i];
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+#endif
