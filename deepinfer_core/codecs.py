@@ -71,6 +71,9 @@ class ConversationRequest:
     response_format: dict | None = None
     seed: int | None = None
     extra: dict = field(default_factory=dict)
+    # Additive: the request field that set max_tokens, named in errors (Chat's
+    # max_completion_tokens, Responses' max_output_tokens)
+    max_tokens_param: str = "max_tokens"
 
 
 @dataclass(frozen=True)

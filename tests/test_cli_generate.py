@@ -91,3 +91,16 @@ def test_serve_takes_the_same_kv_store_flags_as_generate():
     args = build_parser().parse_args(["serve", "--kv-store", "local:///tmp/deepinfer-kv", "--kv-store-gib", "2"])
     assert (args.kv_store, args.kv_store_gib) == ("local:///tmp/deepinfer-kv", 2.0)
     assert build_parser().parse_args(["serve"]).kv_store is None
+
+
+@needs_model
+def test_max_tokens_past_the_context_is_one_line(model_dir, capsys):
+    """The tiny model's context is 512 tokens: --max-tokens 600 is refused with the numbers
+    (exit 2), not capped. In-process (``cli.main``): no second interpreter to start."""
+    from deepinfer_core.cli import main
+
+    status = main(["generate", "--model", str(model_dir), "--device", "cpu", "--kv-cache-blocks", "8", "--max-tokens", "600", "Hi"])
+    assert status == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("deepinfer generate: error: prompt 0: invalid sampling parameter max_tokens=600: the prompt has "), last
+    assert "maximum context length of 512 tokens" in last

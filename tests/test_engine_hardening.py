@@ -102,6 +102,23 @@ def test_a_temperature_too_small_to_represent_samples_greedily(llm):
     assert set(got) != {0}  # float32 underflow sampled token 0 forever
 
 
+def test_max_tokens_past_the_context_is_refused_not_capped(model_dir):
+    """prompt + max_tokens over the context (64 here): a ValueError naming max_tokens, the
+    numbers and the largest value that fits, for the whole call, nothing queued (it was capped
+    silently, as a "length" finish short of what was asked). What fits is served in full."""
+    small = LLM(model_dir, device="cpu", max_model_len=64, kv_cache_blocks=8, block_size=16, max_num_seqs=4)
+    free = small.engine.kv.pool.num_free
+    fits, long = {"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 50}
+    with pytest.raises(ValueError, match=r"max_tokens=15: the prompt has 50 tokens.*maximum context length of 64 tokens; set max_tokens to at most 14"):
+        small.generate([fits, long], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
+    assert not small.engine.has_unfinished_requests() and small.engine.kv.pool.num_free == free
+    out = small.generate([fits, long], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [14, 14]
+    assert [o.outputs[0].finish_reason for o in out] == ["length", "length"]
+    unlimited = small.generate(long, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(unlimited.token_ids) == 14  # no limit given: up to the context, as before
+
+
 def test_an_oversized_prompt_is_refused_before_it_is_tokenized(llm, monkeypatch):
     tok = llm.get_tokenizer()
     calls = []

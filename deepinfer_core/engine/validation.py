@@ -47,12 +47,26 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: ModelLi
     bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise ValueError(f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}")
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limits.max_model_len:
+        # refused, not capped (the OpenAI and Anthropic APIs answer 400): a caller who asked for
+        # N tokens learns at once that N cannot fit, instead of a "length" finish far short of N
+        raise ValueError(context_overflow_message("max_tokens", num_prompt_tokens, params.max_tokens, limits.max_model_len))
     total = min(limits.max_model_len, num_prompt_tokens + (params.max_tokens or limits.max_model_len))
     blocks = -(-total // limits.block_size)
     if blocks > limits.num_blocks:
         raise ValueError(f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or raise kv_cache_blocks")
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+
+
+def context_overflow_message(param: str, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
+    """Why a prompt plus ``param`` (the output limit, under the caller's name for it) does not
+    fit, with the numbers and the largest value that would."""
+    return (
+        f"invalid sampling parameter {param}={max_tokens}: the prompt has {num_prompt_tokens} tokens, and {num_prompt_tokens} + "
+        f"{max_tokens} = {num_prompt_tokens + max_tokens} is more than the model's maximum context length of {max_model_len} tokens; "
+        f"set {param} to at most {max_model_len - num_prompt_tokens} or shorten the prompt"
+    )
 
 
 def check_text_size(text: str, max_model_len: int, max_token_chars: int) -> None:

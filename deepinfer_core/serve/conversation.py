@@ -4,7 +4,8 @@ The prompt comes from the first registered :class:`PromptEncoding` whose ``match
 model's config (DeepSeek V4 through the recipe plugin), else from the model's own chat template.
 A model without a native tool-call format (a chat-template model) calls tools in the
 Hermes syntax, under an xgrammar structural tag once a call starts (:mod:`.tool_calls`). Output limits default by mode (8,192 tokens, 65,536 with
-thinking, 131,072 at max effort), capped by what the context and the KV cache leave.
+thinking, 131,072 at max effort), capped by what the context and the KV cache leave; an explicit
+limit that the prompt leaves no room for is refused (400, ``context_length_exceeded``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable
 from ..chat_prompt import check_conversation, encode_chat
 from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError
 from ..engine.sampling_params import SamplingParams
+from ..engine.validation import context_overflow_message
 from .grammar import GrammarCompiler
 from .sampling_defaults import SamplingDefaults
 from .tool_calls import FirstCallOnly, HermesToolParser, single_call, template_messages, template_renders_tools, tool_call_tag, tools_active
@@ -154,6 +156,9 @@ class ConversationPreparer:
                 param="messages", code="context_length_exceeded",
             )
         kv_room = self.engine.num_blocks * self.engine.config.block_size - n
+        if request.max_tokens is not None and n + request.max_tokens > context:  # refused, as OpenAI and Anthropic do
+            param = request.max_tokens_param
+            raise ProtocolError(context_overflow_message(param, n, request.max_tokens, context), param=param, code="context_length_exceeded")
         if request.max_tokens is not None:
             max_tokens = request.max_tokens
         else:

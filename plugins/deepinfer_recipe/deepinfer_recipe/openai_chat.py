@@ -154,6 +154,7 @@ class OpenAIChatCodec:
             messages=messages,
             model=model,
             max_tokens=max_tokens if max_tokens is not None else legacy_max,
+            max_tokens_param="max_completion_tokens" if max_tokens is not None else "max_tokens",
             temperature=v.get_number(body, "temperature", 0, 2),
             top_p=v.get_number(body, "top_p", 0, 1),
             stop=v.stop_list(body.get("stop"), "stop", limit=4),

@@ -156,6 +156,7 @@ class OpenAIResponsesCodec:
             messages=tuple(messages),
             model=model,
             max_tokens=v.get_int(body, "max_output_tokens", lo=1),
+            max_tokens_param="max_output_tokens",
             temperature=v.get_number(body, "temperature", 0, 2),
             top_p=v.get_number(body, "top_p", 0, 1),
             stream=v.get_bool(body, "stream"),

@@ -97,6 +97,41 @@ def test_prompt_too_long_through_the_sdk(served):
     assert info.value.code == "context_length_exceeded"
 
 
+OUTPUT_LIMIT = {"/v1/chat/completions": "max_completion_tokens", "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens", "/v1/completions": "max_tokens"}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_output_limit_past_the_context_is_refused(http, path):
+    """prompt + the output limit over the 1,024-token context: 400 in the protocol's shape
+    naming the field (under the name the client used) and the limit, as OpenAI and Anthropic
+    answer (it was capped silently). The largest value the message allows is accepted."""
+    param = OUTPUT_LIMIT[path]
+    body = {key: value for key, value in BODIES[path].items() if not key.startswith("max_")}
+    error = assert_error_shape(path, http.post(path, json={**body, param: 1024}), 400)
+    assert f"{param}=1024" in error["message"] and "maximum context length of 1024 tokens" in error["message"], error
+    if path != "/v1/messages":
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+    else:
+        assert error["type"] == "invalid_request_error"
+    most = int(error["message"].rsplit("at most ", 1)[1].split()[0])
+    ok = http.post(path, json={**body, param: 1})  # usage gives the prompt's length independently
+    assert ok.status_code == 200, ok.text
+    usage = ok.json()["usage"]
+    prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
+    assert most == 1024 - prompt_tokens
+    assert assert_error_shape(path, http.post(path, json={**body, param: most + 1}), 400)["message"]
+
+
+def test_output_limit_past_the_context_through_the_sdks(oai, claude):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5000)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_completion_tokens")
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL, max_tokens=5000, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens=5000" in refused.value.body["error"]["message"]
+
+
 def test_schema_xgrammar_cannot_compile(http):
     fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}
     error = assert_error_shape("/v1/chat/completions", http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400)
