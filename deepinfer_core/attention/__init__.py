@@ -142,6 +142,6 @@ class V4AttentionBackend(Protocol):
         <= p + 1``; they are read from ``cache.entries`` through ``meta.block_tables``."""
         ...
 
-    # Optional: ``index_scores(q, weights, entries, key_col, positions, batch, ratio, n_max, scale)``
+    # Optional: ``index_scores(q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta)``
     # -> [T, n_max] float32 (or None to decline): the CSA indexer's masked scores for the whole
     # batch, which the model then ranks with its own top-k (see docs/writing-plugins.md).

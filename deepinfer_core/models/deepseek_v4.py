@@ -17,6 +17,7 @@ each layer's spec (``state_kv=True``); MoE through the MoE hook. The cache is th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable
 
 import torch
@@ -93,7 +94,9 @@ class V4Attention(nn.Module):
                 parts.append((indexer, D))
             update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
             if indexer is not None:
-                selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, getattr(self.backend, "index_scores", None))
+                scores = getattr(self.backend, "index_scores", None)
+                scorer = None if scores is None else functools.partial(scores, meta=meta)
+                selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
         out = V4Rope.apply(out, cos, -sin)  # undo the values' rope at the query position
         grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)

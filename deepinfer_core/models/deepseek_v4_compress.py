@@ -165,11 +165,12 @@ class Indexer(Compressor):
         every = None
         if scorer is not None and n_max:
             every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, n_max, self.dim**-0.5)  # [T, n_max]
+        visible_all = (positions + 1) // self.ratio  # entries each query may see
         for r, ((a, b), s) in enumerate(zip(batch.token_ranges, batch.starts)):
             n = ends[r] // self.ratio
             if n == 0:
                 continue
-            visible = (positions[a:b] + 1) // self.ratio  # entries each query may see
+            visible = visible_all[a:b]
             if every is not None:
                 scores = every[a:b, :n]
             else:

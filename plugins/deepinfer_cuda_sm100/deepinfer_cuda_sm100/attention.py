@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 from deepinfer_core.attention import AttentionKind, AttentionMetadata
 from deepinfer_core.attention.torch_ref import SUPPORTED, TorchAttentionBackend, write_kv
 from deepinfer_core.attention.v4_ref import SUPPORTED_V4, TorchV4AttentionBackend
@@ -56,33 +54,12 @@ class TritonV4Attention(TorchV4AttentionBackend):
             max_seq_len=meta.max_seq_len, scale=spec.scale, batch_invariant=meta.batch_invariant,
         )  # fmt: skip
 
-    def index_scores(self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale):
+    def index_scores(self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta: AttentionMetadata):
         """The CSA indexer's masked scores [T, n_max] for the whole batch in one launch
         (``V4AttentionBackend.index_scores``); the core's top-k follows."""
         from .kernels.v4_indexer import index_scores
 
         if q.shape[-1] < 16 or q.shape[-1] & (q.shape[-1] - 1):  # no power-of-two tile: the core's torch path
             return None
-        counts = [b - a for a, b in batch.token_ranges]
-        token_request = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)).to(q.device)
-        return index_scores(q, weights, entries, key_col, positions, token_request, batch.block_tables,
+        return index_scores(q, weights, entries, key_col, positions, meta.query_start_loc, batch.block_tables,
                             ratio=ratio, block_size=batch.block_size, n_max=n_max, scale=scale)  # fmt: skip
-
-
-class TritonAttention(TorchAttentionBackend):
-    """Paged attention through :mod:`deepinfer_cuda_sm100.kernels.paged_attention`: one launch
-    per layer for prefill, chunked prefill and decode (split-KV), full/GQA/sliding and MLA.
-    The KV write is the reference's indexed store (one scatter per layer)."""
-
-    name = "cuda-sm100-triton"
-
-    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
-        from .kernels.paged_attention import paged_attention
-
-        write_kv(spec, k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(
-            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,
-            v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, window=spec.window,
-            batch_invariant=meta.batch_invariant,
-        )  # fmt: skip

@@ -4,11 +4,14 @@ scores as with its own torch path (prefill over a cached prefix and decode, seve
 over a shuffled block table). Interpreter on the CPU, compiled on a GPU."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
+from deepinfer_core.attention import AttentionMetadata  # noqa: E402
 from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch  # noqa: E402
 from deepinfer_core.models.deepseek_v4_config import parse_config  # noqa: E402
 from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
@@ -42,18 +45,22 @@ def _setup(ends, news, seed=0, dtype=torch.float32):
         a += n
     batch = V4Batch(tuple(ranges), tuple(starts), tuple(range(len(ends))), tables.to(DEVICE), BLOCK, prompt_lens=tuple(ends))
     positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]).to(DEVICE)
+    starts_loc = torch.tensor([0] + [b for _, b in ranges], dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(starts_loc, torch.tensor(ends, dtype=torch.int32, device=DEVICE), positions, torch.zeros_like(positions),
+                             batch.block_tables, BLOCK, max(news), max(ends), state_slots=torch.arange(len(ends), device=DEVICE))  # fmt: skip
+    scorer = functools.partial(TritonV4Attention().index_scores, meta=meta)
     x = torch.randn(a, cfg.hidden_size, generator=g).to(DEVICE, dtype)
     q_residual = torch.randn(a, cfg.q_lora_rank, generator=g).to(DEVICE, dtype)
     rope = V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, DEVICE)
-    return indexer, cache, batch, positions, x, q_residual, rope
+    return indexer, cache, batch, positions, x, q_residual, rope, scorer
 
 
 def test_scores_match_a_float64_loop():
-    indexer, cache, batch, positions, x, q_residual, rope = _setup([37, 9, 64], [37, 1, 20])
+    indexer, cache, batch, positions, x, q_residual, rope, kernel = _setup([37, 9, 64], [37, 1, 20])
     seen = {}
 
     def scorer(*args):
-        seen["out"] = TritonV4Attention().index_scores(*args)
+        seen["out"] = kernel(*args)
         seen["args"] = args
         return seen["out"]
 
@@ -73,8 +80,8 @@ def test_scores_match_a_float64_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_select_chooses_the_same_entries_with_the_kernel_scores(dtype):
     for ends, news in (([37, 9, 64], [37, 1, 20]), ([41, 80, 13], [1, 1, 1])):
-        indexer, cache, batch, positions, x, q_residual, rope = _setup(ends, news, seed=len(news) + sum(news), dtype=dtype)
+        indexer, cache, batch, positions, x, q_residual, rope, scorer = _setup(ends, news, seed=len(news) + sum(news), dtype=dtype)
         want = indexer.select(x, q_residual, positions, cache, batch, rope, D)
-        got = indexer.select(x, q_residual, positions, cache, batch, rope, D, TritonV4Attention().index_scores)
+        got = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
         assert (want >= 0).any()
         assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)

@@ -23,14 +23,16 @@ from .paged_attention import _pow2, interpreting
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, ent_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr,
+    q_ptr, w_ptr, ent_ptr, bt_ptr, qsl_ptr, pos_ptr, out_ptr,
     stride_qt, stride_qh, stride_wt, stride_eb, stride_ee, stride_bt, stride_ot,
-    key_col, heads, ratio, per_block, n_max, scale,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DI: tl.constexpr, IEEE: tl.constexpr,
+    key_col, heads, ratio, per_block, n_max, scale, num_requests,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DI: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     tile = tl.program_id(1)
-    r = tl.load(req_ptr + t)
+    req = tl.arange(0, BLOCK_R)
+    ends = tl.load(qsl_ptr + 1 + req, mask=req < num_requests, other=2147483647)
+    r = tl.sum((ends <= t).to(tl.int32), 0)  # the token's request: how many requests end at or before it
     visible = (tl.load(pos_ptr + t) + 1) // ratio
     h = tl.arange(0, BLOCK_H)
     h_ok = h < heads
@@ -57,7 +59,7 @@ def index_scores(
     entries: torch.Tensor,  # [blocks, per_block, width]; the keys are columns key_col..key_col+DI
     key_col: int,
     positions: torch.Tensor,  # [T]
-    token_request: torch.Tensor,  # [T] int32 request of each token
+    query_start_loc: torch.Tensor,  # [R+1] int32 (on the device: no host copy)
     block_tables: torch.Tensor,  # [R, max_blocks]
     *,
     ratio: int,
@@ -75,9 +77,9 @@ def index_scores(
     block_n = 16 if interpreting() else 64
     ieee = q.dtype == torch.float32 or interpreting()
     _index_scores_kernel[(T, -(-n_max // block_n))](
-        q, weights, entries, block_tables, token_request, positions, out,
+        q, weights, entries, block_tables, query_start_loc, positions, out,
         q.stride(0), q.stride(1), weights.stride(0), entries.stride(0), entries.stride(1), block_tables.stride(0), out.stride(0),
-        int(key_col), heads, int(ratio), block_size // ratio, n_max, float(scale),
-        BLOCK_H=max(16, _pow2(heads)), BLOCK_N=block_n, DI=DI, IEEE=ieee, num_warps=4,
+        int(key_col), heads, int(ratio), block_size // ratio, n_max, float(scale), block_tables.shape[0],
+        BLOCK_H=max(16, _pow2(heads)), BLOCK_N=block_n, DI=DI, BLOCK_R=max(16, _pow2(block_tables.shape[0])), IEEE=ieee, num_warps=4,
     )  # fmt: skip
     return out
