@@ -63,3 +63,22 @@ class TritonV4Attention(TorchV4AttentionBackend):
             return None
         return index_scores(q, weights, entries, key_col, positions, meta.query_start_loc, batch.block_tables,
                             ratio=ratio, block_size=batch.block_size, n_max=n_max, scale=scale)  # fmt: skip
+
+
+class TritonAttention(TorchAttentionBackend):
+    """Paged attention through :mod:`deepinfer_cuda_sm100.kernels.paged_attention`: one launch
+    per layer for prefill, chunked prefill and decode (split-KV), full/GQA/sliding and MLA.
+    The KV write is the reference's indexed store (one scatter per layer)."""
+
+    name = "cuda-sm100-triton"
+
+    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
+        from .kernels.paged_attention import paged_attention
+
+        write_kv(spec, k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,
+            v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, window=spec.window,
+            batch_invariant=meta.batch_invariant,
+        )  # fmt: skip
