@@ -109,9 +109,11 @@ def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("hd", [64, 20])
-def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cache_dtype, hd):
+@pytest.mark.parametrize("heads_kv", [(9, 3), (8, 2)])
+def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cache_dtype, hd, heads_kv):
     """One-token rows written to and read in place from a paged cache (scattered blocks, GQA 9/3
-    heads; a float32 or float16 cache; a head width that is and one that is not a multiple of 8)
+    and 8/2 heads; a float32 or float16 cache; a head width that is and one that is not a multiple
+    of 8; contexts of 1 to 71 tokens)
     against torch's index_put for the write (float16: torch's rounding of each value) and
     scaled_dot_product_attention in float32 on each request's keys and values taken out by hand."""
     import dataclasses
@@ -123,7 +125,7 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cac
     from deepinfer_core.lowbit.attention import PagedDecodeAttention
 
     g = torch.Generator().manual_seed(5)
-    hkv, heads, bs, nb = 3, 9, 16, 24
+    (heads, hkv), bs, nb = heads_kv, 16, 24
     spec = AttentionLayerSpec(kind=AttentionKind.FULL, layer_index=0, num_heads=heads, num_kv_heads=hkv,
                               head_dim=hd, v_head_dim=hd, scale=hd**-0.5, window=window)
     cache = torch.randn(2, hkv, nb, bs, hd, generator=g).to(cache_dtype)
