@@ -45,6 +45,7 @@ START, END = "<tool_call>", "</tool_call>"
 # the head of a call's body up to its arguments value (which must have begun: (?=\S))
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 ANY_OBJECT: dict = {"type": "object"}
+_HEAD_SEARCH = 4096  # a call body this long without the usual head is not streamed
 
 GENERIC_TOOL_PROMPT = """# Tools
 
@@ -170,24 +171,30 @@ class HermesToolParser:
     the output limit, is given back as the text the model wrote."""
 
     def __init__(self) -> None:
-        self._buffer = ""
+        self._buffer = ""  # outside a call: only a tail held back (a possible tag, whitespace)
         self._in_call = False
         self._after_call = False  # drop whitespace between calls
         self._wrote = False  # some content was emitted
+        # Inside a call the body arrives as pieces, joined once when the call closes: growing a
+        # string and searching it again on every piece was quadratic in the call's length.
+        self._parts: list[str] = []
+        self._length = 0  # characters in _parts
+        self._tail = ""  # the body's last len(END) - 1 characters: where END may have begun
         self._call_id = ""  # the open call's id, once its name was streamed
-        self._args_at = -1  # where its arguments begin in the buffer (-1: not yet known)
+        self._args_at = -1  # where its arguments begin in the body (-1: not yet known)
+        self._streams = False  # its arguments are an object or array (streamed)
+        self._pending = ""  # arguments text not yet streamed (held back, or just arrived)
         self._sent = 0  # characters of its arguments streamed
 
     def push(self, text: str) -> ParsedOutput:
-        self._buffer += text
         content, calls, deltas = "", [], []
         while True:
             if self._in_call:
-                end = self._buffer.find(END)
-                if end < 0:
-                    deltas += self._stream_call()
+                closed = self._feed_call(text)
+                if closed is None:
+                    deltas += self._stream_call(text)
                     break
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
+                body, text = closed
                 self._in_call = False
                 call = _parse_call(body, self._call_id or "call_" + secrets.token_hex(12))
                 if call is None:
@@ -198,12 +205,14 @@ class HermesToolParser:
                         deltas += [ToolCallDelta(call.id, arguments=rest)] if rest else []
                     calls.append(call)
                     self._after_call = True
-                self._call_id, self._args_at, self._sent = "", -1, 0
+                self._reset_call()
                 continue
+            self._buffer += text
+            text = ""
             start = self._buffer.find(START)
             if start >= 0:
                 content += self._text(self._buffer[:start].rstrip())
-                self._buffer, self._in_call = self._buffer[start + len(START) :], True
+                text, self._buffer, self._in_call = self._buffer[start + len(START) :], "", True
                 continue
             keep = _partial_tag(self._buffer)
             ready = self._buffer[: len(self._buffer) - keep]
@@ -214,26 +223,54 @@ class HermesToolParser:
         return ParsedOutput(content=content, tool_calls=tuple(calls), tool_call_deltas=tuple(deltas))
 
     def finish(self) -> ParsedOutput:
-        rest, self._buffer = self._buffer, ""
         if self._in_call:
+            rest = "".join(self._parts)
             call = _parse_call(rest, self._call_id or "call_" + secrets.token_hex(12))
-            if call is not None and self._call_id and call.arguments.startswith(self._streamed(rest)):
-                tail = call.arguments[self._sent :]
+            streamed = self._call_id and call is not None and call.arguments.startswith(self._streamed(rest))
+            sent = self._sent
+            self._reset_call()
+            self._in_call = False
+            if streamed:
+                tail = call.arguments[sent:]
                 return ParsedOutput(tool_calls=(call,), tool_call_deltas=(ToolCallDelta(call.id, arguments=tail),) if tail else ())
             return ParsedOutput(tool_calls=(call,)) if call is not None else ParsedOutput(content=START + rest)
+        rest, self._buffer = self._buffer, ""
         return ParsedOutput(content=self._text(rest))
+
+    def _feed_call(self, text: str) -> tuple[str, str] | None:
+        """Add ``text`` to the open call's body; (body, text after ``</tool_call>``) once that
+        closing tag has arrived. Only the last few characters and ``text`` are searched."""
+        window = self._tail + text
+        hit = window.find(END)
+        self._parts.append(text)
+        if hit < 0:
+            self._length += len(text)
+            self._tail = window[-(len(END) - 1) :]
+            return None
+        at = self._length - len(self._tail) + hit  # where END begins in the body
+        joined = "".join(self._parts)
+        return joined[:at], joined[at + len(END) :]
+
+    def _reset_call(self) -> None:
+        self._parts, self._length, self._tail = [], 0, ""
+        self._call_id, self._args_at, self._streams, self._pending, self._sent = "", -1, False, "", 0
 
     def _streamed(self, body: str) -> str:
         return body[self._args_at : self._args_at + self._sent]
 
-    def _stream_call(self) -> list[ToolCallDelta]:
-        """Deltas of the open call (the buffer holds its body so far): its name once the head
-        is complete, then arguments text, holding back a tail that may still turn out to be the
+    def _stream_call(self, text: str) -> list[ToolCallDelta]:
+        """Deltas of the open call (``text`` just joined its body): its name once the head is
+        complete, then arguments text, holding back a tail that may still turn out to be the
         body's closing ``}`` (with the whitespace before it) or the start of ``</tool_call>``.
-        Only object or array arguments are streamed (a string value would be unwrapped)."""
+        Only object or array arguments are streamed (a string value would be unwrapped). Costs
+        time in the new text and the held-back tail, not in the body so far."""
         out = []
         if not self._call_id:
-            head = _HEAD.match(self._buffer)
+            if self._length > _HEAD_SEARCH:  # no usual head this early: the call comes whole at its end
+                return out
+            body = "".join(self._parts)
+            self._parts = [body]
+            head = _HEAD.match(body)
             if head is None:
                 return out
             try:
@@ -242,16 +279,21 @@ class HermesToolParser:
                 return out
             self._call_id, self._args_at = "call_" + secrets.token_hex(12), head.end()
             out.append(ToolCallDelta(self._call_id, name=name))
-        region = self._buffer[self._args_at :]
-        if region[:1] not in ("{", "["):
+            self._pending = body[head.end() :]
+            self._streams = self._pending[:1] in ("{", "[")
+        elif self._streams:
+            self._pending += text
+        if not self._streams:
             return out
-        keep = len(region) - _partial_end(region)
-        keep = len(region[:keep].rstrip())
-        if region[:keep].endswith("}"):
-            keep = len(region[: keep - 1].rstrip())
-        if keep > self._sent:
-            out.append(ToolCallDelta(self._call_id, arguments=region[self._sent : keep]))
-            self._sent = keep
+        pending = self._pending
+        keep = len(pending) - _partial_end(pending)
+        keep = len(pending[:keep].rstrip())
+        if pending[:keep].endswith("}"):
+            keep = len(pending[: keep - 1].rstrip())
+        if keep > 0:
+            out.append(ToolCallDelta(self._call_id, arguments=pending[:keep]))
+            self._sent += keep
+            self._pending = pending[keep:]
         return out
 
     def _text(self, text: str) -> str:

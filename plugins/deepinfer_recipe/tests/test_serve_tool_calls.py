@@ -14,7 +14,9 @@ import json
 
 import httpx
 import jsonschema
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 import torch
 from serve_harness import MODEL
 
@@ -277,6 +279,37 @@ def test_parser_streams_a_call_piece_by_piece_at_every_split():
             assert {d.id for d in deltas} == {calls[0].id}
             assert "".join(d.arguments for d in deltas) == args
     assert len(deltas) > 20  # one character at a time: streamed in many pieces
+
+
+CHUNKED = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "deep": [{"x": "}"}, 2]}   }\n</tool_call>\n'
+           '<tool_call>{"name": "raw", "arguments": "a string"}</tool_call>  \n<tool_call>\n{"name": "cut", "arguments": {"a": 1')
+CHUNKED_CALLS = [("get_weather", '{"city": "Paris", "deep": [{"x": "}"}, 2]}'), ("raw", "a string"), ("cut", None)]
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(cuts=st.lists(st.integers(0, len(CHUNKED)), max_size=40))
+def test_parser_any_chunking_gives_the_same_calls_and_streams(cuts):
+    """Any chunking: content, calls and streamed pieces as written (pieces joined == each
+    streamed call's arguments; a string argument comes whole when its call closes; the call cut by the end of
+    the output streamed what it had and is given back as text at finish, not JSON)."""
+    bounds = sorted(set(cuts))
+    pieces = [CHUNKED[a:b] for a, b in zip([0, *bounds], [*bounds, len(CHUNKED)])]
+    parser, content, calls, deltas = HermesToolParser(), "", [], []
+    for piece in [*pieces, None]:
+        out = parser.push(piece) if piece is not None else parser.finish()
+        content, calls, deltas = content + out.content, calls + list(out.tool_calls), deltas + list(out.tool_call_deltas)
+    assert content == 'Let me look.<tool_call>\n{"name": "cut", "arguments": {"a": 1'
+    assert [(c.name, c.arguments) for c in calls] == CHUNKED_CALLS[:2]
+    streamed = "".join(d.arguments for d in deltas if d.id == calls[0].id)
+    head, end = CHUNKED.index('{"city"'), CHUNKED.index("</tool_call>")
+    if any(head <= b < end for b in bounds):  # a piece ended between the head and the end of the call
+        assert streamed == CHUNKED_CALLS[0][1]
+    else:  # the call arrived in one piece with its end: nothing to stream before it
+        assert streamed in ("", CHUNKED_CALLS[0][1])
+    names = {d.id: d.name for d in deltas if d.name}
+    assert set(names.values()) <= {"get_weather", "raw", "cut"} and "cut" in names.values()
+    assert "".join(d.arguments for d in deltas if names[d.id] == "raw") in ("", "a string")  # a string: whole, at its end
+    assert "".join(d.arguments for d in deltas if names[d.id] == "cut") == '{"a": 1'  # cut short: streamed what it had
 
 
 def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_reply(oai, claude, start_with_call):
