@@ -4,7 +4,7 @@ pushed in pieces of 4 characters (streamed: the consumer reads every delta) or i
 (``git show REV:deepinfer_core/serve/tool_calls.py``, its one relative import made absolute)
 so before and after share the run.
 
-    .venv/bin/python benchmarks/hermes_streaming.py --before cf4575f --sizes 16384,65536,262144
+    .venv/bin/python benchmarks/hermes_streaming.py --before 29eba82 --sizes 16384,65536,262144
 
 Not part of the test suite: tests never time things.
 """
