@@ -152,24 +152,32 @@ class Indexer(Compressor):
     def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None) -> torch.Tensor:
         """Top-k entry indices per token ([T, index_topk], -1 where nothing is chosen).
 
-        ``scorer`` (optional, from the attention backend: ``V4AttentionBackend.index_scores``)
-        computes every row's masked scores in one call instead of the per-request torch ops
-        below (``None`` from it: use them); the top-k that follows is the same either way."""
+        A row that ranks no more than ``index_topk`` entries chooses every visible one: it gets
+        them in id order without scoring (the set top-k would return; the order means nothing,
+        attention is a sum over the set). So up to ``index_topk * ratio`` tokens of context the
+        indexer computes nothing. ``scorer`` (optional, from the attention backend:
+        ``V4AttentionBackend.index_scores``) computes every row's masked scores in one call
+        instead of the per-request torch ops below (``None`` from it: use them); the top-k that
+        follows is the same either way."""
         T = x.shape[0]
+        visible_all = (positions + 1) // self.ratio  # entries each query may see
+        ids = torch.arange(self.topk, device=x.device)
+        out = torch.where(ids[None, :] < visible_all[:, None], ids[None, :], -1)
+        ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
+        prompts = batch.prompt_lens or (0,) * len(ends)
+        todo = [r for r, e in enumerate(ends) if max(e, prompts[r]) // self.ratio > self.topk]  # requests that rank > topk entries
+        if not todo:
+            return out
         cos, sin = rope.cos_sin(positions, x.dtype)
         q = V4Rope.apply(self.q_b_proj(q_residual).view(T, self.heads, self.dim), cos, sin)
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, h]
-        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
-        ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
-        n_max = max(ends, default=0) // self.ratio
+        n_max = max(ends) // self.ratio
         every = None
-        if scorer is not None and n_max:
+        if scorer is not None:
             every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, n_max, self.dim**-0.5)  # [T, n_max]
-        visible_all = (positions + 1) // self.ratio  # entries each query may see
-        for r, ((a, b), s) in enumerate(zip(batch.token_ranges, batch.starts)):
+        for r in todo:
+            (a, b), s = batch.token_ranges[r], batch.starts[r]
             n = ends[r] // self.ratio
-            if n == 0:
-                continue
             visible = visible_all[a:b]
             if every is not None:
                 scores = every[a:b, :n]
@@ -181,8 +189,7 @@ class Indexer(Compressor):
                 scores = (scores * weights[a:b].unsqueeze(-1)).sum(dim=1)  # [t, n]
                 future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
                 scores = scores.masked_fill(future, float("-inf"))
-            prompt = batch.prompt_lens[r] if batch.prompt_lens else 0
-            self._top(scores, visible, prompt, s, out[a:b])
+            self._top(scores, visible, prompts[r], s, out[a:b])
         return out
 
     def _top(self, scores: torch.Tensor, visible: torch.Tensor, prompt: int, start: int, out: torch.Tensor) -> None:
@@ -203,6 +210,5 @@ class Indexer(Compressor):
             out[:in_prompt, :k] = torch.where(top >= visible[:in_prompt, None], -1, top)
         for i in range(in_prompt, t):
             cols = (start + i + 1) // self.ratio  # = visible[i], known on the host (no device sync)
-            k = min(self.topk, cols)
-            if k:
-                out[i, :k] = scores[i, :cols].topk(k).indices
+            if cols > self.topk:  # fewer: ``out`` already holds every visible entry
+                out[i] = scores[i, :cols].topk(self.topk).indices
