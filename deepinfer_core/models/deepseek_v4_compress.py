@@ -150,7 +150,8 @@ class Indexer(Compressor):
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
 
     def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None) -> torch.Tensor:
-        """Top-k entry indices per token ([T, index_topk], -1 where nothing is chosen).
+        """Top-k entry indices per token ([T, k], -1 where nothing is chosen; k = index_topk, or
+        fewer when no row of the batch has that many entries).
 
         A row that ranks no more than ``index_topk`` entries chooses every visible one: it gets
         them in id order without scoring (the set top-k would return; the order means nothing,
@@ -161,11 +162,13 @@ class Indexer(Compressor):
         follows is the same either way."""
         T = x.shape[0]
         visible_all = (positions + 1) // self.ratio  # entries each query may see
-        ids = torch.arange(self.topk, device=x.device)
-        out = torch.where(ids[None, :] < visible_all[:, None], ids[None, :], -1)
         ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
         prompts = batch.prompt_lens or (0,) * len(ends)
         todo = [r for r, e in enumerate(ends) if max(e, prompts[r]) // self.ratio > self.topk]  # requests that rank > topk entries
+        # no ranking at all: only as many columns as the batch has entries (attention reads fewer -1 slots)
+        width = self.topk if todo else max(1, min(self.topk, max(ends, default=0) // self.ratio))
+        ids = torch.arange(width, device=x.device)
+        out = torch.where(ids[None, :] < visible_all[:, None], ids[None, :], -1)
         if not todo:
             return out
         cos, sin = rope.cos_sin(positions, x.dtype)
