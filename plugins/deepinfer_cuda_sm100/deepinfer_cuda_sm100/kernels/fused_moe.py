@@ -186,7 +186,7 @@ class Alignment:
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_ptr, expert_ptr, total_ptr, counts_ptr, num_rows, capacity, num_experts,
-    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):
     """moe_align in one program (decode-sized batches): rows counted per expert, each row's rank
     among its expert's rows in row order (the stable sort's order), padded offsets by a prefix sum,
@@ -201,9 +201,9 @@ def _align_kernel(
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
     total = tl.sum(padded, axis=0)
-    for f0 in range(0, capacity, CHUNK):  # padding rows point past the last real row
-        f = f0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + f, tl.full([CHUNK], 0, tl.int32) + num_rows, mask=f < capacity)
+    for f0 in range(0, capacity, FILL):  # padding rows point past the last real row
+        f = f0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + f, tl.full([FILL], 0, tl.int32) + num_rows, mask=f < capacity)
     for t0 in range(0, capacity // BLOCK_M, CHUNK):  # each row tile's expert (searchsorted)
         t = t0 + tl.arange(0, CHUNK)
         owner = tl.sum((padded_end[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), axis=1)
@@ -239,7 +239,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
         counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
         _align_kernel[(1,)](
             flat, sorted_rows, block_expert, total, counts, num_rows, capacity, num_experts,
-            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=64, num_warps=4,
+            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=64, FILL=1024, num_warps=4,
         )  # fmt: skip
         return Alignment(sorted_rows, block_expert, total, counts)
     return moe_align_torch(topk_ids, num_experts, block_m)
