@@ -76,8 +76,11 @@ def deepinfer_fused_ops(platform: Platform):
         return None
     from dataclasses import replace
 
-    from .kernels.fp8_gemm import fp8_linear, fp8_supported
+    from functools import partial
+
+    from .kernels.fp8_gemm import SplitCounters, fp8_linear, fp8_supported
     from .kernels.fused_elementwise import FUSED_OPS
 
-    # FP8 weights (kept FP8 by the loader when this is offered) where the chip converts e4m3
-    return replace(FUSED_OPS, fp8_linear=fp8_linear) if fp8_supported(platform) else FUSED_OPS
+    # FP8 weights (kept FP8 by the loader when this is offered) where the chip converts e4m3;
+    # decode GEMMs split along K sum their splits in-kernel (counters owned by this engine's ops)
+    return replace(FUSED_OPS, fp8_linear=partial(fp8_linear, counters=SplitCounters())) if fp8_supported(platform) else FUSED_OPS

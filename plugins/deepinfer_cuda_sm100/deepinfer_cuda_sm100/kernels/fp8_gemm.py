@@ -79,13 +79,16 @@ def act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER,
     stride_xm, stride_xs, stride_wn, stride_sn, stride_om, stride_split,
+    final_ptr, cnt_ptr, stride_fm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, A_MODE: tl.constexpr,
+    UPCAST: tl.constexpr, A_MODE: tl.constexpr, FIXUP: tl.constexpr,
 ):
     """A_MODE 0: float32 x, the weight widened (exact); 1: 16-bit x quantized here per K step
     (few rows: nothing repeats much); 2: x already e4m3 with scales ``xs`` (:func:`act_quant`).
     Program (m, n, s) covers K from s * K_PER; with several splits ``out`` is a float32 partial
-    sum per split (``stride_split`` apart), summed in split order by :func:`_split_sum_kernel`."""
+    sum per split (``stride_split`` apart), summed in split order by :func:`_split_sum_kernel`,
+    or, with ``FIXUP``, by the tile's last program to finish (a per-tile arrival counter in
+    ``cnt_ptr``, reset by that program) into ``final_ptr``: the same sum, no second launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -117,7 +120,44 @@ def _fp8_linear_kernel(
                 part = tl.dot(q, w)
             acc += part * sa[:, None] * s[None, :]
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], _round(acc, out_ty).to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tile_offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    tl.store(out_ptr + tile_offs, _round(acc, out_ty).to(out_ty), mask=tile_ok)
+    if FIXUP:
+        tl.debug_barrier()  # every thread's partial stored before the arrival is published
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:  # the last split of this tile: sum all in split order
+            ws = out_ptr - pid_s.to(tl.int64) * stride_split
+            total = tl.load(ws + tile_offs, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            for j in range(1, tl.num_programs(2)):
+                total += tl.load(ws + j * stride_split + tile_offs, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            f_ty = final_ptr.dtype.element_ty
+            tl.store(final_ptr + rm[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=tile_ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays too)
+
+
+class SplitCounters:
+    """Per-tile arrival counters for split-K GEMMs that sum their own splits (``FIXUP``), one
+    zeroed buffer per (device, stream), allocated at the first call on that stream (the eager
+    warm-up before a CUDA-graph capture) and left at zero by every launch. Launches on one
+    stream run one after another, so they can share it; GEMMs on two streams get two."""
+
+    CAPACITY = 8192  # output tiles; a GEMM with more falls back to the separate sum launch
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        if tiles > self.CAPACITY:
+            return None
+        key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (-1, 0)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None  # never allocate inside a capture: this launch sums separately
+            buf = self._buffers[key] = torch.zeros(self.CAPACITY, dtype=torch.int32, device=device)
+        return buf
 
 
 def fp8_supported(platform) -> bool:
@@ -166,10 +206,12 @@ def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
     return 128, 128, 128, 8, 3
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, counters: SplitCounters | None = None) -> torch.Tensor:
     """``x [..., K]`` (bf16 / fp16 / float32) times ``weight [N, K]`` (float8_e4m3fn) with
     ``scale_inv [ceil(N/128), ceil(K/128)]`` (float32, "multiply") -> ``[..., N]`` in x's dtype
-    (16-bit x quantized per row and 128 channels as :func:`quantize_activations` states)."""
+    (16-bit x quantized per row and 128 channels as :func:`quantize_activations` states).
+    With ``counters`` a K-split GEMM sums its splits inside the same launch (the plugin's fused
+    op passes them: one launch instead of two per decode GEMM); the result is bit-identical."""
     from .invariant import INVARIANT
 
     N, K = weight.shape
@@ -196,13 +238,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -
         k_per = triton.cdiv(triton.cdiv(K, FP8_BLOCK), split) * FP8_BLOCK
         split = triton.cdiv(K, k_per)
         dest = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+        cnt = counters.get(x.device, grid[0] * grid[1]) if counters is not None and split > 1 else None
+        _fp8_linear_kernel[grid](
             x2, xs, weight, scale_inv, dest, M, N, K, k_per,
             x2.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0), N if split > 1 else out.stride(0), M * N,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=interpreting(), A_MODE=mode,
+            out, cnt if cnt is not None else xs, out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=interpreting(), A_MODE=mode, FIXUP=cnt is not None,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        if split > 1:
+        if split > 1 and cnt is None:
             _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dest, out, M * N, SPLIT=split, BLOCK=1024, num_warps=4)
     return out.view(*x.shape[:-1], N)
 
