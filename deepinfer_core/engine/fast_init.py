@@ -50,6 +50,11 @@ def skip_random_init() -> Iterator[None]:
 
 
 def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
-    """``module.to_empty(device=device)`` for a module of contiguous meta tensors, without the
-    ``torch._refs`` import (see the module docstring)."""
-    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    """``module.to_empty(device=device)`` without the ``torch._refs`` import (see the module
+    docstring); strides are kept as ``empty_like`` keeps them."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    return module._apply(empty)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from ..engine.fast_init import materialize
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from . import ModelContext
 from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
@@ -153,7 +154,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = Backbone(config, kernels)
             self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        self.to_empty(device=ctx.device)
+        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
         self.to(dtype=ctx.dtype)
         self.restore_float32()
         if self.tie_word_embeddings:

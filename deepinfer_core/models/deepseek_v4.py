@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from ..engine.fast_init import materialize
 from . import ModelContext
 from .deepseek_v3_weights import load_hf_weights
 from .deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
@@ -180,7 +181,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             mtp = [V4MTPBlock(full, s, b, m) for s, b, m in zip(self.mtp_attention_specs, mtp_backends, moes[cfg.num_layers :])]
             self.mtp = nn.ModuleList(mtp) if mtp else None
         self.mtp_unavailable = None if mtp else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
-        self.to_empty(device=ctx.device)
+        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
         self.to(dtype=ctx.dtype)
         self.restore_float32()
         if cfg.tie_word_embeddings:
