@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,7 @@ from .attention import CACHE_DTYPES, PagedDecodeAttention
 from .formats import QuantWeight
 from .modules import LowBitEmbedding, LowBitLinear
 from .native import load
+from .threads import ThreadChooser, adaptive_enabled
 
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
 _MAX_SEGMENTS = 4  # layer.c's MAX_SEGMENTS
@@ -96,6 +98,8 @@ class LlamaDecodePlan:
         # None, or float64 [3] that each step adds its CPU ms to: GEMMs, attention, the rest
         # (benchmarks/cpu_step_profile.py sets it; a few clock reads per layer when set)
         self.phase_ms: torch.Tensor | None = None
+        # the step's thread count by measured wall time (threads.py); None: torch's count
+        self.threads: ThreadChooser | None = ThreadChooser() if adaptive_enabled() else None
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every request feeds one token, positions inside the rotary table, no replay."""
@@ -136,11 +140,15 @@ class LlamaDecodePlan:
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
         ids, positions, slots, tables = ids.contiguous(), positions.contiguous(), slots.contiguous(), tables.contiguous()
         out = torch.empty(R, self._md.hidden)
+        threads = torch.get_num_threads() if self.threads is None else self.threads.pick(torch.get_num_threads(), R)
+        start = time.perf_counter()
         self._lib.llama_decode_step(
             ctypes.byref(self._md), self._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+            tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), threads,
             None if self.phase_ms is None else self.phase_ms.data_ptr(),
         )  # fmt: skip
+        if self.threads is not None:
+            self.threads.record(threads, R, (time.perf_counter() - start) * 1e3)
         return out
 
 

@@ -1,0 +1,60 @@
+"""The thread count of the one-call decode step, chosen by measured wall time.
+
+Why: a decode step runs ~150 OpenMP regions (4 GEMMs and the attention per layer), each ending
+in a barrier. On an idle 2-core machine two threads make a 32-request step ~1.7x faster than
+one; when another process keeps a core busy, the second thread is descheduled for a time slice
+at a time and every barrier waits for it, so two threads run 2-3x slower than one. Which count is
+faster depends on the machine's load at the moment, which no setting given at start-up knows.
+
+:class:`ThreadChooser` runs the step on the current count and, every ``probe_every`` steps, one
+step on the other count (1 or all of torch's threads); it switches when that step's wall time
+beats the recent steps of the same batch size by a margin. Probing costs one step in
+``probe_every`` on the slower count (~1% on an idle machine). Results do not depend on the thread
+count (every output element is computed by one thread in one fixed order), so switching never
+changes tokens. ``DEEPINFER_ADAPTIVE_THREADS=0`` keeps torch's thread count.
+"""
+from __future__ import annotations
+
+import os
+
+ENV_SWITCH = "DEEPINFER_ADAPTIVE_THREADS"
+
+
+def adaptive_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+class ThreadChooser:
+    """Per decode plan: :meth:`pick` before a step, :meth:`record` after it."""
+
+    def __init__(self, probe_every: int = 64, margin: float = 0.85, smoothing: float = 0.3) -> None:
+        self.probe_every, self.margin, self.smoothing = probe_every, margin, smoothing
+        self.current: int | None = None  # None: torch's count, until a probe wins
+        self.switches = 0
+        self._steps = 0
+        self._probing: int | None = None
+        self._recent: tuple[int, int, float] | None = None  # (threads, rows, smoothed wall ms)
+
+    def pick(self, max_threads: int, rows: int) -> int:
+        current = max_threads if self.current is None or self.current > max_threads else self.current
+        self.current = current
+        self._steps += 1
+        self._probing = None
+        if max_threads > 1 and self._steps % self.probe_every == 0 and self._comparable(current, rows):
+            self._probing = 1 if current > 1 else max_threads
+            return self._probing
+        return current
+
+    def record(self, threads: int, rows: int, wall_ms: float) -> None:
+        if self._probing is not None and threads == self._probing:
+            if self._comparable(self.current, rows) and wall_ms < self.margin * self._recent[2]:
+                self.current, self.switches, self._recent = threads, self.switches + 1, (threads, rows, wall_ms)
+            return
+        if self._comparable(threads, rows):
+            ewma = self._recent[2]
+            self._recent = (threads, rows, ewma + self.smoothing * (wall_ms - ewma))
+        else:  # another batch size or count: start over
+            self._recent = (threads, rows, wall_ms)
+
+    def _comparable(self, threads: int | None, rows: int) -> bool:
+        return self._recent is not None and self._recent[:2] == (threads, rows)
