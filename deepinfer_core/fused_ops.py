@@ -34,6 +34,9 @@ class FusedOps:
     # -> [..., N] in x's dtype: x @ (weight * tile scales)^T (models.fp8.Fp8Linear). Offering it
     # also makes the engine keep FP8 block checkpoints FP8 (engine.loading.keep_fp8).
     fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [..., D], residual [..., D], weight [D], eps) -> (normed, residual + x): like
+    # add_rms_norm_reference, the decoder's residual add fused with the norm that follows it
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,6 +44,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` (rounded to their dtype, as torch adds), then
+    ``(rms_norm_reference(h), h)``."""
+    h = residual + x
+    return rms_norm_reference(h, weight, eps), h
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +82,9 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         return 0
     n = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm) and ops.rms_norm is not None:
+        if isinstance(module, RMSNorm) and (ops.rms_norm is not None or ops.add_rms_norm is not None):
             module.fused = ops.rms_norm
+            module.fused_add = ops.add_rms_norm
             n += 1
         elif isinstance(module, GatedMLP) and ops.silu_and_mul is not None and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]:
             module.fused_act = ops.silu_and_mul

@@ -128,6 +128,14 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_residual(self, h, residual, positions, rotary, kv_cache, meta):
+        """:meth:`forward` with the residual stream kept apart (``residual`` None: ``h`` is the
+        embeddings), so each residual add meets the next norm in one fused kernel; returns
+        (MLP output, residual), whose sum is ``forward``'s result, bit for bit."""
+        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, rotary, kv_cache, meta), residual)
+        return self.mlp(x), residual
+
 
 class Backbone(nn.Module):
     """``model.*`` in Hugging Face naming."""
@@ -181,9 +189,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, D]
         h = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, positions, self.rotary, cache, meta)
-        return self.model.norm(h)
+            h, residual = layer.forward_residual(h, residual, positions, self.rotary, cache, meta)
+        return self.model.norm(h) if residual is None else self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
         return self.lm_head(hidden).float()

@@ -14,6 +14,7 @@ from .fp8 import fp8_targets
 
 class RMSNorm(nn.Module):
     fused = None  # a platform's one-kernel version (deepinfer_core.fused_ops), set per module
+    fused_add = None  # a platform's residual add + norm in one kernel (FusedOps.add_rms_norm)
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -29,6 +30,15 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: a decoder's residual add and the norm after it,
+        one kernel where a platform provides it (a decode step is launch-bound), else the same
+        two ops."""
+        if self.fused_add is not None:
+            return self.fused_add(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
 
 
 class FusedLinear(nn.Linear):

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.fused_ops import FusedOps, install, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.fused_ops import FusedOps, add_rms_norm_reference, install, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm, rope_cat, silu_and_mul  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, rope_cat, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,6 +32,21 @@ def test_rms_norm_matches_the_reference(dtype, shape):
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype)
     _close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 512), (3, 1000), (2, 3, 96)])
+def test_add_rms_norm_matches_the_reference(dtype, shape):
+    """The residual sum is torch's ``residual + x`` bit for bit (it feeds the next layer), the
+    norm of it as rms_norm_reference computes it; a float32 weight keeps a float32 output."""
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
+    r = (torch.randn(*shape, generator=g) * 5).to(DEVICE, dtype)
+    for w in ((torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype), (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE)):
+        got, h = add_rms_norm(x, r, w, 1e-6)
+        want, want_h = add_rms_norm_reference(x, r, w, 1e-6)
+        assert h.dtype == dtype and torch.equal(h, want_h)
+        _close(got, want, dtype)
 
 
 def test_rms_norm_reads_a_strided_slice_and_keeps_float32_weights_semantics():

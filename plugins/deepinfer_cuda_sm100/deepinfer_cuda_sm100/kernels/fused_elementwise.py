@@ -42,6 +42,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: t
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, D, eps, BLOCK: tl.constexpr):
+    """The residual add (rounded to the residual's dtype, as torch adds) stored, then the norm of
+    that sum as :func:`_rms_norm_kernel` computes it: one read of each input row, two writes."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h_ty = h_ptr.dtype.element_ty
+    h = _round(x + r, h_ty)
+    tl.store(h_ptr + row * stride_h + offs, h.to(h_ty), mask=mask)
+    var = tl.sum(h * h, axis=0) / D
+    y = _round(h * (1.0 / tl.sqrt(var + eps)), h_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = _round(w * y, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -125,6 +144,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(*x.shape[:-1], D)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)`` in one launch (inputs of one dtype and shape;
+    anything else takes the two separate ops)."""
+    if x.dtype != residual.dtype or x.shape != residual.shape:
+        h = residual + x
+        return rms_norm(h, weight, eps), h
+    D = x.shape[-1]
+    x2, r2 = _rows(x), _rows(residual)
+    h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        warps = 1 if block <= 256 else 4 if block <= 2048 else 8
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), D, eps,
+            BLOCK=block, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], D), h.view(*x.shape[:-1], D)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     I = x.shape[-1] // 2
     x2 = _rows(x)
@@ -135,4 +174,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], I)
 
 
-FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat)
+FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat, add_rms_norm=add_rms_norm)
