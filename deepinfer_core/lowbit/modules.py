@@ -41,6 +41,7 @@ class LowBitLinear(nn.Module):
         self._pending: dict[str, QuantWeight] = {}
         self.segments: list[QuantWeight] = []
         self.int_rows = ops.int_rows()  # calls with at most this many rows use the integer kernel
+        self.int8_rows = ops.int8_rows()  # 4-bit segments: calls from this many rows use int8 activations
 
     def fill(self, part: str, weight: QuantWeight) -> None:
         self._pending[part] = weight
@@ -55,9 +56,9 @@ class LowBitLinear(nn.Module):
         flat = x.dim() == 2 and x.dtype == torch.float32
         a = x if flat else x.reshape(-1, self.in_features).float()
         if len(self.segments) == 1:
-            y = ops.matmul(a, self.segments[0], self.int_rows)
+            y = ops.matmul(a, self.segments[0], self.int_rows, self.int8_rows)
         else:
-            y = torch.cat([ops.matmul(a, w, self.int_rows) for w in self.segments], dim=-1)
+            y = torch.cat([ops.matmul(a, w, self.int_rows, self.int8_rows) for w in self.segments], dim=-1)
         if self.bias is not None:
             y += self.bias
         return y if flat else y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -81,6 +82,7 @@ class LowBitEmbedding(nn.Module):
         self.num_embeddings, self.in_features = num_embeddings, dim
         self.weight_q: QuantWeight | None = None
         self.int_rows = ops.int_rows()
+        self.int8_rows = ops.int8_rows()
 
     def fill(self, part: str, weight: QuantWeight) -> None:
         self.weight_q = weight
@@ -89,17 +91,17 @@ class LowBitEmbedding(nn.Module):
         return self.weight_q.dequantize(ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
-        return ops.matmul(hidden, self.weight_q, self.int_rows)
+        return ops.matmul(hidden, self.weight_q, self.int_rows, self.int8_rows)
 
 
 def use_exact_kernels(model: nn.Module) -> int:
     """Put every low-bit module of ``model`` on the exact float32 kernel (a batch-invariant
-    engine: the integer kernel is taken by row count, so a row's result would depend on the
+    engine: the integer kernels are taken by row count, so a row's result would depend on the
     batch). Returns how many modules changed."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, (LowBitLinear, LowBitEmbedding)) and module.int_rows:
-            module.int_rows = 0
+        if isinstance(module, (LowBitLinear, LowBitEmbedding)) and (module.int_rows or module.int8_rows):
+            module.int_rows = module.int8_rows = 0
             changed += 1
     return changed
 

@@ -24,7 +24,7 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "attention.c", "layer.c"))  # one shared object
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i8.c", "attention.c", "layer.c"))  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
@@ -101,6 +101,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_i16_act.restype = None
     lib.quantize_act16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_act16.restype = None
+    lib.gemm_i8_act.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
+    lib.gemm_i8_act.restype = None
+    lib.quantize_act8.argtypes = [p, i64, i64, p, p, p]
+    lib.quantize_act8.restype = None
     lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32, i32]
     lib.paged_decode_attention.restype = None
     lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64, i32]

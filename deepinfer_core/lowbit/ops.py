@@ -5,6 +5,14 @@ integer one rounds them to 16 bits per 32-block and uses integer dot products, 2
 one token and slower than the exact panel kernel from about 4-8 tokens on. :func:`int_rows`
 says up to how many rows a call takes the integer kernel; ``DEEPINFER_LOWBIT_EXACT=1`` (or
 ``DEEPINFER_LOWBIT_INT_ROWS=0``) keeps every call on the exact kernel.
+
+A third kernel (kernels_i8.c) rounds activations to int8 per 32-block for 4-bit weights only,
+llama.cpp's way: about 2x the exact kernel's speed from 5 rows on (prefill, decode of many
+requests) on an AVX2 CPU, but it moves SmolLM2's logits by ~1.5 against float32 (int16: ~0.01),
+so greedy outputs part from the float32 model's after ~12 tokens on average (benchmarks/README.md:
+Q4_1 0/16 identical over 128 tokens, as llama.cpp). Hence opt-in: :func:`int8_rows` says from how
+many rows it is taken (``DEEPINFER_LOWBIT_INT8_ROWS``, default 0: never); 8-bit weights (Q8_0)
+never take it.
 """
 from __future__ import annotations
 
@@ -35,7 +43,37 @@ def int_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     return value
 
 
-def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
+DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); DEFAULT_INT_ROWS + 1 would be every q4 call above int16's
+
+
+def int8_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
+    """Calls of 4-bit weights with at least this many rows (and more than :func:`int_rows`) take
+    the int8-activation kernel (0: none). ``DEEPINFER_LOWBIT_EXACT=1`` turns it off too."""
+    if environ.get("DEEPINFER_LOWBIT_EXACT", "0") not in ("", "0"):
+        return 0
+    raw = environ.get("DEEPINFER_LOWBIT_INT8_ROWS", "")
+    if raw == "":
+        return DEFAULT_INT8_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"DEEPINFER_LOWBIT_INT8_ROWS={raw!r}: expected a whole number >= 0 (rows from which 4-bit weights meet int8 activations; 0: never)")
+    return value
+
+
+def kernel_for(M: int, kind: str, max_int_rows: int, min_int8_rows: int) -> str:
+    """Which kernel a call of M rows takes: "i16", "i8" or "exact" (kernels.c's lowbit_gemm
+    chooses the same way)."""
+    if M <= max_int_rows:
+        return "i16"
+    if kind == "q4" and min_int8_rows > 0 and M >= min_int8_rows:
+        return "i8"
+    return "exact"
+
+
+def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
     kernels = load()
     if kernels.lib is None:
         raise RuntimeError(f"low-bit kernels unavailable: {kernels.reason}")
@@ -47,6 +85,10 @@ def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0) -> torch.Tens
     N = w.qs.shape[0]
     y = torch.empty(M, N)
     m_ptr = w.m.data_ptr() if w.m is not None else None
-    kernel = kernels.lib.gemm_i16_act if M <= max_int_rows else kernels.lib.gemm_f32_act
+    which = kernel_for(M, w.kind, max_int_rows, min_int8_rows)
+    if which == "i8":
+        kernels.lib.gemm_i8_act(x.data_ptr(), M, K, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
+        return y
+    kernel = kernels.lib.gemm_i16_act if which == "i16" else kernels.lib.gemm_f32_act
     kernel(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
     return y
