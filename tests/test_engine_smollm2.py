@@ -59,9 +59,10 @@ def test_chat_greedy_matches_transformers(llm, hf):
         ref_ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
         ref_ids = list(ref_ids["input_ids"]) if isinstance(ref_ids, dict) else list(ref_ids)
         assert out.prompt_token_ids == ref_ids, q
-        expected = hf_greedy(hf, ref_ids, 64)
         got = out.outputs[0].token_ids
         # the engine stops on the chat template's stop ids; up to there it must equal transformers
+        # (so transformers generates only as many tokens as the engine did: greedy, the same prefix)
+        expected = hf_greedy(hf, ref_ids, len(got) if out.outputs[0].finish_reason == "stop" else 64)
         if out.outputs[0].finish_reason == "stop":
             assert got == expected[: len(got)], q
             assert got[-1] in llm.get_tokenizer().stop_token_ids, q
@@ -99,10 +100,18 @@ def _mixed_prompts(llm) -> list[list[int]]:
     return [base[i * 7 : i * 7 + 5 + 23 * i] for i in range(16)]
 
 
-def test_batched_greedy_equals_each_request_alone(llm):
-    prompts = _mixed_prompts(llm)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    together = llm.generate(prompts, params)
+MIXED_GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mixed_together(llm) -> list:
+    """The 16 mixed-length prompts decoded together on the module's engine (shared by the
+    batched and preemption tests: one batch run instead of two)."""
+    return llm.generate(_mixed_prompts(llm), MIXED_GREEDY)
+
+
+def test_batched_greedy_equals_each_request_alone(llm, mixed_together):
+    prompts, params, together = _mixed_prompts(llm), MIXED_GREEDY, mixed_together
     for p, out in zip(prompts[::3], together[::3]):
         alone = llm.generate([p], params)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
@@ -120,12 +129,10 @@ def test_batch_invariant_seeded_sampling_equals_each_request_alone():
     assert len({tuple(o.outputs[0].token_ids) for o in together}) == 16
 
 
-def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(llm):
-    prompts = _mixed_prompts(llm)[:8]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    reference = llm.generate(prompts, params)
+def test_small_kv_pool_preempts_and_still_gives_the_same_outputs(llm, mixed_together):
+    prompts, reference = _mixed_prompts(llm)[:8], mixed_together[:8]  # 684 prompt tokens: over the 512 the pool holds
     small = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=4, max_num_seqs=16)
-    outs = small.generate(prompts, params)
+    outs = small.generate(prompts, MIXED_GREEDY)
     assert small.engine.scheduler.num_preemptions > 0
     for a, b in zip(reference, outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
