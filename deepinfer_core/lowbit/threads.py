@@ -6,9 +6,9 @@ one; when another process keeps a core busy, the second thread is descheduled fo
 at a time and every barrier waits for it, so two threads run 2-3x slower than one. Which count is
 faster depends on the machine's load at the moment, which no setting given at start-up knows.
 
-:class:`ThreadChooser` runs the step on the current count and, every ``probe_every`` steps, one
-step on the other count (1 or all of torch's threads); it switches when that step's wall time
-beats the recent steps of the same batch size by a margin. Probing costs one step in
+:class:`ThreadChooser` runs the step on the current count and, every ``probe_every`` steps (and
+once early, at the 8th step), one step on the other count (1 or all of torch's threads); it
+switches when that step's wall time beats the recent steps of the same batch size by a margin. Probing costs one step in
 ``probe_every`` on the slower count (~1% on an idle machine). Results do not depend on the thread
 count (every output element is computed by one thread in one fixed order), so switching never
 changes tokens. ``DEEPINFER_ADAPTIVE_THREADS=0`` keeps torch's thread count.
@@ -27,8 +27,9 @@ def adaptive_enabled() -> bool:
 class ThreadChooser:
     """Per decode plan: :meth:`pick` before a step, :meth:`record` after it."""
 
-    def __init__(self, probe_every: int = 64, margin: float = 0.85, smoothing: float = 0.3) -> None:
+    def __init__(self, probe_every: int = 64, margin: float = 0.85, smoothing: float = 0.3, first_probe: int = 8) -> None:
         self.probe_every, self.margin, self.smoothing = probe_every, margin, smoothing
+        self.first_probe = first_probe  # one early probe, so that a short generation on a loaded machine gains too
         self.current: int | None = None  # None: torch's count, until a probe wins
         self.switches = 0
         self._steps = 0
@@ -40,7 +41,8 @@ class ThreadChooser:
         self.current = current
         self._steps += 1
         self._probing = None
-        if max_threads > 1 and self._steps % self.probe_every == 0 and self._comparable(current, rows):
+        due = self._steps % self.probe_every == 0 or self._steps == self.first_probe
+        if max_threads > 1 and due and self._comparable(current, rows):
             self._probing = 1 if current > 1 else max_threads
             return self._probing
         return current
