@@ -235,3 +235,15 @@ def test_int_rows_setting_is_read_from_the_environment_and_refused_by_name():
         ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "-2"})
     with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_INT_ROWS='many'"):
         ops.int_rows({"DEEPINFER_LOWBIT_INT_ROWS": "many"})
+
+
+def test_kv_cache_dtype_setting_is_read_from_the_environment_and_refused_by_name(monkeypatch):
+    from deepinfer_core.lowbit.attention import KV_ENV, kv_dtype
+
+    monkeypatch.delenv(KV_ENV, raising=False)
+    assert kv_dtype() == torch.float16
+    monkeypatch.setenv(KV_ENV, "float32")
+    assert kv_dtype() == torch.float32
+    monkeypatch.setenv(KV_ENV, "bf16")
+    with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_KV_DTYPE='bf16': allowed values are float16, float32"):
+        kv_dtype()

@@ -106,8 +106,9 @@ def test_plan_for_the_deepseek_v4_flash_config_alone(tmp_path):
 
 def test_plan_resolves_dtype_as_the_engine_does_for_a_quantized_gguf(checkpoint, monkeypatch):
     """On a CPU with native bf16 (``auto`` -> bfloat16), the engine runs a block-quantized GGUF
-    with packed weights and float32 activations and KV: plan says float32 there, bfloat16 for a
-    dense checkpoint, and follows an explicit dtype."""
+    with packed weights, float32 activations and a float16 KV cache: plan says float16 there
+    (float32 with DEEPINFER_LOWBIT_KV_DTYPE=float32), bfloat16 for a dense checkpoint, and follows
+    an explicit dtype."""
     from types import SimpleNamespace
 
     from deepinfer_core.builtin import cpu_features
@@ -121,6 +122,9 @@ def test_plan_resolves_dtype_as_the_engine_does_for_a_quantized_gguf(checkpoint,
     if lowbit_unavailable(open_model_files(str(gguf)), torch.device("cpu")) is not None:
         pytest.skip("no C compiler for the low-bit kernels here: the engine runs this GGUF dense")
     monkeypatch.setattr(cpu_features, "cpu_features", lambda: SimpleNamespace(auto_dtype=torch.bfloat16))
-    assert plan(str(gguf), 0.5, max_model_len=1000).dtype == "float32"  # was bfloat16
+    assert plan(str(gguf), 0.5, max_model_len=1000).dtype == "float16"  # was bfloat16; the low-bit path's half KV cache
+    monkeypatch.setenv("DEEPINFER_LOWBIT_KV_DTYPE", "float32")
+    assert plan(str(gguf), 0.5, max_model_len=1000).dtype == "float32"
+    monkeypatch.delenv("DEEPINFER_LOWBIT_KV_DTYPE")
     assert plan(str(gguf), 0.5, max_model_len=1000, dtype="bfloat16").dtype == "bfloat16"  # dense weights, as asked
     assert plan(checkpoint[1], 0.5, max_model_len=1000).dtype == "bfloat16"
