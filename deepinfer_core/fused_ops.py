@@ -37,6 +37,9 @@ class FusedOps:
     # (x [..., D], residual [..., D], weight [D], eps) -> (normed, residual + x): like
     # add_rms_norm_reference, the decoder's residual add fused with the norm that follows it
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (x [T, H, d], cos [T, 1, d], sin [T, 1, d], both x's dtype) -> [T, H, d]: like
+    # rotary_reference (models.layers.RotaryAt: Llama's q and k rotated together)
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,6 +54,12 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     ``(rms_norm_reference(h), h)``."""
     h = residual + x
     return rms_norm_reference(h, weight, eps), h
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary at fixed positions, each product and the sum rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +85,7 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     use a fused kernel."""
     from .models.deepseek_v3_mla import MLAAttention
     from .models.fp8 import Fp8Linear
-    from .models.layers import GatedMLP, RMSNorm
+    from .models.layers import GatedMLP, RMSNorm, Rotary
 
     if ops is None:
         return 0
@@ -91,6 +100,9 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
             module.rope_cat = ops.rope_cat
+            n += 1
+        elif isinstance(module, Rotary) and ops.rotary is not None:
+            module.fused = ops.rotary
             n += 1
         elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
             module.kernel = ops.fp8_linear

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -125,6 +126,8 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[
 class Rotary(nn.Module):
     """cos/sin tables indexed by absolute position; applied in the rotate-half (NeoX) layout."""
 
+    fused = None  # a platform's one-kernel rotation (FusedOps.rotary), handed to each RotaryAt
+
     def __init__(self, dim: int, max_positions: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
@@ -139,7 +142,7 @@ class Rotary(nn.Module):
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryAt":
         """The tables looked up once for a step's positions, so that every layer (and q and k
         together) reuses them instead of indexing them again (fewer ops per decode step)."""
-        return RotaryAt(self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype))
+        return RotaryAt(self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype), self.fused)
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,11 @@ class RotaryAt:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # FusedOps.rotary
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, H, dim], any number of heads
+        if self.fused is not None:
+            return self.fused(x, self.cos, self.sin)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * self.cos + rotated * self.sin

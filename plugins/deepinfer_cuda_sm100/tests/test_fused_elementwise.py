@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 from deepinfer_core.fused_ops import FusedOps, add_rms_norm_reference, install, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, rope_cat, silu_and_mul  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, rope_cat, rotary, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,6 +47,27 @@ def test_add_rms_norm_matches_the_reference(dtype, shape):
         want, want_h = add_rms_norm_reference(x, r, w, 1e-6)
         assert h.dtype == dtype and torch.equal(h, want_h)
         _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_the_torch_rotation_on_a_strided_qkv_slice(dtype):
+    """Llama's q and k rotated together straight from the fused QKV output (rows strided), with
+    the cos/sin rows RotaryAt looks up: the same bits as the torch ops (each product and the
+    sum rounded to the dtype), for odd head counts and positions far apart."""
+    from deepinfer_core.models.layers import Rotary, rope_inv_freq
+
+    g = torch.Generator().manual_seed(5)
+    T, H, d = 7, 5, 64
+    inv_freq, scale = rope_inv_freq(d, 10000.0, {})
+    table = Rotary(d, 4096, inv_freq, scale).to(DEVICE)
+    at = table.at(torch.tensor([0, 1, 2, 300, 301, 4000, 17], device=DEVICE), dtype)
+    qkv = (torch.randn(T, (H + 2) * d, generator=g) * 3).to(DEVICE, dtype)
+    x = qkv[:, : H * d].reshape(T, H, d)
+    assert x.stride(0) == (H + 2) * d  # a strided view, not a copy
+    got = rotary(x, at.cos, at.sin)
+    want = at(x)  # the torch path (no fused op on this table)
+    _close(got, want, dtype)
+    assert (got != want).float().mean().item() < 1e-3
 
 
 def test_rms_norm_reads_a_strided_slice_and_keeps_float32_weights_semantics():
@@ -99,7 +120,7 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
     hf = transformers.LlamaForCausalLM(cfg)
     hf.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True)
-    assert install(llm.engine.model, FUSED_OPS) == 2 * 3 + 1  # 2 norms and an MLP per layer, the final norm
+    assert install(llm.engine.model, FUSED_OPS) == 2 * 3 + 1 + 1  # 2 norms and an MLP per layer, the final norm, the rotary table
     prompts = [[5, 6, 7, 8], [9, 10, 11] * 5]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
     hf = hf.to(DEVICE)
