@@ -1,0 +1,46 @@
+"""The DeepSeek-V4 kernels lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
+shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an explicit target
+needs no GPU, so CI, which runs the kernels only in the interpreter, also proves they compile
+(the interpreter accepts code that the compiler rejects, e.g. branches yielding different types).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+CHILD = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_cuda_sm100.kernels import v4_attention as va, v4_indexer as vi
+
+def lower(fn, types, consts, arch, warps):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    assert kernel.asm.get("cubin"), "no cubin"
+
+bf = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "ring_ptr", "ent_ptr", "out_ptr")}
+bf.update(sel_ptr="*i64", sink_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", slot_ptr="*i64", lse_ptr="*fp32", scale="fp32")
+for arch in (90, 100):
+    for mode, split in ((0, False), (1, True), (2, False)):
+        types = dict(bf, out_ptr="*fp32") if split else bf
+        consts = dict(H=16, TPT=1, BLOCK_M=16, BLOCK_N=32, D=512, MODE=mode, SPLIT=split, IEEE=False, UPCAST=False)
+        lower(va._v4_attention_kernel, types, consts, arch, 8)
+    lower(va._ring_write_kernel, {"kv_ptr": "*bf16", "ring_ptr": "*bf16", "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "slot_ptr": "*i64"}, {"D": 512}, arch, 4)
+    lower(vi._index_scores_kernel, {"q_ptr": "*bf16", "w_ptr": "*fp32", "ent_ptr": "*bf16", "bt_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64",
+          "out_ptr": "*fp32", "scale": "fp32"}, dict(BLOCK_H=16, BLOCK_N=64, DI=128, BLOCK_R=16, IEEE=False), arch, 4)
+    print("sm%d" % arch)
+"""
+
+
+def test_v4_kernels_compile_for_sm90_and_sm100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["sm90", "sm100"]
