@@ -5,6 +5,7 @@ needs no GPU, so CI, which runs the kernels only in the interpreter, also proves
 """
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -40,6 +41,10 @@ for arch in (90, 100):
 
 
 def test_v4_kernels_compile_for_sm90_and_sm100():
+    from triton.compiler import ASTSource
+
+    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
