@@ -68,14 +68,17 @@ class TritonV4Attention(TorchV4AttentionBackend):
 class TritonAttention(TorchAttentionBackend):
     """Paged attention through :mod:`deepinfer_cuda_sm100.kernels.paged_attention`: one launch
     per layer for prefill, chunked prefill and decode (split-KV), full/GQA/sliding and MLA.
-    The KV write is the reference's indexed store (one scatter per layer)."""
+    The KV write is one Triton launch per layer for K and V (the reference scatters each)."""
 
     name = "cuda-sm100-triton"
 
     def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
-        from .kernels.paged_attention import paged_attention
+        from .kernels.paged_attention import paged_attention, write_kv as write_kv_triton
 
-        write_kv(spec, k, v, kv_cache, meta.slot_mapping)
+        if kv_cache.dtype == k.dtype and kv_cache.is_contiguous():
+            write_kv_triton(k, None if spec.kv_shared else v, kv_cache, meta.slot_mapping, spec.head_dim, spec.v_head_dim)
+        else:
+            write_kv(spec, k, v, kv_cache, meta.slot_mapping)
         return paged_attention(
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,

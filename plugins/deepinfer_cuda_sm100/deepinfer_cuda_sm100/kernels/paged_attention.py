@@ -228,6 +228,46 @@ def paged_attention(
 
 
 @triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    s_kt, s_kh, s_vt, s_vh, s_cp, s_ch, s_cs,
+    D: tl.constexpr, DV: tl.constexpr, HAS_V: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Token t, KV head h: K (and V, into the second plane) stored at the token's slot, cast to
+    the cache dtype; one launch for both planes where the reference scatters each separately."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    dst = cache_ptr + h * s_ch + slot * s_cs
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + offs, mask=offs < D)
+    tl.store(dst + offs, k.to(cache_ptr.dtype.element_ty), mask=offs < D)
+    if HAS_V:
+        v = tl.load(v_ptr + t * s_vt + h * s_vh + offs, mask=offs < DV)
+        tl.store(dst + s_cp + offs, v.to(cache_ptr.dtype.element_ty), mask=offs < DV)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, head_dim: int, v_head_dim: int) -> None:
+    """``k [T, Hkv, head_dim]`` (and ``v [T, Hkv, v_head_dim]`` unless the layer shares K and V)
+    into ``kv_cache [planes, Hkv, blocks, block_size, W]`` at ``slot_mapping [T]``, as
+    ``deepinfer_core.attention.torch_ref.write_kv`` does, in one launch."""
+    T, hkv = k.shape[0], k.shape[1]
+    if not T:
+        return
+    if k.stride(-1) != 1 or (v is not None and v.stride(-1) != 1) or kv_cache.stride(-1) != 1:
+        k = k.contiguous()
+        v = v.contiguous() if v is not None else None
+    cs = kv_cache.stride()
+    _write_kv_kernel[(T, hkv)](
+        k, v if v is not None else k, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), (v if v is not None else k).stride(0), (v if v is not None else k).stride(1),
+        cs[0], cs[1], cs[3],
+        D=head_dim, DV=v_head_dim, HAS_V=v is not None, BLOCK=_pow2(max(head_dim, v_head_dim if v is not None else 1)),
+        num_warps=1 if max(head_dim, v_head_dim) <= 256 else 4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits, stride_ps, stride_ls,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
