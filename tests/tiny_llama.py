@@ -7,6 +7,8 @@ code); the weights are random (``LlamaForCausalLM`` with a fixed seed), 2 layers
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -18,8 +20,7 @@ def make_tiny_llama(path, chat_template: str | None = None, extra_special_tokens
     extend SmolLM2's (to try another model family's template)."""
     import transformers
 
-    folder, name = os.path.split(smollm2_gguf())
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(Path(path).parent))
     if extra_special_tokens:
         tok.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
     if chat_template is not None:
@@ -33,3 +34,26 @@ def make_tiny_llama(path, chat_template: str | None = None, extra_special_tokens
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
+
+
+def smollm2_tokenizer_dir(parent: Path) -> str:
+    """SmolLM2's tokenizer as transformers writes it from the GGUF, kept in ``parent`` (a test
+    session's temporary root) for the next tiny Llama: transformers reads the GGUF's vocabulary
+    in 5-11 s on the CI machine, a saved directory in 0.7 s, and seven modules build one. The
+    name carries the GGUF's size and mtime, so another file is never served from it."""
+    import transformers
+
+    gguf = smollm2_gguf()
+    stat = os.stat(gguf)
+    cached = Path(parent) / f".smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
+    if not cached.is_dir():
+        folder, name = os.path.split(gguf)
+        staging = tempfile.mkdtemp(dir=parent, prefix=".smollm2-tokenizer-staging-")
+        transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
+        try:
+            os.rename(staging, cached)  # atomic: a half-written directory is never used
+        except OSError:  # another process made it first
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(cached)
