@@ -19,7 +19,7 @@ from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from . import ModelContext
 from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
 from .deepseek_v3_weights import load_hf_weights
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 
 
 def is_moe_layer(config: dict, index: int) -> bool:
@@ -112,7 +112,7 @@ def resolve_kernels(config: dict, ctx: ModelContext) -> list[LayerKernels]:
     return kernels
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, kernels: LayerKernels) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
@@ -123,18 +123,6 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = DeepseekV3MoE(config, *kernels.moe)
         else:
             self.mlp = GatedMLP(config["hidden_size"], config["intermediate_size"])
-
-    def forward(self, h, positions, rotary, kv_cache, meta):  # h [T, D]
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_residual(self, h, residual, positions, rotary, kv_cache, meta):
-        """:meth:`forward` with the residual stream kept apart (``residual`` None: ``h`` is the
-        embeddings), so each residual add meets the next norm in one fused kernel; returns
-        (MLP output, residual), whose sum is ``forward``'s result, bit for bit."""
-        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
-        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, rotary, kv_cache, meta), residual)
-        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):

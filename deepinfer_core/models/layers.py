@@ -123,6 +123,23 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported here")
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer (Llama, DeepSeek-V3): subclasses build ``input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``; the residual wiring is shared."""
+
+    def forward(self, h, positions, rotary, kv_cache, meta) -> torch.Tensor:  # h [T, D]
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_residual(self, h, residual, positions, rotary, kv_cache, meta):
+        """:meth:`forward` with the residual stream kept apart (``residual`` None: ``h`` is the
+        embeddings), so each residual add meets the next norm in one fused kernel; returns
+        (MLP output, residual), whose sum is ``forward``'s result, bit for bit."""
+        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, rotary, kv_cache, meta), residual)
+        return self.mlp(x), residual
+
+
 class Rotary(nn.Module):
     """cos/sin tables indexed by absolute position; applied in the rotate-half (NeoX) layout."""
 

@@ -23,7 +23,7 @@ from . import ModelContext, WeightsError
 from ..lowbit import llama_decode
 from ..lowbit.formats import QuantWeight
 from ..lowbit.modules import LowBitEmbedding, LowBitLinear
-from .layers import FusedLinear, GatedMLP, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
+from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(T, s.num_heads * s.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
@@ -73,18 +73,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, spec, backend)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, config["intermediate_size"])
-
-    def forward(self, h, positions, rotary, kv_cache, meta) -> torch.Tensor:  # h [T, D]
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_residual(self, h, residual, positions, rotary, kv_cache, meta):
-        """:meth:`forward` with the residual stream kept apart (``residual`` None: ``h`` is the
-        embeddings), so each residual add meets the next norm in one fused kernel; returns
-        (MLP output, residual), whose sum is ``forward``'s result, bit for bit."""
-        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
-        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, rotary, kv_cache, meta), residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
