@@ -94,6 +94,22 @@ def test_each_row_s_result_does_not_depend_on_the_batch():
         assert torch.equal(ops.matmul(x[i : i + 1], packed)[0], together[i])
 
 
+@needs_kernels
+def test_exact_kernel_over_several_token_chunks_equals_each_row_alone_and_float64():
+    """Prefill-sized calls run the tokens in L2-sized chunks (K = 512: 128 tokens each, so 300
+    rows are chunks of 128, 128 and 44, the last ending in 2 single tokens): still each row's
+    result bit for bit, and the float64 product with the dequantized weights."""
+    w = np.random.default_rng(9).standard_normal((21, 512)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    packed = from_gguf("Q4_1", raw, (21, 512))
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).copy())
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
+    together = ops.matmul(x, packed)
+    torch.testing.assert_close(together, (x.double() @ dense.double().T).float(), rtol=1e-5, atol=1e-4)
+    for i in (0, 127, 128, 255, 256, 298, 299):
+        assert torch.equal(ops.matmul(x[i : i + 2], packed)[0], together[i])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs Linux's /proc/cpuinfo")
 def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
     with open("/proc/cpuinfo") as f:
