@@ -119,6 +119,27 @@ def test_failed_build_falls_back_to_python(tmp_path, monkeypatch):
     assert parse(pieces, accelerate=True) == parse(["".join(pieces)], accelerate=False)
 
 
+@pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or no Python.h: nothing is built")
+def test_a_new_build_prunes_older_versions(tmp_path, monkeypatch):
+    """A fresh build (another source, flags or interpreter gives another file name) leaves the
+    three most recently used builds: its own and the two newest of four stale ones."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "native"
+    folder.mkdir()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    stale = [folder / f"v4quiet-000000000000000{age}{suffix}" for age in (1, 2, 3, 4)]
+    for age, path in enumerate(stale, 1):
+        path.write_bytes(b"not a real build")
+        stamp = path.stat().st_mtime - age * 3600  # last used ``age`` hours ago
+        os.utime(path, (stamp, stamp))
+    helper = native.load.__wrapped__()
+    assert helper.module is not None, helper.reason
+    left = sorted(p.name for p in folder.iterdir())
+    built = [name for name in left if name not in {p.name for p in stale}]
+    assert len(built) == 1 and built[0].startswith("v4quiet-")
+    assert left == sorted([built[0], stale[0].name, stale[1].name])
+
+
 def test_environment_switch_turns_the_helper_off(monkeypatch):
     monkeypatch.setenv("DEEPINFER_NATIVE_PARSER", "0")
     assert isinstance(new_parser(thinking=False), DeepSeekV4Parser)

@@ -6,7 +6,8 @@ in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one
 parser's front), compiled when the first parser is made, with whatever C compiler the machine
 has (``CC``, ``cc``, ``gcc``, ``clang``) against the running interpreter's headers, in well
 under a second. It is cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or
-``~/.cache/deepinfer``) keyed by a hash of the source, flags and interpreter. Nothing is
+``~/.cache/deepinfer``) keyed by a hash of the source, flags and interpreter; a new build removes
+all but the three most recently used older ones (``deepinfer_core.build_cache``). Nothing is
 required: without a compiler or headers, or with ``DEEPINFER_NATIVE_PARSER=0``, the parser uses
 its pure-Python quiet push, which behaves the same.
 """
@@ -24,6 +25,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from types import ModuleType
+
+from deepinfer_core import build_cache
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_quiet.c")
 _FLAGS = ("-O2", "-shared", "-fPIC") + (("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ())
@@ -64,6 +67,9 @@ def load() -> QuietHelper:
     with open(_SOURCE, "rb") as f:
         key = f.read() + repr((_FLAGS, sys.version, suffix, include)).encode()
     target = os.path.join(cache_dir(), f"v4quiet-{hashlib.sha256(key).hexdigest()[:16]}{suffix}")
+    with build_cache.loading(target) as present:  # held against another process's pruning
+        if present:
+            return _import(target)
     if not os.path.exists(target):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
@@ -79,6 +85,12 @@ def load() -> QuietHelper:
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             return QuietHelper(None, f"building {_SOURCE} with {compiler} failed: {detail.strip()[:300]}")
+        build_cache.prune(cache_dir(), f"v4quiet-*{suffix}")  # other versions' builds (source, flags, interpreter)
+    with build_cache.loading(target):
+        return _import(target)
+
+
+def _import(target: str) -> QuietHelper:
     try:
         # the module's name must match its init function (PyInit__quiet); the file name need not
         loader = importlib.machinery.ExtensionFileLoader(f"{__package__}._quiet", target)
