@@ -87,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run through the interpreter)")
     args = ap.parse_args()
     from deepinfer_cuda_sm100.attention import TritonV4Attention
