@@ -29,18 +29,7 @@ DEFAULT_INT_ROWS = 4  # where the integer kernel stops winning on the 2-vCPU Zen
 def int_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     """Calls with at most this many rows take the integer kernel (0: none). Read when a model is
     built, not per call."""
-    if environ.get("DEEPINFER_LOWBIT_EXACT", "0") not in ("", "0"):
-        return 0
-    raw = environ.get("DEEPINFER_LOWBIT_INT_ROWS", "")
-    if raw == "":
-        return DEFAULT_INT_ROWS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"DEEPINFER_LOWBIT_INT_ROWS={raw!r}: expected a whole number >= 0 (rows up to which activations are rounded to int16)")
-    return value
+    return _rows_setting(environ, "DEEPINFER_LOWBIT_INT_ROWS", DEFAULT_INT_ROWS, "rows up to which activations are rounded to int16")
 
 
 DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); DEFAULT_INT_ROWS + 1 would be every q4 call above int16's
@@ -49,17 +38,23 @@ DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); DEFAULT_INT_ROWS + 1 w
 def int8_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     """Calls of 4-bit weights with at least this many rows (and more than :func:`int_rows`) take
     the int8-activation kernel (0: none). ``DEEPINFER_LOWBIT_EXACT=1`` turns it off too."""
+    return _rows_setting(environ, "DEEPINFER_LOWBIT_INT8_ROWS", DEFAULT_INT8_ROWS, "rows from which 4-bit weights meet int8 activations; 0: never")
+
+
+def _rows_setting(environ: "os._Environ[str] | dict[str, str]", name: str, default: int, meaning: str) -> int:
+    """A row-count setting: ``default`` when unset, 0 under ``DEEPINFER_LOWBIT_EXACT=1``, a
+    value that is not a whole number >= 0 refused by name."""
     if environ.get("DEEPINFER_LOWBIT_EXACT", "0") not in ("", "0"):
         return 0
-    raw = environ.get("DEEPINFER_LOWBIT_INT8_ROWS", "")
+    raw = environ.get(name, "")
     if raw == "":
-        return DEFAULT_INT8_ROWS
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"DEEPINFER_LOWBIT_INT8_ROWS={raw!r}: expected a whole number >= 0 (rows from which 4-bit weights meet int8 activations; 0: never)")
+        raise ValueError(f"{name}={raw!r}: expected a whole number >= 0 ({meaning})")
     return value
 
 
