@@ -178,19 +178,24 @@ def _act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @needs_kernels
-def test_int16_activations_are_each_block_rounded_to_half_a_step():
+@pytest.mark.parametrize(("quantize", "dtype", "top", "slack"), [
+    ("quantize_act16", torch.int16, 32767, 0.505),  # float32's rounding of x * (32767 / max): up to 32767 * 2^-23 steps more
+    ("quantize_act8", torch.int8, 127, 0.501),  # the int8 kernel (kernels_i8.c)
+])  # fmt: skip
+def test_activations_are_each_block_rounded_to_half_a_step(quantize, dtype, top, slack):
+    """The integer kernels' own rounding of x per 32-block, against float64 from x alone."""
     x = torch.randn(3, 352, generator=torch.Generator().manual_seed(6))
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
     x[2, 5] = 300.0  # an outlier only widens its own block's step
-    v, s, sx = _act16(x)
+    v, s, sx = torch.empty(3, 352, dtype=dtype), torch.empty(3, 11), torch.empty(3, 11)
+    getattr(KERNELS.lib, quantize)(x.data_ptr(), 3, 352, v.data_ptr(), s.data_ptr(), sx.data_ptr())
     blocks = x.double().reshape(3, 11, 32)
     amax = blocks.abs().amax(-1)
-    torch.testing.assert_close(s.double(), amax / 32767, rtol=1e-6, atol=0)
-    assert v.abs().max() <= 32767 and v[1, 32:64].eq(0).all() and s[1, 1] == 0
+    torch.testing.assert_close(s.double(), amax / top, rtol=1e-6, atol=0)
+    assert v.abs().max() <= top and v[1, 32:64].eq(0).all() and s[1, 1] == 0
     err = (blocks - v.double().reshape(3, 11, 32) * s.double()[..., None]).abs()
-    # half a step, plus float32's rounding of x * (32767 / max) (at most 32767 * 2^-23 steps)
-    assert (err <= s.double()[..., None] * 0.505).all()
-    assert (v.reshape(3, 11, 32).abs().amax(-1)[amax > 0] == 32767).all()  # the block's largest |x| is the full step count
+    assert (err <= s.double()[..., None] * slack).all()  # half a step
+    assert (v.reshape(3, 11, 32).abs().amax(-1)[amax > 0] == top).all()  # the block's largest |x| is the full step count
     torch.testing.assert_close(sx.double(), blocks.sum(-1), rtol=1e-5, atol=1e-5)
 
 
