@@ -101,7 +101,9 @@ class LLMEngine:
         self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None)
         self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
         self._in_flight: overlap.InFlight | None = None
-        log.info("deepinfer engine: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s", config.model, self.platform.name, self.dtype, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), self.weights_choice, _cpu_note(self.platform.device_type))
+        kv_dtype = getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype  # the low-bit path: float16 under float32
+        kv_note = "" if kv_dtype == self.dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}"
+        log.info("deepinfer engine: %s on %s (%s%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s", config.model, self.platform.name, self.dtype, kv_note, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), self.weights_choice, _cpu_note(self.platform.device_type))
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
