@@ -10,7 +10,9 @@ in the same run: streaming should stay within a small factor of it, at every siz
 
 Streamed is measured twice: with the parser as ``make_parser`` gives it (its C front where that
 was built, see ``deepseek_v4/native.py``) and with its pure-Python quiet push (the fallback,
-``accelerate=False``). The three runs of each repeat are interleaved, so a change in machine
+``accelerate=False``), and as the server makes it (``make_parser``: ``stream_calls``, the
+call's name and argument pieces streamed as they come, every piece read in Python, no front).
+The four runs of each repeat are interleaved, so a change in machine
 load between them biases no column. Needs only the recipe plugin
 (``pip install -e plugins/deepinfer_recipe``).
 """
@@ -38,12 +40,15 @@ def completion(size: int) -> str:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def run(pieces: list[str], accelerate: bool = True, clock=time.perf_counter) -> tuple[float, int]:
+def run(pieces: list[str], accelerate: bool = True, clock=time.perf_counter, stream_calls: bool = False) -> tuple[float, int]:
     start = clock()
-    parser = new_parser(thinking=False, accelerate=accelerate)
-    calls = [c for p in pieces for c in parser.push(p).tool_calls] + list(parser.finish().tool_calls)
+    parser = new_parser(thinking=False, accelerate=accelerate, stream_calls=stream_calls)
+    outs = [parser.push(p) for p in pieces] + [parser.finish()]
     elapsed = clock() - start
+    calls = [c for o in outs for c in o.tool_calls]
     assert len(calls) == 1
+    if stream_calls:
+        assert "".join(d.arguments for o in outs for d in o.tool_call_deltas) == calls[0].arguments
     return elapsed, len(json.loads(calls[0].arguments)["text"])
 
 
@@ -59,20 +64,22 @@ def main() -> None:
     helper = native.load()
     print(f"streamed through: {'the C front' if helper.module is not None and native.enabled() else 'the pure-Python push'}"
           f"{'' if helper.module is not None else ' (' + helper.reason + ')'}")
-    print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push (s) | its ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push (s) | its ratio |"
+          " streaming the call (s) | its ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         text = completion(size)
         pieces = [text[i:i + args.piece] for i in range(0, len(text), args.piece)]
-        whole, streamed, python = [], [], []
+        whole, streamed, python, deltas = [], [], [], []
         for _ in range(args.repeats):
             whole.append(run([text], clock=clock)[0])
             elapsed, got = run(pieces, clock=clock)
             assert got == size
             streamed.append(elapsed)
             python.append(run(pieces, accelerate=False, clock=clock)[0])
-        w, s_, p = min(whole), min(streamed), min(python)
-        print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x |")
+            deltas.append(run(pieces, clock=clock, stream_calls=True)[0])
+        w, s_, p, d = min(whole), min(streamed), min(python), min(deltas)
+        print(f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x | {d:.4f} | {d / w:.1f}x |")
 
 
 if __name__ == "__main__":

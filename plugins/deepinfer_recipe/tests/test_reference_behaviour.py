@@ -130,7 +130,7 @@ def test_parse_equals_reference(name, chunking):
     ("answer_without_eos", "partial answer", []),
     ("one_newline_before_block", "ok", [("f", "{}")]),
     ("content_after_tool_block", "more", [("f", "{}")]),
-    ("duplicate_parameter", "", [("f", '{"a": "2"}')]),
+    ("duplicate_parameter", "", [("f", '{"a": "1"}')]),  # the first value wins (streamable)
     ("parameter_header_without_string_flag", "", [("f", '{"b": "kept"}')]),
 ])
 def test_parse_goes_on_where_the_reference_raises(name, content, calls):

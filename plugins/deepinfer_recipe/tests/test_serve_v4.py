@@ -188,6 +188,42 @@ def test_responses_stream_of_a_tool_call(v4, force):
     assert text == golden["parsed"]["content"]
 
 
+D = "｜DSML｜"
+LONG_CALL = (f'I will look.\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="location" string="true">'
+             f'Beijing, "the capital", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n</{D}parameter>\n'
+             f'<{D}parameter name="days" string="false">[1, 2, 3]</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}')
+
+
+def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_reply(v4, force):
+    """A V4 call's arguments stream while the model writes them (the real tokenizer's tokens):
+    Chat ``function.arguments`` pieces (the name on the first), Responses
+    ``function_call_arguments.delta`` and Anthropic ``input_json_delta``; joined, each is the
+    non-streamed reply's arguments."""
+    force(LONG_CALL, by_character=False)
+    client = oai(v4)
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], temperature=0, reasoning_effort="none")
+    whole = client.chat.completions.create(**chat).choices[0].message.tool_calls[0].function
+    assert json.loads(whole.arguments) == {"location": "Beijing, \"the capital\", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n", "days": [1, 2, 3]}
+    pieces = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**chat, stream=True)
+              if c.choices and c.choices[0].delta.tool_calls]
+    assert pieces[0].function.name == whole.name == "get_weather" and len(pieces) > 5
+    assert "".join(p.function.arguments or "" for p in pieces) == whole.arguments
+
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    events = list(client.responses.create(model=NAME, input="Weather?", tools=[tool], reasoning={"effort": "none"}, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 5 and "".join(deltas) == done[0].arguments == whole.arguments
+
+    claude = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
+    with claude.messages.stream(model=NAME, max_tokens=500, tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                messages=[{"role": "user", "content": "Weather?"}], thinking={"type": "disabled"}) as stream:
+        partial = [e.delta.partial_json for e in stream if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        message = stream.get_final_message()
+    assert len(partial) > 5 and "".join(partial) == whole.arguments
+    assert [b.input for b in message.content if b.type == "tool_use"] == [json.loads(whole.arguments)]
+
+
 TEXT = "Grüße aus 東京 und 北京 🌍🙂 👩‍👩‍👧 — ok."
 
 

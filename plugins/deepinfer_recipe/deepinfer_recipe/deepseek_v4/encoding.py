@@ -105,4 +105,4 @@ def make_parser(options: dict) -> OutputParser:
     from .dsml import V4_1_TAGS
 
     tags = V4_1_TAGS if options.get("dsml_calls_tag") == V4_1_TAGS.calls else V4_TAGS
-    return new_parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())))
+    return new_parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())), stream_calls=True)

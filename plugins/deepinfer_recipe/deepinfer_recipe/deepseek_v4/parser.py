@@ -12,7 +12,8 @@ a tool-call block are dropped; ``\\s*`` may precede ``name=``; ``string="false"`
 kept as the model wrote them. Where the reference raises we go on: text with no end of sentence
 (a length stop), a block with fewer newlines before it, text after the block (more content), a
 block cut short (complete invokes are kept, an unfinished one is dropped), a repeated parameter
-(the last value wins), a non-JSON value (kept as a string, so arguments are always valid JSON).
+(the first value wins), a parameter still open at its invoke's close (it ends there; both rules
+let arguments stream, see ``call_stream.py``), a non-JSON value (kept as a string).
 
 Markers are found on text, not token ids, so a marker split across chunks must not leak out:
 any suffix of the buffer that could still grow into a marker is held back (in content, with up to
@@ -25,28 +26,26 @@ Stop sequences (option ``stop``) apply to answer text only, never to reasoning o
 arguments: the delta on which one is found carries ``finish_reason="stop_sequence"`` and the
 parser ignores everything after it (the engine stops generating).
 
-A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived.
+A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived. With ``stream_calls`` (what
+``make_parser`` gives the server) it is also streamed while written: its name, then pieces of its
+arguments that join to the call's arguments, under the call's id (every piece is read: no quiet
+state, no C front).
 """
 from __future__ import annotations
 
-import re
 from typing import Callable
 
-from deepinfer_core.codecs import OutputParser, ParsedOutput, ToolCall
+from deepinfer_core.codecs import OutputParser, ParsedOutput, ToolCall, ToolCallDelta
 
 from . import native
+from .call_stream import HEAD as _HEAD, LOOSE_HEAD as _LOOSE_HEAD, PARAMETER as _PARAMETER
+from .call_stream import CallStreamer, earliest as _earliest, held_suffix as _held_suffix
 from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
 from .tokens import DSML, EOS, THINK_CLOSE
 
 REASONING, CONTENT, TOOL_CALLS, DONE = "reasoning", "content", "tool_calls", "done"
 #: Returned by a push that completes nothing (immutable, so one instance serves every parser).
 NOTHING = ParsedOutput()
-#: An invoke's head after ``<｜DSML｜invoke``: the name runs to the head's last ``">`` (reference),
-#: else to the first one (a head with text after it, which the reference rejects).
-_HEAD = re.compile(r'\s*name="(.*)">\s*\Z', re.DOTALL)
-_LOOSE_HEAD = re.compile(r'\s*name="(.*?)">', re.DOTALL)
-#: A parameter header after ``<｜DSML｜parameter``, matched within the parameter's own text.
-_PARAMETER = re.compile(r'\s*name="(.*?)"\s*string="(true|false)"\s*>', re.DOTALL)
 #: Newlines dropped right before a tool-call block (the reference drops exactly "\\n\\n").
 BLOCK_NEWLINES = 2
 
@@ -60,34 +59,17 @@ def _drop_newlines(text: str, *, keep: bool) -> str:
     return text[:cut]
 
 
-def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(text.find(m), m) for m in markers if m in text]
-    return min(hits) if hits else None
-
-
-def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some marker. Only
-    places where a marker's first character occurs are tried, so ordinary text costs a few
-    ``find`` calls, not one comparison per suffix length."""
-    best = 0
-    for marker in markers:
-        pos = text.find(marker[0], max(0, len(text) - len(marker) + 1))
-        while pos != -1 and len(text) - pos > best:
-            if marker.startswith(text[pos:]):
-                best = len(text) - pos
-                break
-            pos = text.find(marker[0], pos + 1)
-    return best
-
-
 class DeepSeekV4Parser:
     """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest.
 
     :func:`new_parser` (what ``make_parser`` uses) puts the C front of ``native`` before it where
     that was built; used alone, quiet pieces take a pure-Python closure. Same results."""
 
-    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), stream_calls: bool = False) -> None:
         self.tags = tags
+        self._streamer = CallStreamer(tags) if stream_calls else None
+        self._deltas: list[ToolCallDelta] = []  # streamed pieces not yet returned
+        self._invokes = 0  # invokes closed so far (the streamer counts them the same way)
         self.stop = tuple(s for s in stop if s)
         self._finish: str | None = None
         self._stop_hit: str | None = None  # the stop sequence that ended the answer
@@ -113,6 +95,17 @@ class DeepSeekV4Parser:
         if self._front is not None and self._front._q_on:  # the front hands over a piece it does not store
             self._leave_quiet()
         if self.state is TOOL_CALLS:
+            if self._streamer is not None:
+                if (piece := self._streamer.plain(text)) is not None:
+                    self._append(text)
+                    return ParsedOutput(tool_call_deltas=(piece,))
+                self._deltas += self._streamer.feed(text)
+                if not self._completes_marker(text):
+                    self._append(text)
+                    deltas, self._deltas = tuple(self._deltas), []
+                    return ParsedOutput(tool_call_deltas=deltas) if deltas else NOTHING
+                self._join(text)
+                return self._drain(final=False)
             bar = text.rfind("｜")
             self._since_bar = len(text) - bar - 1 if bar != -1 else self._since_bar + len(text)
             if not self._completes_marker(text):
@@ -221,10 +214,15 @@ class DeepSeekV4Parser:
                 self.state = CONTENT
             else:
                 self.state = TOOL_CALLS
+                if self._streamer is not None:
+                    self._streamer.start()
+                    self._deltas += self._streamer.feed(self._buf)
         self._park()
         finish, self._finish = self._finish, None
         hit, self._stop_hit = self._stop_hit, None
-        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish, stop_sequence=hit)
+        deltas, self._deltas = tuple(self._deltas), []
+        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish,
+                            stop_sequence=hit, tool_call_deltas=deltas)
 
     def _drain_tool_calls(self, calls: list[ToolCall], final: bool) -> bool:
         """Emit every complete invoke; True when the block ended (state changed)."""
@@ -233,6 +231,7 @@ class DeepSeekV4Parser:
             close = self._buf.find(self.tags.invoke_close)
             if close != -1 and (end is None or close < end[0]):
                 call = self._parse_invoke(self._buf[:close])
+                self._invokes += 1
                 self._buf = self._buf[close + len(self.tags.invoke_close):]
                 if call is not None:
                     calls.append(call)
@@ -269,24 +268,31 @@ class DeepSeekV4Parser:
         while (start := segment.find(self._param_tag, pos)) != -1:
             start += len(self._param_tag)
             end = segment.find(close, start)
-            if end == -1:
-                break
+            if end == -1:  # still open at the invoke's close: it ends there
+                end = len(segment)
             match = _PARAMETER.match(segment, start, end)
-            if match is not None:
+            if match is not None and match.group(1) not in params:  # a repeated name keeps its first value
                 params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
             pos = end + len(close)
-        return ToolCall(name=head.group(1), arguments=arguments_text(params))
-
+        call = ToolCall(name=head.group(1), arguments=arguments_text(params))
+        if self._streamer is None:
+            return call
+        call, rest = self._streamer.close_call(self._invokes, call)
+        self._deltas += rest
+        return call
 
 
 def new_parser(
-    *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None
+    *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None,
+    stream_calls: bool = False,
 ) -> OutputParser:
     """A V4 parser; ``accelerate`` (None: unless ``DEEPINFER_NATIVE_PARSER=0``) puts the C front
     before it where that builds. The front is its own type so that CPython's specialized method
     call reaches its ``push`` (a Python subclass of a C type loses that), and it hands every
     piece it does not store to the parser."""
-    parser = DeepSeekV4Parser(thinking=thinking, tags=tags, stop=stop)
+    parser = DeepSeekV4Parser(thinking=thinking, tags=tags, stop=stop, stream_calls=stream_calls)
+    if stream_calls:  # every piece is read (streamed): nothing for the front to store
+        return parser
     module = native.load().module if (native.enabled() if accelerate is None else accelerate) else None
     if module is None:
         return parser
