@@ -127,3 +127,28 @@ def test_repeated_name_keeps_the_first_value_and_an_open_parameter_ends_at_the_c
     for streamed in (False, True):
         _, _, calls, _ = parse(list(text), False, streamed)
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": "1", "b": [3]})]
+
+
+@pytest.mark.parametrize("where", ["head", "header"])
+def test_an_overlong_head_or_header_stops_streaming_and_the_call_still_comes_whole(where):
+    """Past LONGEST_HEADER characters a head or a parameter header is not read while it grows
+    (it could be matched over and over): an overlong head gives the call whole at its close
+    (no pieces), an overlong header gives its call's rest in one piece then."""
+    from deepinfer_recipe.deepseek_v4.call_stream import LONGEST_HEADER
+
+    long = "n" * (LONGEST_HEADER + 10) + ">"  # a '>' in the name: the header is tried when it arrives
+    call = long if where == "head" else "f"
+    param = "a" if where == "head" else long
+    text = (f'<{D}tool_calls>\n<{D}invoke name="{call}">\n<{D}parameter name="b" string="true">first</{D}parameter>\n'
+            f'<{D}parameter name="{param}" string="true">value</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}')
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    _, _, (whole,), _ = parse([text], False, streamed=False)
+    _, _, (got,), deltas = parse(pieces, False, streamed=True)
+    assert (got.name, json.loads(got.arguments)) == (call, {"b": "first", param: "value"})
+    assert got.arguments == whole.arguments
+    if where == "head":
+        assert deltas == []
+    else:
+        check(text, False, list(range(7, len(text), 7)))  # the pieces join to the arguments
+        assert {d.id for d in deltas} == {got.id} and len(deltas) > 3
+        assert deltas[-1].arguments == whole.arguments[whole.arguments.index(', "n'):]  # the rest, at the close
