@@ -87,17 +87,12 @@ class DeepSeekV4Encoding:
 
     def warm_up(self) -> str:
         """What the first request would otherwise wait for, done at server start-up (in the
-        background; see ``deepinfer_core.serve.conversation``): the tokenizer's load and the
-        parser's C front, compiled once per machine (0.3-1 s). Returns what it did, for the log."""
-        from . import native
-
+        background; see ``deepinfer_core.serve.conversation``): the tokenizer's load. The
+        server's parser streams tool calls as they are written, so it reads every piece in
+        Python and never uses the C front (``new_parser`` without ``stream_calls``): nothing
+        is compiled here. Returns what it did, for the log."""
         self.tokenizer
-        if not native.enabled():
-            return "the parser's C front is off (DEEPINFER_NATIVE_PARSER=0): pure-Python parser"
-        helper = native.load()
-        if helper.module is None:
-            return f"the parser's C front is unavailable, pure-Python parser: {helper.reason}"
-        return "the parser's C front is built and loaded"
+        return "the V4 tokenizer is loaded"
 
 
 def make_parser(options: dict) -> OutputParser:
