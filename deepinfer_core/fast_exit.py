@@ -8,9 +8,9 @@ wall time on a busy one, all of it after the user's last token. Nothing in it is
 the operating system reclaims memory and mappings of a process that ends.
 
 :func:`exit_process` keeps what a normal exit guarantees and skips only that teardown: it
-waits for non-daemon threads (as ``threading._shutdown`` would, so a background write still
-in flight finishes), runs the ``atexit`` handlers (logging's flush, multiprocessing's child
-reaping, caches), flushes ``sys.stdout``/``sys.stderr``, then calls ``os._exit``. Used only
+waits for non-daemon threads through ``threading._shutdown`` (as a normal exit does, so a
+background write still in flight finishes and executors' idle workers are told to stop), runs
+the ``atexit`` handlers (logging's flush, multiprocessing's child reaping, caches), flushes ``sys.stdout``/``sys.stderr``, then calls ``os._exit``. Used only
 by the console entry points; ``cli.main`` itself returns normally so that tests and embedding
 applications calling it keep their interpreter.
 """
@@ -24,9 +24,11 @@ import threading
 
 def exit_process(status: int) -> None:
     """Exit with ``status`` without the interpreter's module teardown (see the module doc)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # CPython's own first step at exit: the callbacks of ``threading._register_atexit`` (a
+    # ``ThreadPoolExecutor`` tells its idle workers to stop there), then a join of every
+    # non-daemon thread. Joining without those callbacks waits forever on an executor's
+    # idle workers (the KV tiers' loader and writer: ``serve --kv-store`` never exited).
+    threading._shutdown()
     atexit._run_exitfuncs()  # CPython's own call at exit; os._exit below would skip them
     code = status
     for stream in (sys.stdout, sys.stderr):

@@ -58,3 +58,17 @@ def test_a_closed_stdout_exits_as_python_does():
         statuses.append(child.returncode)
     assert statuses[0] == 120  # CPython: flushing stdout failed at exit
     assert statuses[1] == statuses[0]
+
+
+def test_idle_executor_workers_do_not_hold_the_exit():
+    """A ``ThreadPoolExecutor`` with an idle worker (the KV tiers keep three): a normal exit
+    tells such workers to stop before joining them; the fast exit must too, or it waits forever
+    (``deepinfer serve --kv-store`` did not end on SIGTERM). The reference is the same child
+    ending with ``sys.exit``; the submitted job must have run in both."""
+    body = (
+        "import sys\nfrom concurrent.futures import ThreadPoolExecutor\nfrom deepinfer_core.fast_exit import exit_process\n"
+        "pool = ThreadPoolExecutor(1)\npool.submit(print, 'job ran').result()\n"
+    )
+    for ending in ("sys.exit(0)", "exit_process(0)"):
+        result = subprocess.run([sys.executable, "-c", body + ending], capture_output=True, text=True, timeout=60)
+        assert (result.returncode, result.stdout) == (0, "job ran\n"), ending
