@@ -35,14 +35,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define QK 32
+#include "vec.h"
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define QK 32
 
 #define FLOAT_TILE 8
 
@@ -84,7 +79,7 @@ static void gemm_direct(const float *x, int64_t M, int64_t K, int kind, const vo
                     acc[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[t]);
                 }
             }
-            for (int t = 0; t < tm; t++) y[(i0 + t) * N + n] = hsum8(acc[t]);
+            for (int t = 0; t < tm; t++) y[(i0 + t) * N + n] = vec_hsum8(acc[t]);
         }
     }
 }
@@ -151,7 +146,7 @@ static void gemm_panel(const float *x, int64_t M, int64_t K, int kind, const voi
                     }
                     const __m256 acc[PANEL_ROWS][MICRO_TOKENS] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
                     for (int r = 0; r < nr; r++)
-                        for (int t = 0; t < MICRO_TOKENS; t++) y[(i0 + t) * N + n0 + r] = hsum8(acc[r][t]);
+                        for (int t = 0; t < MICRO_TOKENS; t++) y[(i0 + t) * N + n0 + r] = vec_hsum8(acc[r][t]);
                 }
                 for (; i0 < c1; i0++) {  /* the chunk's last tokens (< 3), one at a time */
                     const float *x0 = x + i0 * K;
@@ -164,7 +159,7 @@ static void gemm_panel(const float *x, int64_t M, int64_t K, int kind, const voi
                         a3 = _mm256_fmadd_ps(_mm256_load_ps(w3 + k), u, a3);
                     }
                     const __m256 acc[PANEL_ROWS] = {a0, a1, a2, a3};
-                    for (int r = 0; r < nr; r++) y[i0 * N + n0 + r] = hsum8(acc[r]);
+                    for (int r = 0; r < nr; r++) y[i0 * N + n0 + r] = vec_hsum8(acc[r]);
                 }
             }
         }
@@ -182,7 +177,7 @@ static inline float dot_offsets(const float *m, const float *sx, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sx + b), acc);
-    float r = hsum8(acc);
+    float r = vec_hsum8(acc);
     for (; b < nb; b++) r += m[b] * sx[b];
     return r;
 }
@@ -202,13 +197,6 @@ typedef struct {
     float *sx;   /* [M, K/32] float sum of the block's x (for the q4 offset) */
 } act16_t;
 
-static inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Round x [M, K] to act16 (exported for the tests: the kernel's own rounding, so a float64
  * reference can use exactly the integers the kernel multiplies). */
 void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, float *sx) {
@@ -220,8 +208,8 @@ void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, 
             __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
             const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
                                            _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-            const float amax = hmax8(a);
-            sx[i * nb + b] = hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+            const float amax = vec_hmax8(a);
+            sx[i * nb + b] = vec_hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
             const float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
             s[i * nb + b] = scale;
             const __m256 vi = _mm256_set1_ps(inv);
@@ -285,7 +273,7 @@ static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int6
                                       _mm256_broadcast_ss(a->s + (i0 + t) * nb + b), acc0[t]);
     }
     for (int t = 0; t < T; t++) {
-        float r = hsum8(_mm256_add_ps(acc0[t], acc1[t]));
+        float r = vec_hsum8(_mm256_add_ps(acc0[t], acc1[t]));
         if (kind == 4) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
         y[(i0 + t) * N + n] = r;
     }

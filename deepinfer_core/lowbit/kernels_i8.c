@@ -36,22 +36,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #define QK 32
 #define I8_CHUNK 256 /* tokens per pass over the weights: a chunk's int8 rows stay in L2 */
-
-static inline float hmax8_i8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline float hsum8_i8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Round x [M, K] to int8 per 32-block: v [M, K], s and sx [M, K/32] (exported for the tests, so
  * a float64 reference multiplies exactly the integers the kernel does). */
@@ -65,8 +53,8 @@ void quantize_act8(const float *x, int64_t M, int64_t K, int8_t *v, float *s, fl
             const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
             const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
                                            _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-            const float amax = hmax8_i8(a);
-            sx[i * nb + b] = hsum8_i8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+            const float amax = vec_hmax8(a);
+            sx[i * nb + b] = vec_hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
             s[i * nb + b] = amax / 127.0f;
             const __m256 vi = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vi));

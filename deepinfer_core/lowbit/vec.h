@@ -1,4 +1,4 @@
-/* Small AVX2 helpers shared by layer.c and attention.c (static inline: each file gets its copy). */
+/* Small AVX2 helpers shared by the low-bit C files (static inline: each file gets its copy). */
 #ifndef DEEPINFER_LOWBIT_VEC_H
 #define DEEPINFER_LOWBIT_VEC_H
 #include <immintrin.h>
@@ -8,6 +8,13 @@ static inline float vec_hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float vec_hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
