@@ -14,3 +14,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A 2-layer random Llama (GQA 4/2, vocab 96) saved by transformers; returns its folder."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)

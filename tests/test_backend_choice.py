@@ -83,19 +83,9 @@ def test_a_named_plugin_without_that_kind_is_an_error_not_a_fallback():
 
 
 # -- through the engine ---------------------------------------------------------------------
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the tiny_llama fixture (tests/conftest.py) builds with it
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def test_llm_uses_the_named_backend_for_every_layer(tiny_llama):

@@ -10,19 +10,9 @@ import torch
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugin_host import PluginHost
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the tiny_llama fixture (tests/conftest.py) builds with it
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 class Recorder:

@@ -17,7 +17,7 @@ if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, randomise_zero_initialised, tiny_v4_config  # noqa: E402
+from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, save_tiny_v4, tiny_v4_config  # noqa: E402
 
 PROMPT_LENS = [10, 37, 130, 257, 600, 900, 1200, 1500]
 NEW = 12
@@ -29,13 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(1234)
-    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config()).eval()
-    randomise_zero_initialised(model, 5)
     path = tmp_path_factory.mktemp("dsv4")
-    model.save_pretrained(path)
-    model.generation_config.eos_token_id = None  # compare full-length continuations
-    return path, model
+    return path, save_tiny_v4(path, seed=1234, randomise_seed=5)  # eos cleared: full-length continuations
 
 
 @pytest.fixture(scope="module")
@@ -164,11 +159,7 @@ def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, b
     # Two index heads: relu makes many index scores exactly 0, so top-k meets exact ties; chunks
     # of 70 tokens are not multiples of the compress rates. Prompt rows must rank the entries as
     # transformers' one-pass prefill does, whatever the chunking.
-    torch.manual_seed(99)
-    hf = transformers.DeepseekV4ForCausalLM(tiny_v4_config(index_n_heads=2, index_topk=3)).eval()
-    randomise_zero_initialised(hf, 6)
-    hf.save_pretrained(tmp_path)
-    hf.generation_config.eos_token_id = None
+    hf = save_tiny_v4(tmp_path, seed=99, randomise_seed=6, config=tiny_v4_config(index_n_heads=2, index_topk=3))
     ps = prompts([130, 333, 517], seed=17)
     llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=32, max_num_batched_tokens=budget)
     got = tokens(llm.generate(ps, greedy(8)))

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4Config"):
     pytest.fail("transformers >= 5.24 (DeepseekV4) is required for the DeepSeek-V4 tests")
 
-from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, randomise_zero_initialised, tiny_v4_config  # noqa: E402
+from deepinfer_core.testing.v4_tiny import TINY_V4_KWARGS, save_tiny_v4  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 
@@ -20,12 +20,8 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(4321)
-    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config()).eval()
-    randomise_zero_initialised(model, 6)
     path = tmp_path_factory.mktemp("dsv4-store")
-    model.save_pretrained(path)
-    return str(path), model
+    return str(path), save_tiny_v4(path, seed=4321, randomise_seed=6)
 
 
 def reference(hf, prompt: list[int], new: int = NEW) -> list[int]:

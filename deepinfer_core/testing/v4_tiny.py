@@ -9,6 +9,7 @@ draws them, so a mistake in how they are used changes the output.
 """
 from __future__ import annotations
 
+import os
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -52,3 +53,17 @@ def randomise_zero_initialised(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(torch.randint(0, model.config.n_routed_experts, b.shape, generator=g))
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+def save_tiny_v4(path: str | os.PathLike, seed: int, randomise_seed: int, config=None):
+    """Build transformers' tiny V4 (``config``, default :func:`tiny_v4_config`) from ``seed``, draw
+    its zero-initialised parameters from ``randomise_seed``, save it to ``path`` and return the
+    model in eval mode, with ``eos_token_id`` cleared so its ``generate`` runs full length."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(config if config is not None else tiny_v4_config()).eval()
+    randomise_zero_initialised(model, randomise_seed)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return model
