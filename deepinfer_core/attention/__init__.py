@@ -79,6 +79,9 @@ class AttentionMetadata:
     # prompt row among all of the prompt's compressed entries, as a one-pass prefill does, so that
     # chunking breaks score ties the same way.
     prompt_lens: tuple[int, ...] | None = None
+    # Host-side sum of ``seq_lens`` (0: unknown): lets a backend size per-step work on the context
+    # (e.g. MLA's non-absorbed prefill, which decompresses every context token) without a sync.
+    num_context_tokens: int = 0
     # A model may attach a fresh dict per forward (dataclasses.replace) so that backends compute
     # what every layer shares (gather slots, decode masks) once per step instead of once per layer.
     # None: no memo (a meta reused across forwards, e.g. CUDA-graph capture, must not cache).
@@ -116,6 +119,11 @@ class AttentionBackend(Protocol):
         request's cached context. Must write before reading (a request's new tokens see each
         other)."""
         ...
+
+    # Optional, MLA only (see docs/writing-plugins.md): ``expand_mla(spec, meta) -> bool`` and
+    # ``forward_mla_expanded(spec, q [T, H, nope + rope], key [T, 1, latent + rope], kv_b_weight
+    # [H, nope + v, latent], kv_cache, meta) -> [T, H, v]``: the step in the non-absorbed form
+    # (keys and values decompressed per head), writing ``key`` to the cache as ``forward`` does.
 
 
 @runtime_checkable

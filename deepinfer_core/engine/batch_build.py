@@ -105,6 +105,7 @@ def build(
         state_slots=pieces[-1] if state_slots is not None else None,
         replay=replay,
         prompt_lens=tuple(s.prompt_len for s in reqs),
+        num_context_tokens=int(seq_lens.sum()),
     )
     every_row = len(sample_rows) == T and bool(sample.all()) and T == R
     return Batch(ids_t, meta, sample_rows.tolist(), None if every_row else samp_t)

@@ -116,6 +116,13 @@ class MLAAttention(nn.Module):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return rotary(x, positions)
 
+    def _assemble(self, head: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """``cat([head, rope(pe)])`` ([T, h, d] and [T, h, r] -> [T, h, d + r]): queries and cache
+        entries, through a platform's fused kernel when it has one (deepinfer_core.fused_ops)."""
+        if self.rope_cat is not None:
+            return self.rope_cat(head, pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
+        return torch.cat([head, self._rope(pe, positions, rotary)], dim=-1)
+
     def forward(
         self,
         x: torch.Tensor,  # [T, D] normalised hidden states
@@ -138,14 +145,15 @@ class MLAAttention(nn.Module):
         k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
 
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
+        expand = getattr(self.backend, "expand_mla", None)
+        if expand is not None and expand(self.spec, meta):  # the backend's non-absorbed form (prefill)
+            out = self.backend.forward_mla_expanded(self.spec, self._assemble(q_nope, q_pe, positions, rotary),
+                                                    self._assemble(c_kv[:, None, :], k_pe, positions, rotary), w_kv, kv_cache, meta)  # fmt: skip
+            return self.o_proj(out.reshape(T, H * self.v_dim))
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
-        if self.rope_cat is not None:  # a platform's fused kernel (deepinfer_core.fused_ops)
-            query = self.rope_cat(q_latent, q_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
-            key = self.rope_cat(c_kv[:, None, :], k_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
-        else:
-            query = torch.cat([q_latent, self._rope(q_pe, positions, rotary)], dim=-1)  # [T, H, C + r]
-            key = torch.cat([c_kv[:, None, :], self._rope(k_pe, positions, rotary)], dim=-1)  # [T, 1, C + r]
+        query = self._assemble(q_latent, q_pe, positions, rotary)  # [T, H, C + r]
+        key = self._assemble(c_kv[:, None, :], k_pe, positions, rotary)  # [T, 1, C + r]
 
         out_latent = self.backend.forward(self.spec, query, key, None, kv_cache, meta)  # [T, H, C]
         out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]

@@ -68,17 +68,43 @@ class TritonV4Attention(TorchV4AttentionBackend):
 class TritonAttention(TorchAttentionBackend):
     """Paged attention through :mod:`deepinfer_cuda_sm100.kernels.paged_attention`: one launch
     per layer for prefill, chunked prefill and decode (split-KV), full/GQA/sliding and MLA.
-    The KV write is one Triton launch per layer for K and V (the reference scatters each)."""
+    The KV write is one Triton launch per layer for K and V (the reference scatters each).
+    MLA prefill-like steps run in the non-absorbed form instead (:meth:`expand_mla`)."""
 
     name = "cuda-sm100-triton"
 
-    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
-        from .kernels.paged_attention import paged_attention, write_kv as write_kv_triton
+    def __init__(self, mla_expand_min_tokens: int | None = None) -> None:
+        from .mla_expanded import MIN_TOKENS
+
+        # MLA steps with at least this many new tokens may run expanded (mla_expanded.wants_expanded)
+        self.mla_expand_min_tokens = MIN_TOKENS if mla_expand_min_tokens is None else mla_expand_min_tokens
+
+    def _write(self, spec, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        from .kernels.paged_attention import write_kv as write_kv_triton
 
         if kv_cache.dtype == k.dtype and kv_cache.is_contiguous():
             write_kv_triton(k, None if spec.kv_shared else v, kv_cache, meta.slot_mapping, spec.head_dim, spec.v_head_dim)
         else:
             write_kv(spec, k, v, kv_cache, meta.slot_mapping)
+
+    def expand_mla(self, spec, meta: AttentionMetadata) -> bool:
+        """Run this step's MLA layer in the non-absorbed form (prefill-like steps)."""
+        from .mla_expanded import wants_expanded
+
+        return wants_expanded(spec, meta, self.mla_expand_min_tokens)
+
+    def forward_mla_expanded(self, spec, q, key, kv_b_weight, kv_cache, meta: AttentionMetadata):
+        """The latent entry written as :meth:`forward` writes it, then per-head attention over
+        the decompressed context (:mod:`deepinfer_cuda_sm100.mla_expanded`)."""
+        from .mla_expanded import expanded_attention
+
+        self._write(spec, key, None, kv_cache, meta)
+        return expanded_attention(spec, q, key, kv_b_weight, kv_cache, meta)
+
+    def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata):
+        from .kernels.paged_attention import paged_attention
+
+        self._write(spec, k, v, kv_cache, meta)
         return paged_attention(
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,
