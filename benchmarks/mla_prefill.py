@@ -1,0 +1,151 @@
+"""MLA prefill attention of one DeepSeek-V3 layer in three forms, on the same inputs, in one run:
+
+* absorbed (what the cuda_sm100 plugin ran for every step before): queries multiplied into the
+  latent (``W_UK``), the Triton paged kernel on the 576-wide latent, ``W_UV`` on its output;
+* expanded (``TritonAttention.forward_mla_expanded`` minus the cache write): the context's
+  latents decompressed through ``kv_b_proj``, then the new Triton kernel (192 / 128 wide heads);
+* torch SDPA (flash) on the same decompressed keys / values, V padded to the query width
+  (torch's flash kernel needs one head width), whole prompts of one length only.
+
+    python benchmarks/mla_prefill.py                 # V3-mini widths (16 heads) on a CUDA GPU
+    python benchmarks/mla_prefill.py --heads 128     # DeepSeek-V3's 128 heads
+    TRITON_INTERPRET=1 python benchmarks/mla_prefill.py --tiny   # smoke run on a CPU (no timing value)
+
+Rows: 64 x 512 whole prompts (gpu_throughput.py's prefill), 4 x 4,096, and a 2,048-token chunk
+over a 6,144-token cached prefix. Each cell is the median of ``--reps`` timed calls after warm-up
+(CUDA events); TFLOP/s counts the attention's own multiply-adds (causal pairs x heads x 2 x
+(q/k width + v width): 1,088 absorbed, 320 expanded), not the decompression / absorption GEMMs
+the times include. Outputs are compared with the absorbed form's (max abs diff).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+
+
+def case(lens, new, heads, latent, rope, nope, v_dim, dtype, device, block=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    need = [-(-n // block) for n in lens]
+    perm = torch.randperm(sum(need), generator=g).tolist()
+    tables = torch.zeros(R, max(need), dtype=torch.int32)
+    for r, n in enumerate(need):
+        tables[r, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    cache = (torch.randn(1, 1, sum(need), block, latent + rope, generator=g) * 0.5).to(device, dtype)
+    starts = [0]
+    for q in new:
+        starts.append(starts[-1] + q)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new)])
+    req = torch.repeat_interleave(torch.arange(R), torch.tensor(new))
+    slots = tables[req, positions // block].long() * block + positions % block
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        positions=positions.to(device), slot_mapping=slots.to(device), block_tables=tables.to(device), block_size=block,
+        max_query_len=max(new), max_seq_len=max(lens), num_context_tokens=sum(lens),
+    )  # fmt: skip
+    spec = AttentionLayerSpec(AttentionKind.MLA, 0, heads, 1, latent + rope, latent, (nope + rope) ** -0.5, rope_dim=rope, kv_shared=True, kv_dtype=dtype)
+    T = starts[-1]
+    q = torch.randn(T, heads, nope + rope, generator=g).to(device, dtype)
+    key = cache.view(-1, latent + rope)[slots.to(device)][:, None, :]
+    w_kv = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent**0.5).to(device, dtype)
+    pairs = sum(sum(range(n - q + 1, n + 1)) for n, q in zip(lens, new))
+    return spec, q, key, w_kv, cache, meta, pairs
+
+
+def absorbed(spec, q, w_kv, cache, meta, nope):
+    from deepinfer_cuda_sm100.kernels.paged_attention import paged_attention
+
+    query = torch.cat([torch.einsum("thn,hnc->thc", q[..., :nope], w_kv[:, :nope]), q[..., nope:]], dim=-1)
+    lat = paged_attention(query, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=meta.max_query_len,
+                          max_seq_len=meta.max_seq_len, scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=True)  # fmt: skip
+    return torch.einsum("thc,hvc->thv", lat, w_kv[:, nope:])
+
+
+def expanded(spec, q, key, w_kv, cache, meta):
+    from deepinfer_cuda_sm100.mla_expanded import expanded_attention
+
+    return expanded_attention(spec, q, key, w_kv, cache, meta)
+
+
+def sdpa(spec, q, key, w_kv, meta, nope, R, L):
+    """Whole prompts of one length ``L``: decompress, pad V to the query width, flash SDPA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, nv, C = w_kv.shape
+    kv = F.linear(key[:, 0, :C], w_kv.reshape(H * nv, C)).view(R, L, H, nv)
+    k = torch.cat([kv[..., :nope], key[:, :, C:].view(R, L, 1, -1).expand(R, L, H, -1)], dim=-1)
+    v = F.pad(kv[..., nope:], (0, q.shape[-1] - (nv - nope)))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q.view(R, L, H, -1).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=spec.scale)
+    return out.transpose(1, 2).reshape(R * L, H, -1)[..., : nv - nope]
+
+
+def timed(fn, reps, device):
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.tiny:
+        heads, latent, rope, nope, v_dim = 2, 32, 16, 16, 16
+        rows = [("2 x 40", [40] * 2, [40] * 2), ("1 x 20 after 30", [50], [20])]
+    else:
+        heads, latent, rope, nope, v_dim = args.heads, 512, 64, 128, 128
+        rows = [("64 x 512", [512] * 64, [512] * 64), ("4 x 4096", [4096] * 4, [4096] * 4), ("2048 after 6144", [8192], [2048])]
+    print(f"MLA prefill attention, one layer: {heads} heads, latent {latent}, rope {rope}, nope {nope}, v {v_dim}, {dtype}, {device}")
+    if device == "cuda":
+        print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    print("| shape | absorbed ms | expanded ms | SDPA flash ms | expanded TFLOP/s (attention only) | absorbed TFLOP/s | absorbed / expanded | max diff expanded | max diff SDPA |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, lens, new in rows:
+        spec, q, key, w_kv, cache, meta, pairs = case(lens, new, heads, latent, rope, nope, v_dim, dtype, device)
+        ref = absorbed(spec, q, w_kv, cache, meta, nope)
+        out = expanded(spec, q, key, w_kv, cache, meta)
+        t_abs = timed(lambda: absorbed(spec, q, w_kv, cache, meta, nope), args.reps, device)
+        t_exp = timed(lambda: expanded(spec, q, key, w_kv, cache, meta), args.reps, device)
+        sd, d_sd = "n/a", "n/a"
+        if lens == new and len(set(lens)) == 1:
+            try:
+                o_sd = sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0])
+                d_sd = f"{(o_sd.float() - ref.float()).abs().max().item():.2e}"
+                sd = f"{timed(lambda: sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0]), args.reps, device):.3f}"
+            except RuntimeError as e:  # no flash kernel for these widths / this device
+                sd = f"n/a ({str(e).splitlines()[0][:60]})"
+        flop_exp = pairs * heads * 2 * (nope + rope + v_dim)
+        flop_abs = pairs * heads * 2 * (latent + rope + latent)
+        print(f"| {name} | {t_abs:.3f} | {t_exp:.3f} | {sd} | {flop_exp / t_exp / 1e9:.1f} | {flop_abs / t_abs / 1e9:.1f} | {t_abs / t_exp:.2f}x | "
+              f"{(out.float() - ref.float()).abs().max().item():.2e} | {d_sd} |")  # fmt: skip
+        del spec, q, key, w_kv, cache, meta, ref, out
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
