@@ -105,11 +105,39 @@ def timed(fn, reps, device):
     return (time.perf_counter() - t0) * 1e3
 
 
+SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2)]
+
+
+def sweep(spec, q, key, w_kv, cache, meta, nope, flop, reps, device):
+    """The Triton kernel alone (keys already decompressed) at each tile shape of SWEEP."""
+    from deepinfer_cuda_sm100.kernels.mla_prefill import PrefillConfig, mla_prefill_attention
+    from deepinfer_cuda_sm100.mla_expanded import context_entries
+
+    H, nv, C = w_kv.shape
+    entries, key_start = context_entries(spec, key, cache, meta)
+    kv = F.linear(entries[:, :C], w_kv.reshape(H * nv, C)).view(-1, H, nv)
+    cells = []
+    for bm, bn, warps, stages in SWEEP:
+        cfg = PrefillConfig(bm, bn, warps, stages)
+
+        def run():
+            return mla_prefill_attention(q, kv[..., :nope], entries[:, C:], kv[..., nope:], meta.query_start_loc, key_start, meta.seq_lens,
+                                         max_query_len=meta.max_query_len, scale=spec.scale, config=cfg)  # fmt: skip
+
+        try:
+            ms = timed(run, reps, device)
+            cells.append(f"{bm}x{bn} w{warps} s{stages}: {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
+        except Exception as e:  # e.g. out of shared memory at this shape
+            cells.append(f"{bm}x{bn} w{warps} s{stages}: failed ({type(e).__name__})")
+    print("  kernel alone: " + "; ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="also time the expanded kernel alone at several tile shapes")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -142,6 +170,8 @@ def main() -> None:
         flop_abs = pairs * heads * 2 * (latent + rope + latent)
         print(f"| {name} | {t_abs:.3f} | {t_exp:.3f} | {sd} | {flop_exp / t_exp / 1e9:.1f} | {flop_abs / t_abs / 1e9:.1f} | {t_abs / t_exp:.2f}x | "
               f"{(out.float() - ref.float()).abs().max().item():.2e} | {d_sd} |")  # fmt: skip
+        if args.sweep:
+            sweep(spec, q, key, w_kv, cache, meta, nope, flop_exp, args.reps, device)
         del spec, q, key, w_kv, cache, meta, ref, out
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -76,7 +76,7 @@ def _mla_prefill_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = pid // tiles_per_req
-    t = pid % tiles_per_req
+    t = tiles_per_req - 1 - pid % tiles_per_req  # a request's longest (last) tiles start first
     q_start = tl.load(qsl_ptr + r)
     qlen = tl.load(qsl_ptr + r + 1) - q_start
     if t * BLOCK_M < qlen:
