@@ -29,6 +29,7 @@ from . import ModelContext
 from .deepseek_v3_weights import load_hf_weights
 from .deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
 from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
+from .deepseek_v4_decode import V4DecodeBatch, decode_select, decode_update_entries
 from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
 from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .deepseek_v4_weights import renamed
@@ -93,11 +94,16 @@ class V4Attention(nn.Module):
             indexer = getattr(comp, "indexer", None)
             if indexer is not None:
                 parts.append((indexer, D))
-            update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
-            if indexer is not None:
-                scores = getattr(self.backend, "index_scores", None)
-                scorer = None if scores is None else functools.partial(scores, meta=meta)
-                selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
+            scores = getattr(self.backend, "index_scores", None)
+            scorer = None if scores is None else functools.partial(scores, meta=meta)
+            if isinstance(batch, V4DecodeBatch):  # fixed shapes, no host sync (forward_decode)
+                decode_update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope)
+                if indexer is not None:
+                    selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer)
+            else:
+                update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
+                if indexer is not None:
+                    selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
         out = V4Rope.apply(out, cos, -sin)  # undo the values' rope at the query position
         grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)
@@ -227,10 +233,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             prompt_lens=tuple(meta.prompt_lens or ()),
         )
 
-    def hidden_streams(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+    def hidden_streams(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata, batch=None) -> torch.Tensor:
         """The last layer's hyper-connection streams [T, hc, D], before ``hc_head`` and the final
-        norm: what the MTP blocks consume."""
-        batch = self._batch(meta)
+        norm: what the MTP blocks consume. ``batch``: the layout, else built from ``meta``."""
+        batch = self._batch(meta) if batch is None else batch
         e = self.model.embed_tokens(input_ids)
         h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
@@ -239,6 +245,20 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta)))
+
+    def forward_decode(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` for a batch of one new token per request, with shapes fixed by the
+        batch's size and block-table width and no host synchronisation (what a CUDA graph
+        captures; see :mod:`.deepseek_v4_decode`). Not for replays or prefill rows."""
+        if meta.state_slots is None:
+            raise ValueError("DeepSeek-V4 needs per-request state KV: AttentionMetadata.state_slots is missing")
+        if meta.max_query_len != 1 or meta.replay or input_ids.shape[0] != meta.state_slots.shape[0]:
+            raise ValueError(
+                f"forward_decode takes one new token per request (not a replay): got {input_ids.shape[0]} tokens for "
+                f"{meta.state_slots.shape[0]} requests, max_query_len={meta.max_query_len}, replay={meta.replay}"
+            )
+        batch = V4DecodeBatch(positions=positions, slots=meta.state_slots, block_tables=meta.block_tables, block_size=meta.block_size)
+        return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta, batch)))
 
     def mtp_forward(
         self, streams: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor, cache: V4LayerCache, meta: AttentionMetadata, block: int = 0

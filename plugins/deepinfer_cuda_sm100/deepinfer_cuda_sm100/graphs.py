@@ -28,7 +28,13 @@ class CudaDecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.v4 = None  # DeepSeek-V4's own graphs (v4_graphs.py), which this object's run hands steps to
         if not all(isinstance(c, torch.Tensor) for c in kv_caches):  # e.g. DeepSeek-V4's per-request state KV
+            if hasattr(model, "forward_decode"):
+                from .v4_graphs import V4DecodeGraphs
+
+                self.v4 = V4DecodeGraphs(model, kv_caches, block_size=block_size, scratch_block=scratch_block, max_num_seqs=max_num_seqs, max_blocks=max_blocks)
+                return
             log.info("decode steps run eagerly: this model's KV cache layout is not captured in CUDA graphs")
             return
         dev = kv_caches[0].device
@@ -77,6 +83,8 @@ class CudaDecodeGraphs:
         )
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        if self.v4 is not None:
+            return self.v4.run(input_ids, meta)
         n = meta.num_requests
         width = meta.block_tables.shape[1]
         if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or getattr(meta, "state_slots", None) is not None or n > self.buckets[-1] or width > self.max_blocks:

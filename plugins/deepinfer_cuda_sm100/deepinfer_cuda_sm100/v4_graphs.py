@@ -1,0 +1,119 @@
+"""CUDA graphs for DeepSeek-V4 decode steps, one per batch-size bucket (as :mod:`.graphs` for
+paged models), over the model's fixed-shape step ``forward_decode``.
+
+Besides ids, positions, sequence lengths and block tables, a V4 step reads each request's
+state-KV slot (its window ring and compressor tails), so the static buffers hold slots too.
+Padded rows of a bucket repeat row 0 (same token, position, slot and block table): they compute
+and store exactly row 0's values, so no other request's state or blocks are touched and no
+scratch state slot is needed. Capture runs the step on slot 0 at position 0 in the scratch
+block before any request holds a slot.
+
+``capture=False`` runs the same static-buffer step eagerly (no graph): how the tests check this
+module's buffer handling on a machine without CUDA.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deepinfer_core.attention import AttentionMetadata
+
+from .graphs import BUCKETS
+
+log = logging.getLogger(__name__)
+
+
+class V4DecodeGraphs:
+    def __init__(self, model, kv_caches: list, *, block_size: int, scratch_block: int, max_num_seqs: int, max_blocks: int, capture: bool = True) -> None:
+        self.model, self.kv_caches, self.capture = model, kv_caches, capture
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.enabled = False
+        dev = kv_caches[0].window.device
+        top = self.buckets[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        self.state_slots = torch.zeros(top, dtype=torch.long, device=dev)
+        self.slots = torch.full((top,), scratch_block * block_size, dtype=torch.long, device=dev)  # unused by V4 layers
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.tables = torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        blockers = v4_uncapturable(model)
+        if capture and blockers:
+            log.info("DeepSeek-V4 decode steps run eagerly: %s cannot be captured in a CUDA graph", ", ".join(blockers))
+            return
+        self.enabled = True
+        if capture:
+            self._capture_all()
+
+    def _meta(self, n: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n], positions=self.positions[:n],
+            slot_mapping=self.slots[:n], block_tables=self.tables[:n], block_size=self.block_size,
+            max_query_len=1, max_seq_len=self.max_blocks * self.block_size, state_slots=self.state_slots[:n],
+        )  # fmt: skip
+
+    def _step(self, n: int) -> torch.Tensor:
+        return self.model.forward_decode(self.input_ids[:n], self.positions[:n], self.kv_caches, self._meta(n))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for n in reversed(self.buckets):
+                self._step(n)  # compile / warm up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[n] = self._step(n)
+                self.graphs[n] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info(
+            "captured %d DeepSeek-V4 decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
+            len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start, (torch.cuda.memory_allocated() - before) / 2**20,
+        )
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        n = meta.num_requests
+        width = meta.block_tables.shape[1]
+        if (not self.enabled or meta.max_query_len != 1 or meta.batch_invariant or meta.replay or meta.state_slots is None
+                or input_ids.shape[0] != n or n > self.buckets[-1] or width > self.max_blocks):  # fmt: skip
+            return None
+        bucket = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(meta.positions)
+        self.state_slots[:n].copy_(meta.state_slots)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.tables[:n, :width].copy_(meta.block_tables)
+        if bucket > n:  # padded rows repeat row 0: they write row 0's own values to row 0's state
+            for buf in (self.input_ids, self.positions, self.state_slots, self.seq_lens, self.tables):
+                buf[n:bucket].copy_(buf[:1].expand_as(buf[n:bucket]))
+        if not self.capture:
+            with torch.inference_mode():
+                return self._step(bucket)[:n]
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]
+
+
+def v4_uncapturable(model) -> list[str]:
+    """Names of the model's V4 attention backends / MoE dispatchers that are not this plugin's
+    capture-safe Triton ones (the builtin MoE reads expert counts back to the host)."""
+    from .attention import TritonV4Attention
+    from .moe import TritonMoEDispatcher
+
+    names = set()
+    for module in model.modules():
+        backend, dispatcher = getattr(module, "backend", None), getattr(module, "dispatcher", None)
+        if backend is not None and not isinstance(backend, TritonV4Attention):
+            names.add(getattr(backend, "name", type(backend).__name__))
+        if dispatcher is not None and not isinstance(dispatcher, TritonMoEDispatcher):
+            names.add(getattr(dispatcher, "name", type(dispatcher).__name__))
+    return sorted(names)

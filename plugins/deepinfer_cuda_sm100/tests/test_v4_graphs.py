@@ -1,0 +1,142 @@
+"""DeepSeek-V4 decode in CUDA graphs (``v4_graphs.py`` over the model's ``forward_decode``).
+
+On any machine: the static-buffer step (``capture=False``: the same buffers and padding, run
+eagerly) is checked step by step against the general eager forward on a copy of the cache -
+same hidden states, same cache afterwards (ring, compressor tails, compressed entries) - while
+a dispatch mode fails on any op that reads a device value back to the host (``.item()``,
+``.tolist()``, ``nonzero``, boolean masks): the step a graph captures has no host sync. The
+prompts cross compression windows (ratio 4 and 16) and the indexer ranks more than
+``index_topk`` entries, with 3 requests padded to a bucket of 4.
+On a GPU: captured graphs give the eager engine's greedy tokens (float32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+transformers = pytest.importorskip("transformers")
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.testing.v4_tiny import randomise_zero_initialised, tiny_v4_config  # noqa: E402
+
+PROMPTS_LENS = (5, 23, 61)  # CSA ranks > index_topk (6) entries from 28 tokens on
+NEW = 16
+
+HOST_READS = (torch.Tensor.tolist, torch.Tensor.numpy)
+HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "item", "_assert_async", "is_nonzero"}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op that needs a device value on the host (what CUDA-graph capture refuses).
+    ``.tolist()`` and ``.numpy()`` of a CPU tensor read memory without an op: patched to fail."""
+
+    def __enter__(self):
+        def refuse(name):
+            def method(*args, **kwargs):
+                raise AssertionError(f"host synchronisation in the V4 decode step: Tensor.{name}()")
+
+            return method
+
+        torch.Tensor.tolist, torch.Tensor.numpy = refuse("tolist"), refuse("numpy")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_SYNCS or (name in ("index", "index_put_", "index_put") and any(
+                t is not None and getattr(t, "dtype", None) == torch.bool for t in (args[1] if len(args) > 1 else ()))):  # fmt: skip
+            raise AssertionError(f"host synchronisation in the V4 decode step: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class Unguarded:
+    """The builtin MoE dispatcher (which the graph path replaces with the plugin's) outside the guard."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            guarded = torch.Tensor.tolist, torch.Tensor.numpy
+            torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
+            try:
+                with _disable_current_modes():
+                    return attr(*args, **kwargs)
+            finally:
+                torch.Tensor.tolist, torch.Tensor.numpy = guarded
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(4321)
+    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config(max_position_embeddings=512)).eval()
+    randomise_zero_initialised(model, 3)
+    path = tmp_path_factory.mktemp("dsv4-graphs")
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(11)
+    return str(path), [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in PROMPTS_LENS]
+
+
+def _generate(llm, prompts):
+    # different lengths: the batch shrinks to 2 requests, then to 1
+    params = [SamplingParams(temperature=0, max_tokens=NEW + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoint):
+    from deepinfer_cuda_sm100.v4_graphs import V4DecodeGraphs
+
+    path, prompts = checkpoint
+    torch.set_num_threads(1)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
+    engine = llm.engine
+    model, caches = engine.model, engine.runner.kv_caches
+    for m in model.modules():
+        if getattr(m, "dispatcher", None) is not None:
+            m.dispatcher = Unguarded(m.dispatcher)
+    static = V4DecodeGraphs(model, caches, block_size=128, scratch_block=7, max_num_seqs=4, max_blocks=4, capture=False)
+    assert static.buckets == [1, 2, 4]
+    checked = []
+
+    class Checked:
+        def run(self, input_ids, meta):
+            copy = [type(c)(c.entries.clone(), c.window.clone(), c.tail.clone()) for c in caches]
+            want = model.forward(input_ids, meta.positions, copy, meta)
+            with NoHostSync():
+                got = static.run(input_ids, meta)
+            assert got is not None
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for layer, (a, b) in enumerate(zip(caches, copy)):
+                for name in ("entries", "window", "tail"):
+                    torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-4, msg=lambda m: f"layer {layer} {name}: {m}")
+            checked.append(int(meta.num_requests))
+            return got
+
+    engine.runner.graphs = Checked()
+    tokens = _generate(llm, prompts)
+    assert {3, 2, 1} <= set(checked)  # 3 padded to the bucket of 4, 2 and 1 in their own
+    assert len(checked) >= NEW + 4 * (len(prompts) - 1) - 1
+    plain = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
+    assert tokens == _generate(plain, prompts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_v4_graph_replay_matches_eager(checkpoint):
+    pytest.importorskip("triton")
+    path, prompts = checkpoint
+    prompts = prompts + [list(range(2, 300)), [7] * 140]  # 5 requests: the bucket of 8; long enough to rank
+    graphed = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8)
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and graphs.v4 is not None and graphs.v4.graphs, "V4 decode was not captured"
+    eager = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, enforce_eager=True)
+    assert _generate(graphed, prompts) == _generate(eager, prompts)
