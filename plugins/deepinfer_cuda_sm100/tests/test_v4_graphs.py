@@ -54,14 +54,15 @@ class NoHostSync(TorchDispatchMode):
 
 
 class Unguarded:
-    """The builtin MoE dispatcher (which the graph path replaces with the plugin's) outside the guard."""
+    """The builtin MoE's expert computation (the graph path runs the plugin's fused kernels)
+    outside the guard; its routing (the plugin's too) stays guarded."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
 
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
-        if not callable(attr):
+        if name != "forward":
             return attr
 
         def call(*args, **kwargs):
