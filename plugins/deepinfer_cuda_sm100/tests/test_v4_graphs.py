@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.testing.v4_tiny import randomise_zero_initialised, tiny_v4_config  # noqa: E402
+from deepinfer_core.testing.v4_tiny import save_tiny_v4, tiny_v4_config  # noqa: E402
 
 PROMPTS_LENS = (5, 23, 61)  # CSA ranks > index_topk (6) entries from 28 tokens on
 NEW = 16
@@ -79,11 +79,8 @@ class Unguarded:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(4321)
-    model = transformers.DeepseekV4ForCausalLM(tiny_v4_config(max_position_embeddings=512)).eval()
-    randomise_zero_initialised(model, 3)
     path = tmp_path_factory.mktemp("dsv4-graphs")
-    model.save_pretrained(path)
+    model = save_tiny_v4(path, 4321, 3, tiny_v4_config(max_position_embeddings=512))
     g = torch.Generator().manual_seed(11)
     return str(path), [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in PROMPTS_LENS]
 
