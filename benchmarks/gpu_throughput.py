@@ -4,6 +4,7 @@
     python benchmarks/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
     python benchmarks/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
     python benchmarks/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64   # random DeepSeek-V4-mini
+    python benchmarks/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64 --graphs-off   # + eager decode, same engine
 
 For each model, in one process (each engine measured after the other was freed):
 
@@ -375,6 +376,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also say where prefill and decode time goes")
+    ap.add_argument("--graphs-off", action="store_true", help="also time decode on the same engine with its CUDA graphs set aside (eager steps)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     levels = [int(x) for x in args.levels.split(",")]
@@ -506,6 +508,12 @@ def main() -> int:
         log("  deepinfer with overlapped scheduling off:")
         serial_dec = di_speed(llm, vocab, levels, args.steps, 128)
         llm.engine.overlap = True
+        eager_dec = {}
+        if args.graphs_off and llm.engine.runner.graphs is not None:
+            graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None
+            log("  deepinfer with CUDA graphs off (every decode step eager):")
+            eager_dec = di_speed(llm, vocab, levels, args.steps, 128)
+            llm.engine.runner.graphs = graphs
         if args.profile:
             profile(llm, vocab, di_dec)
         del llm
@@ -532,9 +540,11 @@ def main() -> int:
             log(f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |")
             log(f"| decode tok/s, {n} req | {1e3 * n / h:,.0f} | {1e3 * n / di_dec[n]:,.0f} | | | |")
             log(f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains {serial_dec[n] / di_dec[n]:.2f}x | | |")
+            if n in eager_dec:
+                log(f"| decode ms/step, {n} req, CUDA graphs off | | {eager_dec[n]:.2f} | graphs gain {eager_dec[n] / di_dec[n]:.2f}x | | |")
         log(f"| prefill tok/s, 64 x 512 | {hf_pre:,.0f} | {di_pre:,.0f} | {di_pre / hf_pre:.2f}x | | |")
         log(f"| peak GPU MiB | {hf_peak:.0f} | {di_peak:.0f} | | | |")
-        report.update(di_decode=di_dec, di_decode_serial=serial_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
+        report.update(di_decode=di_dec, di_decode_serial=serial_dec, di_decode_eager=eager_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
