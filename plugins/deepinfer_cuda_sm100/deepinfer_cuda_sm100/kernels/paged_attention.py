@@ -37,7 +37,7 @@ def _paged_attention_kernel(
     stride_bt,
     scale, block_size, window, tiles_per_req, num_splits,
     G: tl.constexpr, TPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DA: tl.constexpr, BLOCK_DB: tl.constexpr, DB: tl.constexpr,
+    DA: tl.constexpr, DA_OK: tl.constexpr, BLOCK_DB: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, DV: tl.constexpr, V_PLANE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -59,7 +59,7 @@ def _paged_attention_kernel(
 
         da = tl.arange(0, DA)
         q_rows = q_ptr + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-        qa = tl.load(q_rows[:, None] + da[None, :], mask=row_ok[:, None], other=0.0)
+        qa = tl.load(q_rows[:, None] + da[None, :], mask=row_ok[:, None] & (da < DA_OK)[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter computes bf16 dots wrongly: test them in float32
             qa = qa.to(tl.float32)
         if BLOCK_DB > 0:
@@ -80,14 +80,14 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        head_base = cache_ptr + kvh * stride_ch
+        head_base = cache_ptr + kvh.to(tl.int64) * stride_ch  # int32 wraps once a plane holds 2^31 elements
         for start in range(s_lo, s_hi, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < s_hi
             page = tl.load(bt_ptr + r * stride_bt + kpos // block_size, mask=k_ok, other=0)
             slot = page.to(tl.int64) * block_size + kpos % block_size
             k_rows = head_base + slot * stride_cs
-            ka = tl.load(k_rows[:, None] + da[None, :], mask=k_ok[:, None], other=0.0).to(qa.dtype)
+            ka = tl.load(k_rows[:, None] + da[None, :], mask=k_ok[:, None] & (da < DA_OK)[None, :], other=0.0).to(qa.dtype)
             if IEEE:
                 s = tl.dot(qa, tl.trans(ka), input_precision="ieee")
             else:
@@ -147,8 +147,11 @@ def _pow2(n: int) -> int:
 
 
 def head_split(head_dim: int) -> tuple[int, int, int]:
-    """``(DA, BLOCK_DB, DB)``: the largest power of two <= head_dim, and the tail padded to a
-    power of two (at least 16 for the tensor cores; 0 when there is no tail)."""
+    """``(DA, BLOCK_DB, DB)``: the largest power of two <= head_dim (at least 16: a narrower
+    ``tl.dot`` compiles in the interpreter but not for the GPU; the kernel masks channels past
+    ``head_dim``), and the tail padded to a power of two (at least 16; 0 when there is no tail)."""
+    if head_dim < 16:
+        return 16, 0, 0
     da = 1 << (head_dim.bit_length() - 1)
     db = head_dim - da
     return da, (max(16, _pow2(db)) if db else 0), db
@@ -216,7 +219,7 @@ def paged_attention(
         block_tables.stride(0),
         float(scale), block_size, int(window or 0), tiles, splits,
         G=groups, TPT=tpt, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DA=da, BLOCK_DB=block_db, DB=db, BLOCK_DV=block_dv, DV=v_head_dim,
+        DA=da, DA_OK=min(da, D), BLOCK_DB=block_db, DB=db, BLOCK_DV=block_dv, DV=v_head_dim,
         V_PLANE=0 if kv_shared or planes == 1 else 1,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32 or interpreting(),
         UPCAST=interpreting() and q.dtype != torch.float32,

@@ -1,0 +1,157 @@
+"""Whole models through the plugin on a GPU, with configurations and batches no other test uses,
+against the core's reference path on the same GPU (builtin attention and MoE, no fused ops,
+eager) in float32: a Llama/Qwen-like model with attention biases, tied embeddings, MQA, a hidden
+size that is not a multiple of 128, an odd vocabulary and heads not a power of two; one with
+8-wide heads; a tiny DeepSeek-V3 (MLA, group-limited routing, shared expert) and one whose top-k
+is every expert. Requests of mixed prompt lengths (1, 127-129, 300 tokens) and output lengths,
+so that decode batches shrink through many CUDA-graph buckets (257 requests: past the 256
+bucket), chunked prefill over cached prefixes that end inside a block, seeded top-k / top-p
+sampling in graphs and eagerly, and batch-invariant mode alone vs in a batch of 65.
+
+Greedy tokens must be identical; where they are not, the first difference must be a float32
+near-tie in transformers' own logits (a margin under 1e-4), else the test fails.
+Skipped without CUDA: the plugin answers only for CUDA platforms (the kernels themselves run in
+Triton's interpreter in test_offpath_attention.py and test_offpath_moe.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the plugin's model path needs a CUDA device")
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+
+REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=False, enforce_eager=True)
+
+
+def llama_like(path, **overrides):
+    kw = dict(vocab_size=1001, hidden_size=200, intermediate_size=344, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+              head_dim=40, attention_bias=True, tie_word_embeddings=True, max_position_embeddings=2048, initializer_range=0.15,
+              bos_token_id=0, eos_token_id=1, rope_theta=10000.0)  # fmt: skip
+    kw.update(overrides)
+    cfg = transformers.LlamaConfig(**kw)
+    torch.manual_seed(11)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases are zero-initialised: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def deepseek_v3(path, experts=16, top_k=3, groups=4, topk_groups=2):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=517, hidden_size=72, intermediate_size=136, moe_intermediate_size=40,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6,
+        q_lora_rank=48, kv_lora_rank=40, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+        n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups, topk_group=topk_groups, n_shared_experts=1,
+        routed_scaling_factor=2.0, max_position_embeddings=2048, initializer_range=0.1,
+        bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
+            layer.mlp.gate.weight.mul_(6.0)
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(experts) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def mixed_prompts(n, vocab, seed=0, share=True):
+    """n prompts: lengths cycle through block and chunk boundaries; with ``share`` every fifth
+    starts with one 300-token prefix (prefix-cache hits of two whole blocks, then the rest)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 127, 128, 129, 300, 2, 17, 63, 65, 255]
+    shared = torch.randint(2, vocab, (300,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        p = torch.randint(2, vocab, (lens[i % len(lens)],), generator=g).tolist()
+        out.append(shared + p[:40] if share and i % 5 == 0 else p)
+    return out
+
+
+def assert_same_greedy(got, want, prompts, hf, margin=1e-4):
+    """Identical token lists; at a first difference, transformers' float32 logits must call the
+    two tokens a near-tie (else it is a bug, not rounding)."""
+    for i, (a, b, p) in enumerate(zip(got, want, prompts)):
+        if a == b:
+            continue
+        assert len(a) == len(b), f"request {i}: {len(a)} tokens vs the reference's {len(b)}"
+        j = next(j for j in range(len(a)) if a[j] != b[j])
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + a[:j]])).logits[0, -1].double()
+        gap = abs((logits[a[j]] - logits[b[j]]).item())
+        assert gap < margin, f"request {i} (prompt {len(p)} tokens) differs at token {j}: {a[j]} vs {b[j]}, transformers' margin {gap:.2e}"
+
+
+def generate(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def greedy(n):
+    """Output lengths 1-24, so the decode batch shrinks step by step through the buckets."""
+    return [SamplingParams(temperature=0, max_tokens=1 + (i * 7) % 24, ignore_eos=True) for i in range(n)]
+
+
+def test_llama_like_257_requests_graphs_and_chunked_prefill(tmp_path):
+    hf = llama_like(tmp_path)
+    prompts = mixed_prompts(257, 1001)
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=900, max_num_seqs=257, max_num_batched_tokens=1000)
+    ours = LLM(str(tmp_path), **kw)
+    assert ours.engine.runner.graphs is not None and 256 in ours.engine.runner.graphs.graphs and 257 in ours.engine.runner.graphs.graphs
+    got = generate(ours, prompts, greedy(257))
+    del ours
+    want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(257))
+    assert_same_greedy(got, want, prompts, hf)
+
+
+def test_llama_heads_8_wide(tmp_path):
+    """head_dim 8: narrower than a tensor-core tile (the kernel pads the dot to 16 channels)."""
+    hf = llama_like(tmp_path, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=96,
+                    attention_bias=False, tie_word_embeddings=False)  # fmt: skip
+    prompts = mixed_prompts(20, 1001, seed=1)
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=200, max_num_seqs=32)
+    got = generate(LLM(str(tmp_path), **kw), prompts, greedy(20))
+    want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(20))
+    assert_same_greedy(got, want, prompts, hf)
+
+
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(16, 3, 4, 2), (4, 4, 1, 1)], ids=["grouped", "topk-all"])
+def test_deepseek_v3_tiny(tmp_path, experts, top_k, groups, topk_groups):
+    hf = deepseek_v3(tmp_path, experts, top_k, groups, topk_groups)
+    prompts = mixed_prompts(65, 517, seed=2)
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=400, max_num_seqs=65, max_num_batched_tokens=700)
+    got = generate(LLM(str(tmp_path), **kw), prompts, greedy(65))
+    want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(65))
+    assert_same_greedy(got, want, prompts, hf)
+
+
+def test_seeded_sampling_in_graphs_equals_eager(tmp_path):
+    """Seeded top-k / top-p / min-p sampling: replayed graphs (padded buckets) give the eager
+    engine's tokens, request for request (the noise depends only on the seed and position)."""
+    llama_like(tmp_path)
+    prompts = mixed_prompts(40, 1001, seed=3)
+    params = [SamplingParams(temperature=0.8, top_k=(0, 5, 50)[i % 3], top_p=(1.0, 0.7, 0.95)[i % 3], min_p=0.05 * (i % 2), seed=100 + i,
+                             max_tokens=3 + i % 20, ignore_eos=True) for i in range(40)]  # fmt: skip
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=300, max_num_seqs=40)
+    graphed = LLM(str(tmp_path), **kw)
+    assert graphed.engine.runner.graphs.graphs
+    got = generate(graphed, prompts, params)
+    del graphed
+    assert got == generate(LLM(str(tmp_path), **kw, enforce_eager=True), prompts, params)
+
+
+def test_batch_invariant_alone_and_in_a_batch_of_65(tmp_path):
+    llama_like(tmp_path, num_key_value_heads=5)
+    prompts = mixed_prompts(65, 1001, seed=4, share=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_blocks=400, max_num_seqs=65, batch_invariant=True, enable_prefix_caching=False)
+    batch = generate(llm, prompts, params)
+    for i in (0, 3, 64):
+        assert generate(llm, [prompts[i]], params)[0] == batch[i], f"request {i} alone differs from its place in the batch"
