@@ -102,7 +102,7 @@ def cases(draw):
     return spec, cached, new, block_size
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_random_shapes_match_the_float64_reference(case):
     spec, cached, new, block_size = case
@@ -130,6 +130,27 @@ def test_decode_at_block_and_split_boundaries_in_128_token_blocks(ctx):
     """The engine's 128-token blocks; 300 tokens crosses the split-KV threshold (256) of the
     plugin's own launch choice (3 requests: few programs, so the decode splits)."""
     check(spec_of("full", 3, 1, 16), [ctx - 1, max(0, ctx - 2), 0], [1, 1, 1], block_size=128)
+
+
+def test_float32_mla_with_many_heads_runs_in_head_chunks():
+    """float32 MLA (576 channels) at 40 heads: too wide for one program's shared memory on the
+    GPU (DeepSeek-V3's 128 heads needed 451 KiB), so 16 + 16 + 8 heads in three launches."""
+    from deepinfer_cuda_sm100.kernels.paged_attention import head_chunk
+
+    assert head_chunk(40, 576, 4) == 16 and head_chunk(128, 576, 2) == 128 and head_chunk(16, 576, 4) == 16
+    spec = spec_of("mla", 40, 1, 576, v_dim=512)
+    check(spec, [0, 20], [9, 1], block_size=16)
+    check(spec, [30, 3], [1, 1], block_size=16)
+
+
+def test_head_chunks_of_a_gqa_layer(monkeypatch):
+    """The chunked launches of a GQA layer (2 KV heads x 6 query heads, runs of 4 + 2) read
+    each KV head's slice of the cache."""
+    from deepinfer_cuda_sm100.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "FLOAT32_TILE", 64)
+    assert pa.head_chunk(6, 16, 4) == 4
+    check(spec_of("full", 12, 2, 16), [0, 17, 40], [6, 1, 3], block_size=16)
 
 
 # -- GPU: real head widths, long contexts, large batches -----------------------------------

@@ -157,6 +157,20 @@ def head_split(head_dim: int) -> tuple[int, int, int]:
     return da, (max(16, _pow2(db)) if db else 0), db
 
 
+FLOAT32_TILE = 64 * 256  # query-tile elements (rows x head_dim) that fit one SM's shared memory in float32
+
+
+def head_chunk(groups: int, head_dim: int, element_size: int) -> int:
+    """Query heads one launch may take per KV head. A program holds every query head of its KV
+    head; in float32 a wide group does not fit shared memory (MLA's 576 channels at 128 heads,
+    DeepSeek-V3's shape, needs 451 KiB against an H200's 227 KiB; 64 x 256 takes 213 KiB,
+    measured with Triton's SM90 compiler), so such groups run as several launches. 16-bit
+    queries take the whole group (128 x 576 in bf16: 180 KiB)."""
+    if element_size < 4 or _pow2(groups) * head_dim <= FLOAT32_TILE:
+        return groups
+    return max(1, 1 << ((FLOAT32_TILE // head_dim).bit_length() - 1))
+
+
 def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: int, max_seq_len: int, batch_invariant: bool, sms: int = 132) -> LaunchConfig:
     """A launch configuration from shapes only. Batch-invariant mode always returns the same
     one for a layer (so a request computes identically alone and in any batch)."""
@@ -195,6 +209,17 @@ def paged_attention(
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged_attention: q and kv_cache need a contiguous last dimension")
     groups = H // hkv
+    chunk = head_chunk(groups, D, q.element_size())
+    if chunk < groups and config is None:  # one launch per KV head and run of `chunk` query heads
+        out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
+        for j in range(hkv):
+            for a in range(j * groups, (j + 1) * groups, chunk):
+                b = min(a + chunk, (j + 1) * groups)
+                out[:, a:b] = paged_attention(
+                    q[:, a:b], kv_cache[:, j : j + 1], block_tables, query_start_loc, seq_lens, max_query_len=max_query_len,
+                    max_seq_len=max_seq_len, scale=scale, v_head_dim=v_head_dim, kv_shared=kv_shared, window=window, batch_invariant=batch_invariant,
+                )  # fmt: skip
+        return out
     R = seq_lens.shape[0]
     da, block_db, db = head_split(D)
     if config is None:
