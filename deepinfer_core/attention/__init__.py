@@ -82,6 +82,8 @@ class AttentionMetadata:
     # Host-side sum of ``seq_lens`` (0: unknown): lets a backend size per-step work on the context
     # (e.g. MLA's non-absorbed prefill, which decompresses every context token) without a sync.
     num_context_tokens: int = 0
+    # Host-side count of the step's causal (query, key) pairs, summed over requests (0: unknown).
+    num_attention_pairs: int = 0
     # A model may attach a fresh dict per forward (dataclasses.replace) so that backends compute
     # what every layer shares (gather slots, decode masks) once per step instead of once per layer.
     # None: no memo (a meta reused across forwards, e.g. CUDA-graph capture, must not cache).

@@ -106,6 +106,7 @@ def build(
         replay=replay,
         prompt_lens=tuple(s.prompt_len for s in reqs),
         num_context_tokens=int(seq_lens.sum()),
+        num_attention_pairs=int(positions.sum()) + T,  # query at position p sees keys 0..p
     )
     every_row = len(sample_rows) == T and bool(sample.all()) and T == R
     return Batch(ids_t, meta, sample_rows.tolist(), None if every_row else samp_t)

@@ -7,10 +7,14 @@ does (decode reads it unchanged), take every context token's entry (a cached pre
 cache, the new tokens as given), decompress the latents through ``kv_b_proj`` in one GEMM and run
 :func:`~deepinfer_cuda_sm100.kernels.mla_prefill.mla_prefill_attention`.
 
-When it pays: per context token the decompression costs one ``kv_b_proj`` row (a GEMM at full
-speed); per (query, key) pair and head the expanded form saves 768 of 1,088 multiply-adds and
-runs in 128-row tiles. So a prefill step (few keys per query) gains and a decode step (a whole
-context decompressed for one query) loses: :func:`wants_expanded`.
+When it pays (per head, bf16, H200 figures of benchmarks/README.md): the absorbed form spends
+~2 x 1,088 FLOP per causal (query, key) pair at ~70 TFLOP/s, the expanded form ~2 x 320 at
+several times that, so each pair saves ~30 fs; each context token the expanded form decompresses
+costs a 512 x 256 GEMM row (~0.5 ns), and each new token the absorbed form multiplies into and
+out of the latent costs the same. So expanded wins when ``pairs * 30 fs > (K - T) * 0.5 ns``,
+i.e. pairs > ~17 x (context tokens - new tokens): every prefill without a prefix, a long chunk
+over a long prefix (a 2,048 chunk over 30k cached tokens: 63M pairs against 30k x 17), but not a
+step of decode rows over long contexts (one pair per context token): :func:`wants_expanded`.
 """
 from __future__ import annotations
 
@@ -19,20 +23,22 @@ import torch.nn.functional as F
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
 
-# A step runs expanded when it has at least this many new tokens and at most KEYS_PER_QUERY
-# context tokens (cached prefix included) per new token.
+# A step runs expanded when it has at least MIN_TOKENS new tokens and at least PAIRS_PER_KEY
+# causal (query, key) pairs per context token it must decompress beyond its new ones (twice the
+# break-even estimate above: the estimate is rough and the absorbed form is the tested default).
 MIN_TOKENS = 128
-KEYS_PER_QUERY = 4
+PAIRS_PER_KEY = 32
 
 
 def wants_expanded(spec: AttentionLayerSpec, meta: AttentionMetadata, min_tokens: int = MIN_TOKENS) -> bool:
-    """Whether this step's MLA layers should run expanded. Needs the host-side context size
-    (``meta.num_context_tokens``; 0, as in a captured decode graph, means unknown: absorbed);
-    batch-invariant steps stay absorbed (their arithmetic must not depend on the batch)."""
-    T, K = meta.num_tokens, meta.num_context_tokens
+    """Whether this step's MLA layers should run expanded, from host-side counts only
+    (``meta.num_context_tokens`` and ``meta.num_attention_pairs``; 0, as in a captured decode
+    graph, means unknown: absorbed). Batch-invariant steps stay absorbed (their arithmetic must
+    not depend on the batch)."""
+    T, K, pairs = meta.num_tokens, meta.num_context_tokens, meta.num_attention_pairs
     return (
         spec.kind is AttentionKind.MLA and not meta.batch_invariant and meta.max_query_len > 1
-        and K > 0 and T >= min_tokens and K <= KEYS_PER_QUERY * T
+        and K > 0 and pairs > 0 and T >= min_tokens and pairs >= PAIRS_PER_KEY * (K - T)
     )  # fmt: skip
 
 

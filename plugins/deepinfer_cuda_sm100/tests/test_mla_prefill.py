@@ -50,7 +50,7 @@ def _batch(spec, lens, new, nope, v_dim, dtype, block_size=16, seed=0):
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32), positions=positions,
         slot_mapping=slots, block_tables=tables, block_size=block_size, max_query_len=max(qlens), max_seq_len=max(lens),
-        num_context_tokens=sum(lens),
+        num_context_tokens=sum(lens), num_attention_pairs=sum(q * (n - q) + q * (q + 1) // 2 for n, q in zip(lens, qlens)),
     )  # fmt: skip
     meta = AttentionMetadata(**{f.name: _to(getattr(meta, f.name)) for f in dataclasses.fields(meta)})
     key = cache.view(-1, cache.shape[-1])[slots][:, None, : C + r]  # the new tokens' entries, already in place
@@ -116,12 +116,18 @@ def test_bf16_expanded_attention_is_close_to_the_reference():
 def test_expanded_form_is_chosen_for_prefill_like_steps_only():
     spec = _spec(heads=2, latent=32, rope=16)
     _q, _key, _w, _cache, meta = _batch(spec, [200, 150], [200, 150], 16, 16, torch.float32)
+    pairs = meta.num_attention_pairs
+    assert pairs == 200 * 201 // 2 + 150 * 151 // 2
     backend = TritonAttention()
     assert backend.expand_mla(spec, meta)  # 350 new tokens, no prefix
-    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=0))  # context unknown (graph capture)
+    # the same 350 tokens after a 30,000-token prefix each: 10.5M more pairs for 30,000 more keys
+    assert backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=30350, num_attention_pairs=pairs + 350 * 30000))
+    # ... next to 64 decode rows over 2,000 tokens each: 128,000 more keys, one pair each
+    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=350 + 128000, num_attention_pairs=pairs + 128000))
+    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=0))  # unknown (graph capture)
+    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_attention_pairs=0))
     assert not backend.expand_mla(spec, dataclasses.replace(meta, batch_invariant=True))
     assert not backend.expand_mla(spec, dataclasses.replace(meta, max_query_len=1))  # decode
-    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=350 * 4 + 1))  # mostly cached context
     assert not TritonAttention(mla_expand_min_tokens=400).expand_mla(spec, meta)
     assert not backend.expand_mla(dataclasses.replace(spec, kind=AttentionKind.FULL), meta)
 

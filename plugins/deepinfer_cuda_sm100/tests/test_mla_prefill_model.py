@@ -27,11 +27,16 @@ NEW = 5 if not CUDA else 24
 
 
 class CountingTritonAttention(TritonAttention):
-    """Counts the layer calls that ran expanded, with and without a cached prefix."""
+    """Expands every step with a multi-token request (the plugin's own choice, tested in
+    test_mla_prefill.py, would leave these tiny steps absorbed) and counts the layer calls that
+    ran expanded, with and without a cached prefix."""
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self) -> None:
+        super().__init__()
         self.calls = {"whole": 0, "prefix": 0}
+
+    def expand_mla(self, spec, meta):
+        return meta.max_query_len > 1 and meta.num_context_tokens > 0
 
     def forward_mla_expanded(self, spec, q, key, kv_b_weight, kv_cache, meta):
         self.calls["whole" if meta.num_context_tokens == q.shape[0] else "prefix"] += 1
@@ -39,10 +44,10 @@ class CountingTritonAttention(TritonAttention):
 
 
 class ExpandEverywhere:
-    """Offers one counting Triton backend, expanding from one new token, for MLA layers."""
+    """Offers one counting Triton backend for MLA layers."""
 
     def __init__(self) -> None:
-        self.backend = CountingTritonAttention(mla_expand_min_tokens=1)
+        self.backend = CountingTritonAttention()
 
     @hookimpl
     def deepinfer_attention_backend(self, layer, platform):
