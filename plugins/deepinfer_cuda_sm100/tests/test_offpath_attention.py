@@ -156,13 +156,16 @@ def test_head_chunks_of_a_gqa_layer(monkeypatch):
 # -- GPU: real head widths, long contexts, large batches -----------------------------------
 
 
+F32, B16 = torch.float32, torch.bfloat16
+
+
 @gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "kind,heads,kv_heads,head_dim",
-    [("full", 32, 32, 64), ("full", 28, 4, 128), ("full", 32, 8, 80), ("full", 12, 3, 96), ("full", 16, 2, 256), ("full", 71, 1, 64),
-     ("full", 9, 3, 8), ("sliding", 40, 8, 128), ("mla", 16, 1, 576), ("mla", 128, 1, 576)],
-    ids=lambda x: str(x),
+    "kind,heads,kv_heads,head_dim,dtype",
+    [("full", 32, 32, 64, F32), ("full", 28, 4, 128, F32), ("full", 28, 4, 128, B16), ("full", 32, 8, 80, F32), ("full", 12, 3, 96, F32),
+     ("full", 16, 2, 256, F32), ("full", 16, 2, 256, B16), ("full", 71, 1, 64, F32), ("full", 9, 3, 8, F32), ("sliding", 40, 8, 128, F32),
+     ("mla", 16, 1, 576, F32), ("mla", 128, 1, 576, F32), ("mla", 128, 1, 576, B16)],
+    ids=lambda x: str(x).replace("torch.", ""),
 )  # fmt: skip
 def test_gpu_model_shapes_prefill_and_decode(kind, heads, kv_heads, head_dim, dtype):
     spec = spec_of(kind, heads, kv_heads, head_dim, window=1000 if kind == "sliding" else None, v_dim=512 if kind == "mla" else None)

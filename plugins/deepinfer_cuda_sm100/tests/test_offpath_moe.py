@@ -108,7 +108,7 @@ def test_fp8_experts_with_a_hidden_size_not_a_multiple_of_128(D):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [1, 3, 17, 63, 65, 100, 257, 1000, 4099])
+@pytest.mark.parametrize("T", [1, 3, 17, 65, 257, 1000, 4099])
 def test_gpu_batch_sizes(T, dtype):
     """From 1,000 tokens (6,000 routed rows) the alignment is torch's (ALIGN_MAX_ROWS 2,048)."""
     check(moe(64, 6, 2000, 352, groups=8, topk_groups=3), T, seed=T, dtype=dtype)
@@ -117,6 +117,6 @@ def test_gpu_batch_sizes(T, dtype):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [1, 17, 65, 300, 3000])
+@pytest.mark.parametrize("T", [1, 17, 300, 3000])
 def test_gpu_fp8_experts(T, dtype):
     check(moe(16, 4, 1000, 256), T, seed=T, dtype=dtype, fp8=True)
