@@ -63,6 +63,48 @@ def deepseek_v3(path, experts=16, top_k=3, groups=4, topk_groups=2):
     return model
 
 
+def fp8_deepseek_v3(path):
+    """A DeepSeek-V3 FP8 block checkpoint (e4m3 + a float32 scale per 128 x 128 tile, the released
+    per-expert layout) whose hidden size (200) and dense width (328) are not multiples of 128:
+    the loader keeps FP8 what the kernels take (experts: 128 wide) and dequantizes the rest."""
+    import json
+
+    from safetensors import torch as safetensors_torch
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=333, hidden_size=200, intermediate_size=328, moe_intermediate_size=128,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=3, num_key_value_heads=3,
+        q_lora_rank=160, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=48,
+        n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.0, max_position_embeddings=1024, initializer_range=0.1,
+        bos_token_id=0, eos_token_id=1, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(8)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    hf.save_pretrained(path)
+    (path / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    gate_up, down = state.pop("model.layers.1.mlp.experts.gate_up_proj"), state.pop("model.layers.1.mlp.experts.down_proj")
+    for e in range(cfg.n_routed_experts):
+        gate, up = gate_up[e].chunk(2)
+        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
+            state[f"model.layers.1.mlp.experts.{e}.{proj}.weight"] = w.contiguous()
+    tensors = {}
+    for name, w in state.items():
+        if "_proj" in name and name.endswith(".weight") and w.dim() == 2:  # per tile: scale = amax / 448
+            rows, cols = w.shape
+            tiles = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+            scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+            tensors[name] = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn)
+            tensors[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+        else:
+            tensors[name] = w
+    safetensors_torch.save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
 def mixed_prompts(n, vocab, seed=0, share=True):
     """n prompts: lengths cycle through block and chunk boundaries; with ``share`` every fifth
     starts with one 300-token prefix (prefix-cache hits of two whole blocks, then the rest)."""
@@ -130,6 +172,23 @@ def test_deepseek_v3_tiny(tmp_path, experts, top_k, groups, topk_groups):
     got = generate(LLM(str(tmp_path), **kw), prompts, greedy(65))
     want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(65))
     assert_same_greedy(got, want, prompts, hf)
+
+
+def test_deepseek_v3_fp8_with_a_hidden_size_not_a_multiple_of_128(tmp_path):
+    """float32 activations multiply the FP8 weights widened exactly (the plugin's FP8 GEMMs and
+    fused MoE) vs the reference path's dequantized weights: the same products."""
+    from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
+
+    fp8_deepseek_v3(tmp_path)
+    prompts = mixed_prompts(33, 333, seed=6)
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=200, max_num_seqs=33, max_num_batched_tokens=600)
+    ours = LLM(str(tmp_path), **kw)
+    kinds = {type(m) for m in ours.engine.runner.model.modules()}
+    assert Fp8Experts in kinds and Fp8Linear in kinds, "the plugin should keep this checkpoint's experts FP8"
+    got = generate(ours, prompts, greedy(33))
+    del ours
+    want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(33))
+    assert got == want
 
 
 def test_seeded_sampling_in_graphs_equals_eager(tmp_path):
