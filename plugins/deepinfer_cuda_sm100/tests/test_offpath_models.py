@@ -153,6 +153,19 @@ def test_llama_like_257_requests_graphs_and_chunked_prefill(tmp_path):
     assert_same_greedy(got, want, prompts, hf)
 
 
+def test_llama_like_long_contexts(tmp_path):
+    """Prompts of 4,095 / 4,097 / 8,000 tokens beside a 1-token one: decode crosses the 32nd and
+    63rd block and splits the KV (graphs), prefill runs in 2,048-token chunks."""
+    hf = llama_like(tmp_path, max_position_embeddings=8192)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 1001, (n,), generator=g).tolist() for n in (4095, 4097, 1, 8000)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=160, max_num_seqs=4)
+    got = generate(LLM(str(tmp_path), **kw), prompts, params)
+    want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, params)
+    assert_same_greedy(got, want, prompts, hf)
+
+
 def test_llama_heads_8_wide(tmp_path):
     """head_dim 8: narrower than a tensor-core tile (the kernel pads the dot to 16 channels)."""
     hf = llama_like(tmp_path, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=96,
