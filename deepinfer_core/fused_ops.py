@@ -40,6 +40,10 @@ class FusedOps:
     # (x [T, H, d], cos [T, 1, d], sin [T, 1, d], both x's dtype) -> [T, H, d]: like
     # rotary_reference (models.layers.RotaryAt: Llama's q and k rotated together)
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (mixed [T, (2 + hc) * hc] float32, base [(2 + hc) * hc], scale [3], streams [T, hc, D], iters, eps)
+    # -> (post [T, hc], comb [T, hc, hc], collapsed [T, D]): like
+    # models.deepseek_v4_layers.hc_mix_reference (DeepSeek-V4's hyper-connection weights, Sinkhorn included)
+    hc_mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,6 +88,7 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
     from .models.deepseek_v3_mla import MLAAttention
+    from .models.deepseek_v4_layers import HyperConnection
     from .models.fp8 import Fp8Linear
     from .models.layers import GatedMLP, RMSNorm, Rotary
 
@@ -106,5 +111,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
             module.kernel = ops.fp8_linear
+            n += 1
+        elif isinstance(module, HyperConnection) and ops.hc_mix is not None:
+            module.fused_mix = ops.hc_mix
             n += 1
     return n

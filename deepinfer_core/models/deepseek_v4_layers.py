@@ -102,24 +102,35 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * cfg.hidden_size))
         self.base = nn.Parameter(torch.empty((2 + hc) * hc))
         self.scale = nn.Parameter(torch.empty(3))
+        self.fused_mix = None  # FusedOps.hc_mix (one kernel for hc_mix_reference), set by fused_ops.install
 
     def forward(self, streams: torch.Tensor):  # [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]
-        hc = self.hc
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        comb_w = comb_w.view(-1, hc, hc)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w * comb_s + comb_b.view(hc, hc), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        mix = self.fused_mix if self.fused_mix is not None else hc_mix_reference
+        return mix(mixed, self.base, self.scale, streams, self.iters, self.eps)
+
+
+def hc_mix_reference(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int, eps: float):
+    """The mHC weights from the mixing projection ``mixed`` [T, (2 + hc) * hc] (float32):
+    ``pre`` (sigmoid), ``post`` (2 * sigmoid), ``comb`` (softmax rows, then ``iters`` Sinkhorn
+    column / row normalisations), and the streams [T, hc, D] collapsed by ``pre``. Returns
+    (post [T, hc], comb [T, hc, hc], collapsed [T, D] in the streams' dtype). About 4 torch
+    kernels per Sinkhorn iteration (V4: 20): what ``FusedOps.hc_mix`` does in one launch."""
+    hc = streams.shape[1]
+    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    comb_w = comb_w.view(-1, hc, hc)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w * comb_s + comb_b.view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
 
 
 def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

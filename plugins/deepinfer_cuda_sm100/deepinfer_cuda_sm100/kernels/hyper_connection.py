@@ -1,0 +1,75 @@
+"""DeepSeek-V4's hyper-connection weights in one launch (``FusedOps.hc_mix``).
+
+Each of a V4 layer's two hyper-connections turns its mixing projection into ``pre``, ``post``
+and a Sinkhorn-normalised ``comb`` (``hc x hc``, 20 iterations in the released config), then
+collapses the ``hc`` streams by ``pre``. In torch that is ~4 kernels per iteration on a few
+dozen numbers: ~90 launches per call, 16 calls per step of an 8-layer model, more than the rest
+of a 1-request decode step together (counted in benchmarks/README.md). Here one program per
+token keeps the ``hc x hc`` matrix in registers through every iteration and then streams the
+token's ``hc`` rows once. Same operations and order as
+:func:`deepinfer_core.models.deepseek_v4_layers.hc_mix_reference`, in float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention import _pow2
+
+
+@triton.jit
+def _hc_mix_kernel(
+    mixed_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr,
+    stride_m, stride_st, stride_sh, stride_o, D, iters, eps,
+    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HC)
+    ok = i < HC
+    pre_s = tl.load(scale_ptr)
+    post_s = tl.load(scale_ptr + 1)
+    comb_s = tl.load(scale_ptr + 2)
+    row = mixed_ptr + t * stride_m
+    pre = tl.sigmoid(tl.load(row + i, mask=ok, other=0.0) * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0)) + eps
+    post = 2 * tl.sigmoid(tl.load(row + HC + i, mask=ok, other=0.0) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0))
+    tl.store(post_ptr + t * HC + i, post, mask=ok)
+    cell = i[:, None] * HC + i[None, :]
+    both = ok[:, None] & ok[None, :]
+    logits = tl.load(row + 2 * HC + cell, mask=both, other=0.0) * comb_s + tl.load(base_ptr + 2 * HC + cell, mask=both, other=0.0)
+    logits = tl.where(both, logits, float("-inf"))
+    top = tl.where(ok, tl.max(logits, axis=1), 0.0)  # padding rows (hc not a power of two): no inf - inf
+    e = tl.where(both, tl.exp(logits - top[:, None]), 0.0)
+    total = tl.where(ok, tl.sum(e, axis=1), 1.0)
+    comb = tl.where(both, e / total[:, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    tl.store(comb_ptr + t * HC * HC + cell, comb, mask=both)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < D
+        x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+        acc = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
+        tl.store(out_ptr + t * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def hc_mix(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int, eps: float):
+    """(post [T, hc] float32, comb [T, hc, hc] float32, collapsed [T, D] in the streams' dtype)."""
+    T, hc, D = streams.shape
+    if mixed.shape != (T, (2 + hc) * hc) or base.shape != ((2 + hc) * hc,) or scale.shape != (3,):
+        raise ValueError(f"hc_mix: mixed must be [T={T}, {(2 + hc) * hc}], base [{(2 + hc) * hc}], scale [3]; got "
+                         f"{tuple(mixed.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}")  # fmt: skip
+    mixed, base, scale = mixed.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
+    if streams.stride(-1) != 1:
+        streams = streams.contiguous()
+    post = torch.empty(T, hc, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=streams.device)
+    out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
+    if T:
+        _hc_mix_kernel[(T,)](
+            mixed, base, scale, streams, post, comb, out, mixed.stride(0), streams.stride(0), streams.stride(1), out.stride(0),
+            D, int(iters), float(eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=min(1024, max(16, _pow2(D))), num_warps=4,
+        )  # fmt: skip
+    return post, comb, out

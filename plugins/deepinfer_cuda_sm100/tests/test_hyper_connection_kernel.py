@@ -1,0 +1,56 @@
+"""``FusedOps.hc_mix`` (kernels/hyper_connection.py): DeepSeek-V4's hyper-connection weights and
+collapse in one launch equal the core's torch reference (``hc_mix_reference``), and a tiny V4
+with the kernel installed in every hyper-connection keeps transformers' greedy tokens.
+Without a GPU the kernel runs in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference  # noqa: E402
+from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
+from deepinfer_cuda_sm100.kernels.hyper_connection import hc_mix  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("hc,D,T,dtype,iters", [(4, 96, 5, torch.float32, 20), (3, 64, 2, torch.bfloat16, 6), (4, 2048, 1, torch.bfloat16, 20)])
+def test_hc_mix_equals_the_reference(hc, D, T, dtype, iters):
+    g = torch.Generator().manual_seed(hc * 100 + D)
+    n = (2 + hc) * hc
+    mixed = (torch.randn(T, n, generator=g) * 2).to(DEVICE)
+    base = torch.randn(n, generator=g).to(DEVICE)
+    scale = (torch.rand(3, generator=g) + 0.5).to(DEVICE)
+    streams = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
+    want = hc_mix_reference(mixed, base, scale, streams, iters, 1e-6)
+    got = hc_mix(mixed, base, scale, streams, iters, 1e-6)
+    for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        tol = 1e-5 if a.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(got[1][0], want[1][0].t())  # comb is not symmetric: its layout is checked
+
+
+def test_hc_mix_refuses_a_wrong_shape_by_name():
+    streams = torch.zeros(2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"hc_mix: mixed must be \[T=2, 24\]"):
+        hc_mix(torch.zeros(2, 20, device=DEVICE), torch.zeros(24, device=DEVICE), torch.zeros(3, device=DEVICE), streams, 20, 1e-6)
+
+
+def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.fused_ops import FusedOps, install
+    from deepinfer_core.testing.v4_tiny import save_tiny_v4
+
+    assert plugin.deepinfer_fused_ops(CudaSM100Platform()).hc_mix is hc_mix
+    model = save_tiny_v4(tmp_path, 99, 5)
+    prompt = list(range(3, 13))
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=4, do_sample=False)
+    llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, fused_ops=False, enforce_eager=True)
+    assert install(llm.engine.model, FusedOps(hc_mix=hc_mix)) == 2 * model.config.num_hidden_layers
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+    assert got == want[0, len(prompt) :].tolist()
