@@ -177,7 +177,9 @@ def test_llama_heads_8_wide(tmp_path):
     assert_same_greedy(got, want, prompts, hf)
 
 
-@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(16, 3, 4, 2), (4, 4, 1, 1)], ids=["grouped", "topk-all"])
+@pytest.mark.parametrize(
+    "experts,top_k,groups,topk_groups", [(16, 3, 4, 2), (24, 3, 4, 2), (4, 4, 1, 1)], ids=["grouped", "grouped-24-torch-routing", "topk-all"]
+)  # 24 experts in 4 groups: not the fused routing kernel's power of two, the reference routing inside the graphs
 def test_deepseek_v3_tiny(tmp_path, experts, top_k, groups, topk_groups):
     hf = deepseek_v3(tmp_path, experts, top_k, groups, topk_groups)
     prompts = mixed_prompts(65, 517, seed=2)
