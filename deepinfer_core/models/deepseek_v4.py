@@ -97,7 +97,7 @@ class V4Attention(nn.Module):
             scores = getattr(self.backend, "index_scores", None)
             scorer = None if scores is None else functools.partial(scores, meta=meta)
             if isinstance(batch, V4DecodeBatch):  # fixed shapes, no host sync (forward_decode)
-                decode_update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope)
+                decode_update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, getattr(self.backend, "compress_decode", None))
                 if indexer is not None:
                     selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer)
             else:

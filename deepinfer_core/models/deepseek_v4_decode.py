@@ -48,21 +48,28 @@ class V4DecodeBatch:
         return blocks, entries % per_block
 
 
-def decode_update_entries(compressors, raw: list[torch.Tensor], cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope) -> None:
+def decode_update_entries(compressors, raw: list[torch.Tensor], cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, fused=None) -> None:
     """Decode-batch form of ``update_entries``: ``compressors`` [(compressor, entry column)],
-    ``raw`` [R, 2 * width] projections of each request's new token."""
+    ``raw`` [R, 2 * width] projections of each request's new token. ``fused`` (optional, from
+    the attention backend: ``V4AttentionBackend.compress_decode``) does one compressor's tail
+    write and closing-window entry in one call, returning False to decline (the torch ops run)."""
     tail, tail_rows = cache.tail, cache.tail.shape[1]
     s = batch.positions
+    ratio = compressors[0][0].ratio
+    window = torch.div(s, ratio, rounding_mode="floor")
+    cos, sin = rope.cos_sin(window * ratio, raw[0].dtype)  # each entry is roped at its window's first position
     tail_col = 0
     for (comp, entry_col), new in zip(compressors, raw):
         r, d, W = comp.ratio, comp.dim, comp.width
+        if fused is not None and fused(comp, new, cache, tail_col, entry_col, batch, cos, sin):
+            tail_col += 2 * W
+            continue
         span = 2 * r if comp.overlap else r  # rows a closing window pools: its own (+ the previous window's)
         back = torch.arange(1 - span, 0, device=s.device)  # the span - 1 positions before the new token
         ring = (s[:, None] + back[None, :]).remainder(tail_rows)
         cols = slice(tail_col, tail_col + 2 * W)
         old = tail[batch.slots[:, None], ring, cols]  # [R, span - 1, 2W]
         src = torch.cat([old.to(new.dtype), new[:, None]], dim=1)  # [R, span, 2W], positions s-span+1..s
-        window = torch.div(s, r, rounding_mode="floor")
         cur = src[:, span - r :]
         kv, gate = cur[..., :W], cur[..., W:] + comp.position_bias
         if comp.overlap:  # window w's first half: window w - 1's rows (none for window 0: weight 0)
@@ -72,7 +79,6 @@ def decode_update_entries(compressors, raw: list[torch.Tensor], cache: V4LayerCa
             prev_gate = torch.where(has_prev, prev[..., W : W + d] + comp.position_bias[:, :d], float("-inf"))
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = comp.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
-        cos, sin = rope.cos_sin(window * r, pooled.dtype)
         entry = V4Rope.apply(pooled, cos, sin).to(cache.entries.dtype)  # [R, d]
         blocks, offsets = batch.entry_blocks(window[:, None], r)
         blocks, offsets = blocks[:, 0], offsets[:, 0]

@@ -54,6 +54,20 @@ class TritonV4Attention(TorchV4AttentionBackend):
             max_seq_len=meta.max_seq_len, scale=spec.scale, batch_invariant=meta.batch_invariant,
         )  # fmt: skip
 
+    def compress_decode(self, comp, new, cache, tail_col, entry_col, batch, cos, sin) -> bool:
+        """One compressor's decode step (tail write, closing-window entry) in one launch
+        (``V4AttentionBackend.compress_decode``); False (the core's torch ops) for widths the
+        kernel does not tile."""
+        from .kernels.v4_compressor import compress_decode
+
+        if comp.dim < 16 or comp.dim & (comp.dim - 1):
+            return False
+        compress_decode(
+            new, cache.tail, tail_col, batch.slots, batch.positions, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps,
+            cos, sin, cache.entries, entry_col, batch.block_tables, ratio=comp.ratio, block_size=batch.block_size, overlap=comp.overlap,
+        )  # fmt: skip
+        return True
+
     def index_scores(self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta: AttentionMetadata):
         """The CSA indexer's masked scores [T, n_max] for the whole batch in one launch
         (``V4AttentionBackend.index_scores``); the core's top-k follows."""

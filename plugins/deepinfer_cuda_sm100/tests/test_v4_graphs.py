@@ -6,10 +6,15 @@ same hidden states, same cache afterwards (ring, compressor tails, compressed en
 a dispatch mode fails on any op that reads a device value back to the host (``.item()``,
 ``.tolist()``, ``nonzero``, boolean masks): the step a graph captures has no host sync. The
 prompts cross compression windows (ratio 4 and 16) and the indexer ranks more than
-``index_topk`` entries, with 3 requests padded to a bucket of 4.
+``index_topk`` entries, with 3 requests padded to a bucket of 4; layers 3 and 4 (CSA, HCA) run
+their compressors through the plugin's kernel (``compress_decode``), layers 1 and 2 through the
+core's torch form.
 On a GPU: captured graphs give the eager engine's greedy tokens (float32).
 """
 from __future__ import annotations
+
+import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -53,6 +58,36 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def host_reads_allowed():
+    guarded = torch.Tensor.tolist, torch.Tensor.numpy
+    torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.numpy = guarded
+
+
+class KernelCompressors:
+    """A V4 backend whose decode-step compressors run the plugin's kernel (Triton's interpreter
+    on the CPU: its host reads are the interpreter's, outside the guard)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        self.calls = 0
+
+    def forward_v4(self, *args, **kwargs):
+        return self.inner.forward_v4(*args, **kwargs)
+
+    def compress_decode(self, *args):
+        from deepinfer_cuda_sm100.attention import TritonV4Attention
+
+        self.calls += 1
+        with host_reads_allowed():
+            return TritonV4Attention().compress_decode(*args)
+
+
 class Unguarded:
     """The builtin MoE's expert computation (the graph path runs the plugin's fused kernels)
     outside the guard; its routing (the plugin's too) stays guarded."""
@@ -66,13 +101,8 @@ class Unguarded:
             return attr
 
         def call(*args, **kwargs):
-            guarded = torch.Tensor.tolist, torch.Tensor.numpy
-            torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
-            try:
-                with _disable_current_modes():
-                    return attr(*args, **kwargs)
-            finally:
-                torch.Tensor.tolist, torch.Tensor.numpy = guarded
+            with host_reads_allowed():
+                return attr(*args, **kwargs)
 
         return call
 
@@ -102,6 +132,10 @@ def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoin
     for m in model.modules():
         if getattr(m, "dispatcher", None) is not None:
             m.dispatcher = Unguarded(m.dispatcher)
+    triton = importlib.util.find_spec("triton") is not None
+    kernels = [KernelCompressors(layer.self_attn.backend) for layer in model.model.layers[3:]] if triton else []
+    for layer, backend in zip(model.model.layers[3:], kernels):  # a CSA and an HCA layer: the plugin's kernel
+        layer.self_attn.backend = backend
     static = V4DecodeGraphs(model, caches, block_size=128, scratch_block=7, max_num_seqs=4, max_blocks=4, capture=False)
     assert static.buckets == [1, 2, 4]
     checked = []
@@ -122,6 +156,7 @@ def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoin
 
     engine.runner.graphs = Checked()
     tokens = _generate(llm, prompts)
+    assert all(k.calls for k in kernels)
     assert {3, 2, 1} <= set(checked)  # 3 padded to the bucket of 4, 2 and 1 in their own
     assert len(checked) >= NEW + 4 * (len(prompts) - 1) - 1
     plain = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)

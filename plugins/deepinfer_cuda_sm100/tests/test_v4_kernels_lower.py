@@ -1,4 +1,5 @@
-"""The DeepSeek-V4 kernels lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
+"""The DeepSeek-V4 kernels (attention, ring write, indexer scores, compressor decode step,
+hyper-connection mix) lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
 shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an explicit target
 needs no GPU, so CI, which runs the kernels only in the interpreter, also proves they compile
 (the interpreter accepts code that the compiler rejects, e.g. branches yielding different types).
@@ -18,7 +19,7 @@ CHILD = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepinfer_cuda_sm100.kernels import v4_attention as va, v4_indexer as vi
+from deepinfer_cuda_sm100.kernels import v4_attention as va, v4_indexer as vi, v4_compressor as vc, hyper_connection as hc
 
 def lower(fn, types, consts, arch, warps):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -36,6 +37,12 @@ for arch in (90, 100):
     lower(va._ring_write_kernel, {"kv_ptr": "*bf16", "ring_ptr": "*bf16", "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "slot_ptr": "*i64"}, {"D": 512}, arch, 4)
     lower(vi._index_scores_kernel, {"q_ptr": "*bf16", "w_ptr": "*fp32", "ent_ptr": "*bf16", "bt_ptr": "*i32", "qsl_ptr": "*i32", "pos_ptr": "*i64",
           "out_ptr": "*fp32", "scale": "fp32"}, dict(BLOCK_H=16, BLOCK_N=64, DI=128, BLOCK_R=16, IEEE=False), arch, 4)
+    cd = {"new_ptr": "*bf16", "tail_ptr": "*bf16", "slot_ptr": "*i64", "pos_ptr": "*i64", "pb_ptr": "*fp32", "normw_ptr": "*fp32",
+          "cos_ptr": "*bf16", "sin_ptr": "*bf16", "ent_ptr": "*bf16", "bt_ptr": "*i32", "eps": "fp32"}
+    for ratio, width, dh, overlap in ((4, 1024, 256, True), (128, 512, 256, False), (4, 256, 64, True)):  # CSA, HCA, indexer
+        lower(vc._compress_decode_kernel, cd, dict(RATIO=ratio, W=width, DH=dh, ROPE2=32, OVERLAP=overlap, BLOCK_R=8), arch, 4)
+    lower(hc._hc_mix_kernel, {"mixed_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "streams_ptr": "*bf16", "post_ptr": "*fp32",
+          "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(HC=4, BLOCK_HC=4, BLOCK_D=1024), arch, 4)
     print("sm%d" % arch)
 """
 
