@@ -3,8 +3,9 @@
 Two independent references: the torch path of the same engine (the step's ~2,800 torch ops
 around the same GEMMs; itself pinned to the dequantized model by test_lowbit_engine.py), and
 the dequantized float32 model (``dtype="float32"``, pinned to transformers by
-test_engine_smollm2.py). Requests join while others decode, so mixed prefill/decode steps
-(torch path) and pure decode steps (one native call) alternate in one generation.
+test_engine_smollm2.py). Requests join while others decode, so mixed prefill/decode steps and
+pure decode steps alternate in one generation; both take the native call (a prefill row is a
+decode row with its own position), the torch path answers every step of the other run.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ NEW_TOKENS = 20
 
 def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Tensor], int, int]:
     """Greedy generation with requests joining one at a time: (tokens per prompt, every step's
-    logits in order, how many steps the one-call path answered, how many mixed prefill/decode
-    steps it left to the torch path)."""
+    logits in order, how many steps the one-call path answered, how many of them were mixed
+    prefill/decode steps)."""
     engine, model = llm.engine, llm.engine.model
     plan = model._decode_plan
     logits: list[torch.Tensor] = []
@@ -47,7 +48,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
         nonlocal fused, mixed
         hidden = plan.run(input_ids, kv_caches, meta)
         fused += hidden is not None
-        mixed += hidden is None and 1 < meta.num_requests < input_ids.shape[0]
+        mixed += hidden is not None and 1 < meta.num_requests < input_ids.shape[0]
         return hidden
 
     model.compute_logits = record
@@ -108,7 +109,7 @@ def test_one_call_steps_equal_the_torch_path_and_the_dequantized_float32_model(l
     assert isinstance(lowbit.engine.model._decode_plan, llama_decode.LlamaDecodePlan)
     fused_tokens, fused_logits, fused_steps, mixed_steps = _run(lowbit, use_plan=True)
     torch_tokens, torch_logits, _, _ = _run(lowbit, use_plan=False)
-    assert fused_steps >= NEW_TOKENS and mixed_steps >= 3  # decode steps took the one call, mixed ones torch's
+    assert fused_steps >= NEW_TOKENS + 3 and mixed_steps >= 3  # decode and mixed steps took the one call
     assert fused_tokens == torch_tokens and len(fused_tokens) == len(PROMPTS)
     assert all(len(t) == NEW_TOKENS for t in fused_tokens.values())
     assert len(fused_logits) == len(torch_logits)
@@ -145,6 +146,14 @@ def test_the_switch_turns_the_plan_off(lowbit, monkeypatch):
     assert llama_decode.plan_for(lowbit.engine.model) is None
     monkeypatch.setenv(llama_decode.ENV_SWITCH, "1")
     assert isinstance(llama_decode.plan_for(lowbit.engine.model), llama_decode.LlamaDecodePlan)
+
+
+def test_the_prefill_switch_keeps_multi_token_steps_on_torch_and_refuses_other_values(lowbit, monkeypatch):
+    monkeypatch.setenv(llama_decode.PREFILL_SWITCH, "0")
+    assert llama_decode.plan_for(lowbit.engine.model).prefill is False
+    monkeypatch.setenv(llama_decode.PREFILL_SWITCH, "off")
+    with pytest.raises(ValueError, match="DEEPINFER_NATIVE_PREFILL='off': allowed values are 1 .* and 0"):
+        LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=2)  # refused at load, before any step
 
 
 def test_dense_models_get_no_plan(dense):

@@ -11,6 +11,7 @@ from ..lowbit import native
 from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
 from ..lowbit.attention import paged_decode
 from ..lowbit.modules import swap_in_lowbit
+from ..lowbit.llama_decode import prefill_enabled
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
 from ..models.files import ModelFiles, open_model_files
@@ -55,6 +56,7 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         resolve = ctx.attention_backend
         ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
         adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
+        prefill_enabled()  # and a bad DEEPINFER_NATIVE_PREFILL
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if lowbit and swap_in_lowbit(model, set(files.quantized_names)):

@@ -8,6 +8,16 @@ embedding, all decoder layers and the final norm, with the same GEMM and paged-a
 functions the torch path calls. Prefill, mixed and batch-invariant steps, replays, and models
 this plan cannot describe keep the torch path. ``DEEPINFER_FUSED_DECODE=0`` turns the plan off
 (the torch path, for debugging and side-by-side benchmarks).
+
+Prefill and mixed steps take the same native call, one row per new token: each row carries its
+request's block table and its own position, and a layer writes every row's key and value before
+its attention reads any, so the decode attention over positions ``0..position`` is causal prefill
+attention (a prompt's earlier chunks are already in the cache). Rows go in chunks of
+:data:`PREFILL_CHUNK` in token order: a later chunk reads the keys an earlier chunk wrote, every
+kernel computes a row alone, so chunking changes no bit, and the scratch stays small. Contexts
+beyond :data:`PREFILL_MAX_CONTEXT` keep the torch path, whose SDPA reuses each key across a
+prompt's queries (the decode kernel reads it once per query). ``DEEPINFER_NATIVE_PREFILL=0`` keeps
+every multi-token step on the torch path.
 """
 from __future__ import annotations
 
@@ -26,6 +36,9 @@ from .native import load
 from .threads import ThreadChooser, adaptive_enabled
 
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
+PREFILL_SWITCH = "DEEPINFER_NATIVE_PREFILL"
+PREFILL_CHUNK = 512  # rows per native call in a prefill step (the GEMMs run at ~96% of their 2,048-row speed)
+PREFILL_MAX_CONTEXT = 2048  # longest context a prefill step takes natively: measured ahead of the torch path up to 2,000 (benchmarks/README.md, cpu9)
 _MAX_SEGMENTS = 4  # layer.c's MAX_SEGMENTS
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -54,6 +67,14 @@ class _Model(ctypes.Structure):
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def prefill_enabled() -> bool:
+    """Read when a plan is built; only ``1`` (the default) and ``0`` are accepted."""
+    raw = os.environ.get(PREFILL_SWITCH, "1")
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"{PREFILL_SWITCH}={raw!r}: allowed values are 1 (prefill steps in one native call per chunk, the default) and 0 (the torch path)")
+    return raw != "0"
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> int | None:
@@ -100,11 +121,18 @@ class LlamaDecodePlan:
         self.phase_ms: torch.Tensor | None = None
         # the step's thread count by measured wall time (threads.py); None: torch's count
         self.threads: ThreadChooser | None = ThreadChooser() if adaptive_enabled() else None
+        self.prefill = prefill_enabled()
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every request feeds one token, positions inside the rotary table, no replay."""
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests and not meta.replay
                 and not meta.batch_invariant and meta.max_seq_len <= self._max_positions and input_ids.device.type == "cpu")  # fmt: skip
+
+    def applies_prefill(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A multi-token step (prefill, chunked prefill, prefill mixed with decode rows) whose
+        contexts stay within :data:`PREFILL_MAX_CONTEXT` and the rotary table."""
+        return (self.prefill and meta.max_query_len > 1 and not meta.replay and not meta.batch_invariant
+                and meta.max_seq_len <= min(self._max_positions, PREFILL_MAX_CONTEXT) and input_ids.device.type == "cpu")  # fmt: skip
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at the engine's caches (once; again only if they were reallocated)."""
@@ -129,17 +157,28 @@ class LlamaDecodePlan:
 
     def run(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-normed hidden states [R, D], or None when this step must take the torch path."""
-        if not self.applies(input_ids, meta) or not self._bind(kv_caches):
+        decode = self.applies(input_ids, meta)
+        if not (decode or self.applies_prefill(input_ids, meta)) or not self._bind(kv_caches):
             return None
-        R = input_ids.shape[0]
-        if self._scratch.numel() < R * self._per_row:  # grows to the largest batch seen, then stays
-            self._scratch = torch.empty(R * self._per_row)
+        T = input_ids.shape[0]
         ids = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
         positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
+        if not decode:  # one row per token, each with its request's block table
+            qlens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+            tables = tables.index_select(0, torch.repeat_interleave(torch.arange(qlens.shape[0]), qlens, output_size=T))
         ids, positions, slots, tables = ids.contiguous(), positions.contiguous(), slots.contiguous(), tables.contiguous()
-        out = torch.empty(R, self._md.hidden)
+        out = torch.empty(T, self._md.hidden)
+        rows = T if decode else min(T, PREFILL_CHUNK)
+        if self._scratch.numel() < rows * self._per_row:  # grows to the largest batch seen, then stays
+            self._scratch = torch.empty(rows * self._per_row)
+        for a in range(0, T, rows):
+            self._call(ids[a : a + rows], positions[a : a + rows], slots[a : a + rows], tables[a : a + rows], out[a : a + rows])
+        return out
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
+        R = ids.shape[0]
         threads = torch.get_num_threads() if self.threads is None else self.threads.pick(torch.get_num_threads(), R)
         start = time.perf_counter()
         self._lib.llama_decode_step(
@@ -149,7 +188,6 @@ class LlamaDecodePlan:
         )  # fmt: skip
         if self.threads is not None:
             self.threads.record(threads, R, (time.perf_counter() - start) * 1e3)
-        return out
 
 
 def plan_for(model: nn.Module) -> LlamaDecodePlan | None:

@@ -1,0 +1,58 @@
+"""Check an engine's greedy outputs against a reference model, token by token, teacher-forced.
+
+Why not compare whole generations: two correct engines whose sums differ in the last ulps part
+ways at the first near-tie, and every later token then follows a different prefix, so "identical
+outputs" fails on healthy engines and says nothing once they part. Here the reference (e.g. the
+dequantized float32 model) reads each request's prompt plus the engine's own output in one
+forward (``LLMEngine.prompt_logits``), and every output token must be the reference's greedy
+choice at that prefix, or within ``tolerance`` of its largest logit (a near-tie). A wrong KV
+write, a bad attention mask, a lost or reordered request or a corrupted cache after preemption
+give tokens whole logits away from the reference's choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GreedyMiss:
+    """One output token the reference would not have chosen."""
+
+    request: int  # index into the prompts
+    index: int  # position in that request's output
+    token: int
+    reference_token: int
+    gap: float  # reference logit of its choice minus that of the engine's token (> tolerance)
+
+
+@dataclass(frozen=True)
+class GreedyReport:
+    tokens: int  # output tokens checked
+    exact: int  # of them, the reference's own argmax
+    worst_gap: float  # the largest logit gap among the tokens that were not the argmax (0.0: none)
+    misses: tuple[GreedyMiss, ...]
+
+
+def check_greedy(reference, prompts: list[list[int]], outputs: list[list[int]], tolerance: float) -> GreedyReport:
+    """``reference``: an ``LLMEngine`` (``LLM(...).engine``) with KV blocks for the longest
+    prompt + output; ``outputs[i]``: the engine's greedy tokens for ``prompts[i]``."""
+    if len(prompts) != len(outputs):
+        raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
+    tokens = exact = 0
+    worst = 0.0
+    misses: list[GreedyMiss] = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        if not output:
+            continue
+        logits = reference.prompt_logits(list(prompt) + list(output)[:-1])[len(prompt) - 1 :]  # [len(output), V]
+        best = logits.argmax(dim=-1)
+        for j, token in enumerate(output):
+            tokens += 1
+            gap = float(logits[j, best[j]] - logits[j, token])
+            if gap <= 0.0:
+                exact += 1
+                continue
+            worst = max(worst, gap)
+            if gap > tolerance:
+                misses.append(GreedyMiss(i, j, int(token), int(best[j]), gap))
+    return GreedyReport(tokens, exact, worst, tuple(misses))
