@@ -1,0 +1,143 @@
+"""Where a whole ``cpu_throughput.py`` run's wall time goes: deepinfer's default on SmolLM2.
+
+    .venv/bin/python benchmarks/cpu_run_profile.py --concurrency 32 --threads 2
+
+``cpu_step_profile.py`` looks at a few steady decode steps; this script times every step of one
+generate() call shaped like ``cpu_throughput.py``'s (the same prompts, KV cache size and sampling:
+128-token prompts, 128 new tokens, greedy, EOS ignored) and splits the run's wall time into
+prefill steps (the torch path: low-bit GEMMs, the rest of the model, LM head) and decode steps
+(the one native call, the LM head, sampling, and what is left: scheduling, batch building,
+Python). Timers wrap the engine's own methods on this one engine (nothing changes in the engine);
+each adds ~1 us per call.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_throughput import build_prompts  # noqa: E402
+
+
+class Timers:
+    """Wall seconds per (step kind, part); the step kind is set by the model's forward."""
+
+    def __init__(self) -> None:
+        self.s: dict[tuple[str, str], float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.kind = "decode"
+
+    @contextmanager
+    def part(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[(self.kind, name)] += time.perf_counter() - start
+
+
+def instrument(llm, timers: Timers) -> None:
+    """Wrap the step, forward, native decode call, LM head, sampler and low-bit GEMMs."""
+    from deepinfer_core.lowbit import modules, ops
+
+    engine = llm.engine
+    model, runner = engine.model, engine.runner
+    step, forward, logits = engine.step, model.forward, model.compute_logits
+    sampler = runner.sampler
+    sample = sampler.sample_device
+    matmul = ops.matmul
+
+    def timed_step():
+        timers.kind = "decode"
+        start = time.perf_counter()
+        out = step()
+        timers.s[(timers.kind, "whole step")] += time.perf_counter() - start
+        timers.steps[timers.kind] += 1
+        return out
+
+    def timed_forward(input_ids, positions, kv_caches, meta):
+        timers.kind = "decode" if meta.max_query_len == 1 else "prefill"
+        with timers.part("model forward"):
+            return forward(input_ids, positions, kv_caches, meta)
+
+    def timed_logits(hidden):
+        with timers.part("LM head"):
+            return logits(hidden)
+
+    def timed_sample(*a, **k):
+        with timers.part("sampling"):
+            return sample(*a, **k)
+
+    def timed_matmul(*a, **k):
+        with timers.part("low-bit GEMM calls (torch path, LM head incl.)"):
+            return matmul(*a, **k)
+
+    engine.step, model.forward, model.compute_logits, sampler.sample_device = timed_step, timed_forward, timed_logits, timed_sample
+    modules.ops = type("ops", (), {"matmul": staticmethod(timed_matmul), "int_rows": staticmethod(ops.int_rows), "int8_rows": staticmethod(ops.int8_rows)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    prompts = build_prompts(args.concurrency, args.prompt_tokens)
+    import inspect
+
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.lowbit import modules
+
+    torch.set_num_threads(args.threads)
+    block_size = inspect.signature(LLM).parameters["block_size"].default  # sized as cpu_throughput.py's
+    blocks = len(prompts) * -(-(len(prompts[0]) + args.new_tokens) // block_size)
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    saved_ops = modules.ops
+    generate([p[::-1] for p in prompts], 2)  # warm-up, as cpu_throughput.py's
+    timers = Timers()
+    instrument(llm, timers)
+    plan = llm.engine.model._decode_plan
+    if plan is not None:
+        plan.phase_ms = torch.zeros(3, dtype=torch.float64)
+    load = os.getloadavg()[0]
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = generate(prompts, args.new_tokens)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    modules.ops = saved_ops
+    tokens = sum(len(o) for o in outputs)
+    print(f"{args.concurrency} requests x {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
+          f"load average before {load:.1f}: {wall:.2f} s wall ({tokens / wall:.1f} tok/s), {cpu:.2f} s CPU")
+    print("\n| step kind | part | wall s | share of the run |")
+    print("|---|---|---:|---:|")
+    s = timers.s
+    outside = wall - s[("prefill", "whole step")] - s[("decode", "whole step")]
+    for kind in ("prefill", "decode"):
+        whole = s[(kind, "whole step")]
+        print(f"| {kind} ({timers.steps[kind]} steps) | whole steps | {whole:.2f} | {whole / wall:.0%} |")
+        parts = ["model forward", "LM head", "sampling"]
+        if kind == "prefill":
+            parts.insert(1, "low-bit GEMM calls (torch path, LM head incl.)")
+        for name in parts:
+            print(f"| {kind} | {name} | {s[(kind, name)]:.2f} | {s[(kind, name)] / wall:.0%} |")
+        rest = whole - s[(kind, "model forward")] - s[(kind, "LM head")] - s[(kind, "sampling")]
+        print(f"| {kind} | the rest (scheduler, batch build, outputs, Python) | {rest:.2f} | {rest / wall:.0%} |")
+    print(f"| - | outside engine steps (generate()'s own Python) | {outside:.2f} | {outside / wall:.0%} |")
+    if plan is not None:
+        gemm, attn, other = (plan.phase_ms / 1e3).tolist()
+        print(f"\ndecode native call, CPU s (both threads together): layer GEMMs {gemm:.2f}, attention {attn:.2f}, the rest {other:.2f}")
+
+
+if __name__ == "__main__":
+    main()
