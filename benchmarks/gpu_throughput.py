@@ -169,6 +169,22 @@ def di(path, dtype, **kw) -> LLM:
     return LLM(path, device="cuda", dtype=dtype, **kw)
 
 
+def di_before(path, dtype, **kw) -> LLM:
+    """An engine as before the LM head and argmax were captured in the decode graphs and the
+    head's logits were kept float32: head eager after the replay, logits rounded to bf16."""
+    from deepinfer_cuda_sm100 import graphs
+
+    saved, graphs.HEAD_ROWS = graphs.HEAD_ROWS, 0
+    try:
+        llm = di(path, dtype, **kw)
+    finally:
+        graphs.HEAD_ROWS = saved
+    for m in llm.engine.model.modules():
+        if "logits_kernel" in type(m).__dict__:
+            m.logits_kernel = None
+    return llm
+
+
 def di_greedy(llm: LLM, prompts, new) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
@@ -374,6 +390,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--new", type=int, default=64, help="tokens per acceptance prompt")
     ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf,serial (serial: the overlap-off re-measure)")
+    ap.add_argument("--ab", action="store_true", help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into the graph: head eager, bf16 logits; alternated with the default")
     ap.add_argument("--repeat", type=int, default=1, help="measure decode and prefill this many times in the same engine (a disturbed reading shows as a spread)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also say where prefill and decode time goes")
@@ -459,12 +476,19 @@ def main() -> int:
                 return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
             rows = [(prefix(o, h), prefix(t, h)) for o, t, h in zip(bf_tokens, hf16_tokens, hf32_tokens)]
+            old_rows = None
+            if args.ab:
+                old = di_before(path, "bfloat16", kv_cache_blocks=64)
+                old_rows = [prefix(o, h) for o, h in zip(di_greedy(old, prompts, args.new), hf32_tokens)]
+                del old
+                free()
             log("ACCEPT bf16 agreement with transformers fp32 (common prefix of %d tokens), per prompt:" % args.new)
-            log("| prompt | deepinfer bf16 | transformers bf16 |\n|---:|---:|---:|")
+            log("| prompt | deepinfer bf16 | transformers bf16 |" + (" deepinfer bf16 before (bf16 logits) |\n|---:|---:|---:|---:|" if old_rows else "\n|---:|---:|---:|"))
             for i, (a, b) in enumerate(rows):
-                log(f"| {i} | {a} | {b} |")
-            log(f"| total | {sum(a for a, _ in rows)} | {sum(b for _, b in rows)} |")
+                log(f"| {i} | {a} | {b} |" + (f" {old_rows[i]} |" if old_rows else ""))
+            log(f"| total | {sum(a for a, _ in rows)} | {sum(b for _, b in rows)} |" + (f" {sum(old_rows)} |" if old_rows else ""))
             report["bf16_agreement"] = rows
+            report["bf16_agreement_before"] = old_rows
             ref32 = [prefix(r, h) for r, h in zip(ref_tokens, hf32_tokens)]
             log(f"(fp32 reference path vs transformers fp32, common prefix per prompt: {ref32})")
             # The free-running prefix above is chaotic (one near-tie decides it); teacher forcing
@@ -481,6 +505,12 @@ def main() -> int:
             di16_forced = di_forced(bf, prompts, hf32_tokens)
             del bf
             free()
+            old_forced = None
+            if args.ab:
+                old = di_before(path, "bfloat16", kv_cache_blocks=256, max_num_seqs=64)
+                old_forced = di_forced(old, prompts, hf32_tokens)
+                del old
+                free()
             log(f"ACCEPT bf16 teacher-forced argmax == transformers fp32 argmax along the fp32 greedy path ({args.new} positions a prompt); fp32 top-2 margin where each bf16 run first left the path:")
             log("| prompt | deepinfer bf16 | transformers bf16 | fp32 margin at deepinfer's divergence | at transformers bf16's |\n|---:|---:|---:|---:|---:|")
             tot = [0, 0]
@@ -492,6 +522,10 @@ def main() -> int:
                 log(f"| {i} | {a} | {b} | {at[0]} | {at[1]} |")
             log(f"| total | {tot[0]} | {tot[1]} | | |")
             report["bf16_forced"] = tot
+            if old_forced:
+                per = [sum(x == y for x, y in zip(d, r)) for d, (r, _) in zip(old_forced, ref_forced)]
+                log(f"ACCEPT teacher-forced, deepinfer bf16 before (bf16 logits): {per} = {sum(per)} / {sum(len(c) for c in hf32_tokens)}")
+                report["bf16_forced_before"] = per
 
     if "speed" not in skip:
         vocab = (config or {}).get("vocab_size", 49152)
@@ -523,6 +557,22 @@ def main() -> int:
             log("  deepinfer with CUDA graphs off (every decode step eager):")
             eager_dec = di_speed(llm, vocab, levels, args.steps, 128)
             llm.engine.runner.graphs = graphs
+        if args.ab:  # alternate with the engine as before, both alive: after, before, after, before
+            ab_levels = [n for n in levels if n <= 64]
+            old = di_before(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(levels) * 2 + 300)
+            ab = {"after": [], "before": []}
+            for _ in range(2):
+                for name, engine in (("after", llm), ("before", old)):
+                    log(f"  A/B {name}:")
+                    ab[name].append(di_speed(engine, vocab, ab_levels, args.steps, 128))
+            del old
+            free()
+            log("A/B decode ms/step (LM head + argmax in the graph, float32 logits = after; head eager, bf16 logits = before), two alternations:")
+            log("| requests | after | before | before / after |\n|---:|---|---|---:|")
+            for n in ab_levels:
+                a, b = [r[n] for r in ab["after"]], [r[n] for r in ab["before"]]
+                log(f"| {n} | {a[0]:.3f}, {a[1]:.3f} | {b[0]:.3f}, {b[1]:.3f} | {min(b) / min(a):.3f}x |")
+            report["ab"] = ab
         if args.profile:
             profile(llm, vocab, di_dec)
         del llm

@@ -44,6 +44,9 @@ class FusedOps:
     # -> (post [T, hc], comb [T, hc, hc], collapsed [T, D]): like
     # models.deepseek_v4_layers.hc_mix_reference (DeepSeek-V4's hyper-connection weights, Sinkhorn included)
     hc_mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # (hidden [N, D] 16-bit, weight [V, D] same dtype) -> [N, V] float32: like logits_reference,
+    # the LM head's product kept in float32 (not rounded to hidden's dtype before the sampler)
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,6 +61,14 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     ``(rms_norm_reference(h), h)``."""
     h = residual + x
     return rms_norm_reference(h, weight, eps), h
+
+
+def logits_reference(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head in float32 from 16-bit operands. Why: rounding logits to bfloat16 (8
+    mantissa bits: steps of 0.125 at magnitudes 16-32) turns near-ties of the float32 model into
+    coin flips for greedy decoding; a GEMM accumulates in float32 anyway, so keeping its output
+    costs 4 instead of 2 bytes per logit and no extra pass."""
+    return F.linear(hidden.float(), weight.float())
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,5 +125,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, HyperConnection) and ops.hc_mix is not None:
             module.fused_mix = ops.hc_mix
+            n += 1
+        elif ops.logits is not None and "logits_kernel" in type(module).__dict__:  # a model's LM head
+            module.logits_kernel = ops.logits
             n += 1
     return n

@@ -86,3 +86,57 @@ def test_batch_invariant_engines_enter_the_platforms_invariant_ops(tiny_llama):
     assert entered == []
     LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).generate([[5, 6]], params)
     assert len(entered) == 3  # one prefill step and two decode steps
+
+
+
+class HeadRecorder(Recorder):
+    """Also offers ``run_logits`` (the LM head and argmax inside the replay) and runs it
+    eagerly; a subclass's ``shift`` moves its ids, so a test sees which rows' tokens the engine
+    took from them."""
+
+    shift = 0
+
+    def run_logits(self, input_ids, meta):
+        self.offered.append(-meta.num_requests)
+        hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return logits, (torch.argmax(logits, dim=-1) + self.shift) % logits.shape[-1]
+
+
+class ShiftedHeadRecorder(HeadRecorder):
+    shift = 1
+
+
+def head_plugin(recorder):
+    class HeadPlugin:
+        @hookimpl
+        def deepinfer_decode_graphs(self, platform):
+            return recorder
+
+    return HeadPlugin()
+
+
+def test_captured_head_ids_are_the_tokens_of_plain_greedy_rows_only(tiny_llama):
+    from deepinfer_core import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=5, ignore_eos=True)
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+
+    def tokens(llm, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    eager = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, max_num_seqs=8, enforce_eager=True)
+    want = {name: tokens(eager, p) for name, p in (("greedy", greedy), ("sampled", sampled), ("penalised", penalised))}
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": head_plugin(HeadRecorder)})
+    llm = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, max_num_seqs=8, host=host)
+    assert tokens(llm, greedy) == want["greedy"]
+    assert llm.engine.runner.graphs.offered == [-2] * 4  # every decode step took the head with it
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": head_plugin(ShiftedHeadRecorder)})
+    llm = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, max_num_seqs=8, host=host)
+    shifted = tokens(llm, greedy)  # wrong ids: greedy decode steps take them, prefill samples eagerly
+    assert [t[0] for t in shifted] == [t[0] for t in want["greedy"]]
+    assert all(a != b for s, w in zip(shifted, want["greedy"]) for a, b in zip(s[1:2], w[1:2]))
+    assert tokens(llm, sampled) == want["sampled"]  # sampled rows: the sampler, on the step's logits
+    assert tokens(llm, penalised) == want["penalised"]  # penalties change the logits: not the ids

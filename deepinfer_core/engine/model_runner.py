@@ -83,21 +83,30 @@ class ModelRunner:
 
     def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None) -> Launched:
         input_ids, meta = batch.input_ids, batch.meta
-        hidden = None
+        hidden = logits = greedy = None
         if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
-            hidden = self.graphs.run(input_ids, meta)  # a captured decode step, or None
-        if hidden is None:
+            with_head = getattr(self.graphs, "run_logits", None)  # the LM head and argmax captured too
+            got = with_head(input_ids, meta) if with_head is not None and batch.sample_index is None and batch.sample_rows else None
+            if got is not None:
+                logits, greedy = got
+            else:
+                hidden = self.graphs.run(input_ids, meta)  # a captured decode step, or None
+        if hidden is None and logits is None:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not batch.sample_rows:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
-        logits = self.model.compute_logits(hidden if batch.sample_index is None else hidden[batch.sample_index])  # [N, V]
+        if logits is None:
+            logits = self.model.compute_logits(hidden if batch.sample_index is None else hidden[batch.sample_index])  # [N, V]
         ids = tuple(s.request_id for s in out.requests if s.sample)
         row_list = [rows[i] for i in ids]
         on_device = getattr(self.sampler, "sample_device", None)  # a plain callable samples on the host
         try:  # penalties change the logits in place: keep them for the per-row retry
             if on_device is None:
                 raise NotImplementedError
-            tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
+            if greedy is not None and type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list):
+                tokens = greedy  # the sampler's own argmax over these logits, already in the graph
+            else:
+                tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
             sampled, failed = sample_isolated(self.sampler, logits, ids, row_list)
             return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
@@ -123,6 +132,11 @@ class Launched:
 def _mutates(row: SamplingRow) -> bool:
     p = row.params
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes or masks the logits: the sampler returns their argmax."""
+    return row.params.greedy and not _mutates(row) and not row.suppressed
 
 
 def _copy_back(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:

@@ -182,7 +182,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             h, residual = layer.forward_residual(h, residual, positions, self.rotary, cache, meta)
         return self.model.norm(h) if residual is None else self.model.norm.add_forward(h, residual)[0]
 
+    logits_kernel = None  # FusedOps.logits: a 16-bit LM head with float32 output (fused_ops.install)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
+        w = self.lm_head.weight
+        if self.logits_kernel is not None and hidden.dtype != torch.float32 and hidden.dtype == w.dtype:
+            return self.logits_kernel(hidden, w)
         return self.lm_head(hidden).float()
 
 

@@ -143,10 +143,14 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer.forward_residual(h, residual, positions, rotary, kv_cache, meta)
         return self.model.norm(h) if residual is None else self.model.norm.add_forward(h, residual)[0]
 
+    logits_kernel = None  # FusedOps.logits: a 16-bit LM head with float32 output (fused_ops.install)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, LOWBIT_HEADS):  # packed weights: the low-bit kernels
             return head.project(hidden).float()
+        if self.logits_kernel is not None and hidden.dtype != torch.float32 and hidden.dtype == head.weight.dtype:
+            return self.logits_kernel(hidden, head.weight)
         return F.linear(hidden, head.weight).float()
 
     # -- weights -----------------------------------------------------------------------------

@@ -71,11 +71,12 @@ def _row_reduce_kernel(x_ptr, out_ptr, D, s_x, MEAN: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + row, total.to(out_ptr.dtype.element_ty))
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
-    """``beta * bias + alpha * (a @ b)`` for ``a [B, M, K]``, ``b [B, K, N]`` (any strides)."""
+def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``beta * bias + alpha * (a @ b)`` for ``a [B, M, K]``, ``b [B, K, N]`` (any strides), in
+    ``out_dtype`` (default a's: the float32 accumulator rounded once at the store)."""
     B, M, K = a.shape
     N = b.shape[2]
-    out = torch.empty(B, M, N, dtype=a.dtype, device=a.device)
+    out = torch.empty(B, M, N, dtype=out_dtype or a.dtype, device=a.device)
     x = bias.expand(B, M, N) if bias is not None else out
     upcast = interpreting() and a.dtype != torch.float32
     grid = (triton.cdiv(M, 64), triton.cdiv(N, 64), B)
