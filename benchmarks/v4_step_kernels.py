@@ -6,8 +6,8 @@ what a GPU would launch - every non-view torch op, plus one per Triton kernel ca
 
 * ``eager``: the general forward (what every V4 step ran before CUDA graphs);
 * ``static torch``: ``forward_decode`` (the fixed-shape step the graphs capture), torch ops only;
-* ``static + kernels``: the same with cuda_sm100's ``hc_mix`` and ``compress_decode`` kernels
-  (run here in Triton's interpreter, each call counted as one launch).
+* ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_mix``, ``compress_decode``,
+  ``v4_rms_norm``, ``v4_rope``; run here in Triton's interpreter, each call counted as one launch).
 
 The model is V4-mini's layer layout (sliding, then CSA / HCA alternating, 20 Sinkhorn
 iterations, 4 streams) at tiny widths: the counts do not depend on the widths. Attention and MoE
@@ -95,8 +95,10 @@ def main() -> None:
     m4.HyperConnection.forward = tagged(m4.HyperConnection.forward, "hyper-connections", counter_of)
     m4.hc_merge = tagged(m4.hc_merge, "hyper-connections", counter_of)
     m4.V4MoE.forward = tagged(m4.V4MoE.forward, "MoE (builtin)", counter_of)
-    for cls in (m4.V4RMSNorm,):
-        cls.forward = tagged(cls.forward, "norms", counter_of)
+    m4.V4RMSNorm.forward = tagged(m4.V4RMSNorm.forward, "norms", counter_of)
+    m4.unweighted_rms_norm = tagged(m4.unweighted_rms_norm, "norms", counter_of)
+    m4.V4Rope.apply = staticmethod(tagged(m4.V4Rope.apply, "rope", counter_of))
+    m4.V4Rope.cos_sin = tagged(m4.V4Rope.cos_sin, "rope", counter_of)
 
     cfg = tiny_v4_config(num_hidden_layers=len(LAYOUT), layer_types=LAYOUT, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
                          hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=1024)  # fmt: skip
@@ -139,14 +141,23 @@ def install_kernels(model, counter_of) -> list:
     """The plugin's hc_mix and compress_decode on every layer; returns the undo callables."""
     from deepinfer_cuda_sm100.attention import TritonV4Attention
     from deepinfer_cuda_sm100.kernels.hyper_connection import hc_mix
+    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
 
     mix = tagged(hc_mix, "hyper-connections", counter_of, launch=True)
     compress = tagged(TritonV4Attention().compress_decode, "compressors", counter_of, launch=True)
+    norm = tagged(v4_rms_norm, "norms", counter_of, launch=True)
+    rope = tagged(v4_rope, "rope", counter_of, launch=True)
     undo = []
     for module in model.modules():
         if isinstance(module, m4.HyperConnection):
             module.fused_mix = mix
             undo.append(lambda m=module: setattr(m, "fused_mix", None))
+        elif isinstance(module, m4.V4RMSNorm):
+            module.fused = norm
+            undo.append(lambda m=module: setattr(m, "fused", None))
+        elif isinstance(module, m4.V4Attention):
+            module.rope_kernel = rope
+            undo.append(lambda m=module: setattr(m, "rope_kernel", None))
     for layer in model.model.layers:
         attn = layer.self_attn
         inner = attn.backend

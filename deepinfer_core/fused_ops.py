@@ -47,6 +47,12 @@ class FusedOps:
     # (hidden [N, D] 16-bit, weight [V, D] same dtype) -> [N, V] float32: like logits_reference,
     # the LM head's product kept in float32 (not rounded to hidden's dtype before the sampler)
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [..., D], weight [D] float32, eps) -> x's shape and dtype: like
+    # models.deepseek_v4_layers.V4RMSNorm (the weight applied in float32 before the one rounding)
+    v4_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    # (x [T, H, D] or [T, D], cos [T, r/2], sin [T, r/2] in x's dtype) -> x's shape: like
+    # models.deepseek_v4_layers.V4Rope.apply (DeepSeek-V4 attention's query / key / output rope)
+    v4_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +105,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
     from .models.deepseek_v3_mla import MLAAttention
-    from .models.deepseek_v4_layers import HyperConnection
+    from .models.deepseek_v4 import V4Attention
+    from .models.deepseek_v4_layers import HyperConnection, V4RMSNorm
     from .models.fp8 import Fp8Linear
     from .models.layers import GatedMLP, RMSNorm, Rotary
 
@@ -125,6 +132,12 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, HyperConnection) and ops.hc_mix is not None:
             module.fused_mix = ops.hc_mix
+            n += 1
+        elif isinstance(module, V4RMSNorm) and ops.v4_rms_norm is not None:
+            module.fused = ops.v4_rms_norm
+            n += 1
+        elif isinstance(module, V4Attention) and ops.v4_rope is not None:
+            module.rope_kernel = ops.v4_rope
             n += 1
         elif ops.logits is not None and "logits_kernel" in type(module).__dict__:  # a model's LM head
             module.logits_kernel = ops.logits

@@ -59,6 +59,8 @@ def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> Attentio
 
 
 class V4Attention(nn.Module):
+    rope_kernel = None  # a platform's one-kernel V4Rope.apply (FusedOps.v4_rope), set by fused_ops.install
+
     def __init__(self, cfg: V4Config, spec: AttentionLayerSpec, backend) -> None:
         super().__init__()
         self.cfg, self.spec, self.backend = cfg, spec, backend
@@ -85,8 +87,9 @@ class V4Attention(nn.Module):
         cos, sin = rope.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, H, D), eps)
-        q = V4Rope.apply(q, cos, sin)
-        kv = V4Rope.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
+        apply = self.rope_kernel if self.rope_kernel is not None else V4Rope.apply
+        q = apply(q, cos, sin)
+        kv = apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
         selected = None
         if self.compressed:
             comp = self.compressor
@@ -105,7 +108,7 @@ class V4Attention(nn.Module):
                 if indexer is not None:
                     selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
-        out = V4Rope.apply(out, cos, -sin)  # undo the values' rope at the query position
+        out = apply(out, cos, -sin)  # undo the values' rope at the query position
         grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 

@@ -44,12 +44,16 @@ def keep_float32(module: nn.Module, names=FLOAT32_MODULES) -> None:
 class V4RMSNorm(nn.Module):
     """Weighted RMSNorm; weight kept in float32 and applied before the cast back."""
 
+    fused = None  # a platform's one-kernel version (FusedOps.v4_rms_norm), set by fused_ops.install
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)

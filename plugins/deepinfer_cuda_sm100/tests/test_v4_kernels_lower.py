@@ -1,5 +1,5 @@
 """The DeepSeek-V4 kernels (attention, ring write, indexer scores, compressor decode step,
-hyper-connection mix) lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
+hyper-connection mix, V4 norm and rope) lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
 shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an explicit target
 needs no GPU, so CI, which runs the kernels only in the interpreter, also proves they compile
 (the interpreter accepts code that the compiler rejects, e.g. branches yielding different types).
@@ -19,7 +19,7 @@ CHILD = r"""
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepinfer_cuda_sm100.kernels import v4_attention as va, v4_indexer as vi, v4_compressor as vc, hyper_connection as hc
+from deepinfer_cuda_sm100.kernels import v4_attention as va, v4_indexer as vi, v4_compressor as vc, hyper_connection as hc, v4_elementwise as ve
 
 def lower(fn, types, consts, arch, warps):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -43,6 +43,8 @@ for arch in (90, 100):
         lower(vc._compress_decode_kernel, cd, dict(RATIO=ratio, W=width, DH=dh, ROPE2=32, OVERLAP=overlap, BLOCK_R=8), arch, 4)
     lower(hc._hc_mix_kernel, {"mixed_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "streams_ptr": "*bf16", "post_ptr": "*fp32",
           "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(HC=4, BLOCK_HC=4, BLOCK_D=1024), arch, 4)
+    lower(ve._v4_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(BLOCK=2048), arch, 4)
+    lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}, dict(NOPE=448, BLOCK_NOPE=512, HALF=32), arch, 4)
     print("sm%d" % arch)
 """
 
