@@ -110,8 +110,8 @@ class CudaDecodeGraphs:
         captured the LM head, or None (then :meth:`run` may still take the step). The ids are a
         copy: the bucket's buffers are overwritten by its next replay, while the engine may still
         feed these ids to the next step and copy them back."""
-        if self.v4 is not None:  # V4's graphs keep the head outside
-            return None
+        if self.v4 is not None:
+            return self.v4.run_logits(input_ids, meta)
         bucket = self._bucket(meta)
         if bucket is None or bucket not in self.heads:
             return None

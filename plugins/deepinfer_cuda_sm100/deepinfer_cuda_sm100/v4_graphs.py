@@ -6,7 +6,8 @@ state-KV slot (its window ring and compressor tails), so the static buffers hold
 Padded rows of a bucket repeat row 0 (same token, position, slot and block table): they compute
 and store exactly row 0's values, so no other request's state or blocks are touched and no
 scratch state slot is needed. Capture runs the step on slot 0 at position 0 in the scratch
-block before any request holds a slot.
+block before any request holds a slot. Buckets up to ``graphs.HEAD_ROWS`` also replay the LM head
+and the greedy argmax (``run_logits``), as graphs.py does for paged models.
 
 ``capture=False`` runs the same static-buffer step eagerly (no graph): how the tests check this
 module's buffer handling on a machine without CUDA.
@@ -20,7 +21,7 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
-from .graphs import BUCKETS
+from .graphs import BUCKETS, HEAD_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class V4DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids), as graphs.py
         self.enabled = False
         dev = kv_caches[0].window.device
         top = self.buckets[-1]
@@ -69,10 +71,16 @@ class V4DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for n in reversed(self.buckets):
-                self._step(n)  # compile / warm up
+                head = n <= HEAD_ROWS
+                warm = self._step(n)  # compile / warm up
+                if head:
+                    torch.argmax(self.model.compute_logits(warm), dim=-1)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[n] = self._step(n)
+                    if head:  # the LM head and the greedy argmax the engine would run on these rows
+                        logits = self.model.compute_logits(self.outputs[n])
+                        self.heads[n] = (logits, torch.argmax(logits, dim=-1))
                 self.graphs[n] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -82,12 +90,40 @@ class V4DecodeGraphs:
         )
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        bucket = self._bucket(input_ids, meta)
+        if bucket is None:
+            return None
+        n = meta.num_requests
+        self._fill(bucket, input_ids, meta)
+        if not self.capture:
+            with torch.inference_mode():
+                return self._step(bucket)[:n]
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]
+
+    def run_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(logits [N, V] float32, greedy ids [N])`` where the bucket captured the LM head too
+        (``DecodeGraphs.run_logits``; the ids a copy, as graphs.py returns them), else None."""
+        bucket = self._bucket(input_ids, meta)
+        if bucket is None or bucket not in self.heads:
+            return None
+        self._fill(bucket, input_ids, meta)
+        self.graphs[bucket].replay()
+        logits, ids = self.heads[bucket]
+        n = meta.num_requests
+        return logits[:n], ids[:n].clone()
+
+    def _bucket(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
         if (not self.enabled or meta.max_query_len != 1 or meta.batch_invariant or meta.replay or meta.state_slots is None
                 or input_ids.shape[0] != n or n > self.buckets[-1] or width > self.max_blocks):  # fmt: skip
             return None
-        bucket = next(b for b in self.buckets if b >= n)
+        return next(b for b in self.buckets if b >= n)
+
+    def _fill(self, bucket: int, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        n = meta.num_requests
+        width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(meta.positions)
         self.state_slots[:n].copy_(meta.state_slots)
@@ -96,11 +132,6 @@ class V4DecodeGraphs:
         if bucket > n:  # padded rows repeat row 0: they write row 0's own values to row 0's state
             for buf in (self.input_ids, self.positions, self.state_slots, self.seq_lens, self.tables):
                 buf[n:bucket].copy_(buf[:1].expand_as(buf[n:bucket]))
-        if not self.capture:
-            with torch.inference_mode():
-                return self._step(bucket)[:n]
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:n]
 
 
 def v4_uncapturable(model) -> list[str]:

@@ -171,5 +171,6 @@ def test_v4_graph_replay_matches_eager(checkpoint):
     graphed = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8)
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.v4 is not None and graphs.v4.graphs, "V4 decode was not captured"
+    assert set(graphs.v4.heads) == set(graphs.v4.buckets)  # max_num_seqs 8 <= HEAD_ROWS: every bucket replays the LM head + argmax
     eager = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, enforce_eager=True)
     assert _generate(graphed, prompts) == _generate(eager, prompts)
