@@ -70,6 +70,8 @@ class CudaDecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        from .kernels.argmax import argmax_rows
+
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
         pool = torch.cuda.graph_pool_handle()
@@ -81,13 +83,13 @@ class CudaDecodeGraphs:
                 head = n <= HEAD_ROWS and hasattr(self.model, "compute_logits")
                 warm = self.model.forward(self.input_ids[:n], self.positions[:n], self.kv_caches, meta)  # compile / warm up
                 if head:
-                    torch.argmax(self.model.compute_logits(warm), dim=-1)
+                    argmax_rows(self.model.compute_logits(warm))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[n] = self.model.forward(self.input_ids[:n], self.positions[:n], self.kv_caches, meta)
                     if head:  # the same ops the engine and its sampler would run on these rows
                         logits = self.model.compute_logits(self.outputs[n])
-                        self.heads[n] = (logits, torch.argmax(logits, dim=-1))
+                        self.heads[n] = (logits, argmax_rows(logits))  # = torch.argmax, in 2 short launches
                 self.graphs[n] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
