@@ -137,7 +137,7 @@ def test_float32_mla_with_many_heads_runs_in_head_chunks():
     GPU (DeepSeek-V3's 128 heads needed 451 KiB), so 16 + 16 + 8 heads in three launches."""
     from deepinfer_cuda_sm100.kernels.paged_attention import head_chunk
 
-    assert head_chunk(40, 576, 4) == 16 and head_chunk(128, 576, 2) == 128 and head_chunk(16, 576, 4) == 16
+    assert head_chunk(40, 576, 512, 4, False) == 16 and head_chunk(16, 576, 512, 4, True) == 16
     spec = spec_of("mla", 40, 1, 576, v_dim=512)
     check(spec, [0, 20], [9, 1], block_size=16)
     check(spec, [30, 3], [1, 1], block_size=16)
@@ -149,8 +149,22 @@ def test_head_chunks_of_a_gqa_layer(monkeypatch):
     from deepinfer_cuda_sm100.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "FLOAT32_TILE", 64)
-    assert pa.head_chunk(6, 16, 4) == 4
+    assert pa.head_chunk(6, 16, 16, 4, False) == 4
     check(spec_of("full", 12, 2, 16), [0, 17, 40], [6, 1, 3], block_size=16)
+
+
+def test_bf16_split_kv_partials_too_wide_run_in_head_chunks(monkeypatch):
+    """Split-KV partials are float32 and staged whole in shared memory: DeepSeek-V3's bf16 MLA
+    (128 heads x 512) decoding with splits needed 256 KiB on the H200 (found by the GPU variant
+    below), so it takes two launches of 64 heads; without splits (bf16 output) it stays one.
+    Here the limit is lowered so a small layer takes the same path (decode over 300 tokens:
+    2 splits)."""
+    from deepinfer_cuda_sm100.kernels import paged_attention as pa
+
+    assert pa.head_chunk(128, 576, 512, 2, True) == 64 and pa.head_chunk(128, 576, 512, 2, False) == 128
+    monkeypatch.setattr(pa, "FLOAT32_OUT_TILE", 4 * 16 * 4)
+    assert pa.head_chunk(6, 16, 16, 2, True) == 4 and pa.head_chunk(6, 16, 16, 2, False) == 6
+    check(spec_of("full", 12, 2, 16), [299, 280], [1, 1], block_size=16, dtype=torch.bfloat16)
 
 
 # -- GPU: real head widths, long contexts, large batches -----------------------------------

@@ -158,17 +158,24 @@ def head_split(head_dim: int) -> tuple[int, int, int]:
 
 
 FLOAT32_TILE = 64 * 256  # query-tile elements (rows x head_dim) that fit one SM's shared memory in float32
+FLOAT32_OUT_TILE = 128 * 1024  # bytes of a float32 output tile (rows x v width) that still leave room
 
 
-def head_chunk(groups: int, head_dim: int, element_size: int) -> int:
+def head_chunk(groups: int, head_dim: int, v_head_dim: int, element_size: int, split: bool) -> int:
     """Query heads one launch may take per KV head. A program holds every query head of its KV
-    head; in float32 a wide group does not fit shared memory (MLA's 576 channels at 128 heads,
-    DeepSeek-V3's shape, needs 451 KiB against an H200's 227 KiB; 64 x 256 takes 213 KiB,
-    measured with Triton's SM90 compiler), so such groups run as several launches. 16-bit
-    queries take the whole group (128 x 576 in bf16: 180 KiB)."""
-    if element_size < 4 or _pow2(groups) * head_dim <= FLOAT32_TILE:
+    head, and a group too wide does not fit an SM's shared memory (an H200's 227 KiB), so such
+    groups run as several launches. Measured with Triton's SM90 compiler and on the H200:
+    float32 queries: MLA's 576 channels at 128 heads (DeepSeek-V3's shape) need 451 KiB, 64 x 256
+    takes 213 KiB; a float32 output tile (split-KV partials, float32 queries) is staged whole in
+    shared memory: bf16 MLA at 128 heads decoding with split-KV needed 256 KiB for its 128 x 512
+    partials, while without splits (bf16 output) it takes 180 KiB."""
+    out_bytes = 4 if split or element_size >= 4 else element_size
+    rows = FLOAT32_OUT_TILE // (max(16, _pow2(v_head_dim)) * out_bytes)
+    if element_size >= 4:
+        rows = min(rows, FLOAT32_TILE // head_dim)
+    if _pow2(groups) <= rows:
         return groups
-    return max(1, 1 << ((FLOAT32_TILE // head_dim).bit_length() - 1))
+    return max(1, 1 << (rows.bit_length() - 1))
 
 
 def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: int, max_seq_len: int, batch_invariant: bool, sms: int = 132) -> LaunchConfig:
@@ -209,8 +216,12 @@ def paged_attention(
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged_attention: q and kv_cache need a contiguous last dimension")
     groups = H // hkv
-    chunk = head_chunk(groups, D, q.element_size())
-    if chunk < groups and config is None:  # one launch per KV head and run of `chunk` query heads
+    R = seq_lens.shape[0]
+    auto = config is None
+    if auto:
+        config = choose_config(groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant)
+    chunk = head_chunk(groups, D, v_head_dim, q.element_size(), config.num_splits > 1) if auto else groups
+    if chunk < groups:  # one launch per KV head and run of `chunk` query heads
         out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
         for j in range(hkv):
             for a in range(j * groups, (j + 1) * groups, chunk):
@@ -220,10 +231,7 @@ def paged_attention(
                     max_seq_len=max_seq_len, scale=scale, v_head_dim=v_head_dim, kv_shared=kv_shared, window=window, batch_invariant=batch_invariant,
                 )  # fmt: skip
         return out
-    R = seq_lens.shape[0]
     da, block_db, db = head_split(D)
-    if config is None:
-        config = choose_config(groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant)
     tpt = max(1, config.block_m // groups)
     tiles = -(-max_query_len // tpt)
     block_dv = max(16, _pow2(v_head_dim))
