@@ -154,7 +154,7 @@ from deepinfer_cuda_sm100.kernels.mla_prefill import _mla_prefill_kernel as fn
 
 types = {n: "*bf16" for n in ("q_ptr", "kn_ptr", "kr_ptr", "v_ptr", "out_ptr")}
 types.update(qsl_ptr="*i32", ksl_ptr="*i32", seqlen_ptr="*i32", scale_log2="fp32")
-consts = dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BLOCK_M=128, BLOCK_N=64, IEEE=False, UPCAST=False)
+consts = dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BLOCK_M=128, BLOCK_N=128, IEEE=False, UPCAST=False)
 for arch in (90, 100):
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -164,7 +164,7 @@ for arch in (90, 100):
 
 
 def test_kernel_compiles_for_sm90_and_sm100_at_v3_widths():
-    """bf16, 128-row tiles, q/k 128 + 64 and v 128 wide: Triton's ahead-of-time compile for an
+    """bf16, the GPU's 128 x 128 tiles, q/k 128 + 64 and v 128 wide: Triton's ahead-of-time compile for an
     explicit target needs no GPU (the interpreter accepts code the compiler rejects)."""
     import inspect
     import os

@@ -125,13 +125,15 @@ class PrefillConfig:
 
 
 def choose_config(dtype: torch.dtype, head_width: int) -> PrefillConfig:
-    """128-row tiles for half-precision queries up to 256 wide (the point of the expanded
-    form); float32 (and the interpreter) in 64 x 32 tiles, which fit the registers."""
+    """128 x 128 tiles, 8 warps, 2 stages for half-precision queries up to 256 wide: the fastest
+    or tied of nine shapes on an H200 at V3's widths (``benchmarks/mla_prefill.py --sweep``:
+    64 x 512 prompts 0.480 ms vs 0.509 for 128 x 64; 4 x 4096 0.916 vs 1.219; a 2,048 chunk over
+    6,144 cached 0.504 vs 0.614). float32 (and the interpreter) in 64 x 32 tiles, which fit."""
     if interpreting():
         return PrefillConfig(32, 32, 4, 1)
     if dtype == torch.float32 or head_width > 256:
         return PrefillConfig(64, 32, 4, 2)
-    return PrefillConfig(128, 64, 8, 2)
+    return PrefillConfig(128, 128, 8, 2)
 
 
 def mla_prefill_attention(
