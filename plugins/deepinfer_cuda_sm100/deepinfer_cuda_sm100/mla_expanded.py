@@ -28,6 +28,10 @@ from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, Attentio
 # break-even estimate above: the estimate is rough and the absorbed form is the tested default).
 MIN_TOKENS = 128
 PAIRS_PER_KEY = 32
+# The decompressed keys and values of a step live for one layer: at most this many
+# (context token, head) rows (2 GiB in bf16 at V3's 128 + 128 channels per head: 32k context
+# tokens at DeepSeek-V3's 128 heads, 256k at V3-mini's 16); a larger step stays absorbed.
+MAX_KEY_HEADS = 1 << 22
 
 
 def wants_expanded(spec: AttentionLayerSpec, meta: AttentionMetadata, min_tokens: int = MIN_TOKENS) -> bool:
@@ -38,7 +42,7 @@ def wants_expanded(spec: AttentionLayerSpec, meta: AttentionMetadata, min_tokens
     T, K, pairs = meta.num_tokens, meta.num_context_tokens, meta.num_attention_pairs
     return (
         spec.kind is AttentionKind.MLA and not meta.batch_invariant and meta.max_query_len > 1
-        and K > 0 and pairs > 0 and T >= min_tokens and pairs >= PAIRS_PER_KEY * (K - T)
+        and K > 0 and pairs > 0 and T >= min_tokens and pairs >= PAIRS_PER_KEY * (K - T) and K * spec.num_heads <= MAX_KEY_HEADS
     )  # fmt: skip
 
 

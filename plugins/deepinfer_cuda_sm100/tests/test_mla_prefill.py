@@ -124,6 +124,10 @@ def test_expanded_form_is_chosen_for_prefill_like_steps_only():
     assert backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=30350, num_attention_pairs=pairs + 350 * 30000))
     # ... next to 64 decode rows over 2,000 tokens each: 128,000 more keys, one pair each
     assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=350 + 128000, num_attention_pairs=pairs + 128000))
+    # a 2M-token context at 2 heads: 4M decompressed (token, head) rows would be allowed, one more not
+    long = dataclasses.replace(meta, num_context_tokens=2 * 2**20, num_attention_pairs=2**40)
+    assert backend.expand_mla(spec, long)
+    assert not backend.expand_mla(spec, dataclasses.replace(long, num_context_tokens=2 * 2**20 + 1))
     assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=0))  # unknown (graph capture)
     assert not backend.expand_mla(spec, dataclasses.replace(meta, num_attention_pairs=0))
     assert not backend.expand_mla(spec, dataclasses.replace(meta, batch_invariant=True))
