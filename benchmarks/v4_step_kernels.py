@@ -6,7 +6,7 @@ what a GPU would launch - every non-view torch op, plus one per Triton kernel ca
 
 * ``eager``: the general forward (what every V4 step ran before CUDA graphs);
 * ``static torch``: ``forward_decode`` (the fixed-shape step the graphs capture), torch ops only;
-* ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_mix``, ``compress_decode``,
+* ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_mix``, ``hc_merge``, ``compress_decode``,
   ``v4_rms_norm``, ``v4_rope``; run here in Triton's interpreter, each call counted as one launch).
 
 The model is V4-mini's layer layout (sliding, then CSA / HCA alternating, 20 Sinkhorn
@@ -93,7 +93,7 @@ def main() -> None:
     m4.decode_select = tagged(m4.decode_select, "indexer", counter_of)
     m4.Indexer.select = tagged(m4.Indexer.select, "indexer", counter_of)
     m4.HyperConnection.forward = tagged(m4.HyperConnection.forward, "hyper-connections", counter_of)
-    m4.hc_merge = tagged(m4.hc_merge, "hyper-connections", counter_of)
+    m4.HyperConnection.merge = tagged(m4.HyperConnection.merge, "hyper-connections", counter_of)
     m4.V4MoE.forward = tagged(m4.V4MoE.forward, "MoE (builtin)", counter_of)
     m4.V4RMSNorm.forward = tagged(m4.V4RMSNorm.forward, "norms", counter_of)
     m4.unweighted_rms_norm = tagged(m4.unweighted_rms_norm, "norms", counter_of)
@@ -140,18 +140,19 @@ def main() -> None:
 def install_kernels(model, counter_of) -> list:
     """The plugin's hc_mix and compress_decode on every layer; returns the undo callables."""
     from deepinfer_cuda_sm100.attention import TritonV4Attention
-    from deepinfer_cuda_sm100.kernels.hyper_connection import hc_mix
+    from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
 
     mix = tagged(hc_mix, "hyper-connections", counter_of, launch=True)
+    merge = tagged(hc_merge, "hyper-connections", counter_of, launch=True)
     compress = tagged(TritonV4Attention().compress_decode, "compressors", counter_of, launch=True)
     norm = tagged(v4_rms_norm, "norms", counter_of, launch=True)
     rope = tagged(v4_rope, "rope", counter_of, launch=True)
     undo = []
     for module in model.modules():
         if isinstance(module, m4.HyperConnection):
-            module.fused_mix = mix
-            undo.append(lambda m=module: setattr(m, "fused_mix", None))
+            module.fused_mix, module.fused_merge = mix, merge
+            undo.append(lambda m=module: (setattr(m, "fused_mix", None), setattr(m, "fused_merge", None)))
         elif isinstance(module, m4.V4RMSNorm):
             module.fused = norm
             undo.append(lambda m=module: setattr(m, "fused", None))

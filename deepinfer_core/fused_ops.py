@@ -44,6 +44,9 @@ class FusedOps:
     # -> (post [T, hc], comb [T, hc, hc], collapsed [T, D]): like
     # models.deepseek_v4_layers.hc_mix_reference (DeepSeek-V4's hyper-connection weights, Sinkhorn included)
     hc_mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # (streams [T, hc, D], out [T, D], post [T, hc] float32, comb [T, hc, hc] float32) -> [T, hc, D]:
+    # like models.deepseek_v4_layers.hc_merge (a V4 block's output expanded into the mixed streams)
+    hc_merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # (hidden [N, D] 16-bit, weight [V, D] same dtype) -> [N, V] float32: like logits_reference,
     # the LM head's product kept in float32 (not rounded to hidden's dtype before the sampler)
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -130,8 +133,8 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
             module.kernel = ops.fp8_linear
             n += 1
-        elif isinstance(module, HyperConnection) and ops.hc_mix is not None:
-            module.fused_mix = ops.hc_mix
+        elif isinstance(module, HyperConnection) and (ops.hc_mix is not None or ops.hc_merge is not None):
+            module.fused_mix, module.fused_merge = ops.hc_mix, ops.hc_merge
             n += 1
         elif isinstance(module, V4RMSNorm) and ops.v4_rms_norm is not None:
             module.fused = ops.v4_rms_norm

@@ -34,7 +34,7 @@ from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
 from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .deepseek_v4_weights import renamed
 from .deepseek_v4_layers import (
-    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, hc_merge, keep_float32, moe_spec, unweighted_rms_norm,
+    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, keep_float32, moe_spec, unweighted_rms_norm,
 )  # fmt: skip
 
 
@@ -126,10 +126,10 @@ class V4DecoderLayer(nn.Module):
     def forward(self, h, input_ids, positions, ropes, cache, meta, batch):  # h [T, hc, D]
         post, comb, collapsed = self.attn_hc(h)
         out = self.self_attn(self.input_layernorm(collapsed), positions, ropes, cache, meta, batch)
-        h = hc_merge(h, out, post, comb)
+        h = self.attn_hc.merge(h, out, post, comb)
         post, comb, collapsed = self.ffn_hc(h)
         out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return hc_merge(h, out, post, comb)
+        return self.ffn_hc.merge(h, out, post, comb)
 
 
 class V4MTPBlock(V4DecoderLayer):

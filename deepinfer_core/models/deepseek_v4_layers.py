@@ -107,12 +107,18 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + hc) * hc))
         self.scale = nn.Parameter(torch.empty(3))
         self.fused_mix = None  # FusedOps.hc_mix (one kernel for hc_mix_reference), set by fused_ops.install
+        self.fused_merge = None  # FusedOps.hc_merge (one kernel for hc_merge), set by fused_ops.install
 
     def forward(self, streams: torch.Tensor):  # [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
         mix = self.fused_mix if self.fused_mix is not None else hc_mix_reference
         return mix(mixed, self.base, self.scale, streams, self.iters, self.eps)
+
+
+    def merge(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """:func:`hc_merge` (through the platform's kernel where installed)."""
+        return (self.fused_merge if self.fused_merge is not None else hc_merge)(streams, out, post, comb)
 
 
 def hc_mix_reference(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int, eps: float):

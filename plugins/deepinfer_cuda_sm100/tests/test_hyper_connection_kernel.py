@@ -1,6 +1,7 @@
 """``FusedOps.hc_mix`` (kernels/hyper_connection.py): DeepSeek-V4's hyper-connection weights and
 collapse in one launch equal the core's torch reference (``hc_mix_reference``), and a tiny V4
-with it, ``v4_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens.
+with it, ``hc_merge``, ``v4_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens;
+``hc_merge`` equals ``deepseek_v4_layers.hc_merge``.
 Without a GPU the kernel runs in Triton's interpreter."""
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference  # noqa: E402
+from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference, hc_mix_reference  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.hyper_connection import hc_mix  # noqa: E402
+from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,6 +34,22 @@ def test_hc_mix_equals_the_reference(hc, D, T, dtype, iters):
     assert not torch.allclose(got[1][0], want[1][0].t())  # comb is not symmetric: its layout is checked
 
 
+@pytest.mark.parametrize("hc,D,T,dtype", [(4, 96, 5, torch.float32), (3, 64, 2, torch.bfloat16), (4, 2048, 1, torch.bfloat16)])
+def test_hc_merge_equals_the_reference(hc, D, T, dtype):
+    g = torch.Generator().manual_seed(hc * 10 + D)
+    streams = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
+    out = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    post = (torch.rand(T, hc, generator=g) * 2).to(DEVICE)
+    comb = torch.rand(T, hc, hc, generator=g).to(DEVICE)  # not symmetric: comb^T is checked
+    want = hc_merge_reference(streams, out, post, comb)
+    got = hc_merge(streams, out, post, comb)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match=r"hc_merge: out must be \[T="):
+        hc_merge(streams, out[:, :-1], post, comb)
+
+
 def test_hc_mix_refuses_a_wrong_shape_by_name():
     streams = torch.zeros(2, 4, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"hc_mix: mixed must be \[T=2, 24\]"):
@@ -50,13 +67,13 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
 
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert (ops.hc_mix, ops.v4_rms_norm, ops.v4_rope) == (hc_mix, v4_rms_norm, v4_rope)
+    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope) == (hc_mix, hc_merge, v4_rms_norm, v4_rope)
     model = save_tiny_v4(tmp_path, 99, 5)
     prompt = list(range(3, 13))
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=4, do_sample=False)
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, fused_ops=False, enforce_eager=True)
     fused = sum(isinstance(m, (HyperConnection, V4RMSNorm, V4Attention)) for m in llm.engine.model.modules())
-    assert install(llm.engine.model, FusedOps(hc_mix=hc_mix, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope)) == fused > 2 * model.config.num_hidden_layers
+    assert install(llm.engine.model, FusedOps(hc_mix=hc_mix, hc_merge=hc_merge, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope)) == fused > 2 * model.config.num_hidden_layers
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
     assert got == want[0, len(prompt) :].tolist()

@@ -43,6 +43,8 @@ for arch in (90, 100):
         lower(vc._compress_decode_kernel, cd, dict(RATIO=ratio, W=width, DH=dh, ROPE2=32, OVERLAP=overlap, BLOCK_R=8), arch, 4)
     lower(hc._hc_mix_kernel, {"mixed_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "streams_ptr": "*bf16", "post_ptr": "*fp32",
           "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(HC=4, BLOCK_HC=4, BLOCK_D=1024), arch, 4)
+    lower(hc._hc_merge_kernel, {"s_ptr": "*bf16", "o_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16"},
+          dict(HC=4, BLOCK_HC=4, BLOCK_D=512), arch, 4)
     lower(ve._v4_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(BLOCK=2048), arch, 4)
     lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}, dict(NOPE=448, BLOCK_NOPE=512, HALF=32), arch, 4)
     print("sm%d" % arch)

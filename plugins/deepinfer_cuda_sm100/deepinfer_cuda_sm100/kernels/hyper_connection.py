@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_elementwise import _round
 from .paged_attention import _pow2
 
 
@@ -73,3 +74,47 @@ def hc_mix(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams
             D, int(iters), float(eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=min(1024, max(16, _pow2(D))), num_warps=4,
         )  # fmt: skip
     return post, comb, out
+
+
+@triton.jit
+def _hc_merge_kernel(
+    s_ptr, o_ptr, post_ptr, comb_ptr, out_ptr, stride_st, stride_sh, stride_o, stride_rt, stride_rh, D,
+    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    j = tl.arange(0, BLOCK_HC)
+    jm = j < HC
+    ty = s_ptr.dtype.element_ty
+    o = tl.load(o_ptr + t * stride_o + d, mask=dm, other=0.0).to(tl.float32)
+    post = _round(tl.load(post_ptr + t * HC + j, mask=jm, other=0.0), ty)
+    expand = _round(post[:, None] * o[None, :], ty)  # post.to(dtype) * out, rounded as torch multiplies
+    mixed = tl.zeros((BLOCK_HC, BLOCK_D), tl.float32)
+    for i in tl.static_range(HC):  # comb^T @ streams: a float32 sum of the hc rows, rounded once
+        c = _round(tl.load(comb_ptr + t * HC * HC + i * HC + j, mask=jm, other=0.0), ty)
+        row = tl.load(s_ptr + t * stride_st + i * stride_sh + d, mask=dm, other=0.0).to(tl.float32)
+        mixed += c[:, None] * row[None, :]
+    res = _round(expand + _round(mixed, ty), ty)
+    tl.store(out_ptr + t * stride_rt + j[:, None] * stride_rh + d[None, :], res.to(ty), mask=jm[:, None] & dm[None, :])
+
+
+def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``deepseek_v4_layers.hc_merge``: ``post * out`` expanded over the streams plus
+    ``comb^T @ streams``, in the streams' dtype, one launch."""
+    T, hc, D = streams.shape
+    if out.shape != (T, D) or post.shape != (T, hc) or comb.shape != (T, hc, hc):
+        raise ValueError(f"hc_merge: out must be [T={T}, D={D}], post [T, {hc}], comb [T, {hc}, {hc}]; got "
+                         f"{tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")  # fmt: skip
+    if streams.stride(-1) != 1:
+        streams = streams.contiguous()
+    out = out.to(streams.dtype) if out.stride(-1) == 1 else out.to(streams.dtype).contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    res = torch.empty(T, hc, D, dtype=streams.dtype, device=streams.device)
+    block_d = min(512, max(16, _pow2(D)))
+    if T:
+        _hc_merge_kernel[(T, -(-D // block_d))](
+            streams, out, post, comb, res, streams.stride(0), streams.stride(1), out.stride(0), res.stride(0), res.stride(1), D,
+            HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return res
