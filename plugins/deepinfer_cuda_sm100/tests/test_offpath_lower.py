@@ -1,7 +1,9 @@
 """The paged-attention kernel lowers to SM90 machine code at shapes the interpreter accepts but
-the GPU compiler may not: heads narrower than a 16-wide ``tl.dot`` (4, 8 and 12 channels; before
-the kernel padded them it failed to compile for the GPU while passing every interpreter test).
-Triton's ahead-of-time compile needs no GPU (see test_v4_kernels_lower.py)."""
+the GPU may not: heads narrower than a 16-wide ``tl.dot`` (4, 8 and 12 channels; before the
+kernel padded them it failed to compile for the GPU while passing every interpreter test), and
+DeepSeek-V3's 128-head MLA, whose launches must fit an H200's shared memory (before head chunks
+a bf16 split-KV decode needed 256 KiB and failed on the H200 with OutOfResources; float32 451
+KiB). Triton's ahead-of-time compile needs no GPU (see test_v4_kernels_lower.py)."""
 from __future__ import annotations
 
 import inspect
@@ -43,3 +45,39 @@ def test_narrow_heads_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.split() == ["d4", "d8", "d12"]
+
+
+WIDE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_cuda_sm100.kernels import paged_attention as pa
+
+fn = pa._paged_attention_kernel
+H200_SHARED = 232448  # bytes per block (opt-in maximum), as Triton reported it on the H200
+for dt, size, qlen, R in (("bf16", 2, 1, 4), ("bf16", 2, 512, 1), ("fp32", 4, 1, 4)):
+    full = pa.choose_config(128, 576, qlen, R, 8192, False)  # as paged_attention decides
+    heads = pa.head_chunk(128, 576, 512, size, full.num_splits > 1)
+    cfg = pa.choose_config(heads, 576, qlen, R, 8192, False) if heads < 128 else full
+    split = cfg.num_splits > 1
+    da, bdb, db = pa.head_split(576)
+    types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*fp32" if split else "*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
+    consts = dict(G=heads, TPT=max(1, cfg.block_m // heads), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=da, BLOCK_DB=bdb, DB=db,
+                  BLOCK_DV=512, DV=512, V_PLANE=0, HAS_WINDOW=False, SPLIT=split, IEEE=dt == "fp32", UPCAST=False)
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert kernel.metadata.shared <= H200_SHARED, (dt, qlen, heads, cfg, kernel.metadata.shared)
+    print("%s-q%d-%dheads-%s" % (dt, qlen, heads, "split" if split else "whole"))
+"""
+
+
+def test_deepseek_v3_mla_launches_fit_h200_shared_memory():
+    from triton.compiler import ASTSource
+
+    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", WIDE], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["bf16-q1-64heads-split", "bf16-q512-128heads-whole", "fp32-q1-16heads-split"]
