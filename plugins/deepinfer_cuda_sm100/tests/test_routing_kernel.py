@@ -19,6 +19,8 @@ CASES = {
     "sigmoid-nogroups": dict(num_experts=24, top_k=3, scoring="sigmoid", normalize_topk=False, bias=False),
     "softmax-groups-max": dict(num_experts=32, top_k=4, scoring="softmax", num_groups=4, topk_groups=2, bias=False),
     "softmax-bias-norm": dict(num_experts=10, top_k=2, scoring="softmax", bias=True),
+    "v4-sqrtsoftplus-bias": dict(num_experts=64, top_k=6, scoring="sqrtsoftplus", routed_scaling=1.5, bias=True),
+    "sqrtsoftplus-nobias": dict(num_experts=8, top_k=2, scoring="sqrtsoftplus", bias=False),
 }
 
 

@@ -1,5 +1,5 @@
 """The DeepSeek-V4 kernels (attention, ring write, indexer scores, compressor decode step,
-hyper-connection mix, V4 norm and rope) lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
+hyper-connection mix and merge, V4 norm and rope, sqrt-softplus routing) lower to machine code for SM90 (H100/H200) and SM100 (B200) at V4's
 shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an explicit target
 needs no GPU, so CI, which runs the kernels only in the interpreter, also proves they compile
 (the interpreter accepts code that the compiler rejects, e.g. branches yielding different types).
@@ -45,6 +45,9 @@ for arch in (90, 100):
           "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(HC=4, BLOCK_HC=4, BLOCK_D=1024), arch, 4)
     lower(hc._hc_merge_kernel, {"s_ptr": "*bf16", "o_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16"},
           dict(HC=4, BLOCK_HC=4, BLOCK_D=512), arch, 4)
+    from deepinfer_cuda_sm100.kernels import routing
+    lower(routing._route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"},
+          dict(E_P=64, G=1, TOPK_G=1, K=6, K_P=8, SOFTMAX=False, HAS_BIAS=True, NORMALIZE=True, SQRTSOFTPLUS=True), arch, 1)
     lower(ve._v4_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(BLOCK=2048), arch, 4)
     lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}, dict(NOPE=448, BLOCK_NOPE=512, HALF=32), arch, 4)
     print("sm%d" % arch)

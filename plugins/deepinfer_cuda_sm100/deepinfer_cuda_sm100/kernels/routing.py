@@ -1,5 +1,5 @@
-"""Learned MoE routing in one Triton program per token: scores (sigmoid or softmax), the
-selection bias, DeepSeek's group limit (a group scores the sum of its two best experts with a
+"""Learned MoE routing in one Triton program per token: scores (sigmoid, softmax or V4's
+sqrt-softplus), the selection bias, DeepSeek's group limit (a group scores the sum of its two best experts with a
 bias, else its best), top-k, weights gathered from the unbiased scores, normalised and scaled.
 
 Why: the reference routing is ~15 small torch launches per MoE layer (sigmoid, add, views, three
@@ -19,7 +19,7 @@ import triton.language as tl
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
     E_P: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, SQRTSOFTPLUS: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
@@ -28,6 +28,11 @@ def _route_kernel(
     if SOFTMAX:
         p = tl.exp(logit - tl.max(logit, axis=0))
         scores = p / tl.sum(p, axis=0)
+    elif SQRTSOFTPLUS:  # DeepSeek-V4: sqrt(softplus(x)), softplus as torch's (x itself above 20)
+        y = tl.exp(tl.minimum(logit, 20.0))
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # log1p(y) to float32 accuracy
+        scores = tl.sqrt(tl.where(logit > 20.0, logit, log1p))
     else:
         scores = 1.0 / (1.0 + tl.exp(-logit))
     choice = scores
@@ -62,9 +67,10 @@ def _route_kernel(
 
 
 def fused_routing_supported(spec, correction_bias) -> bool:
-    """Learned sigmoid / softmax routing with at most one bias; groups need a power-of-two E."""
+    """Learned sigmoid / softmax / sqrtsoftplus routing with at most one bias; groups need a
+    power-of-two E."""
     E, G = spec.num_experts, spec.num_groups
-    if spec.scoring not in ("sigmoid", "softmax") or spec.top_k > E or E > 1024:
+    if spec.scoring not in ("sigmoid", "softmax", "sqrtsoftplus") or spec.top_k > E or E > 1024:
         return False
     return G <= 1 or (E >= 16 and E & (E - 1) == 0 and (G & (G - 1)) == 0 and G <= E)
 
@@ -86,6 +92,7 @@ def route(spec, router_logits: torch.Tensor, correction_bias: torch.Tensor | Non
             E_P=max(16, triton.next_power_of_2(E)), G=groups, TOPK_G=spec.topk_groups if groups > 1 else 1,
             K=k, K_P=max(2, triton.next_power_of_2(k)),
             SOFTMAX=spec.scoring == "softmax", HAS_BIAS=correction_bias is not None, NORMALIZE=bool(spec.normalize_topk),
+            SQRTSOFTPLUS=spec.scoring == "sqrtsoftplus",
             num_warps=1 if E <= 256 else 4,
         )  # fmt: skip
     return ids, weights
