@@ -102,7 +102,7 @@ class V4Attention(nn.Module):
             if isinstance(batch, V4DecodeBatch):  # fixed shapes, no host sync (forward_decode)
                 decode_update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, getattr(self.backend, "compress_decode", None))
                 if indexer is not None:
-                    selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer)
+                    selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer, (cos, sin), apply)
             else:
                 update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
                 if indexer is not None:

@@ -89,10 +89,12 @@ def decode_update_entries(compressors, raw: list[torch.Tensor], cache: V4LayerCa
         tail_col += 2 * W
 
 
-def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, key_col: int, scorer=None) -> torch.Tensor:
+def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, key_col: int, scorer=None,
+                  cos_sin=None, apply=V4Rope.apply) -> torch.Tensor:  # fmt: skip
     """Decode-batch form of ``Indexer.select``: [R, index_topk] entry ids, -1 where none.
     ``scorer`` as there (``V4AttentionBackend.index_scores``, called with ``n_max`` =
-    :meth:`V4DecodeBatch.entries_cap`)."""
+    :meth:`V4DecodeBatch.entries_cap`); ``cos_sin`` the layer's own rope at the positions (the
+    same values, not computed twice) and ``apply`` its rope function (a platform's kernel)."""
     R, ratio, k = x.shape[0], indexer.ratio, indexer.topk
     positions = batch.positions
     visible = torch.div(positions + 1, ratio, rounding_mode="floor")  # [R]
@@ -101,8 +103,8 @@ def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBa
     cap = batch.entries_cap(ratio)
     if cap <= k:  # no row can see more than k entries
         return every_visible
-    cos, sin = rope.cos_sin(positions, x.dtype)
-    q = V4Rope.apply(indexer.q_b_proj(q_residual).view(R, indexer.heads, indexer.dim), cos, sin)
+    cos, sin = rope.cos_sin(positions, x.dtype) if cos_sin is None else cos_sin
+    q = apply(indexer.q_b_proj(q_residual).view(R, indexer.heads, indexer.dim), cos, sin)
     weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5  # [R, h]
     scale = indexer.dim**-0.5
     scores = None if scorer is None else scorer(q, weights, cache.entries, key_col, positions, batch, ratio, cap, scale)
