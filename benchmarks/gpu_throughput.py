@@ -289,6 +289,8 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     work: scheduling, batch building, sampling, output processing), and the top GPU kernels of
     one 64 x 512 prefill step."""
     graphs = llm.engine.runner.graphs
+    if getattr(graphs, "v4", None) is not None:  # DeepSeek-V4: its own graphs (v4_graphs.py)
+        graphs = graphs.v4
     for n in sorted(decode_ms):
         g = graphs.graphs.get(n) if graphs is not None else None
         if g is None:
