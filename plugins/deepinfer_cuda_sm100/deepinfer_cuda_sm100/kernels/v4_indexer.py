@@ -34,12 +34,15 @@ def _index_scores_kernel(
     ends = tl.load(qsl_ptr + 1 + req, mask=req < num_requests, other=2147483647)
     r = tl.sum((ends <= t).to(tl.int32), 0)  # the token's request: how many requests end at or before it
     visible = (tl.load(pos_ptr + t) + 1) // ratio
+    w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if tile * BLOCK_N >= visible:  # a tile past the token's entries (CUDA graphs score every slot the table addresses)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + w, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=w < n_max)
+        return
     h = tl.arange(0, BLOCK_H)
     h_ok = h < heads
     d = tl.arange(0, DI)
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
     wts = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
-    w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = w < visible
     page = tl.load(bt_ptr + r * stride_bt + w // per_block, mask=ok, other=0).to(tl.int64)
     k = tl.load(ent_ptr + page[:, None] * stride_eb + (w % per_block)[:, None] * stride_ee + key_col + d[None, :], mask=ok[:, None], other=0.0)
