@@ -31,7 +31,7 @@ def _route_kernel(
     elif SQRTSOFTPLUS:  # DeepSeek-V4: sqrt(softplus(x)), softplus as torch's (x itself above 20)
         y = tl.exp(tl.minimum(logit, 20.0))
         u = 1.0 + y
-        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # log1p(y) to float32 accuracy
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p(y) to float32 accuracy
         scores = tl.sqrt(tl.where(logit > 20.0, logit, log1p))
     else:
         scores = 1.0 / (1.0 + tl.exp(-logit))
