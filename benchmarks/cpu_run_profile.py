@@ -5,9 +5,10 @@
 ``cpu_step_profile.py`` looks at a few steady decode steps; this script times every step of one
 generate() call shaped like ``cpu_throughput.py``'s (the same prompts, KV cache size and sampling:
 128-token prompts, 128 new tokens, greedy, EOS ignored) and splits the run's wall time into
-prefill steps (the torch path: low-bit GEMMs, the rest of the model, LM head) and decode steps
-(the one native call, the LM head, sampling, and what is left: scheduling, batch building,
-Python). Timers wrap the engine's own methods on this one engine (nothing changes in the engine);
+prefill and decode steps: the model's forward (the one native call; prefill contexts over
+2,048 tokens and ``DEEPINFER_NATIVE_PREFILL=0`` take the torch ops, whose low-bit GEMM calls are
+timed apart), the LM head, sampling, and what is left (scheduling, batch building, Python); and
+the native call's own CPU split (GEMMs, attention, the rest) per step kind. Timers wrap the engine's own methods on this one engine (nothing changes in the engine);
 each adds ~1 us per call.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cpu_throughput import build_prompts  # noqa: E402
 
 
+NATIVE_PHASES = ("layer GEMMs", "attention (rotary, KV write, attention)", "the rest (embedding, norms, residuals, SiLU-mul)")
+
+
 class Timers:
     """Wall seconds per (step kind, part); the step kind is set by the model's forward."""
 
@@ -32,6 +36,7 @@ class Timers:
         self.s: dict[tuple[str, str], float] = defaultdict(float)
         self.steps: dict[str, int] = defaultdict(int)
         self.kind = "decode"
+        self.cpu: dict[tuple[str, str], float] = defaultdict(float)  # CPU seconds of the native call's phases
 
     @contextmanager
     def part(self, name: str):
@@ -63,8 +68,14 @@ def instrument(llm, timers: Timers) -> None:
 
     def timed_forward(input_ids, positions, kv_caches, meta):
         timers.kind = "decode" if meta.max_query_len == 1 else "prefill"
+        plan = getattr(model, "_decode_plan", None)
+        before = None if plan is None or plan.phase_ms is None else plan.phase_ms.clone()
         with timers.part("model forward"):
-            return forward(input_ids, positions, kv_caches, meta)
+            hidden = forward(input_ids, positions, kv_caches, meta)
+        if before is not None:  # the native call's own CPU split, per step kind
+            for name, ms in zip(NATIVE_PHASES, (plan.phase_ms - before).tolist()):
+                timers.cpu[(timers.kind, name)] += ms / 1e3
+        return hidden
 
     def timed_logits(hidden):
         with timers.part("LM head"):
@@ -135,8 +146,11 @@ def main() -> None:
         print(f"| {kind} | the rest (scheduler, batch build, outputs, Python) | {rest:.2f} | {rest / wall:.0%} |")
     print(f"| - | outside engine steps (generate()'s own Python) | {outside:.2f} | {outside / wall:.0%} |")
     if plan is not None:
-        gemm, attn, other = (plan.phase_ms / 1e3).tolist()
-        print(f"\ndecode native call, CPU s (both threads together): layer GEMMs {gemm:.2f}, attention {attn:.2f}, the rest {other:.2f}")
+        print("\n| step kind | native call phase | CPU s (all threads together) |")
+        print("|---|---|---:|")
+        for kind in ("prefill", "decode"):
+            for name in NATIVE_PHASES:
+                print(f"| {kind} | {name} | {timers.cpu[(kind, name)]:.2f} |")
 
 
 if __name__ == "__main__":

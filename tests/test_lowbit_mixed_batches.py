@@ -13,7 +13,7 @@ import pytest
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.lowbit import llama_decode, native
 from deepinfer_core.models.sources import smollm2_gguf
-from deepinfer_core.testing.greedy_check import check_greedy
+from deepinfer_core.testing.greedy_check import check_greedy, mixed_prompts, run_arriving
 
 GGUF = smollm2_gguf()
 KERNELS = native.load()
@@ -34,31 +34,6 @@ TEXT = (
 TOLERANCE = 0.3
 
 
-def mixed_prompts(tokenizer, count: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    """``count`` distinct token windows over TEXT, lengths cycling through ``lengths``."""
-    ids = tokenizer.encode(TEXT * (1 + max(lengths) * 2 // 60), add_special_tokens=False)
-    return [ids[i * 3 : i * 3 + lengths[i % len(lengths)]] for i in range(count)]
-
-
-def run_arriving(llm: LLM, prompts: list[list[int]], new_tokens: int, waves: int) -> list[list[int]]:
-    """Greedy outputs, the prompts added in ``waves`` groups, two engine steps apart."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    size = -(-len(prompts) // waves)
-    order: dict[str, int] = {}
-    outputs: dict[int, list[int]] = {}
-    pending = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            for prompt in pending.pop(0):
-                order[engine.add_request(prompt, params)] = len(order)
-        for _ in range(2):
-            for out in engine.step():
-                if out.finished:
-                    outputs[order[out.request_id]] = list(out.outputs[0].token_ids)
-    return [outputs[i] for i in range(len(prompts))]
-
-
 @pytest.fixture(scope="module")
 def dense():
     return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=5, max_num_seqs=1).engine
@@ -69,7 +44,7 @@ def test_mixed_lengths_arrivals_chunking_and_preemption_stay_with_the_float32_mo
     # 256 tokens a step: the 500- and 129-token prompts are prefilled in chunks
     llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=16, kv_cache_blocks=8, max_num_batched_tokens=256, enable_prefix_caching=False)
     engine = llm.engine
-    prompts = mixed_prompts(llm.get_tokenizer(), 17, LENGTHS)
+    prompts = mixed_prompts(llm.get_tokenizer(), 17, LENGTHS, TEXT)
     assert sorted({len(p) for p in prompts}) == list(LENGTHS)
     llm.generate("Hi", SamplingParams(max_tokens=2))  # builds the plan
     plan = engine.model._decode_plan

@@ -7,11 +7,15 @@ dequantized float32 model) reads each request's prompt plus the engine's own out
 forward (``LLMEngine.prompt_logits``), and every output token must be the reference's greedy
 choice at that prefix, or within ``tolerance`` of its largest logit (a near-tie). A wrong KV
 write, a bad attention mask, a lost or reordered request or a corrupted cache after preemption
-give tokens whole logits away from the reference's choice.
+give tokens whole logits away from the reference's choice. :func:`mixed_prompts` and
+:func:`run_arriving` make the batches such checks need (mixed lengths, requests arriving while
+others decode).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -56,3 +60,28 @@ def check_greedy(reference, prompts: list[list[int]], outputs: list[list[int]], 
             if gap > tolerance:
                 misses.append(GreedyMiss(i, j, int(token), int(best[j]), gap))
     return GreedyReport(tokens, exact, worst, tuple(misses))
+
+
+def mixed_prompts(tokenizer, count: int, lengths: tuple[int, ...], text: str) -> list[list[int]]:
+    """``count`` token windows 3 tokens apart over ``text`` repeated, lengths cycling through ``lengths``."""
+    ids = tokenizer.encode(text * (1 + (max(lengths) + 3 * count) // max(1, len(tokenizer.encode(text, add_special_tokens=False)))), add_special_tokens=False)
+    return [ids[i * 3 : i * 3 + lengths[i % len(lengths)]] for i in range(count)]
+
+
+def run_arriving(llm, prompts: list[list[int]], new_tokens: int, waves: int) -> list[list[int]]:
+    """Greedy outputs, the prompts added in ``waves`` groups, two engine steps apart."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    size = -(-len(prompts) // waves)
+    order: dict[str, int] = {}
+    outputs: dict[int, list[int]] = {}
+    pending = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            for prompt in pending.pop(0):
+                order[engine.add_request(prompt, params)] = len(order)
+        for _ in range(2):
+            for out in engine.step():
+                if out.finished:
+                    outputs[order[out.request_id]] = list(out.outputs[0].token_ids)
+    return [outputs[i] for i in range(len(prompts))]
