@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
+                        help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)")
     args = parser.parse_args()
     prompts = build_prompts(args.concurrency, args.prompt_tokens)
     import inspect
@@ -109,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     block_size = inspect.signature(LLM).parameters["block_size"].default  # sized as cpu_throughput.py's
     blocks = len(prompts) * -(-(len(prompts[0]) + args.new_tokens) // block_size)
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks, enable_prefix_caching=not args.prefill_ab)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -151,6 +153,23 @@ def main() -> None:
         for kind in ("prefill", "decode"):
             for name in NATIVE_PHASES:
                 print(f"| {kind} | {name} | {timers.cpu[(kind, name)]:.2f} |")
+
+    if args.prefill_ab and plan is not None:
+        plan.phase_ms = None
+        walls: dict[bool, list[float]] = defaultdict(list)
+        for _ in range(args.prefill_ab):
+            for native in (True, False):
+                plan.prefill = native
+                start = time.perf_counter()
+                generate(prompts, args.new_tokens)
+                walls[native].append(time.perf_counter() - start)
+        plan.prefill = True
+        print(f"\nwhole runs alternating, load average after {os.getloadavg()[0]:.1f}:")
+        print("| prefill | runs | best wall s | median wall s | tok/s (best) |")
+        print("|---|---:|---:|---:|---:|")
+        for native in (True, False):
+            w = sorted(walls[native])
+            print(f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |")
 
 
 if __name__ == "__main__":
