@@ -70,3 +70,19 @@ def test_mixed_lengths_arrivals_chunking_and_preemption_stay_with_the_float32_mo
           f"{engine.scheduler.num_preemptions} preemptions, {native_prefill} native multi-token steps")
     assert not report.misses, report.misses[:5]
     assert report.exact >= 0.9 * report.tokens
+
+
+def test_prefix_cache_hits_resume_prefill_mid_prompt_and_stay_with_the_float32_model(dense):
+    # 6 prompts sharing a 300-token head (2 full blocks of 128 cached after the first request),
+    # tails of 1-41 tokens: the later requests prefill from position 256 on, natively
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=8, kv_cache_blocks=24)
+    head = mixed_prompts(llm.get_tokenizer(), 1, (300,), TEXT)[0]
+    tails = mixed_prompts(llm.get_tokenizer(), 6, (1, 9, 17, 25, 33, 41), TEXT[::-1])
+    prompts = [head + tail for tail in tails]
+    first = run_arriving(llm, prompts[:1], 6, waves=1)
+    rest = run_arriving(llm, prompts[1:], 6, waves=2)
+    assert llm.engine.kv.hits > 0
+    report = check_greedy(dense, prompts, first + rest, TOLERANCE)
+    print(f"prefix hits {llm.engine.kv.hits}: {report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}")
+    assert not report.misses, report.misses[:5]
+    assert report.exact >= 0.9 * report.tokens
