@@ -156,6 +156,21 @@ def test_the_prefill_switch_keeps_multi_token_steps_on_torch_and_refuses_other_v
         LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=2)  # refused at load, before any step
 
 
+def test_prefill_chunks_run_on_the_decode_steps_thread_count_and_never_probe(lowbit):
+    from deepinfer_core.lowbit.threads import ThreadChooser
+
+    lowbit.generate("Hi", SamplingParams(max_tokens=2))
+    plan = lowbit.engine.model._decode_plan
+    saved, plan.threads = plan.threads, ThreadChooser(first_probe=1)  # would probe at its first pick
+    try:
+        lowbit.generate(["Question: " + p for p in PROMPTS], SamplingParams(max_tokens=1))  # prefill steps only
+        assert plan.threads._steps == 0 and plan.threads._recent is None
+        lowbit.generate("Hi there", SamplingParams(max_tokens=3, ignore_eos=True))  # then decode steps pick
+        assert plan.threads._steps > 0
+    finally:
+        plan.threads = saved
+
+
 def test_dense_models_get_no_plan(dense):
     dense.generate("Hi", SamplingParams(max_tokens=2))
     assert dense.engine.model._decode_plan is None

@@ -174,19 +174,24 @@ class LlamaDecodePlan:
         if self._scratch.numel() < rows * self._per_row:  # grows to the largest batch seen, then stays
             self._scratch = torch.empty(rows * self._per_row)
         for a in range(0, T, rows):
-            self._call(ids[a : a + rows], positions[a : a + rows], slots[a : a + rows], tables[a : a + rows], out[a : a + rows])
+            self._call(ids[a : a + rows], positions[a : a + rows], slots[a : a + rows], tables[a : a + rows], out[a : a + rows], decode)
         return out
 
-    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
-        R = ids.shape[0]
-        threads = torch.get_num_threads() if self.threads is None else self.threads.pick(torch.get_num_threads(), R)
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, out: torch.Tensor, decode: bool) -> None:
+        R, most = ids.shape[0], torch.get_num_threads()
+        if self.threads is None:
+            threads = most
+        elif decode:
+            threads = self.threads.pick(most, R)
+        else:  # prefill takes the count the decode steps chose, never a probe (a 512-row probe on the slower count costs ~0.7 s)
+            threads = min(self.threads.current or most, most)
         start = time.perf_counter()
         self._lib.llama_decode_step(
             ctypes.byref(self._md), self._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
             tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), threads,
             None if self.phase_ms is None else self.phase_ms.data_ptr(),
         )  # fmt: skip
-        if self.threads is not None:
+        if self.threads is not None and decode:
             self.threads.record(threads, R, (time.perf_counter() - start) * 1e3)
 
 
