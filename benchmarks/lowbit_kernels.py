@@ -7,7 +7,9 @@ opt-in kernels_i8.c), same weights, same run.
 Weights are random packed blocks of the model's shapes (q4 for the layers, q8 for the tied
 49,152 x 576 head); each (shape, M) cell is the best of 3 timings of enough calls for ~0.2 s.
 Prints milliseconds per call and exact / integer (above 1: the integer kernel is faster). The
-row count where the ratio falls below 1 is where ``ops.DEFAULT_INT_ROWS`` should sit.
+row count where the ratio falls below 1 was where ``ops.DEFAULT_INT_ROWS`` sat while the integer
+kernel had only its rows layout; since kernels_i16.c's panel (5 rows on) it is every call
+(``lowbit_i16.py`` compares the two kernels at prefill sizes too).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 
 from deepinfer_core.builtin.cpu_features import cpu_features  # noqa: E402
 from deepinfer_core.lowbit import native, ops  # noqa: E402
-from deepinfer_core.lowbit.formats import from_gguf  # noqa: E402
+from deepinfer_core.lowbit.formats import QuantWeight, from_gguf  # noqa: E402
 
 KERNELS = native.load()
 needs_kernels = pytest.mark.skipif(KERNELS.lib is None, reason=f"low-bit kernels unavailable here: {KERNELS.reason}")
@@ -201,11 +201,12 @@ def test_activations_are_each_block_rounded_to_half_a_step(quantize, dtype, top,
 
 @needs_kernels
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q4_K"])
-@pytest.mark.parametrize("M", [1, 2, 3, 7])
+@pytest.mark.parametrize("M", [1, 3, 7, 17, 33])
 def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
-    """Odd shapes (N = 37 rows, K = 11 blocks or 2 Q4_K super-blocks, M not a multiple of the
-    4-token tile): the kernel's result against float64 sums of the same integers times the
-    same scales, the q4 offsets applied to the float block sums."""
+    """Odd shapes (N = 37 rows: two 16-row panel tiles and a short one; K = 11 blocks or 2 Q4_K
+    super-blocks; M = 1 and 3 on the rows layout, 7, 17 and 33 on the panel, none a multiple of
+    its 3- or 4-token tile): the kernel's result against float64 sums of the same integers times
+    the same scales, the q4 offsets applied to the float block sums."""
     k = 512 if type_name == "Q4_K" else 352
     if type_name == "Q4_K":  # the gguf library has no Q4_K quantizer: random super-blocks
         raw = _random_blocks("Q4_K", 37, k, seed=7)
@@ -238,13 +239,46 @@ def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
 
 
 @needs_kernels
-def test_int16_kernel_gives_each_row_the_same_result_alone_or_in_a_batch():
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize(("M", "K"), [(1, 352), (3, 352), (6, 352), (17, 352), (33, 352), (33, 1376)])
+def test_int16_kernel_integer_sums_are_exact(kind, M, K):
+    """Bit for bit: weights with d = 1 (and m = 0) and activations whose every block holds
+    32767 (so the block's scale is exactly 1 and the integers are x itself) make each output the
+    plain integer dot product, small enough to be exact in float32. That is, the kernel pairs
+    every weight with its own activation (the panel's transposes, the short last tile of N = 37,
+    the token tails, K = 1,376 in three slices of the panel) and loses nothing in its int32
+    sums; int64 sums are the reference."""
+    N = 37
+    g = torch.Generator().manual_seed(M)
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g) if kind == "q4" else torch.randint(-128, 128, (N, K // 32, 32), generator=g)
+    q[:, :, 5] = 0  # the weight of each block's largest activation (below): every sum stays far below 2^24
+    if kind == "q4":
+        qs = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        packed = QuantWeight("q4", qs, torch.ones(N, K // 32), torch.zeros(N, K // 32), "Q4_1")
+    else:
+        packed = QuantWeight("q8", q.to(torch.int8), torch.ones(N, K // 32), None, "Q8_0")
+    x = torch.randint(-40, 41, (M, K), generator=g).float()
+    x[:, 5::32] = 32767.0  # each block's largest |x|: its scale is 32767 / 32767 = 1
+    expected = torch.einsum("nbj,mbj->mn", q.long(), x.long().reshape(M, K // 32, 32))
+    assert expected.abs().max() < 2**24
+    got = ops.matmul(x, packed, max_int_rows=M)
+    assert torch.equal(got, expected.float())
+
+
+@needs_kernels
+def test_int16_kernel_gives_each_row_the_same_result_within_each_layout():
+    """A row's result does not depend on its batch within a layout: the rows layout (1-4 rows)
+    and the panel (5 rows on, any token tail). Between the layouts only the float rounding of
+    the same exact block sums differs."""
     w = np.random.default_rng(8).standard_normal((40, 256)).astype(np.float32)
     packed = from_gguf("Q4_1", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), (40, 256))
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
-    together = ops.matmul(x, packed, max_int_rows=7)
-    for i in range(7):
-        assert torch.equal(ops.matmul(x[i : i + 1], packed, max_int_rows=1)[0], together[i])
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(1))
+    together = ops.matmul(x, packed, max_int_rows=19)  # the panel: 6 passes of 3 tokens and a tail of 1
+    for lo, hi in ((0, 5), (3, 10), (11, 19), (13, 19)):  # tails of 2, 1, 2 and 0 tokens; other offsets
+        assert torch.equal(ops.matmul(x[lo:hi], packed, max_int_rows=19), together[lo:hi])
+    alone = torch.stack([ops.matmul(x[i : i + 1], packed, max_int_rows=1)[0] for i in range(19)])
+    assert torch.equal(ops.matmul(x[4:8], packed, max_int_rows=4), alone[4:8])  # the rows layout
+    torch.testing.assert_close(alone, together, rtol=1e-5, atol=1e-5)
 
 
 def test_int_rows_setting_is_read_from_the_environment_and_refused_by_name():

@@ -78,7 +78,8 @@ def test_kernel_choice_by_rows_and_weight_kind():
     assert ops.kernel_for(5, "q4", 4, 5) == "i8" and ops.kernel_for(2048, "q4", 4, 5) == "i8"
     assert ops.kernel_for(5, "q8", 4, 5) == "exact"  # 8-bit weights keep float32 activations
     assert ops.kernel_for(64, "q4", 4, 0) == "exact"
-    assert ops.kernel_for(64, "q4", 10**9, 5) == "i16"
+    assert ops.kernel_for(64, "q4", 10**9, 5) == "i8"  # opted in: whatever int_rows says (the int16 default covers every row count)
+    assert ops.kernel_for(64, "q8", 10**9, 5) == "i16" and ops.kernel_for(64, "q4", 10**9, 0) == "i16"
     # the dispatch really takes the int8 kernel: equal to a direct call, not to the exact kernel
     packed = _packed("Q4_1", 24, 128, seed=3)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(2))

@@ -1,8 +1,8 @@
 """Low-bit weights on CPU: GGUF block-quantized tensors served packed (4 or 8 bits per value, a
 scale per 32 values) and multiplied by AVX2 kernels that widen each block in registers, so a
-step reads 4-8x fewer weight bytes than float32. Calls of a few rows (decode) round the
-activations to int16 per 32-block and use integer dot products; larger ones keep them float32
-(``ops`` says when, ``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 everywhere). The KV cache of this
+step reads 4-8x fewer weight bytes than float32. Every call rounds the activations to int16
+per 32-block and uses exact integer dot products (``kernels_i16.c``; ``ops`` says why,
+``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 activations everywhere). The KV cache of this
 path is float16 (``attention.kv_dtype``): decode attention at many requests is bounded by its
 reads of the cache. An int8-activation kernel for 4-bit weights (llama.cpp's arithmetic, ~2x faster from 5 rows on)
 is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it loses the float32 model's greedy tokens.

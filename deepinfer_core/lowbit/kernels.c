@@ -7,22 +7,15 @@
  *
  * Two ways to multiply:
  *
- * - exact (gemm_f32_act): activations stay float32. One token: each weight block is widened to
- *   float in registers and used at once. Several tokens: a few weight rows are widened once into
- *   a small float panel and a register-blocked micro-kernel runs them against every token
- *   (gemm_panel). Every output element is one fixed sequence of FMAs whatever M is.
- * - integer (gemm_i16_act): each activation row is rounded once per call to 16-bit integers per
- *   32-block and multiplied by the weights widened only to int16 (vpmaddwd: exact int32 sums),
- *   one float FMA per block for the scales. 2-3x faster than the exact kernel for one token
- *   (about 13 instructions per 32 weights instead of 28), not faster from ~4-8 tokens on, where
- *   the exact panel kernel pays its widening once for all tokens. Why 16 bits and not
- *   llama.cpp's 8: rounding activations to int8 per 32-block changed SmolLM2's greedy outputs
- *   on 15 of 16 prompts against the same weights in float32 (the Q8_0 acceptance asks >= 14/16
- *   identical over 64 tokens); 16 bits keep them (benchmarks/README.md, lowbit_agreement.py).
- *   Without VNNI (this AVX2 build) an int8 dot is vpmaddubsw + vpmaddwd per 32 values; int16
- *   takes two vpmaddwd, one add and one more widening: about two instructions more per block.
- *   (AVX-VNNI's vpdpwssd would fuse the int16 multiply-add; not built here: no VNNI on the
- *   machine this was measured on, so it could not be tested.)
+ * - exact (gemm_f32_act, this file): activations stay float32. One token: each weight block is
+ *   widened to float in registers and used at once. Several tokens: a few weight rows are
+ *   widened once into a small float panel and a register-blocked micro-kernel runs them against
+ *   every token (gemm_panel). Every output element is one fixed sequence of FMAs whatever M is.
+ * - integer (gemm_i16_act, kernels_i16.c): activations rounded to 16-bit integers per 32-block,
+ *   exact int32 block sums by vpmaddwd, one float FMA per block for the scales. 2-3x faster than
+ *   the exact kernel for one token, 1.2-1.4x from ~16 tokens on (a panel of weight rows widened
+ *   to int16), about the same at 5-12. The default for every call (ops.DEFAULT_INT_ROWS).
+ *   (kernels_i8.c's int8 activations are faster still, but lose the float32 model's tokens.)
  *
  * lowbit_gemm picks between them by row count (the Python side: ops.matmul). Memory traffic is
  * the packed weights (4-8x less than float32) either way.
@@ -173,148 +166,18 @@ void gemm_f32_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
     else gemm_direct(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
 
-static inline float dot_offsets(const float *m, const float *sx, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sx + b), acc);
-    float r = vec_hsum8(acc);
-    for (; b < nb; b++) r += m[b] * sx[b];
-    return r;
-}
-
-/* Integer-dot path for few tokens (decode). Each activation row is rounded once per call, per
- * 32-block, to 16-bit integers: v = round(x / s), s = max|x| / 32767 (llama.cpp rounds to 8 bits;
- * on SmolLM2 that changed the greedy output of most prompts against the same weights in float32,
- * see benchmarks/README.md). The weight block is widened only to int16 (one instruction per 16
- * values) and multiplied by `vpmaddwd`, which sums pairs into int32 exactly; one float FMA per
- * block applies d * s. A q4 block's offset m is applied to the block's float sum of x, so only
- * the d * q part sees the rounded activations. Per output element the operations do not depend
- * on M or on the other rows: each row's result is the same alone or in any batch that takes
- * this path. */
-typedef struct {
-    int16_t *v;  /* [M, K] */
-    float *s;    /* [M, K/32] scale per block */
-    float *sx;   /* [M, K/32] float sum of the block's x (for the q4 offset) */
-} act16_t;
-
-/* Round x [M, K] to act16 (exported for the tests: the kernel's own rounding, so a float64
- * reference can use exactly the integers the kernel multiplies). */
-void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, float *sx) {
-    const int64_t nb = K / QK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + i * K + b * QK;
-            __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
-                                           _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
-            const float amax = vec_hmax8(a);
-            sx[i * nb + b] = vec_hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
-            const float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            s[i * nb + b] = scale;
-            const __m256 vi = _mm256_set1_ps(inv);
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vi));
-            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vi));
-            /* packs works per 128-bit lane: reorder the 64-bit quarters back to element order */
-            const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
-            const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
-            _mm256_storeu_si256((__m256i *)(v + i * K + b * QK), p0);
-            _mm256_storeu_si256((__m256i *)(v + i * K + b * QK + 16), p1);
-        }
-}
-
-static inline __attribute__((always_inline)) void widen_block_i16(int kind, const void *qs, int64_t blk, __m256i *w0, __m256i *w1) {
-    if (kind == 4) {
-        /* each byte widened to 16 bits holds both nibbles: the low one is element j, the high
-         * one (a shift, no mask needed) element j + 16 */
-        const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)qs + blk * (QK / 2))));
-        *w0 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
-        *w1 = _mm256_srli_epi16(both, 4);
-    } else {
-        const int8_t *q = (const int8_t *)qs + blk * QK;
-        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
-    }
-}
-
-static inline __attribute__((always_inline)) __m256 block_dot_i16(__m256i w0, __m256i w1, const int16_t *vr) {
-    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)vr)),
-                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(vr + 16))));
-    return _mm256_cvtepi32_ps(p);
-}
-
-/* One weight row n against T tokens (T a compile-time constant after inlining, so the
- * accumulators live in registers); two accumulators per token over even/odd blocks, summed in
- * a fixed order at the end. */
-static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int64_t i0, const int T, int64_t K, int kind,
-                                                         const void *qs, const float *d, const float *m, int64_t n,
-                                                         int64_t N, float *y) {
-    const int64_t nb = K / QK;
-    const float *wd = d + n * nb;
-    __m256 acc0[4], acc1[4];
-    for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m256i w0, w1, u0, u1;
-        widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
-        widen_block_i16(kind, qs, n * nb + b + 1, &u0, &u1);
-        for (int t = 0; t < T; t++) {
-            const float *st = a->s + (i0 + t) * nb + b;
-            const int16_t *vr = a->v + (i0 + t) * K + b * QK;
-            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, vr), _mm256_broadcast_ss(wd + b)), _mm256_broadcast_ss(st), acc0[t]);
-            acc1[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(u0, u1, vr + QK), _mm256_broadcast_ss(wd + b + 1)), _mm256_broadcast_ss(st + 1), acc1[t]);
-        }
-    }
-    if (b < nb) {
-        __m256i w0, w1;
-        widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
-        for (int t = 0; t < T; t++)
-            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, a->v + (i0 + t) * K + b * QK), _mm256_broadcast_ss(wd + b)),
-                                      _mm256_broadcast_ss(a->s + (i0 + t) * nb + b), acc0[t]);
-    }
-    for (int t = 0; t < T; t++) {
-        float r = vec_hsum8(_mm256_add_ps(acc0[t], acc1[t]));
-        if (kind == 4) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
-        y[(i0 + t) * N + n] = r;
-    }
-}
-
-static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                          int64_t N, float *y, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        int64_t i0 = 0;
-        for (; i0 + 4 <= M; i0 += 4) row_i16(a, i0, 4, K, kind, qs, d, m, n, N, y);
-        switch (M - i0) {
-            case 3: row_i16(a, i0, 3, K, kind, qs, d, m, n, N, y); break;
-            case 2: row_i16(a, i0, 2, K, kind, qs, d, m, n, N, y); break;
-            case 1: row_i16(a, i0, 1, K, kind, qs, d, m, n, N, y); break;
-            default: break;
-        }
-    }
-}
-
-/* x [M, K] float32 -> y [M, N]: activations rounded to int16 per block, integer dot products. */
 void gemm_i16_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
-                  int64_t N, float *y, int nthreads) {
-    const int64_t nb = K / QK;
-    act16_t a = {(int16_t *)malloc((size_t)(M * K) * sizeof(int16_t)), (float *)malloc((size_t)(M * nb) * sizeof(float)),
-                 (float *)malloc((size_t)(M * nb) * sizeof(float))};
-    quantize_act16(x, M, K, a.v, a.s, a.sx);
-    gemm_i16_rows(&a, M, K, kind, qs, d, m, N, y, nthreads);
-    free(a.v); free(a.s); free(a.sx);
-}
-
+                  int64_t N, float *y, int nthreads);  /* kernels_i16.c */
 void gemm_i8_act(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N, float *y,
                  int nthreads);  /* kernels_i8.c */
 
-/* The one entry point for callers in C (layer.c): the int16 kernel for M <= int_rows rows, the
- * int8 kernel for 4-bit weights from int8_rows rows on (0: never), the exact float32-activation
- * kernel otherwise (ops.kernel_for chooses the same way). */
+/* The one entry point for callers in C (layer.c): the int8 kernel for 4-bit weights from
+ * int8_rows rows on (opt-in; 0: never), else the int16 kernel for M <= int_rows rows, the exact
+ * float32-activation kernel otherwise (ops.kernel_for chooses the same way). */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                  int64_t N, float *y, int nthreads, int64_t int_rows, int64_t int8_rows) {
-    if (M <= int_rows) gemm_i16_act(x, M, K, kind, qs, d, m, N, y, nthreads);
-    else if (kind == 4 && int8_rows > 0 && M >= int8_rows) gemm_i8_act(x, M, K, (const uint8_t *)qs, d, m, N, y, nthreads);
+    if (kind == 4 && int8_rows > 0 && M >= int8_rows) gemm_i8_act(x, M, K, (const uint8_t *)qs, d, m, N, y, nthreads);
+    else if (M <= int_rows) gemm_i16_act(x, M, K, kind, qs, d, m, N, y, nthreads);
     else gemm_f32_act(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
 

@@ -14,7 +14,9 @@ request's block table and its own position, and a layer writes every row's key a
 its attention reads any, so the decode attention over positions ``0..position`` is causal prefill
 attention (a prompt's earlier chunks are already in the cache). Rows go in chunks of
 :data:`PREFILL_CHUNK` in token order: a later chunk reads the keys an earlier chunk wrote, every
-kernel computes a row alone, so chunking changes no bit, and the scratch stays small. Contexts
+kernel computes a row alone, so chunking changes no bit (but for a last chunk of 1-4 rows, which
+the int16 GEMM sums in its rows layout: the same integers, float32 rounding in another order;
+kernels_i16.c), and the scratch stays small. Contexts
 beyond :data:`PREFILL_MAX_CONTEXT` keep the torch path, whose SDPA reuses each key across a
 prompt's queries (the decode kernel reads it once per query). ``DEEPINFER_NATIVE_PREFILL=0`` keeps
 every multi-token step on the torch path.

@@ -1,10 +1,13 @@
 """Tensor-level entry point to the native kernels: ``x @ W^T`` with W packed.
 
-Two kernels (kernels.c says how each works): the exact one keeps activations float32; the
-integer one rounds them to 16 bits per 32-block and uses integer dot products, 2-3x faster for
-one token and slower than the exact panel kernel from about 4-8 tokens on. :func:`int_rows`
-says up to how many rows a call takes the integer kernel; ``DEEPINFER_LOWBIT_EXACT=1`` (or
-``DEEPINFER_LOWBIT_INT_ROWS=0``) keeps every call on the exact kernel.
+Two kernels (kernels.c and kernels_i16.c say how each works): the exact one keeps activations
+float32; the integer one rounds them to 16 bits per 32-block and uses exact integer dot products
+(``vpmaddwd``), 2-3x faster for one token and 1.2-1.4x from ~16 tokens on (prefill, decode of
+many requests), about as fast at 5-12. Its rounding (1/65534 of each block's largest value)
+keeps SmolLM2's greedy tokens those of the float32 model (benchmarks/README.md), so by default
+every call takes it. :func:`int_rows` says up to how many rows a call does;
+``DEEPINFER_LOWBIT_EXACT=1`` (or ``DEEPINFER_LOWBIT_INT_ROWS=0``) keeps every call on the exact
+kernel, ``DEEPINFER_LOWBIT_INT_ROWS=4`` the earlier default (int16 for decode of <= 4 requests).
 
 A third kernel (kernels_i8.c) rounds activations to int8 per 32-block for 4-bit weights only,
 llama.cpp's way: about 2x the exact kernel's speed from 5 rows on (prefill, decode of many
@@ -23,7 +26,7 @@ import torch
 from .formats import QuantWeight
 from .native import load
 
-DEFAULT_INT_ROWS = 4  # where the integer kernel stops winning on the 2-vCPU Zen 3 (benchmarks/README.md)
+DEFAULT_INT_ROWS = 1 << 62  # every call: the integer kernel is as fast or faster at every row count (benchmarks/README.md)
 
 
 def int_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
@@ -32,12 +35,12 @@ def int_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     return _rows_setting(environ, "DEEPINFER_LOWBIT_INT_ROWS", DEFAULT_INT_ROWS, "rows up to which activations are rounded to int16")
 
 
-DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); DEFAULT_INT_ROWS + 1 would be every q4 call above int16's
+DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); 1 would send every 4-bit call to it
 
 
 def int8_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
-    """Calls of 4-bit weights with at least this many rows (and more than :func:`int_rows`) take
-    the int8-activation kernel (0: none). ``DEEPINFER_LOWBIT_EXACT=1`` turns it off too."""
+    """Calls of 4-bit weights with at least this many rows take the int8-activation kernel (0:
+    none), whatever :func:`int_rows` says. ``DEEPINFER_LOWBIT_EXACT=1`` turns it off too."""
     return _rows_setting(environ, "DEEPINFER_LOWBIT_INT8_ROWS", DEFAULT_INT8_ROWS, "rows from which 4-bit weights meet int8 activations; 0: never")
 
 
@@ -59,12 +62,12 @@ def _rows_setting(environ: "os._Environ[str] | dict[str, str]", name: str, defau
 
 
 def kernel_for(M: int, kind: str, max_int_rows: int, min_int8_rows: int) -> str:
-    """Which kernel a call of M rows takes: "i16", "i8" or "exact" (kernels.c's lowbit_gemm
-    chooses the same way)."""
-    if M <= max_int_rows:
-        return "i16"
+    """Which kernel a call of M rows takes: "i8" (opted in), "i16" or "exact" (kernels.c's
+    lowbit_gemm chooses the same way)."""
     if kind == "q4" and min_int8_rows > 0 and M >= min_int8_rows:
         return "i8"
+    if M <= max_int_rows:
+        return "i16"
     return "exact"
 
 

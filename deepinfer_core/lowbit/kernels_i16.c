@@ -1,0 +1,345 @@
+/* 16-bit-integer-activation GEMMs for the packed 4/8-bit weights of kernels.c.
+ *
+ * Why: on this AVX2 CPU without VNNI a float32 GEMM does 8 multiply-adds per FMA, and the exact
+ * kernels of kernels.c already run near that rate. `vpmaddwd` multiplies 16 int16 pairs per
+ * instruction and sums each pair exactly into int32: weights' 4/8-bit integers widen to int16
+ * exactly, and activations rounded to int16 per 32-value block (scale = max|x| / 32767) keep
+ * ~15 bits, so the products are much closer to float32 than llama.cpp's int8 activations
+ * (kernels_i8.c), whose rounding changes SmolLM2's greedy outputs (benchmarks/README.md).
+ *
+ * Arithmetic per output element (weight row n, token t, blocks b), as kernels_i8.c's:
+ *
+ *   y = sum_b d[n,b] * s[t,b] * sum_j q[n,b,j] * v[t,b,j]  +  sum_b m[n,b] * sx[t,b]
+ *
+ * v = round(x / s), s = max|x| / 32767; sx = the block's float sum of x, so the q4 offset m
+ * never sees the rounding (q8 has no offset). Integer block sums are exact: |q * v| <= 128 *
+ * 32767, 32 of them fit int32.
+ *
+ * Two layouts:
+ * - rows (few tokens, decode of 1-4 requests): each weight block widened in registers and
+ *   multiplied against each token's block at once; per-lane partial sums, one horizontal sum
+ *   per output at the end.
+ * - panel (more tokens: decode of many requests, prefill): a tile of 16 weight rows is widened
+ *   to int16 once per call (and token chunk) into a panel where each vector holds one k-pair of
+ *   8 rows side by side, so one broadcast of a token's activation pair and one vpmaddwd give 8
+ *   columns x 2 products into an int32 lane per column: no horizontal reductions, and each
+ *   weight vector loaded serves 3 tokens, each broadcast 2 vectors. Per block: 16 vpmaddwd and
+ *   16 adds per token and 8 columns, then one conversion and two FMAs (the scales, the offset).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define QK 32
+
+static inline float dot_offsets(const float *m, const float *sx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sx + b), acc);
+    float r = vec_hsum8(acc);
+    for (; b < nb; b++) r += m[b] * sx[b];
+    return r;
+}
+
+/* Each activation row rounded once per call, per 32-block (quantize_act16). Within each layout
+ * a row's result does not depend on M or on the other rows (the rows layout for M < P16_MIN_M,
+ * the panel from there on); the two layouts sum the same exact block integers but round the
+ * float part in another order (per lane then across lanes, or per block), so a row's result
+ * alone and in a batch of >= P16_MIN_M rows differ by float32 rounding. */
+typedef struct {
+    int16_t *v;  /* [M, K] */
+    float *s;    /* [M, K/32] scale per block */
+    float *sx;   /* [M, K/32] float sum of the block's x (for the q4 offset) */
+} act16_t;
+
+/* Round x [M, K] to act16 (exported for the tests: the kernel's own rounding, so a float64
+ * reference can use exactly the integers the kernel multiplies). */
+void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, float *sx) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + i * K + b * QK;
+            __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+            const float amax = vec_hmax8(a);
+            sx[i * nb + b] = vec_hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+            const float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            s[i * nb + b] = scale;
+            const __m256 vi = _mm256_set1_ps(inv);
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vi));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vi));
+            /* packs works per 128-bit lane: reorder the 64-bit quarters back to element order */
+            const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+            const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+            _mm256_storeu_si256((__m256i *)(v + i * K + b * QK), p0);
+            _mm256_storeu_si256((__m256i *)(v + i * K + b * QK + 16), p1);
+        }
+}
+
+/* ---- rows layout (few tokens); widen_block_i16 serves the panel too ---- */
+
+static inline __attribute__((always_inline)) void widen_block_i16(int kind, const void *qs, int64_t blk, __m256i *w0, __m256i *w1) {
+    if (kind == 4) {
+        /* each byte widened to 16 bits holds both nibbles: the low one is element j, the high
+         * one (a shift, no mask needed) element j + 16 */
+        const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)qs + blk * (QK / 2))));
+        *w0 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
+        *w1 = _mm256_srli_epi16(both, 4);
+    } else {
+        const int8_t *q = (const int8_t *)qs + blk * QK;
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 block_dot_i16(__m256i w0, __m256i w1, const int16_t *vr) {
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)vr)),
+                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(vr + 16))));
+    return _mm256_cvtepi32_ps(p);
+}
+
+/* One weight row n against T tokens (T a compile-time constant after inlining, so the
+ * accumulators live in registers); two accumulators per token over even/odd blocks, summed in
+ * a fixed order at the end. */
+static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int64_t i0, const int T, int64_t K, int kind,
+                                                         const void *qs, const float *d, const float *m, int64_t n,
+                                                         int64_t N, float *y) {
+    const int64_t nb = K / QK;
+    const float *wd = d + n * nb;
+    __m256 acc0[4], acc1[4];
+    for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m256i w0, w1, u0, u1;
+        widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
+        widen_block_i16(kind, qs, n * nb + b + 1, &u0, &u1);
+        for (int t = 0; t < T; t++) {
+            const float *st = a->s + (i0 + t) * nb + b;
+            const int16_t *vr = a->v + (i0 + t) * K + b * QK;
+            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, vr), _mm256_broadcast_ss(wd + b)), _mm256_broadcast_ss(st), acc0[t]);
+            acc1[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(u0, u1, vr + QK), _mm256_broadcast_ss(wd + b + 1)), _mm256_broadcast_ss(st + 1), acc1[t]);
+        }
+    }
+    if (b < nb) {
+        __m256i w0, w1;
+        widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
+        for (int t = 0; t < T; t++)
+            acc0[t] = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, a->v + (i0 + t) * K + b * QK), _mm256_broadcast_ss(wd + b)),
+                                      _mm256_broadcast_ss(a->s + (i0 + t) * nb + b), acc0[t]);
+    }
+    for (int t = 0; t < T; t++) {
+        float r = vec_hsum8(_mm256_add_ps(acc0[t], acc1[t]));
+        if (kind == 4) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
+        y[(i0 + t) * N + n] = r;
+    }
+}
+
+static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                          int64_t N, float *y, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        int64_t i0 = 0;
+        for (; i0 + 4 <= M; i0 += 4) row_i16(a, i0, 4, K, kind, qs, d, m, n, N, y);
+        switch (M - i0) {
+            case 3: row_i16(a, i0, 3, K, kind, qs, d, m, n, N, y); break;
+            case 2: row_i16(a, i0, 2, K, kind, qs, d, m, n, N, y); break;
+            case 1: row_i16(a, i0, 1, K, kind, qs, d, m, n, N, y); break;
+            default: break;
+        }
+    }
+}
+
+
+/* ---- panel layout ---- */
+
+#define P16_COLS 16                                   /* weight rows per tile: two vectors of 8 */
+#define P16_PAIRS (QK / 2)                            /* k-pairs per block */
+#define P16_BLOCK (P16_PAIRS * 2 * 32 + 4 * 32)       /* bytes per block: 1,024 of weights, d and m of 16 rows */
+#define P16_MIN_M 5                                   /* fewer rows: the rows layout */
+
+/* 8 x 8 transpose of 32-bit lanes: r[c] = 8 pairs of row c -> r[p] = pair p of the 8 rows */
+static inline void transpose8_epi32(__m256i *r) {
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    r[0] = _mm256_permute2x128_si256(u0, u4, 0x20); r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    r[2] = _mm256_permute2x128_si256(u2, u6, 0x20); r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    r[4] = _mm256_permute2x128_si256(u0, u4, 0x31); r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    r[6] = _mm256_permute2x128_si256(u2, u6, 0x31); r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+/* The panel of weight rows n0.. (nr of them; a short tile repeats its first row), per block:
+ * pair p of rows 0-7 at vector 2p, of rows 8-15 at 2p + 1; then d of the 16 rows, then m.
+ * The rows are first widened one after the other into `rows` (int16, [16, K]): the 16 rows are
+ * one contiguous span of the packed weight, read front to back as the hardware prefetcher
+ * likes (reading block b of all 16 rows at once left a decode step's GEMMs waiting on memory),
+ * then transposed from L1/L2. */
+static void build_panel16(int kind, const void *qs, const float *d, const float *m, int64_t n0, int nr, int64_t nb,
+                          int16_t *rows, __m256i *panel) {
+    const int64_t K = nb * QK;
+    for (int c = 0; c < P16_COLS; c++) {
+        const int64_t n = n0 + (c < nr ? c : 0);
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i lo, hi;
+            widen_block_i16(kind, qs, n * nb + b, &lo, &hi);
+            _mm256_store_si256((__m256i *)(rows + c * K + b * QK), lo);
+            _mm256_store_si256((__m256i *)(rows + c * K + b * QK + 16), hi);
+        }
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i *pb = panel + b * (P16_BLOCK / 32);
+        for (int h = 0; h < 2; h++) {
+            __m256i lo[8], hi[8];  /* values 0-15 and 16-31 of each of 8 rows */
+            for (int c = 0; c < 8; c++) {
+                lo[c] = _mm256_load_si256((const __m256i *)(rows + (8 * h + c) * K + b * QK));
+                hi[c] = _mm256_load_si256((const __m256i *)(rows + (8 * h + c) * K + b * QK + 16));
+            }
+            transpose8_epi32(lo);
+            transpose8_epi32(hi);
+            for (int p = 0; p < 8; p++) {
+                _mm256_store_si256(pb + 2 * p + h, lo[p]);
+                _mm256_store_si256(pb + 2 * (p + 8) + h, hi[p]);
+            }
+        }
+        float *sc = (float *)(pb + 2 * P16_PAIRS);
+        for (int c = 0; c < P16_COLS; c++) {
+            const int64_t n = n0 + (c < nr ? c : 0);
+            sc[c] = d[n * nb + b];
+            sc[P16_COLS + c] = m ? m[n * nb + b] : 0.0f;
+        }
+    }
+}
+
+/* y = the tile's sums over the first K slice, y += them over the next ones */
+static inline void store16(float *y, int nr, __m256 a0, __m256 a1, int first) {
+    if (nr == P16_COLS) {
+        if (!first) {
+            a0 = _mm256_add_ps(_mm256_loadu_ps(y), a0);
+            a1 = _mm256_add_ps(_mm256_loadu_ps(y + 8), a1);
+        }
+        _mm256_storeu_ps(y, a0);
+        _mm256_storeu_ps(y + 8, a1);
+    } else {
+        float out[P16_COLS];
+        _mm256_storeu_ps(out, a0);
+        _mm256_storeu_ps(out + 8, a1);
+        for (int c = 0; c < nr; c++) y[c] = first ? out[c] : y[c] + out[c];
+    }
+}
+
+/* One tile's panel against T (1-3) consecutive tokens from i0; T and offs compile-time after
+ * inlining. Per block: the int32 column sums of 16 pairs, then acc += f * (d * s) (+ m * sx). */
+static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *panel, int64_t b0, int64_t b1, int64_t nb, int64_t K, const act16_t *a,
+                                                                int64_t i0, const int T, const int offs, int64_t n0, int nr,
+                                                                int64_t N, float *y) {
+    __m256 f0[3], f1[3];
+    for (int t = 0; t < T; t++) f0[t] = f1[t] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const __m256i *pb = panel + b * (P16_BLOCK / 32);
+        const int32_t *x0 = (const int32_t *)(a->v + i0 * K + b * QK);  /* token t's pair p: x0[t * K / 2 + p] */
+        __m256i s0[3], s1[3];
+        for (int t = 0; t < T; t++) s0[t] = s1[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int p = 0; p < P16_PAIRS; p++) {
+            const __m256i w0 = _mm256_load_si256(pb + 2 * p), w1 = _mm256_load_si256(pb + 2 * p + 1);
+            for (int t = 0; t < T; t++) {
+                const __m256i u = _mm256_set1_epi32(x0[t * (K / 2) + p]);
+                s0[t] = _mm256_add_epi32(s0[t], _mm256_madd_epi16(w0, u));
+                s1[t] = _mm256_add_epi32(s1[t], _mm256_madd_epi16(w1, u));
+            }
+        }
+        const float *sc = (const float *)(pb + 2 * P16_PAIRS);
+        const __m256 d0 = _mm256_load_ps(sc), d1 = _mm256_load_ps(sc + 8);
+        for (int t = 0; t < T; t++) {
+            const __m256 st = _mm256_broadcast_ss(a->s + (i0 + t) * nb + b);
+            f0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[t]), _mm256_mul_ps(d0, st), f0[t]);
+            f1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[t]), _mm256_mul_ps(d1, st), f1[t]);
+            if (offs) {
+                const __m256 xt = _mm256_broadcast_ss(a->sx + (i0 + t) * nb + b);
+                f0[t] = _mm256_fmadd_ps(_mm256_load_ps(sc + 16), xt, f0[t]);
+                f1[t] = _mm256_fmadd_ps(_mm256_load_ps(sc + 24), xt, f1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) store16(y + (i0 + t) * N + n0, nr, f0[t], f1[t], b0 == 0);
+}
+
+/* Tokens c0..c1 against the tile, K in equal slices of at most P16_SLICE blocks: a slice of the
+ * panel (<= 22 KiB) stays in L1 while every token of the chunk passes over it (a whole panel of
+ * K = 1,536, 54 KiB, was read from L2 for each 3 tokens: the down projection at 4,096 rows ran
+ * at 0.94x the exact kernel, 1.23x sliced). Slice boundaries depend on K only, so a row's result
+ * still does not depend on M. */
+#define P16_SLICE 20
+#define P16_PASS(T, OFFS) panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y)
+
+static void panel16_range(const __m256i *panel, int64_t nb, int64_t K, const act16_t *a, int64_t c0, int64_t c1, int offs,
+                          int64_t n0, int nr, int64_t N, float *y) {
+    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, step = (nb + slices - 1) / slices;
+    for (int64_t b0 = 0; b0 < nb; b0 += step) {
+        const int64_t b1 = b0 + step < nb ? b0 + step : nb;
+        int64_t i0 = c0;
+        if (offs) {
+            for (; i0 + 3 <= c1; i0 += 3) P16_PASS(3, 1);
+            if (c1 - i0 == 2) P16_PASS(2, 1);
+            else if (c1 - i0 == 1) P16_PASS(1, 1);
+        } else {
+            for (; i0 + 3 <= c1; i0 += 3) P16_PASS(3, 0);
+            if (c1 - i0 == 2) P16_PASS(2, 0);
+            else if (c1 - i0 == 1) P16_PASS(1, 0);
+        }
+    }
+}
+
+/* Many rows: the activations rounded (rows split between the threads), then tiles of 16 weight
+ * rows over token chunks whose int16 rows fit in half of L2; one parallel region per call (each
+ * region costs a fork and a join, waits on a busy machine). */
+static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K, int kind, const void *qs, const float *d,
+                               const float *m, int64_t N, float *y, int nthreads) {
+    const int64_t nb = K / QK, tiles = (N + P16_COLS - 1) / P16_COLS;
+    int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / 3 * 3;
+    if (chunk < 3) chunk = 3;
+    const int offs = kind == 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
+        __m256i *panel = (__m256i *)aligned_alloc(32, (size_t)(nb * P16_BLOCK));
+        int16_t *rows = (int16_t *)aligned_alloc(32, (size_t)(P16_COLS * K) * sizeof(int16_t));
+        for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t n0 = tile * P16_COLS;
+                const int nr = (int)(N - n0 < P16_COLS ? N - n0 : P16_COLS);
+                build_panel16(kind, qs, d, m, n0, nr, nb, rows, panel);
+                panel16_range(panel, nb, K, a, c0, c1, offs, n0, nr, N, y);
+            }
+        }
+        free(panel);
+        free(rows);
+    }
+}
+
+/* x [M, K] float32 -> y [M, N]: activations rounded to int16 per block, integer dot products. */
+void gemm_i16_act(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
+                  int64_t N, float *y, int nthreads) {
+    const int64_t nb = K / QK;
+    act16_t a = {(int16_t *)malloc((size_t)(M * K) * sizeof(int16_t)), (float *)malloc((size_t)(M * nb) * sizeof(float)),
+                 (float *)malloc((size_t)(M * nb) * sizeof(float))};
+    if (M < P16_MIN_M) {
+        quantize_act16(x, M, K, a.v, a.s, a.sx);
+        gemm_i16_rows(&a, M, K, kind, qs, d, m, N, y, nthreads);
+    } else {
+        gemm_i16_act_panel(x, &a, M, K, kind, qs, d, m, N, y, nthreads);
+    }
+    free(a.v); free(a.s); free(a.sx);
+}
