@@ -18,6 +18,10 @@ Two tables:
    step): float32 activations everywhere, int16 for calls of <= 4 rows (the default until
    2026-12-01), int16 everywhere (the default now).
 
+4. With ``--run-ab ROUNDS``: whole runs shaped as ``cpu_throughput.py``'s (``--requests`` prompts of
+   128 tokens, 128 new tokens, greedy, EOS ignored, one ``generate``), the earlier default (int16
+   for <= 4 rows) and the default now alternating; wall and process CPU seconds.
+
 The row count where table 1's ratio passes 1 is where the panel layout starts to pay
 (kernels_i16.c's P16_MIN_M).
 """
@@ -66,6 +70,7 @@ def main() -> None:
     parser.add_argument("--engine-steps", action="store_true", help="table 3 only: whole engine steps")
     parser.add_argument("--requests", type=int, default=32, help="table 3's decode batch")
     parser.add_argument("--rounds", type=int, default=2, help="table 3's rounds")
+    parser.add_argument("--run-ab", type=int, default=0, metavar="ROUNDS", help="table 4 only: whole runs, before vs now")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the calling thread's CPU time (use with --threads 1)")
     args = parser.parse_args()
@@ -77,6 +82,9 @@ def main() -> None:
 
     every = ops.DEFAULT_INT_ROWS
     print(f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n")
+    if args.run_ab:
+        run_ab(args.requests, args.run_ab)
+        return
     if args.engine_steps:
         engine_steps(args.requests, args.rounds, clock)
         return
@@ -117,6 +125,46 @@ def main() -> None:
                 best[rows] = min(best[rows], (clock() - start) * 1e3)
         exact, i16 = best[0], best[every]
         print(f"| {m} | {exact:.1f} | {i16:.1f} | {exact / i16:.2f}x | {flop / exact / 1e6:.1f} | {flop / i16 / 1e6:.1f} |", flush=True)
+
+
+def run_ab(requests: int, rounds: int) -> None:
+    import inspect
+    import sys
+
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.lowbit import llama_decode, ops
+    from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cpu_throughput import build_prompts
+
+    prompts = build_prompts(requests, 128)
+    block_size = inspect.signature(LLM).parameters["block_size"].default
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=requests, kv_cache_blocks=requests * -(-256 // block_size),
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    modules = [m for m in model.modules() if isinstance(m, (LowBitLinear, LowBitEmbedding))]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate([p[::-1] for p in prompts], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    variants = {"int16 for <= 4 rows (before)": 4, "int16 everywhere (now)": ops.DEFAULT_INT_ROWS}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    load = os.getloadavg()[0]
+    for _ in range(rounds):
+        for name, rows in variants.items():
+            for m in modules:
+                m.int_rows = rows
+            model._decode_plan = llama_decode.plan_for(model)
+            start, cpu = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[name].append((time.perf_counter() - start, time.process_time() - cpu))
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == 128 * requests
+    print(f"\n{requests} requests x 128 prompt + 128 new tokens, {torch.get_num_threads()} thread(s), whole runs alternating, "
+          f"load average before {load:.1f}, after {os.getloadavg()[0]:.1f}:\n")
+    print("| variant | runs | best wall s | tok/s (best wall) | best CPU s | tok per CPU s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in runs.items():
+        wall, cpu = min(w for w, _ in r), min(c for _, c in r)
+        print(f"| {name} | {len(r)} | {wall:.2f} | {128 * requests / wall:.1f} | {cpu:.2f} | {128 * requests / cpu:.1f} |")
 
 
 def engine_steps(requests: int, rounds: int, clock) -> None:
