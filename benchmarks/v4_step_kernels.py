@@ -102,9 +102,9 @@ def main() -> None:
 
     cfg = tiny_v4_config(num_hidden_layers=len(LAYOUT), layer_types=LAYOUT, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
                          hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=1024)  # fmt: skip
-    path = tempfile.mkdtemp(prefix="v4kernels")
-    save_tiny_v4(path, 1, 2, cfg)
-    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, max_num_seqs=4)
+    with tempfile.TemporaryDirectory(prefix="v4kernels") as path:  # the engine keeps the weights in memory
+        save_tiny_v4(path, 1, 2, cfg)
+        llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, max_num_seqs=4)
     model, engine = llm.engine.model, llm.engine
     rows: dict[str, collections.Counter] = {}
 
