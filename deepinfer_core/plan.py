@@ -94,7 +94,7 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
         if why_not is None:  # packed weights: float32 activations over the low-bit path's cache dtype
             from .lowbit.attention import kv_dtype as lowbit_kv_dtype
 
-            cache_dtype = lowbit_kv_dtype()
+            cache_dtype = lowbit_kv_dtype(files.quantized_types)
     archs = config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)

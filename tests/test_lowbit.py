@@ -297,8 +297,15 @@ def test_kv_cache_dtype_setting_is_read_from_the_environment_and_refused_by_name
 
     monkeypatch.delenv(KV_ENV, raising=False)
     assert kv_dtype() == torch.float16
+    # the default follows the packed weights: all 8-bit -> float32, any narrower one -> float16
+    assert kv_dtype(frozenset({"Q8_0"})) == torch.float32
+    assert kv_dtype(frozenset({"Q4_1", "Q8_0"})) == torch.float16
+    assert kv_dtype(frozenset({"Q4_K", "Q6_K"})) == torch.float16
+    monkeypatch.setenv(KV_ENV, "float16")
+    assert kv_dtype(frozenset({"Q8_0"})) == torch.float16  # the setting wins
     monkeypatch.setenv(KV_ENV, "float32")
     assert kv_dtype() == torch.float32
+    assert kv_dtype(frozenset({"Q4_1"})) == torch.float32
     monkeypatch.setenv(KV_ENV, "bf16")
     with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_KV_DTYPE='bf16': allowed values are float16, float32"):
         kv_dtype()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.lowbit import describe_weights, native
@@ -45,6 +46,7 @@ def _greedy(path: str, dtype: str, n: int) -> tuple[list[list[int]], LLM]:
 def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
     lowbit, llm = _greedy(q8_gguf, "auto", 64)  # the default
     assert describe_weights(llm.engine.model) == "low-bit: 121 q8<Q8_0>"  # 4 linear modules per layer x 30, + the tied head
+    assert llm.engine.model.attention_specs[0].kv_dtype == torch.float32  # an all-8-bit file keeps a float32 cache
     dense, ref = _greedy(q8_gguf, "float32", 64)
     assert describe_weights(ref.engine.model) == "dense"
     identical = sum(a == b for a, b in zip(lowbit, dense))

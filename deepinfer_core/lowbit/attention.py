@@ -24,15 +24,26 @@ KV_ENV = "DEEPINFER_LOWBIT_KV_DTYPE"
 _KV_NAMES = {"float16": torch.float16, "float32": torch.float32}
 
 
-def kv_dtype() -> torch.dtype:
-    """The KV cache dtype of the low-bit path: float16 unless ``DEEPINFER_LOWBIT_KV_DTYPE=float32``.
+EIGHT_BIT_TYPES = frozenset({"Q8_0", "Q8_1", "Q8_K"})
+
+
+def kv_dtype(weight_types: frozenset = frozenset()) -> torch.dtype:
+    """The KV cache dtype of the low-bit path for packed weights of GGML types ``weight_types``:
+    float16, or float32 when every packed weight is 8-bit; ``DEEPINFER_LOWBIT_KV_DTYPE``
+    (float16 / float32) overrides either.
 
     Why half: at 32 requests the decode step's attention read the whole float32 cache each
     layer (~250 MB a step), bounded by memory bandwidth; half elements halve those reads (and
     the prefill's gathers). llama.cpp's default cache is f16 too. Activations and attention
     arithmetic stay float32; a key or value is rounded once, when it is written (~5e-4 relative).
-    ``float32`` keeps the cache exact (the dequantized reference's, to compare logits closely)."""
-    name = os.environ.get(KV_ENV, "float16")
+    Why not for 8-bit files: whoever picks Q8_0 over a 4-bit file picks fidelity, and there the
+    half cache was the largest difference from the float32 model left (SmolLM2 Q8_0, 16 chat
+    prompts, 64 greedy tokens identical to the dequantized float32 model: 14/16 with a float16
+    cache, 16/16 with float32, the same int16-activation kernels; benchmarks/README.md), for
+    ~5% of a 32-request decode step. ``float32`` keeps the cache exact (the dequantized
+    reference's, to compare logits closely)."""
+    default = "float32" if weight_types and weight_types <= EIGHT_BIT_TYPES else "float16"
+    name = os.environ.get(KV_ENV, default)
     if name not in _KV_NAMES:
         raise ValueError(f"{KV_ENV}={name!r}: allowed values are {', '.join(_KV_NAMES)}")
     return _KV_NAMES[name]

@@ -42,6 +42,9 @@ class ModelFiles:
     # and the names it packs. None / empty for float checkpoints.
     quantized_weights: "WeightStream | None" = None
     quantized_names: frozenset = frozenset()
+    # The GGML type names of those packed tensors ("Q4_1", "Q8_0", ...): the low-bit path's KV
+    # cache dtype follows them (lowbit.attention.kv_dtype).
+    quantized_types: frozenset = frozenset()
     # FP8 block checkpoints (DeepSeek-V3 style, models.fp8_checkpoint): ``weights`` dequantizes;
     # ``fp8_weights(keep)`` passes the named FP8 weights (a subset of ``fp8_names``) through
     # with their ``weight_scale_inv`` for a model holding them FP8 (models.fp8.swap_in_fp8).

@@ -117,10 +117,12 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
                 packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), kv_heads))
             yield name, packed
 
-    quantized = frozenset(hf_name(t.name) for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2)
+    packed = [t for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2]
+    quantized = frozenset(hf_name(t.name) for t in packed)
     return ModelFiles(
         config=config, weights=weights, tokenizer=parts.tokenizer, source=path, fingerprint=parts.fingerprint,
         quantized_weights=quantized_weights if quantized else None, quantized_names=quantized, sampling=dict(parts.sampling),
+        quantized_types=frozenset(t.type_name for t in packed),
     )
 
 
