@@ -161,22 +161,6 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
 #define P16_BLOCK (P16_PAIRS * 2 * 32 + 4 * 32)       /* bytes per block: 1,024 of weights, d and m of 16 rows */
 #define P16_MIN_M 5                                   /* fewer rows: the rows layout */
 
-/* 8 x 8 transpose of 32-bit lanes: r[c] = 8 pairs of row c -> r[p] = pair p of the 8 rows */
-static inline void transpose8_epi32(__m256i *r) {
-    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-    const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-    const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-    r[0] = _mm256_permute2x128_si256(u0, u4, 0x20); r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
-    r[2] = _mm256_permute2x128_si256(u2, u6, 0x20); r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
-    r[4] = _mm256_permute2x128_si256(u0, u4, 0x31); r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-    r[6] = _mm256_permute2x128_si256(u2, u6, 0x31); r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-
 /* The panel of weight rows n0.. (nr of them; a short tile repeats its first row), per block:
  * pair p of rows 0-7 at vector 2p, of rows 8-15 at 2p + 1; then d of the 16 rows, then m.
  * The rows are first widened one after the other into `rows` (int16, [16, K]): the 16 rows are

@@ -88,21 +88,8 @@ static void build_panel(const uint8_t *qs, const float *d, const float *m, int64
         /* 8 x 8 transpose of 4-byte groups: row c's block (8 groups) -> group g's 8 columns */
         __m256i r[8];
         for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_si256((const __m256i *)(rows + c * K + b * QK));
-        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-        /* u0: groups 0 (cols 0-3) | 4 (cols 0-3); u4: same for cols 4-7 */
-        const __m256i g[8] = {
-            _mm256_permute2x128_si256(u0, u4, 0x20), _mm256_permute2x128_si256(u1, u5, 0x20),
-            _mm256_permute2x128_si256(u2, u6, 0x20), _mm256_permute2x128_si256(u3, u7, 0x20),
-            _mm256_permute2x128_si256(u0, u4, 0x31), _mm256_permute2x128_si256(u1, u5, 0x31),
-            _mm256_permute2x128_si256(u2, u6, 0x31), _mm256_permute2x128_si256(u3, u7, 0x31)};
-        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(pb + 32 * j), g[j]);
+        transpose8_epi32(r);
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(pb + 32 * j), r[j]);
         float *sc = (float *)(pb + QK * I8_COLS);
         for (int c = 0; c < I8_COLS; c++) {
             const int64_t n = n0 + (c < nr ? c : 0);
