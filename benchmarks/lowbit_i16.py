@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -36,29 +37,8 @@ import torch
 LAYER = (("qkv", 960, 576), ("o", 576, 576), ("gate+up", 3072, 576), ("down", 576, 1536))
 HEAD = ("head", 49152, 576)
 
-
-def packed(n: int, k: int, kind: str, seed: int):
-    from deepinfer_core.lowbit.formats import QuantWeight, quantize_q8
-
-    g = torch.Generator().manual_seed(seed)
-    if kind == "q8":
-        return quantize_q8(torch.randn(n, k, generator=g))
-    d = torch.rand(n, k // 32, generator=g) * 0.01
-    return QuantWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g), d, -8 * d, "Q4_0")
-
-
-def best_ms(fn, clock, budget_s: float = 0.2, repeats: int = 3) -> float:
-    fn()
-    start = clock()
-    fn()
-    reps = max(1, int(budget_s / max(clock() - start, 1e-6)))
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        for _ in range(reps):
-            fn()
-        best = min(best, (clock() - start) / reps)
-    return best * 1e3
+sys.path.insert(0, os.path.dirname(__file__))
+from lowbit_kernels import best_ms, packed  # noqa: E402  (the same random weights and timer)
 
 
 def main() -> None:

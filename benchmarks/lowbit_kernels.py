@@ -22,23 +22,25 @@ import torch
 SHAPES = (("qkv", 960, 576, "q4"), ("o", 576, 576, "q4"), ("gate+up", 3072, 576, "q4"), ("down", 576, 1536, "q4"), ("head", 49152, 576, "q8"))
 
 
-def packed(n: int, k: int, kind: str):
+def packed(n: int, k: int, kind: str, seed: int | None = None):
+    """A random packed weight [n, k] (q8: Q8_0 of normal values; q4: Q4_0 bytes), drawn from
+    ``seed`` (default n + k)."""
     from deepinfer_core.lowbit.formats import QuantWeight, quantize_q8
 
-    g = torch.Generator().manual_seed(n + k)
+    g = torch.Generator().manual_seed(n + k if seed is None else seed)
     if kind == "q8":
         return quantize_q8(torch.randn(n, k, generator=g))
     d = torch.rand(n, k // 32, generator=g) * 0.01
     return QuantWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g), d, -8 * d, "Q4_0")
 
 
-def best_ms(fn, clock=time.perf_counter, budget_s: float = 0.2) -> float:
+def best_ms(fn, clock=time.perf_counter, budget_s: float = 0.2, repeats: int = 3) -> float:
     fn()
     start = clock()
     fn()
     reps = max(1, int(budget_s / max(clock() - start, 1e-6)))
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         start = clock()
         for _ in range(reps):
             fn()
