@@ -26,37 +26,21 @@ import time
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
+from deepinfer_core.testing.paged_batch import scattered_batch
 
 
 def case(lens, new, heads, latent, rope, nope, v_dim, dtype, device, block=128, seed=0):
     g = torch.Generator().manual_seed(seed)
-    R = len(lens)
-    need = [-(-n // block) for n in lens]
-    perm = torch.randperm(sum(need), generator=g).tolist()
-    tables = torch.zeros(R, max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(perm[:n])
-        perm = perm[n:]
-    cache = (torch.randn(1, 1, sum(need), block, latent + rope, generator=g) * 0.5).to(device, dtype)
-    starts = [0]
-    for q in new:
-        starts.append(starts[-1] + q)
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new)])
-    req = torch.repeat_interleave(torch.arange(R), torch.tensor(new))
-    slots = tables[req, positions // block].long() * block + positions % block
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        positions=positions.to(device), slot_mapping=slots.to(device), block_tables=tables.to(device), block_size=block,
-        max_query_len=max(new), max_seq_len=max(lens), num_context_tokens=sum(lens),
-    )  # fmt: skip
+    batch = scattered_batch(lens, new, block_size=block, generator=g)
+    cache = (torch.randn(1, 1, batch.num_blocks, block, latent + rope, generator=g) * 0.5).to(device, dtype)
+    slots = batch.slot_mapping
+    meta = batch.metadata(device, num_context_tokens=sum(lens))
     spec = AttentionLayerSpec(AttentionKind.MLA, 0, heads, 1, latent + rope, latent, (nope + rope) ** -0.5, rope_dim=rope, kv_shared=True, kv_dtype=dtype)
-    T = starts[-1]
-    q = torch.randn(T, heads, nope + rope, generator=g).to(device, dtype)
+    q = torch.randn(batch.num_tokens, heads, nope + rope, generator=g).to(device, dtype)
     key = cache.view(-1, latent + rope)[slots.to(device)][:, None, :]
     w_kv = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent**0.5).to(device, dtype)
-    pairs = sum(sum(range(n - q + 1, n + 1)) for n, q in zip(lens, new))
-    return spec, q, key, w_kv, cache, meta, pairs
+    return spec, q, key, w_kv, cache, meta, batch.num_attention_pairs
 
 
 def absorbed(spec, q, w_kv, cache, meta, nope):

@@ -18,31 +18,24 @@ import time
 
 import torch
 
-from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
 from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend
 from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+from deepinfer_core.testing.paged_batch import scattered_batch
 
 
 def case(kind, ratio, heads, D, window, topk, lens, new, dtype, device, block=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     R = len(lens)
-    need = [-(-n // block) for n in lens]
-    perm = torch.randperm(sum(need), generator=g).tolist()
-    tables = torch.zeros(R, max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(perm[:n])
-        perm = perm[n:]
+    batch = scattered_batch(lens, new, block_size=block, generator=g)
     per_block = block // ratio if ratio else 0
     width = D + (128 if kind is AttentionKind.COMPRESSED_SPARSE else 0)
     cache = V4LayerCache(
-        entries=(torch.randn(sum(need), per_block, width, generator=g) * 0.5).to(device, dtype),
+        entries=(torch.randn(batch.num_blocks, per_block, width, generator=g) * 0.5).to(device, dtype),
         window=(torch.randn(R, window - 1, D, generator=g) * 0.5).to(device, dtype),
         tail=torch.zeros(R, 0, 0, device=device, dtype=dtype),
     )
-    starts = [0]
-    for _ in lens:
-        starts.append(starts[-1] + new)
-    positions = torch.cat([torch.arange(n - new, n) for n in lens])
+    positions = batch.positions
     selected = None
     if kind is AttentionKind.COMPRESSED_SPARSE:
         rows = []
@@ -51,15 +44,12 @@ def case(kind, ratio, heads, D, window, topk, lens, new, dtype, device, block=12
             pick = torch.randperm(vis, generator=g)[:topk].tolist() if vis else []
             rows.append(pick + [-1] * (topk - len(pick)))
         selected = torch.tensor(rows, dtype=torch.long, device=device)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        positions=positions.to(device), slot_mapping=torch.zeros_like(positions).to(device), block_tables=tables.to(device),
-        block_size=block, max_query_len=new, max_seq_len=max(lens), state_slots=torch.arange(R, device=device),
-    )  # fmt: skip
+    # V4 keys go to the rings and entries, never to slot_mapping
+    meta = batch.metadata(device, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(R, device=device))
     spec = AttentionLayerSpec(kind, 0, heads, 1, D, D, D**-0.5, rope_dim=64, kv_shared=True, window=window, compress_ratio=ratio,
                               index_topk=topk if ratio == 4 else 0, kv_dtype=dtype, state_kv=True)  # fmt: skip
-    q = torch.randn(starts[-1], heads, D, generator=g).to(device, dtype)
-    kv = (torch.randn(starts[-1], D, generator=g) * 0.5).to(device, dtype)
+    q = torch.randn(batch.num_tokens, heads, D, generator=g).to(device, dtype)
+    kv = (torch.randn(batch.num_tokens, D, generator=g) * 0.5).to(device, dtype)
     sinks = torch.randn(heads, generator=g).to(device)
     return spec, q, kv, sinks, cache, meta, selected
 

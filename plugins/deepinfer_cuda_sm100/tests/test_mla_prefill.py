@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata  # noqa: E402
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec  # noqa: E402
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonAttention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -32,35 +33,15 @@ def _batch(spec, lens, new, nope, v_dim, dtype, block_size=16, seed=0):
     """A cache of random latent entries for requests of context ``lens`` (the last ``new[r]`` of
     each are this step's tokens), blocks shuffled; queries and ``kv_b_proj``'s weight."""
     g = torch.Generator().manual_seed(seed)
-    R, H, C, r = len(lens), spec.num_heads, spec.v_head_dim, spec.rope_dim
-    need = [-(-n // block_size) for n in lens]
-    blocks = torch.randperm(sum(need) + 2, generator=g).tolist()
-    tables = torch.zeros(R, max(need), dtype=torch.int32)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(blocks[:n])
-        blocks = blocks[n:]
-    cache = torch.randn(TorchAttentionBackend().kv_cache_shape(spec, int(tables.max()) + 1, block_size), generator=g)
-    qlens = [min(q, n) for n, q in zip(lens, new)]
-    starts = [0]
-    for n in qlens:
-        starts.append(starts[-1] + n)
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, qlens)])
-    req = torch.repeat_interleave(torch.arange(R), torch.tensor(qlens))
-    slots = tables[req, positions // block_size].long() * block_size + positions % block_size
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32), positions=positions,
-        slot_mapping=slots, block_tables=tables, block_size=block_size, max_query_len=max(qlens), max_seq_len=max(lens),
-        num_context_tokens=sum(lens), num_attention_pairs=sum(q * (n - q) + q * (q + 1) // 2 for n, q in zip(lens, qlens)),
-    )  # fmt: skip
-    meta = AttentionMetadata(**{f.name: _to(getattr(meta, f.name)) for f in dataclasses.fields(meta)})
+    H, C, r = spec.num_heads, spec.v_head_dim, spec.rope_dim
+    batch = scattered_batch(lens, new, block_size=block_size, generator=g, spare_blocks=2)
+    cache = torch.randn(TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g)
+    meta = batch.metadata(DEVICE, num_context_tokens=sum(lens), num_attention_pairs=batch.num_attention_pairs)
+    slots = batch.slot_mapping
     key = cache.view(-1, cache.shape[-1])[slots][:, None, : C + r]  # the new tokens' entries, already in place
-    q = torch.randn(starts[-1], H, nope + r, generator=g)
+    q = torch.randn(batch.num_tokens, H, nope + r, generator=g)
     w_kv = torch.randn(H, nope + v_dim, C, generator=g) / C**0.5
     return q.to(DEVICE, dtype), key.to(DEVICE, dtype), w_kv.to(DEVICE, dtype), cache.to(DEVICE, dtype), meta
-
-
-def _to(x):
-    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 
 def _absorbed_reference(spec, q, w_kv, cache, meta, nope):

@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata  # noqa: E402
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonAttention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -40,34 +41,17 @@ def run_case(spec, cached, new, *, block_size, dtype, seed=0, spare_blocks=3):
     their blocks shuffled over a cache of random contents. Returns (ours, float64 reference,
     our cache, the reference's cache)."""
     g = torch.Generator().manual_seed(seed)
-    lens = [c + n for c, n in zip(cached, new)]
-    need = [-(-n // block_size) for n in lens]
-    order = torch.randperm(sum(need) + spare_blocks, generator=g).tolist()
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        order = order[n:]
+    batch = scattered_batch([c + n for c, n in zip(cached, new)], new, block_size=block_size, generator=g, spare_blocks=spare_blocks)
     ref = TorchAttentionBackend()
-    shape = ref.kv_cache_shape(spec, sum(need) + spare_blocks, block_size)
-    cache = torch.randn(shape, generator=g)
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
-    slots = torch.cat([tables[r, torch.arange(c, c + n) // block_size].long() * block_size + torch.arange(c, c + n) % block_size for r, (c, n) in enumerate(zip(cached, new))])
-    starts = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
-    T = int(starts[-1])
+    cache = torch.randn(ref.kv_cache_shape(spec, batch.num_blocks, block_size), generator=g)
+    T = batch.num_tokens
     q = torch.randn(T, spec.num_heads, spec.head_dim, generator=g)
     k = torch.randn(T, spec.num_kv_heads, spec.head_dim, generator=g)
     v = torch.randn(T, spec.num_kv_heads, spec.v_head_dim, generator=g)
-
-    def meta(dev):
-        return AttentionMetadata(
-            query_start_loc=starts.to(dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), positions=positions.to(dev),
-            slot_mapping=slots.to(dev), block_tables=tables.to(dev), block_size=block_size, max_query_len=max(new), max_seq_len=max(lens),
-        )  # fmt: skip
-
     ours_cache = cache.to(DEVICE, dtype)
-    ours = TritonAttention().forward(spec, q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), ours_cache, meta(DEVICE))
+    ours = TritonAttention().forward(spec, q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), ours_cache, batch.metadata(DEVICE))
     ref_cache = cache.to(DEVICE, dtype).double()  # the cache's own rounding, then exact arithmetic
-    want = ref.forward(spec, *(x.to(DEVICE, dtype).double() for x in (q, k, v)), ref_cache, meta(DEVICE))
+    want = ref.forward(spec, *(x.to(DEVICE, dtype).double() for x in (q, k, v)), ref_cache, batch.metadata(DEVICE))
     return ours, want, ours_cache, ref_cache
 
 

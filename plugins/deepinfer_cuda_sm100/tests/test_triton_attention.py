@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata  # noqa: E402
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec  # noqa: E402
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_core.testing.attention import AttentionBackendSuite  # noqa: E402
+from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,31 +35,11 @@ def _batch(spec, lens, new, dtype, block_size=16, seed=0):
     """Random cache contents for requests of context ``lens`` (the last ``new`` tokens of each
     are this step's queries), scattered over shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
-    R = len(lens)
-    need = [-(-n // block_size) for n in lens]
-    blocks = torch.randperm(sum(need) + 2, generator=g).tolist()
-    tables = torch.zeros(R, max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(blocks[:n])
-        blocks = blocks[n:]
+    batch = scattered_batch(lens, new, block_size=block_size, generator=g, spare_blocks=2)
     backend = TorchAttentionBackend()
-    cache = torch.randn(backend.kv_cache_shape(spec, int(tables.max()) + 1, block_size), generator=g).to(dtype)
-    qlens = [min(new, n) for n in lens]
-    starts = [0]
-    for n in qlens:
-        starts.append(starts[-1] + n)
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, qlens)])
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32).to(DEVICE),
-        positions=positions.to(DEVICE),
-        slot_mapping=torch.zeros(0, dtype=torch.long, device=DEVICE),
-        block_tables=tables.to(DEVICE),
-        block_size=block_size,
-        max_query_len=max(qlens),
-        max_seq_len=max(lens),
-    )
-    q = torch.randn(starts[-1], spec.num_heads, spec.head_dim, generator=g).to(DEVICE, dtype)
+    cache = torch.randn(backend.kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g).to(dtype)
+    meta = batch.metadata(DEVICE, slot_mapping=torch.zeros(0, dtype=torch.long))  # no K/V write here
+    q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, generator=g).to(DEVICE, dtype)
     return q, cache.to(DEVICE), meta
 
 

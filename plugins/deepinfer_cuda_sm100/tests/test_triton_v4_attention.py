@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.attention import AttentionKind, AttentionLayerSpec, AttentionMetadata  # noqa: E402
+from deepinfer_core.attention import AttentionKind, AttentionLayerSpec  # noqa: E402
 from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend  # noqa: E402
 from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
+from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_core.testing.v4_attention import V4AttentionBackendSuite  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonV4Attention  # noqa: E402
 
@@ -50,25 +51,16 @@ def _case(spec, lens, new, dtype, seed=0, block_size=32):
     for CSA a random distinct choice of visible entries per token (some slots -1)."""
     g = torch.Generator().manual_seed(seed)
     R, D = len(lens), spec.head_dim
-    need = [-(-n // block_size) for n in lens]
-    blocks = torch.randperm(sum(need) + 2, generator=g).tolist()
-    tables = torch.zeros(R, max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(blocks[:n])
-        blocks = blocks[n:]
+    batch = scattered_batch(lens, new, block_size=block_size, generator=g, spare_blocks=2)
     ratio = spec.compress_ratio
     per_block = block_size // ratio if ratio else 0
     width = D + (16 if spec.kind is AttentionKind.COMPRESSED_SPARSE else 0)  # CSA rows carry an indexer key
     cache = V4LayerCache(
-        entries=torch.randn(int(tables.max()) + 1, per_block, width, generator=g).to(DEVICE, dtype),
+        entries=torch.randn(int(batch.block_tables.max()) + 1, per_block, width, generator=g).to(DEVICE, dtype),
         window=torch.randn(R + 2, spec.window - 1, D, generator=g).to(DEVICE, dtype),
         tail=torch.zeros(R + 2, 0, 0, device=DEVICE, dtype=dtype),
     )
-    qlens = [min(new, n) for n in lens]
-    starts = [0]
-    for n in qlens:
-        starts.append(starts[-1] + n)
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, qlens)])
+    positions = batch.positions
     selected = None
     if spec.kind is AttentionKind.COMPRESSED_SPARSE:
         rows = []
@@ -77,19 +69,10 @@ def _case(spec, lens, new, dtype, seed=0, block_size=32):
             pick = torch.randperm(visible, generator=g)[: spec.index_topk].tolist()
             rows.append(pick + [-1] * (spec.index_topk - len(pick)))
         selected = torch.tensor(rows, dtype=torch.long, device=DEVICE)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        positions=positions.to(DEVICE),
-        slot_mapping=torch.zeros_like(positions).to(DEVICE),
-        block_tables=tables.to(DEVICE),
-        block_size=block_size,
-        max_query_len=max(qlens),
-        max_seq_len=max(lens),
-        state_slots=torch.randperm(R + 2, generator=g)[:R].to(DEVICE),
-    )
-    q = torch.randn(starts[-1], spec.num_heads, D, generator=g).to(DEVICE, dtype)
-    kv = torch.randn(starts[-1], D, generator=g).to(DEVICE, dtype)
+    # V4 keys go to the rings and entries, never to slot_mapping
+    meta = batch.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.randperm(R + 2, generator=g)[:R].to(DEVICE))
+    q = torch.randn(batch.num_tokens, spec.num_heads, D, generator=g).to(DEVICE, dtype)
+    kv = torch.randn(batch.num_tokens, D, generator=g).to(DEVICE, dtype)
     sinks = torch.randn(spec.num_heads, generator=g).to(DEVICE)
     return q, kv, sinks, cache, meta, selected
 

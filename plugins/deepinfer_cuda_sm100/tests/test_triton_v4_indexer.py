@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.attention import AttentionMetadata  # noqa: E402
 from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch  # noqa: E402
 from deepinfer_core.models.deepseek_v4_config import parse_config  # noqa: E402
 from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
 from deepinfer_core.models.deepseek_v4_layers import V4Rope  # noqa: E402
+from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonV4Attention  # noqa: E402
 
@@ -30,27 +30,19 @@ def _setup(ends, news, seed=0, dtype=torch.float32):
     for p in indexer.parameters():
         p.data = torch.randn(p.shape, generator=g) * 0.2
     indexer = indexer.to(DEVICE, dtype).requires_grad_(False)
-    need = [-(-e // BLOCK) for e in ends]
-    blocks = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables = torch.zeros(len(ends), max(need), dtype=torch.int32)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor(blocks[:n])
-        blocks = blocks[n:]
+    paged = scattered_batch(ends, news, block_size=BLOCK, generator=g, spare_blocks=3)
+    tables = paged.block_tables
     entries = torch.randn(int(tables.max()) + 1, BLOCK // RATIO, D + cfg.index_head_dim, generator=g).to(DEVICE, dtype)
     cache = V4LayerCache(entries=entries, window=entries.new_zeros(1, 1, D), tail=entries.new_zeros(1, 0, 0))
-    ranges, starts, a = [], [], 0
-    for e, n in zip(ends, news):
-        ranges.append((a, a + n))
-        starts.append(e - n)
-        a += n
-    batch = V4Batch(tuple(ranges), tuple(starts), tuple(range(len(ends))), tables.to(DEVICE), BLOCK, prompt_lens=tuple(ends))
-    positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]).to(DEVICE)
-    starts_loc = torch.tensor([0] + [b for _, b in ranges], dtype=torch.int32, device=DEVICE)
-    meta = AttentionMetadata(starts_loc, torch.tensor(ends, dtype=torch.int32, device=DEVICE), positions, torch.zeros_like(positions),
-                             batch.block_tables, BLOCK, max(news), max(ends), state_slots=torch.arange(len(ends), device=DEVICE))  # fmt: skip
+    bounds = paged.query_start_loc.tolist()
+    ranges = tuple(zip(bounds[:-1], bounds[1:]))
+    starts = tuple(e - n for e, n in zip(ends, news))
+    batch = V4Batch(ranges, starts, tuple(range(len(ends))), tables.to(DEVICE), BLOCK, prompt_lens=tuple(ends))
+    positions = paged.positions.to(DEVICE)
+    meta = paged.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(len(ends), device=DEVICE))
     scorer = functools.partial(TritonV4Attention().index_scores, meta=meta)
-    x = torch.randn(a, cfg.hidden_size, generator=g).to(DEVICE, dtype)
-    q_residual = torch.randn(a, cfg.q_lora_rank, generator=g).to(DEVICE, dtype)
+    x = torch.randn(paged.num_tokens, cfg.hidden_size, generator=g).to(DEVICE, dtype)
+    q_residual = torch.randn(paged.num_tokens, cfg.q_lora_rank, generator=g).to(DEVICE, dtype)
     rope = V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, DEVICE)
     return indexer, cache, batch, positions, x, q_residual, rope, scorer
 
