@@ -84,6 +84,63 @@ def test_split_k_summed_in_kernel_equals_the_separate_sum(M, N, K):
     assert torch.equal(fp8_linear(wider, w, s, counters=unused), fp8_linear(wider, w, s)) and not unused._buffers
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 200, 300), (2, 130, 1024), (3, 256, 640), (4, 48, 2176)])
+def test_fp8_gemv_matches_dequantized_product(M, N, K):
+    """Decode rows (1-4, bf16) go through the GEMV kernel: ragged columns and K (tails of a
+    column tile, of a 128-group and of a 512-wide K step), split K summed in-kernel (counters)
+    or by the separate launch, both bit-identical and repeatable, close to the float64 product
+    of e4m3 activations and the dequantized weight, and close to the tiled GEMM's result."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemv as module
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters
+
+    g = torch.Generator().manual_seed(M * 13 + K)
+    w, s = fp8_weight(N, K, g=g)
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    cfg = module.GemvConfig(block_n=16, groups=4, warps=4, target_programs=64)
+    assert module.gemv_splits(N, K, cfg) == min(-(-K // 512), -(-64 // -(-N // 16)))
+    counters = SplitCounters()
+    out = lambda: torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)  # noqa: E731
+    fused = module.fp8_gemv(x, w, s, out(), counters, cfg)
+    separate = module.fp8_gemv(x, w, s, out(), None, cfg)
+    assert torch.equal(fused, separate) and torch.equal(module.fp8_gemv(x, w, s, out(), counters, cfg), fused)
+    assert all(not b.any() for b in counters._buffers.values())  # counters back at zero
+    want = act_quant64(x) @ dequant64(w, s).t()
+    assert ((fused.double() - want).norm() / want.norm()).item() < 6e-3
+    via_linear = fp8_linear(x, w, s)  # the default tiling: the GEMV too for <= GEMV_ROWS rows
+    assert ((via_linear.double() - want).norm() / want.norm()).item() < 6e-3
+    tiled = fp8_linear_tiled(x, w, s)
+    assert ((fused.double() - tiled.double()).norm() / tiled.double().norm()).item() < 6e-3
+
+
+def fp8_linear_tiled(x, w, s):
+    """``fp8_linear`` with the GEMV switched off (the tiled MMA GEMM for every row count)."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemv as module
+
+    saved, module.GEMV_ROWS = module.GEMV_ROWS, 0
+    try:
+        return fp8_linear(x, w, s)
+    finally:
+        module.GEMV_ROWS = saved
+
+
+def test_fp8_gemv_is_bypassed_in_invariant_mode_and_for_float32():
+    """Batch-invariant forwards keep the one tiling of every row count (a row alone equals the
+    row in a batch); float32 activations keep the exact widened-weight path."""
+    from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
+
+    g = torch.Generator().manual_seed(5)
+    w, s = fp8_weight(192, 256, g=g)
+    x = torch.randn(40, 256, generator=g).to(DEVICE, torch.bfloat16)
+    token = INVARIANT.set(True)
+    try:
+        assert torch.equal(fp8_linear(x[3:4], w, s), fp8_linear(x, w, s)[3:4])
+    finally:
+        INVARIANT.reset(token)
+    x32 = x[:2].float()
+    exact = x32.double() @ dequant64(w, s).t()
+    assert ((fp8_linear(x32, w, s).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
 def test_fp8_linear_rows_do_not_depend_on_the_batch_in_invariant_mode():
     from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
 
@@ -115,7 +172,11 @@ def _moe_case(T, dtype, seed):
     return spec, hidden, ids, w, ExpertWeights(gate_up, down, gs, ds)
 
 
-@pytest.mark.parametrize("T,dtype,prequant", [(3, torch.float32, False), (9, torch.bfloat16, False), (9, torch.bfloat16, True)], ids=["T3-float32", "T9-bfloat16", "T9-bfloat16-prequantized"])
+@pytest.mark.parametrize(
+    "T,dtype,prequant",
+    [(3, torch.float32, False), (9, torch.bfloat16, False), (9, torch.bfloat16, True), (3, torch.bfloat16, False)],
+    ids=["T3-float32", "T9-bfloat16", "T9-bfloat16-prequantized", "T3-bfloat16-gemv"],
+)
 def test_fused_moe_fp8_matches_dequantized_reference(T, dtype, prequant, monkeypatch):
     """``prequant``: the large-batch path (activations quantized once before each GEMM) forced
     on a small batch; it must compute the same numbers as quantizing inside the K loop."""
@@ -127,6 +188,11 @@ def test_fused_moe_fp8_matches_dequantized_reference(T, dtype, prequant, monkeyp
     plain = ExpertWeights(dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale))
     exact = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, plain)
     want = exact if dtype == torch.float32 else quantized_moe64(hidden, ids, w, plain, dtype)
+    if T * 2 <= 8 and dtype != torch.float32:  # decode rows, no explicit tiling: the per-row GEMVs (moe_gemv)
+        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 4e-3, f"GEMV: relative error {err:.2e}"
+        assert counts.sum().item() == T * 2
     for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 128, 128, 4, 2), MoEConfig(128, 128, 64, 8, 3)):  # the prefill tile too
         got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
         err = ((got.double() - want).norm() / want.norm()).item()

@@ -232,6 +232,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, c
         mode = 0 if x.dtype == torch.float32 else 1 if M < PREQUANT_ROWS or invariant else 2
         if mode == 0:  # 4-byte A tiles: smaller tiles and two stages fit shared memory
             bm, bn, warps, stages = min(bm, 64), min(bn, 64), 4, 2
+        if mode == 1 and not invariant and M <= _gemv_rows():  # decode: the weight-read GEMV
+            from .fp8_gemv import fp8_gemv
+
+            return fp8_gemv(x2, weight, scale_inv, out, counters).view(*x.shape[:-1], N)
         xs = out  # unused unless mode 2
         if mode == 2:
             x2, xs = act_quant(x2)
@@ -255,6 +259,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, c
         if split > 1 and cnt is None:
             _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dest, out, M * N, SPLIT=split, BLOCK=1024, num_warps=4)
     return out.view(*x.shape[:-1], N)
+
+
+def _gemv_rows() -> int:
+    from .fp8_gemv import GEMV_ROWS
+
+    return GEMV_ROWS
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -278,8 +278,9 @@ def fused_moe(
     config: MoEConfig | None = None,
     gate_up_scale: torch.Tensor | None = None,  # [E, 2I/128, ceil(D/128)] float32: FP8 weights
     down_scale: torch.Tensor | None = None,  # [E, ceil(D/128), ceil(I/128)] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``
+    (the counts are None for the per-row GEMV path inside a CUDA-graph capture).
 
     With ``gate_up_scale`` / ``down_scale`` the expert weights are float8_e4m3fn in DeepSeek's
     128 x 128 block format; 16-bit activations (the input and the SiLU-and-mul output) are then
@@ -303,6 +304,11 @@ def fused_moe(
         config = replace(config, block_k=128)
         if not quant_a:  # float32 activations: 4-byte A tiles, so narrower and two stages (shared memory)
             config = replace(config, block_n=min(config.block_n, 64), num_stages=2)
+    if _use_gemv(explicit, num_rows, hidden, gate_up):  # a few decode rows: per-row GEMVs, no alignment
+        from .moe_gemv import moe_gemv
+
+        rows_out = moe_gemv(hidden.contiguous(), gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale)
+        return _sum_rows(rows_out, hidden, k), _counts(topk_ids, E)
     preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
     gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
     ds = down_scale if fp8 else topk_weights
@@ -331,8 +337,33 @@ def fused_moe(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    return _sum_rows(rows_out, hidden, k), align.counts
+
+
+def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """A token's k float32 rows summed in a fixed order, whatever the batch; one launch, not 2k-1."""
+    T, D = hidden.shape
     out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)
-    if T:  # a token's k rows summed in a fixed order, whatever the batch; one launch, not 2k-1
+    if T:
         block = min(1024, triton.next_power_of_2(D))
         _sum_rows_kernel[(T, triton.cdiv(D, block))](rows_out, out, D, K=k, BLOCK=block, num_warps=4)
-    return out, align.counts
+    return out
+
+
+def _use_gemv(explicit: bool, num_rows: int, hidden: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """The per-row GEMVs (``moe_gemv``) for 1 to MOE_GEMV_ROWS rows of 16-bit activations with
+    FP8 or same-dtype experts; an explicit tiling (batch-invariant forwards, tile sweeps) and
+    float32 activations keep the grouped GEMMs."""
+    from .moe_gemv import MOE_GEMV_ROWS
+
+    wide = hidden.dtype in (torch.bfloat16, torch.float16)
+    return not explicit and 0 < num_rows <= MOE_GEMV_ROWS and wide and gate_up.dtype in (hidden.dtype, torch.float8_e4m3fn)
+
+
+def _counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor | None:
+    """Rows per expert [E] int64 without the alignment; None inside a CUDA-graph capture (the
+    dispatcher counts only eager steps: two launches a layer saved in the replayed step)."""
+    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    ids = topk_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
