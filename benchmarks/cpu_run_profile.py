@@ -54,6 +54,7 @@ def instrument(llm, timers: Timers) -> None:
     engine = llm.engine
     model, runner = engine.model, engine.runner
     step, forward, logits = engine.step, model.forward, model.compute_logits
+    greedy = getattr(model, "greedy_tokens", None)
     sampler = runner.sampler
     sample = sampler.sample_device
     matmul = ops.matmul
@@ -81,6 +82,10 @@ def instrument(llm, timers: Timers) -> None:
         with timers.part("LM head"):
             return logits(hidden)
 
+    def timed_greedy(hidden):  # the head fused with greedy sampling (lowbit/head.c): counted as the LM head
+        with timers.part("LM head"):
+            return greedy(hidden)
+
     def timed_sample(*a, **k):
         with timers.part("sampling"):
             return sample(*a, **k)
@@ -90,6 +95,8 @@ def instrument(llm, timers: Timers) -> None:
             return matmul(*a, **k)
 
     engine.step, model.forward, model.compute_logits, sampler.sample_device = timed_step, timed_forward, timed_logits, timed_sample
+    if greedy is not None:
+        model.greedy_tokens = timed_greedy
     modules.ops = type("ops", (), {"matmul": staticmethod(timed_matmul), "int_rows": staticmethod(ops.int_rows), "int8_rows": staticmethod(ops.int8_rows)})
 
 
@@ -101,6 +108,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
                         help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)")
+    parser.add_argument("--head-ab", type=int, default=0, metavar="ROUNDS",
+                        help="then ROUNDS whole runs with the LM head fused with greedy sampling (lowbit/head.c) and the full head + "
+                             "torch.argmax, alternating; wall and CPU seconds")
     args = parser.parse_args()
     prompts = build_prompts(args.concurrency, args.prompt_tokens)
     import inspect
@@ -111,7 +121,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     block_size = inspect.signature(LLM).parameters["block_size"].default  # sized as cpu_throughput.py's
     blocks = len(prompts) * -(-(len(prompts[0]) + args.new_tokens) // block_size)
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks, enable_prefix_caching=not args.prefill_ab)
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks,
+              enable_prefix_caching=not (args.prefill_ab or args.head_ab))
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -170,6 +181,36 @@ def main() -> None:
         for native in (True, False):
             w = sorted(walls[native])
             print(f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |")
+
+    if args.head_ab:
+        head_ab(llm, generate, prompts, args.new_tokens, args.head_ab, tokens)
+
+
+def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: int, tokens: int) -> None:
+    """Whole runs alternating the fused greedy head and the full head + torch.argmax on one
+    engine (the instance attribute ``fused_greedy`` switches it); the outputs must agree."""
+    model = llm.engine.model
+    for name in ("greedy_tokens", "compute_logits"):  # the timers of the profiled run off
+        model.__dict__.pop(name, None)
+    if getattr(model, "_decode_plan", None) is not None and hasattr(model._decode_plan, "phase_ms"):
+        model._decode_plan.phase_ms = None
+    walls: dict[bool, list[tuple[float, float]]] = defaultdict(list)
+    outputs: dict[bool, list[list[int]]] = {}
+    for _ in range(rounds):
+        for fused in (True, False):
+            model.fused_greedy = fused
+            start, cpu = time.perf_counter(), time.process_time()
+            outputs[fused] = generate(prompts, new_tokens)
+            walls[fused].append((time.perf_counter() - start, time.process_time() - cpu))
+    del model.fused_greedy
+    print(f"\nwhole runs alternating, load average after {os.getloadavg()[0]:.1f}; outputs identical: {outputs[True] == outputs[False]}")
+    print("| LM head | runs | best wall s | median wall s | best CPU s | median CPU s | tok/s (best wall) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for fused in (True, False):
+        w = sorted(x for x, _ in walls[fused])
+        c = sorted(y for _, y in walls[fused])
+        label = "fused with greedy sampling (default)" if fused else "full logits + torch.argmax"
+        print(f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | {tokens / w[0]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
         return hidden
 
     model.compute_logits = record
+    model.fused_greedy = False  # every step through compute_logits, so that the logits are recorded
     model._decode_plan = type("Counted", (), {"run": staticmethod(counted)})() if use_plan else None
     tok = llm.get_tokenizer()
     ids: dict[str, int] = {}
@@ -66,7 +67,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
                 for out in engine.step():
                     tokens[PROMPTS[ids[out.request_id]]] = out.outputs[0].token_ids
     finally:
-        del model.compute_logits
+        del model.compute_logits, model.fused_greedy
         model._decode_plan = plan
     return tokens, logits, fused, mixed
 

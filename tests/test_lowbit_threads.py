@@ -94,8 +94,9 @@ def test_logits_do_not_depend_on_the_thread_count_of_each_step():
             model._decode_plan.threads = chooser
             logits = []
             model.compute_logits = lambda hidden, out=logits: out.append(compute(model, hidden).clone()) or out[-1]
+            model.fused_greedy = False  # every step through compute_logits, so that the logits are recorded
             tokens = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-            del model.compute_logits
+            del model.compute_logits, model.fused_greedy
             runs.append((tokens, logits, chooser))
     finally:
         torch.set_num_threads(before)

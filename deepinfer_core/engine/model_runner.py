@@ -95,10 +95,16 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not batch.sample_rows:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
-        if logits is None:
-            logits = self.model.compute_logits(hidden if batch.sample_index is None else hidden[batch.sample_index])  # [N, V]
         ids = tuple(s.request_id for s in out.requests if s.sample)
         row_list = [rows[i] for i in ids]
+        if logits is None:
+            sample_hidden = hidden if batch.sample_index is None else hidden[batch.sample_index]
+            fused = getattr(self.model, "greedy_tokens", None)  # the head's argmax without the logits (greedy rows only)
+            if fused is not None and type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list):
+                if (got := fused(sample_hidden)) is not None:
+                    host, ready = _copy_back(got[0])
+                    return Launched(out, ids, got[0], host, ready, None, fed, got[1])
+            logits = self.model.compute_logits(sample_hidden)  # [N, V]
         on_device = getattr(self.sampler, "sample_device", None)  # a plain callable samples on the host
         try:  # penalties change the logits in place: keep them for the per-row retry
             if on_device is None:

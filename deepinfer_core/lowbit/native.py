@@ -24,7 +24,7 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "layer.c"))  # one shared object
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "layer.c", "head.c"))  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
@@ -113,3 +113,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.llama_decode_scratch_per_row.restype = i64
     lib.llama_decode_step.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i32, p]
     lib.llama_decode_step.restype = None
+    lib.lowbit_head_argmax.argtypes = [p, i64, i64, i32, p, p, p, i64, i64, i64, i32, p]
+    lib.lowbit_head_argmax.restype = i32

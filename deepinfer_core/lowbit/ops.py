@@ -90,3 +90,25 @@ def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows
     kernel = kernels.lib.gemm_i16_act if which == "i16" else kernels.lib.gemm_f32_act
     kernel(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0, threads: int | None = None) -> torch.Tensor | None:
+    """The index of the largest logit of each row of ``x @ W^T`` ([M] int64), as
+    ``torch.argmax(matmul(x, w, ...), -1)`` gives it, without the [M, N] logits (head.c: the
+    same kernel on vocabulary chunks, so every logit has the full head's bits; ties to the lowest
+    index). None when a logit is NaN or the kernels are not built: the caller takes the full head."""
+    kernels = load()
+    if kernels.lib is None or w.kind not in ("q4", "q8"):
+        return None
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    M, K = x.shape
+    if w.shape[1] != K:
+        raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")
+    out = torch.empty(M, dtype=torch.int64)
+    if M == 0:
+        return out
+    m_ptr = w.m.data_ptr() if w.m is not None else None
+    failed = kernels.lib.lowbit_head_argmax(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
+                                            w.qs.shape[0], max_int_rows, min_int8_rows, threads or torch.get_num_threads(), out.data_ptr())
+    return None if failed else out

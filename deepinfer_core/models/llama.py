@@ -21,6 +21,7 @@ from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, Att
 from ..engine.fast_init import materialize
 from . import ModelContext, WeightsError
 from ..lowbit import llama_decode
+from ..lowbit import ops as lowbit_ops
 from ..lowbit.formats import QuantWeight
 from ..lowbit.modules import LowBitEmbedding, LowBitLinear
 from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
@@ -152,6 +153,29 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_kernel is not None and hidden.dtype != torch.float32 and hidden.dtype == head.weight.dtype:
             return self.logits_kernel(hidden, head.weight)
         return F.linear(hidden, head.weight).float()
+
+    fused_greedy = True  # greedy_tokens may answer (benchmarks turn it off for side-by-side runs)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int] | None:  # [N, D] -> ([N] int64, vocab)
+        """``torch.argmax(compute_logits(hidden), -1)`` and the vocabulary size for a packed
+        head, without the [N, V] logits (lowbit/head.c: the same kernel and bits, ties to the
+        lowest index); None where it does not apply (a float head, several formats, a bias, a NaN
+        logit): the caller computes the logits."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if not self.fused_greedy or hidden.device.type != "cpu":
+            return None
+        if type(head) is LowBitEmbedding and head.weight_q is not None:
+            w = head.weight_q
+        elif type(head) is LowBitLinear and len(head.segments) == 1 and head.bias is None:
+            w = head.segments[0]
+        else:
+            return None
+        plan = self._decode_plan
+        chooser = getattr(plan, "threads", None) if plan is not _UNPLANNED else None
+        most = torch.get_num_threads()
+        threads = min(chooser.current or most, most) if chooser is not None else most  # the native step's count
+        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads)
+        return None if tokens is None else (tokens, w.qs.shape[0])
 
     # -- weights -----------------------------------------------------------------------------
     @torch.no_grad()
