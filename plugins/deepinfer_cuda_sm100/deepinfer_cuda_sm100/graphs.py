@@ -22,9 +22,10 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
+from .decode_capture import StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
+
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HEAD_ROWS = 64  # buckets up to here replay the LM head and the greedy argmax too
 
 
@@ -33,7 +34,7 @@ class CudaDecodeGraphs:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.max_blocks = block_size, max_blocks
         self.scratch_slot = scratch_block * block_size
-        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.buckets = bucket_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.v4 = None  # DeepSeek-V4's own graphs (v4_graphs.py), which this object's run hands steps to
         if not all(isinstance(c, torch.Tensor) for c in kv_caches):  # e.g. DeepSeek-V4's per-request state KV
@@ -44,14 +45,7 @@ class CudaDecodeGraphs:
                 return
             log.info("decode steps run eagerly: this model's KV cache layout is not captured in CUDA graphs")
             return
-        dev = kv_caches[0].device
-        top = self.buckets[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self.tables = torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.inputs = StaticInputs(self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=kv_caches[0].device)
         self.outputs: dict[int, torch.Tensor] = {}
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids)
         blockers = uncapturable(model)
@@ -60,39 +54,22 @@ class CudaDecodeGraphs:
         else:
             self._capture_all()
 
-    def _meta(self, n: int) -> AttentionMetadata:
-        """Metadata over the first ``n`` rows of the static buffers."""
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n], positions=self.positions[:n],
-            slot_mapping=self.slots[:n], block_tables=self.tables[:n], block_size=self.block_size,
-            max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
-        )  # fmt: skip
+    def _step(self, n: int) -> torch.Tensor:
+        return self.model.forward(self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
 
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
+    def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The same ops the engine and its sampler would run on these rows, where bucket ``n`` has them."""
         from .kernels.argmax import argmax_rows
 
+        if n > HEAD_ROWS or not hasattr(self.model, "compute_logits"):  # HEAD_ROWS read now: a benchmark sets it
+            return None
+        logits = self.model.compute_logits(hidden)
+        return logits, argmax_rows(logits)  # = torch.argmax, in 2 short launches
+
+    def _capture_all(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for n in reversed(self.buckets):
-                meta = self._meta(n)
-                head = n <= HEAD_ROWS and hasattr(self.model, "compute_logits")
-                warm = self.model.forward(self.input_ids[:n], self.positions[:n], self.kv_caches, meta)  # compile / warm up
-                if head:
-                    argmax_rows(self.model.compute_logits(warm))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[n] = self.model.forward(self.input_ids[:n], self.positions[:n], self.kv_caches, meta)
-                    if head:  # the same ops the engine and its sampler would run on these rows
-                        logits = self.model.compute_logits(self.outputs[n])
-                        self.heads[n] = (logits, argmax_rows(logits))  # = torch.argmax, in 2 short launches
-                self.graphs[n] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, self.outputs, self.heads = capture_buckets(self.buckets, self._step, self._head)
         log.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
             len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start, (torch.cuda.memory_allocated() - before) / 2**20,
@@ -127,36 +104,27 @@ class CudaDecodeGraphs:
         width = meta.block_tables.shape[1]
         if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or getattr(meta, "state_slots", None) is not None or n > self.buckets[-1] or width > self.max_blocks:
             return None
-        return next(b for b in self.buckets if b >= n)
+        return smallest_bucket(self.buckets, n)
 
     def _replay(self, bucket: int, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        n = meta.num_requests
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(meta.positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.tables[:n, :width].copy_(meta.block_tables)
-        if bucket > n:  # padded rows: one token at position 0 in the scratch block
-            self.input_ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-            self.slots[n:bucket].fill_(self.scratch_slot)
-            self.seq_lens[n:bucket].fill_(1)
-            self.tables[n:bucket, 0].fill_(self.scratch_slot // self.block_size)
+        self._fill(bucket, input_ids, meta)
         self.graphs[bucket].replay()
+
+    def _fill(self, bucket: int, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        n = meta.num_requests
+        inputs = self.inputs
+        inputs.copy_rows(input_ids, meta)
+        if bucket > n:  # padded rows: one token at position 0 in the scratch block
+            inputs.input_ids[n:bucket].zero_()
+            inputs.positions[n:bucket].zero_()
+            inputs.slots[n:bucket].fill_(self.scratch_slot)
+            inputs.seq_lens[n:bucket].fill_(1)
+            inputs.tables[n:bucket, 0].fill_(self.scratch_slot // self.block_size)
 
 
 def uncapturable(model) -> list[str]:
     """Names of the model's attention backends / MoE dispatchers that are not this plugin's
     capture-safe kernels (ones that synchronise with the host, like the builtin MoE's counts)."""
     from .attention import TritonAttention
-    from .moe import TritonMoEDispatcher
 
-    names = set()
-    for module in model.modules():
-        backend, dispatcher = getattr(module, "backend", None), getattr(module, "dispatcher", None)
-        if backend is not None and not isinstance(backend, TritonAttention):
-            names.add(getattr(backend, "name", type(backend).__name__))
-        if dispatcher is not None and not isinstance(dispatcher, TritonMoEDispatcher):
-            names.add(getattr(dispatcher, "name", type(dispatcher).__name__))
-    return sorted(names)
+    return foreign_kernels(model, TritonAttention)

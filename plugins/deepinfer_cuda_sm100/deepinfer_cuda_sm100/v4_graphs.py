@@ -21,7 +21,8 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
-from .graphs import BUCKETS, HEAD_ROWS
+from .decode_capture import StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
+from .graphs import HEAD_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +31,13 @@ class V4DecodeGraphs:
     def __init__(self, model, kv_caches: list, *, block_size: int, scratch_block: int, max_num_seqs: int, max_blocks: int, capture: bool = True) -> None:
         self.model, self.kv_caches, self.capture = model, kv_caches, capture
         self.block_size, self.max_blocks = block_size, max_blocks
-        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.buckets = bucket_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids), as graphs.py
         self.enabled = False
         dev = kv_caches[0].window.device
-        top = self.buckets[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.state_slots = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), scratch_block * block_size, dtype=torch.long, device=dev)  # unused by V4 layers
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self.tables = torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.inputs = StaticInputs(self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=dev, state_slots=True)
         blockers = v4_uncapturable(model)
         if capture and blockers:
             log.info("DeepSeek-V4 decode steps run eagerly: %s cannot be captured in a CUDA graph", ", ".join(blockers))
@@ -52,38 +46,20 @@ class V4DecodeGraphs:
         if capture:
             self._capture_all()
 
-    def _meta(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n], positions=self.positions[:n],
-            slot_mapping=self.slots[:n], block_tables=self.tables[:n], block_size=self.block_size,
-            max_query_len=1, max_seq_len=self.max_blocks * self.block_size, state_slots=self.state_slots[:n],
-        )  # fmt: skip
-
     def _step(self, n: int) -> torch.Tensor:
-        return self.model.forward_decode(self.input_ids[:n], self.positions[:n], self.kv_caches, self._meta(n))
+        return self.model.forward_decode(self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
 
-    @torch.inference_mode()
+    def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The LM head and the greedy argmax the engine would run on these rows, where bucket ``n`` has them."""
+        if n > HEAD_ROWS:
+            return None
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.argmax(logits, dim=-1)
+
     def _capture_all(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for n in reversed(self.buckets):
-                head = n <= HEAD_ROWS
-                warm = self._step(n)  # compile / warm up
-                if head:
-                    torch.argmax(self.model.compute_logits(warm), dim=-1)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[n] = self._step(n)
-                    if head:  # the LM head and the greedy argmax the engine would run on these rows
-                        logits = self.model.compute_logits(self.outputs[n])
-                        self.heads[n] = (logits, torch.argmax(logits, dim=-1))
-                self.graphs[n] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, self.outputs, self.heads = capture_buckets(self.buckets, self._step, self._head)
         log.info(
             "captured %d DeepSeek-V4 decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
             len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start, (torch.cuda.memory_allocated() - before) / 2**20,
@@ -119,18 +95,14 @@ class V4DecodeGraphs:
         if (not self.enabled or meta.max_query_len != 1 or meta.batch_invariant or meta.replay or meta.state_slots is None
                 or input_ids.shape[0] != n or n > self.buckets[-1] or width > self.max_blocks):  # fmt: skip
             return None
-        return next(b for b in self.buckets if b >= n)
+        return smallest_bucket(self.buckets, n)
 
     def _fill(self, bucket: int, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
         n = meta.num_requests
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(meta.positions)
-        self.state_slots[:n].copy_(meta.state_slots)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.tables[:n, :width].copy_(meta.block_tables)
+        inputs = self.inputs
+        inputs.copy_rows(input_ids, meta)
         if bucket > n:  # padded rows repeat row 0: they write row 0's own values to row 0's state
-            for buf in (self.input_ids, self.positions, self.state_slots, self.seq_lens, self.tables):
+            for buf in (inputs.input_ids, inputs.positions, inputs.state_slots, inputs.seq_lens, inputs.tables):
                 buf[n:bucket].copy_(buf[:1].expand_as(buf[n:bucket]))
 
 
@@ -138,13 +110,5 @@ def v4_uncapturable(model) -> list[str]:
     """Names of the model's V4 attention backends / MoE dispatchers that are not this plugin's
     capture-safe Triton ones (the builtin MoE reads expert counts back to the host)."""
     from .attention import TritonV4Attention
-    from .moe import TritonMoEDispatcher
 
-    names = set()
-    for module in model.modules():
-        backend, dispatcher = getattr(module, "backend", None), getattr(module, "dispatcher", None)
-        if backend is not None and not isinstance(backend, TritonV4Attention):
-            names.add(getattr(backend, "name", type(backend).__name__))
-        if dispatcher is not None and not isinstance(dispatcher, TritonMoEDispatcher):
-            names.add(getattr(dispatcher, "name", type(dispatcher).__name__))
-    return sorted(names)
+    return foreign_kernels(model, TritonV4Attention)

@@ -17,6 +17,63 @@ def test_hook_answers_for_cuda_platforms_only():
     assert plugin.deepinfer_batch_invariant_ops(TorchPlatform("cpu", "cpu")) is None
 
 
+def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_block(tmp_path):
+    """What a replay reads, on any machine: each decode step's rows copied into the static
+    inputs and padded to its bucket (token 0 at position 0 in the scratch block), the model run
+    eagerly over them (the torch reference attention: nothing is captured). The real rows give
+    the eager step's hidden states and KV; the padded rows write into the scratch block only; the
+    tokens are the eager engine's."""
+    transformers = pytest.importorskip("transformers")
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.plugin_host import PluginHost
+    from deepinfer_cuda_sm100.decode_capture import smallest_bucket
+    from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    checked: list[tuple[int, int]] = []
+
+    class Static:
+        def __init__(self, model, kv_caches, **kw) -> None:
+            self.graphs = CudaDecodeGraphs(model, kv_caches, **kw)
+            assert not self.graphs.graphs and self.graphs.buckets == [1, 2, 4, 8]
+            self.model, self.kv_caches, self.scratch = model, kv_caches, kw["scratch_block"]
+
+        @torch.inference_mode()
+        def run(self, input_ids, meta):
+            n = meta.num_requests
+            bucket = smallest_bucket(self.graphs.buckets, n)
+            eager_caches = [c.clone() for c in self.kv_caches]
+            want = self.model.forward(input_ids, meta.positions, eager_caches, meta)
+            self.graphs._fill(bucket, input_ids, meta)
+            got = self.graphs._step(bucket)[:n]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for ours, eager in zip(self.kv_caches, eager_caches):  # [planes, heads, blocks, block, width]
+                others = [b for b in range(ours.shape[2]) if b != self.scratch]
+                torch.testing.assert_close(ours[:, :, others], eager[:, :, others], rtol=1e-5, atol=1e-5)
+                assert torch.equal(ours[:, :, self.scratch, 1:], eager[:, :, self.scratch, 1:])  # position 0 only
+                assert bucket == n or ours[:, :, self.scratch, 0].abs().sum() > 0  # (the cache starts zeroed)
+            checked.append((n, bucket))
+            return got
+
+    class StaticPlugin:
+        @hookimpl
+        def deepinfer_decode_graphs(self, platform):
+            return Static
+
+    host = PluginHost(load_entry_points=False, extra_plugins={"static": StaticPlugin()})
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 9, 12)]
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8, host=host)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert {(3, 4), (2, 2), (1, 1)} <= set(checked)  # 3 rows padded to the bucket of 4, then 2 and 1
+    eager = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8, enforce_eager=True)
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_matches_eager(tmp_path):
     transformers = pytest.importorskip("transformers")
