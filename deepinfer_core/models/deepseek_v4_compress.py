@@ -10,7 +10,8 @@ whose windows close inside the scheduled tokens, so any chunking gives the same 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from .deepseek_v4_config import V4Config
 from .deepseek_v4_kv import V4LayerCache
 from .deepseek_v4_layers import V4RMSNorm, V4Rope
+from .deepseek_v4_prefill import choose, topk_plan, torch_scores, update_entries_batched, window_plan
 
 
 @dataclass(frozen=True)
@@ -31,25 +33,14 @@ class V4Batch:
     block_tables: torch.Tensor  # [R, max_blocks] int
     block_size: int
     prompt_lens: tuple[int, ...] = ()  # per request, 0 where unknown
+    # Index plans built from this layout (deepseek_v4_prefill), one per layer kind, shared by its layers.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def entry_index(self, r: int, entries: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, offset) of compressed entries ``entries`` [n] of request ``r``."""
-        per_block = self.block_size // ratio
-        blocks = self.block_tables[r].long()[entries // per_block]
-        return blocks, entries % per_block
-
-
-def read_tail(tail: torch.Tensor, slot: int, lo: int, hi: int) -> torch.Tensor:
-    rows = tail.shape[1]
-    return tail[slot, torch.arange(lo, hi, device=tail.device) % rows]
-
-
-def write_tail(tail: torch.Tensor, slot: int, start: int, new: torch.Tensor) -> None:
-    """Keep the last ``rows`` positions of ``new`` (positions start..) in the ring."""
-    rows = tail.shape[1]
-    end = start + new.shape[0]
-    lo = max(start, end - rows)
-    tail[slot, torch.arange(lo, end, device=tail.device) % rows] = new[lo - start :].to(tail.dtype)
+    def plan(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The plan ``key`` of this step, built by ``build`` on first use (once per step, not per layer)."""
+        if key not in self.plans:
+            self.plans[key] = build()
+        return self.plans[key]
 
 
 class Compressor(nn.Module):
@@ -68,26 +59,20 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, 2 * width] (kv | gate)
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def compress(self, src: torch.Tensor, lo: int, windows: range, rope: V4Rope) -> torch.Tensor:
-        """Entries for ``windows`` from raw rows ``src`` of positions ``lo..`` -> [n, dim]."""
-        r, d, n = self.ratio, self.dim, len(windows)
-        first = windows.start * r - lo
-        cur = src[first : first + n * r].view(n, r, 2 * self.width)
-        kv, gate = cur[..., : self.width], cur[..., self.width :] + self.position_bias
-        if self.overlap:
-            new_kv = kv.new_zeros(n, 2 * r, d)
-            new_gate = gate.new_full((n, 2 * r, d), float("-inf"))
-            new_kv[:, r:], new_gate[:, r:] = kv[..., d:], gate[..., d:]
-            # Window w's first half is window w - 1's rows (window 0 has none: weight 0), all at once.
-            skip = 1 if windows.start == 0 else 0
-            if n > skip:
-                first_prev = (windows.start + skip - 1) * r - lo
-                prev = src[first_prev : first_prev + (n - skip) * r].view(n - skip, r, 2 * self.width)
-                new_kv[skip:, :r] = prev[..., :d]
-                new_gate[skip:, :r] = prev[..., self.width : self.width + d] + self.position_bias[:, :d]
-            kv, gate = new_kv, new_gate
+    def pool(self, src: torch.Tensor, positions: torch.Tensor, rope: V4Rope) -> torch.Tensor:
+        """Entries from windows of raw rows ``src`` [N, span, 2 * width] (span = ``2 * ratio``
+        with overlap: the previous window's rows first, ignored for window 0; else ``ratio``),
+        roped at ``positions`` [N] (each window's first position) -> [N, dim]."""
+        r, d, W = self.ratio, self.dim, self.width
+        if self.overlap:  # window w's first half: window w - 1's rows (none for window 0: weight 0)
+            prev, cur = src[:, :r], src[:, r:]
+            has_prev = (positions >= r)[:, None, None]
+            kv = torch.cat([torch.where(has_prev, prev[..., :d], torch.zeros_like(prev[..., :d])), cur[..., d:W]], dim=1)
+            first = torch.where(has_prev, prev[..., W : W + d] + self.position_bias[:, :d], float("-inf"))
+            gate = torch.cat([first, cur[..., W + d :] + self.position_bias[:, d:]], dim=1)
+        else:
+            kv, gate = src[..., :W], src[..., W:] + self.position_bias
         pooled = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
-        positions = torch.arange(windows.start, windows.stop, device=src.device) * r
         cos, sin = rope.cos_sin(positions, pooled.dtype)
         return V4Rope.apply(pooled, cos, sin)
 
@@ -102,40 +87,12 @@ def update_entries(
 ) -> None:
     """Write every entry whose window closes in this step to block KV; refresh the state tails.
     A replay (rebuilding state after a prefix hit) only refreshes the tails: the entries are
-    already in the shared cached blocks, and the replay's first positions are not exact."""
-    ratio = compressors[0][0].ratio
-    # A decode batch (one new token per request): only requests whose window closes run the
-    # per-request compression; every tail is then refreshed with one indexed write per series.
-    one_each = not replay and len(batch.token_ranges) > 1 and all(b - a == 1 for a, b in batch.token_ranges)
-    for r, ((a, b), s, slot) in enumerate(zip(batch.token_ranges, batch.starts, batch.slots)):
-        e = s + (b - a)
-        lo = max(0, (s // ratio) * ratio - (ratio if compressors[0][0].overlap else 0))
-        windows = range(s // ratio, e // ratio)
-        if one_each and not len(windows):
-            continue
-        tail_col = 0
-        for (comp, entry_col), rows in zip(compressors, raw):
-            width = 2 * comp.width
-            new = rows[a:b]
-            if len(windows) and not replay:
-                old = read_tail(cache.tail[..., tail_col : tail_col + width], slot, lo, s)
-                src = torch.cat([old.to(new.dtype), new], dim=0)
-                entries = comp.compress(src, lo, windows, rope)
-                blocks, offsets = batch.entry_index(r, torch.arange(windows.start, windows.stop, device=new.device), ratio)
-                cache.entries[blocks, offsets, entry_col : entry_col + comp.dim] = entries.to(cache.entries.dtype)
-            if not one_each:
-                write_tail(cache.tail[..., tail_col : tail_col + width], slot, s, new)
-            tail_col += width
-    if one_each:
-        dev = cache.tail.device
-        rows_of = torch.tensor([a for a, _ in batch.token_ranges], device=raw[0].device)
-        slots = torch.tensor(batch.slots, device=dev)
-        ring = torch.tensor(batch.starts, device=dev) % cache.tail.shape[1]
-        tail_col = 0
-        for (comp, _), rows in zip(compressors, raw):
-            width = 2 * comp.width
-            cache.tail[..., tail_col : tail_col + width][slots, ring] = rows[rows_of].to(cache.tail.dtype)
-            tail_col += width
+    already in the shared cached blocks, and the replay's first positions are not exact.
+    Every request at once (:mod:`.deepseek_v4_prefill`)."""
+    comp = compressors[0][0]
+    plan = batch.plan(("windows", comp.ratio, comp.overlap, cache.tail.shape[1], replay),
+                      lambda: window_plan(batch, comp.ratio, comp.overlap, cache.tail.shape[1], replay, raw[0].device))  # fmt: skip
+    update_entries_batched(compressors, raw, cache, plan, rope)
 
 
 class Indexer(Compressor):
@@ -158,60 +115,25 @@ class Indexer(Compressor):
         attention is a sum over the set). So up to ``index_topk * ratio`` tokens of context the
         indexer computes nothing. ``scorer`` (optional, from the attention backend:
         ``V4AttentionBackend.index_scores``) computes every row's masked scores in one call
-        instead of the per-request torch ops below (``None`` from it: use them); the top-k that
-        follows is the same either way."""
+        instead of the torch ops (``None`` from it: use them); the top-k that follows is the
+        same either way. Every request and row at once (:mod:`.deepseek_v4_prefill`)."""
         T = x.shape[0]
-        visible_all = (positions + 1) // self.ratio  # entries each query may see
-        ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
-        prompts = batch.prompt_lens or (0,) * len(ends)
-        todo = [r for r, e in enumerate(ends) if max(e, prompts[r]) // self.ratio > self.topk]  # requests that rank > topk entries
+        visible = (positions + 1) // self.ratio  # entries each query may see
+        plan = batch.plan(("topk", self.ratio, self.topk), lambda: topk_plan(batch, self.ratio, self.topk, x.device))
         # no ranking at all: only as many columns as the batch has entries (attention reads fewer -1 slots)
-        width = self.topk if todo else max(1, min(self.topk, max(ends, default=0) // self.ratio))
+        ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
+        width = self.topk if plan is not None else max(1, min(self.topk, max(ends, default=0) // self.ratio))
         ids = torch.arange(width, device=x.device)
-        out = torch.where(ids[None, :] < visible_all[:, None], ids[None, :], -1)
-        if not todo:
+        out = torch.where(ids[None, :] < visible[:, None], ids[None, :], -1)
+        if plan is None:
             return out
         cos, sin = rope.cos_sin(positions, x.dtype)
         q = V4Rope.apply(self.q_b_proj(q_residual).view(T, self.heads, self.dim), cos, sin)
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, h]
-        n_max = max(ends) // self.ratio
         every = None
         if scorer is not None:
-            every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, n_max, self.dim**-0.5)  # [T, n_max]
-        for r in todo:
-            (a, b), s = batch.token_ranges[r], batch.starts[r]
-            n = ends[r] // self.ratio
-            visible = visible_all[a:b]
-            if every is not None:
-                scores = every[a:b, :n]
-            else:
-                blocks, offsets = batch.entry_index(r, torch.arange(n, device=x.device), self.ratio)
-                keys = cache.entries[blocks, offsets, key_col : key_col + self.dim]  # [n, dI]
-                scores = torch.matmul(q[a:b].float(), keys.float().t())  # [t, h, n]
-                scores = F.relu(scores) * self.dim**-0.5
-                scores = (scores * weights[a:b].unsqueeze(-1)).sum(dim=1)  # [t, n]
-                future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
-                scores = scores.masked_fill(future, float("-inf"))
-            self._top(scores, visible, prompts[r], s, out[a:b])
+            every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, plan.n_max, self.dim**-0.5)  # [T, n_max]
+        if every is None:
+            every = torch_scores(self, q, weights, cache.entries, key_col, visible, batch, plan)
+        choose(every[plan.rows], visible, plan, self.topk, out)
         return out
-
-    def _top(self, scores: torch.Tensor, visible: torch.Tensor, prompt: int, start: int, out: torch.Tensor) -> None:
-        """Top-k of each row, ranked over the entries a one-pass run would rank it over: a
-        prompt row over the prompt's ``prompt // ratio`` entries (future ones at -inf), a later
-        row over its visible ones, as decoding does. Exact score ties (relu makes many zeros)
-        are then broken as the reference breaks them whatever the chunking; ``torch.topk``'s
-        choice among ties depends on the row length."""
-        t, n = scores.shape
-        in_prompt = min(t, max(0, prompt - start)) if prompt else t
-        if in_prompt:
-            cols = max(n, prompt // self.ratio) if prompt else n
-            rows = scores[:in_prompt]
-            if cols > n:
-                rows = torch.cat([rows, rows.new_full((in_prompt, cols - n), float("-inf"))], dim=1)
-            k = min(self.topk, cols)
-            top = rows.topk(k, dim=-1).indices
-            out[:in_prompt, :k] = torch.where(top >= visible[:in_prompt, None], -1, top)
-        for i in range(in_prompt, t):
-            cols = (start + i + 1) // self.ratio  # = visible[i], known on the host (no device sync)
-            if cols > self.topk:  # fewer: ``out`` already holds every visible entry
-                out[i] = scores[i, :cols].topk(self.topk).indices
