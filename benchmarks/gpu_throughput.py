@@ -242,11 +242,50 @@ def di_speed(llm: LLM, vocab: int, levels, steps: int, prompt_len: int) -> dict:
     return res
 
 
-def di_prefill(llm: LLM, vocab: int) -> float:
+def di_prefill(llm: LLM, vocab: int, runs: int = 1) -> float:
+    """tok/s of the fastest of ``runs`` timed 64 x 512 prefills (each reading is logged when
+    there are several: a disturbed one shows as a spread)."""
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(64, 512, vocab, 40), one)
-    t = timed(lambda: llm.generate(random_prompts(64, 512, vocab, 41), one))
-    return 64 * 512 / t
+    times = [timed(lambda: llm.generate(random_prompts(64, 512, vocab, 41 + 100 * r), one)) for r in range(runs)]
+    if runs > 1:
+        log(f"  deepinfer prefill readings: {', '.join(f'{64 * 512 / t:,.0f}' for t in times)} tok/s (median {64 * 512 / sorted(times)[runs // 2]:,.0f})")
+    return 64 * 512 / min(times)
+
+
+def prefill_timeline(llm: LLM, vocab: int) -> None:
+    """Where the wall time of one 64 x 512 prefill goes on the GPU's timeline (torch profiler,
+    CPU and CUDA activities, one clock): host time before the first kernel, GPU idle gaps
+    between kernels (the largest with the kernels around them), host time after the last."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = random_prompts(64, 512, vocab, 78)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("prefill_generate"):
+            llm.generate(prompts, one)
+            torch.cuda.synchronize()
+    events = prof.events()
+    outer = next(ev for ev in events if ev.name == "prefill_generate")
+    kernels = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in events if ev.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    if not kernels:
+        return
+    gaps, busy, end = [], 0.0, kernels[0][0]
+    prev = kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    wall = outer.time_range.end - outer.time_range.start
+    before, after = kernels[0][0] - outer.time_range.start, outer.time_range.end - end
+    idle = sum(g for g, _, _ in gaps)
+    log(f"PROFILE prefill timeline: wall {wall / 1e3:.2f} ms = host before the first kernel {before / 1e3:.2f} + GPU busy {busy / 1e3:.2f} + idle between kernels {idle / 1e3:.2f} ({len(gaps)} gaps, {sum(g > 20 for g, _, _ in gaps)} over 20 us) + after the last kernel {after / 1e3:.2f}; {len(kernels)} kernels and copies")
+    for g, a, b in sorted(gaps, reverse=True)[:10]:
+        log(f"    gap {g / 1e3:6.3f} ms  after {a[:50]}  before {b[:50]}")
 
 
 @torch.inference_mode()
@@ -347,9 +386,10 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     events = prof.key_averages()
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     total = sum(getattr(ev, key) for ev in events)
-    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms; top kernels:")
-    for ev in sorted(events, key=lambda ev: -getattr(ev, key))[:12]:
+    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms, {sum(ev.count for ev in events)} kernels; top kernels:")
+    for ev in sorted(events, key=lambda ev: -getattr(ev, key))[:16]:
         log(f"  {getattr(ev, key) / 1e3:8.2f} ms  {ev.count:5d}x  {ev.key[:90]}")
+    prefill_timeline(llm, vocab)
 
 
 # -- floor -------------------------------------------------------------------------------------
@@ -393,6 +433,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens per acceptance prompt")
     ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf,serial (serial: the overlap-off re-measure)")
     ap.add_argument("--ab", action="store_true", help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into the graph: head eager, bf16 logits; alternated with the default")
+    ap.add_argument("--prefill-runs", type=int, default=1, help="timed 64 x 512 prefills per measure (the fastest is the figure; every reading is logged)")
     ap.add_argument("--repeat", type=int, default=1, help="measure decode and prefill this many times in the same engine (a disturbed reading shows as a spread)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also say where prefill and decode time goes")
@@ -539,11 +580,11 @@ def main() -> int:
         kept = sum(isinstance(m, (Fp8Linear, Fp8Experts)) for m in llm.engine.model.modules())
         log(f"  modules holding FP8 weights: {kept}; fused kernels installed: {llm.engine.num_fused}")
         di_dec = di_speed(llm, vocab, levels, args.steps, 128)
-        di_pre = di_prefill(llm, vocab)
+        di_pre = di_prefill(llm, vocab, args.prefill_runs)
         for r in range(1, args.repeat):  # the same measures again: which reading is the real one
             log(f"  repeat {r + 1} of {args.repeat}:")
             again = di_speed(llm, vocab, levels, args.steps, 128)
-            pre = di_prefill(llm, vocab)
+            pre = di_prefill(llm, vocab, args.prefill_runs)
             log(f"  deepinfer prefill {pre:,.0f} tok/s (repeat {r + 1})")
             report.setdefault("di_repeats", []).append({"decode": again, "prefill": pre})
         di_peak = peak_mib()

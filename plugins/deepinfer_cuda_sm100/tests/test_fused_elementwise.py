@@ -132,9 +132,12 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved):
+@pytest.mark.parametrize("H,C", [(3, 40), (20, 300)], ids=["3heads", "20heads-2tiles"])
+def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved, H, C):
+    """Heads in tiles of up to 16 per program (20 heads: a full tile and a partial one) and a
+    latent copied in several chunks (300 channels at 16 heads: chunks of 256)."""
     g = torch.Generator().manual_seed(3)
-    T, H, C, n, r, P = 9, 3, 40, 8, 16, 300
+    T, n, r, P = 9, 8, 16, 300
     inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
     freqs = torch.outer(torch.arange(P).float(), inv)
     cos, sin = (torch.cat([freqs, freqs], -1).cos() * 1.2).to(DEVICE), (torch.cat([freqs, freqs], -1).sin() * 1.2).to(DEVICE)

@@ -55,11 +55,34 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
     spec, hidden, experts, logits = _case(70, E=4, k=2, D=64, I=48, dtype=torch.bfloat16, seed=2)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
     want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
-    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 32, 32, 4, 2), MoEConfig(128, 128, 64, 8, 3)):
-        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg)
+    for cfg, down_cfg in (
+        (MoEConfig(16, 64, 64, 4, 3), None),
+        (MoEConfig(64, 32, 32, 4, 2), None),
+        (MoEConfig(128, 128, 64, 8, 3), None),
+        (MoEConfig(16, 16, 32, 4, 2, group_m=2), MoEConfig(16, 32, 16, 4, 2, group_m=3)),  # grouped order, own down tiles
+        (MoEConfig(32, 16, 16, 4, 2, group_m=1), MoEConfig(32, 64, 32, 4, 2)),
+    ):
+        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=down_cfg)
         err = (got.double() - want).norm() / want.norm()
-        assert err < 1e-2, f"{cfg}: relative error {err:.2e}"
+        assert err < 1e-2, f"{cfg} {down_cfg}: relative error {err:.2e}"
         assert counts.sum().item() == 70 * 2
+    with pytest.raises(ValueError, match="down_config.block_m"):
+        fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=MoEConfig(16, 64, 64, 4, 3), down_config=MoEConfig(64, 64, 64, 4, 3))
+
+
+def test_grouped_order_and_own_down_tiles_give_the_same_numbers():
+    """The program order changes which program computes an output tile, not its arithmetic:
+    results are equal; the down GEMM's own column tiles agree to float32 rounding."""
+    from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, fused_moe
+
+    spec, hidden, experts, logits = _case(37, E=5, k=2, D=48, I=32, dtype=torch.float32, seed=6)
+    ids, w = TorchMoEDispatcher().select_experts(spec, logits)
+    base, _ = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=MoEConfig(16, 16, 16, 4, 2))
+    for group_m in (1, 2, 3):
+        cfg = MoEConfig(16, 16, 16, 4, 2, group_m)
+        assert torch.equal(fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg)[0], base), group_m
+        got, _ = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=MoEConfig(16, 16 << group_m, 16, 4, 2, group_m))
+        torch.testing.assert_close(got, base, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("T,k,limit", [(1, 6, None), (2, 3, 0.5)], ids=["T1k6", "T2k3-limit"])

@@ -75,36 +75,43 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
 @triton.jit
 def _rope_cat_kernel(
     lat_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-    s_lt, s_lh, s_pt, s_ph, s_ot, s_oh, s_cos, C, HALF,
-    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    s_lt, s_lh, s_pt, s_ph, s_ot, s_oh, s_cos, H, C, HALF,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """One token's ``BLOCK_H`` heads: the token's cos/sin row is read once for all of them and
+    each load is a [heads, channels] tile (a program per (token, head) ran 16 x more programs of
+    one 384-byte row each: 4.6 ms of a V3-mini 64 x 512 prefill on the H200)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    out_row = out_ptr + t * s_ot + h * s_oh
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    h = h.to(tl.int64)
+    out_rows = out_ptr + t * s_ot + h[:, None] * s_oh
+    lat_rows = lat_ptr + t * s_lt + h[:, None] * s_lh
     for c0 in range(0, C, BLOCK_C):  # the latent part, copied
         offs = c0 + tl.arange(0, BLOCK_C)
-        m = offs < C
-        tl.store(out_row + offs, tl.load(lat_ptr + t * s_lt + h * s_lh + offs, mask=m), mask=m)
+        m = h_ok[:, None] & (offs < C)[None, :]
+        tl.store(out_rows + offs[None, :], tl.load(lat_rows + offs[None, :], mask=m), mask=m)
     j = tl.arange(0, BLOCK_R)
-    m = j < HALF
-    pe_row = pe_ptr + t * s_pt + h * s_ph
+    jm = j < HALF
+    m = h_ok[:, None] & jm[None, :]
+    pe_rows = pe_ptr + t * s_pt + h[:, None] * s_ph
     if INTERLEAVED:  # channel pairs (2j, 2j+1) become (j, j + half)
-        a = tl.load(pe_row + 2 * j, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(pe_row + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(pe_rows + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(pe_rows + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
     else:
-        a = tl.load(pe_row + j, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(pe_row + HALF + j, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(pe_rows + j[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(pe_rows + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
     dt = pe_ptr.dtype.element_ty
     p = tl.load(pos_ptr + t).to(tl.int64)
-    c1 = _round(tl.load(cos_ptr + p * s_cos + j, mask=m, other=0.0).to(tl.float32), dt)
-    c2 = _round(tl.load(cos_ptr + p * s_cos + HALF + j, mask=m, other=0.0).to(tl.float32), dt)
-    s1 = _round(tl.load(sin_ptr + p * s_cos + j, mask=m, other=0.0).to(tl.float32), dt)
-    s2 = _round(tl.load(sin_ptr + p * s_cos + HALF + j, mask=m, other=0.0).to(tl.float32), dt)
+    c1 = _round(tl.load(cos_ptr + p * s_cos + j, mask=jm, other=0.0).to(tl.float32), dt)[None, :]
+    c2 = _round(tl.load(cos_ptr + p * s_cos + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)[None, :]
+    s1 = _round(tl.load(sin_ptr + p * s_cos + j, mask=jm, other=0.0).to(tl.float32), dt)[None, :]
+    s2 = _round(tl.load(sin_ptr + p * s_cos + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)[None, :]
     first = _round(_round(a * c1, dt) + _round(-b * s1, dt), dt)  # x * cos + rotate_half(x) * sin
     second = _round(_round(b * c2, dt) + _round(a * s2, dt), dt)
     od = out_ptr.dtype.element_ty
-    tl.store(out_row + C + j, first.to(od), mask=m)
-    tl.store(out_row + C + HALF + j, second.to(od), mask=m)
+    tl.store(out_rows + C + j[None, :], first.to(od), mask=m)
+    tl.store(out_rows + C + HALF + j[None, :], second.to(od), mask=m)
 
 
 @triton.jit
@@ -158,10 +165,12 @@ def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, co
     out = torch.empty(T, H, C + r, dtype=latent.dtype, device=latent.device)
     if T:
         lat_h = latent.stride(1) if latent.shape[1] == H else 0  # a key's one latent row serves every head
-        _rope_cat_kernel[(T, H)](
+        block_h = min(triton.next_power_of_2(H), 16)
+        block_c = max(16, min(triton.next_power_of_2(C), 4096 // block_h))
+        _rope_cat_kernel[(T, triton.cdiv(H, block_h))](
             latent, pe, positions, cos, sin, out,
-            latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), C, r // 2,
-            INTERLEAVED=interleaved, BLOCK_C=min(1024, triton.next_power_of_2(C)), BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
+            latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), H, C, r // 2,
+            INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -26,16 +26,31 @@ from .paged_attention import interpreting
 
 
 @triton.jit
+def _tile_of(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile). ``GROUP_M`` 0: row tiles fastest (one column tile
+    of one expert's weights shared by consecutive programs); else groups of ``GROUP_M`` row tiles
+    walked column tile by column tile, so a group's gathered rows stay in L2 across all column
+    tiles instead of being read from memory once per column tile (prefill: ~3,000 rows an expert)."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_tiles_m, pid // num_tiles_m
+    per_group = GROUP_M * num_tiles_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_tiles_m - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, xs_ptr,
     num_rows, top_k, D, I,
     stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_xs,
-    limit,
+    limit, num_tiles_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
     if pid_m * BLOCK_M < total:
         e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -93,14 +108,14 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, weights_ptr, s_ptr, hs_ptr,
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, hs_ptr,
     num_rows, D, I,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs,
+    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs, num_tiles_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
     if pid_m * BLOCK_M < total:
         e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -137,19 +152,27 @@ def _down_kernel(
                 if FP8:
                     part = part * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[None, :]
             acc += part
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weights_ptr + flat, mask=row_ok, other=0.0)
-        tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], y * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
+        # the product rounded to the activation dtype, as the unfused reference rounds it; the
+        # routing weight is applied in the sum (half the bytes of float32 rows in 16-bit models)
+        tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _sum_rows_kernel(rows_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_rows_kernel(rows_ptr, weights_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
+    """out[t] = ((r0 + r1) + r2) + ... in float32, as the unfused loop added them; with
+    ``HAS_W`` each row is first widened and times its routing weight (r_j = y_j w_j, the product
+    rounded to float32 before the add: launched without FMA fusion)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < D
-    acc = tl.load(rows_ptr + t * K * D + offs, mask=m, other=0.0)
-    for j in tl.static_range(1, K):  # ((r0 + r1) + r2) + ..., as the unfused loop added them
-        acc = acc + tl.load(rows_ptr + (t * K + j) * D + offs, mask=m, other=0.0)
+    acc = tl.load(rows_ptr + t * K * D + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_W:
+        acc = acc * tl.load(weights_ptr + t * K)
+    for j in tl.static_range(1, K):
+        r = tl.load(rows_ptr + (t * K + j) * D + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            r = r * tl.load(weights_ptr + t * K + j)
+        acc = acc + r
     tl.store(out_ptr + t * D + offs, _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -160,17 +183,28 @@ class MoEConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0  # program order (_tile_of): 0 row tiles fastest, else groups of this many row tiles
 
 
 def choose_config(num_rows: int, num_experts: int) -> MoEConfig:
-    """16-row tiles while experts get few rows each (decode), 64 for mid-sized batches, 128 x 128
-    once experts average 256+ rows (benchmarks/moe_tiles.py on an H200, V3-mini 64 x 512 prefill:
-    6.83 ms vs 8.20 ms for 64 x 128, the best of 36 tilings)."""
+    """The gate/up GEMM's tiles: 16 rows while experts get few rows each (decode), 64 for
+    mid-sized batches, 128 x 128 once experts average 256+ rows, in groups of 8 row tiles
+    (benchmarks/moe_tiles.py --split on an H200, V3-mini 64 x 512 prefill: 2.76 ms vs 3.06 ms
+    with row tiles fastest; 128 x 128 was the best of 36 tilings before)."""
     if num_rows <= 64 * num_experts:
         return MoEConfig(16, 64, 64, 4, 3)
     if num_rows <= 256 * num_experts:
         return MoEConfig(64, 128, 64, 8, 3)
-    return MoEConfig(128, 128, 64, 8, 3)
+    return MoEConfig(128, 128, 64, 8, 3, group_m=8)
+
+
+def choose_down_config(num_rows: int, num_experts: int) -> MoEConfig:
+    """The down GEMM's tiles (K is the expert width, N the hidden size), same block_m as
+    :func:`choose_config`: 128 x 256 in groups of 8 row tiles for prefill-sized batches
+    (moe_tiles.py --split, same run: 1.42 ms vs 1.91 ms with 128 x 128, row tiles fastest)."""
+    if num_rows <= 256 * num_experts:
+        return choose_config(num_rows, num_experts)
+    return MoEConfig(128, 256, 64, 8, 3, group_m=8)
 
 
 @dataclass(frozen=True)
@@ -268,6 +302,17 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     return Alignment(sorted_rows, block_expert, padded_end[-1:].to(torch.int32), counts)
 
 
+def _fp8_tiles(config: MoEConfig, explicit: bool, num_rows: int, quant_a: bool) -> MoEConfig:
+    """One 128-channel activation group and weight scale column per K step."""
+    if config.block_m == 16 and not explicit:  # benchmarks/moe_tiles.py --fp8 --decode, H200, 64 tokens:
+        # 16 x 128 x 128 0.150 ms vs 16 x 32 0.240 ms; tiny batches keep 32 for more programs
+        config = replace(config, block_n=128 if num_rows > 32 else 32)
+    config = replace(config, block_k=128)
+    if not quant_a:  # float32 activations: 4-byte A tiles, so narrower and two stages (shared memory)
+        config = replace(config, block_n=min(config.block_n, 64), num_stages=2)
+    return config
+
+
 def fused_moe(
     hidden: torch.Tensor,  # [T, D]
     gate_up: torch.Tensor,  # [E, 2I, D]
@@ -278,6 +323,7 @@ def fused_moe(
     config: MoEConfig | None = None,
     gate_up_scale: torch.Tensor | None = None,  # [E, 2I/128, ceil(D/128)] float32: FP8 weights
     down_scale: torch.Tensor | None = None,  # [E, ceil(D/128), ceil(I/128)] float32
+    down_config: MoEConfig | None = None,  # the down GEMM's tiles (same block_m); default: config's
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(sum_k w_k * expert_k(x) per token [T, D] in hidden.dtype, rows per expert [E])``
     (the counts are None for the per-row GEMV path inside a CUDA-graph capture).
@@ -292,18 +338,19 @@ def fused_moe(
     k = topk_ids.shape[1]
     num_rows = T * k
     explicit = config is not None
+    if down_config is None:  # FP8 and float32 (wider A tiles, more shared memory) keep one tiling
+        plain16 = gate_up_scale is None and hidden.dtype != torch.float32
+        down_config = config or (choose_down_config(num_rows, E) if plain16 else choose_config(num_rows, E))
     config = config or choose_config(num_rows, E)
+    if down_config.block_m != config.block_m:
+        raise ValueError(f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): both GEMMs walk one alignment")
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None) or (fp8 and inter % 128):
         raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
     quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
-    if fp8:  # one 128-channel activation group and weight scale column per K step
-        if config.block_m == 16 and not explicit:  # benchmarks/moe_tiles.py --fp8 --decode, H200, 64 tokens:
-            # 16 x 128 x 128 0.150 ms vs 16 x 32 0.240 ms; tiny batches keep 32 for more programs
-            config = replace(config, block_n=128 if num_rows > 32 else 32)
-        config = replace(config, block_k=128)
-        if not quant_a:  # float32 activations: 4-byte A tiles, so narrower and two stages (shared memory)
-            config = replace(config, block_n=min(config.block_n, 64), num_stages=2)
+    if fp8:
+        config = _fp8_tiles(config, explicit, num_rows, quant_a)
+        down_config = _fp8_tiles(down_config, explicit, num_rows, quant_a)
     if _use_gemv(explicit, num_rows, hidden, gate_up):  # a few decode rows: per-row GEMVs, no alignment
         from .moe_gemv import moe_gemv
 
@@ -319,34 +366,40 @@ def fused_moe(
     act = torch.empty(align.sorted_rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     x_in, x_scale = act_quant(hidden) if preq else (hidden, gs)
     tiles = align.block_expert.numel()
-    _gate_up_kernel[(tiles, triton.cdiv(inter, config.block_n))](
+    _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
         x_in, gate_up, act, align.sorted_rows, align.block_expert, align.total, gs, x_scale,
         num_rows, k, D, inter,
         x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0, x_scale.stride(0),
-        float(swiglu_limit or 0.0),
+        float(swiglu_limit or 0.0), tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    rows_out = torch.empty(num_rows, D, dtype=torch.float32, device=hidden.device)
+    # each (token, choice) row's expert output in the activation dtype (rounded as the reference
+    # rounds it); the routing weights are applied in the fixed-order sum
+    rows_out = torch.empty(num_rows, D, dtype=hidden.dtype, device=hidden.device)
     h_in, h_scale = act_quant(act) if preq else (act, gs)
-    _down_kernel[(tiles, triton.cdiv(D, config.block_n))](
-        h_in, down, rows_out, align.sorted_rows, align.block_expert, align.total, topk_weights.reshape(-1).float().contiguous(), ds, h_scale,
+    dc = down_config
+    _down_kernel[(tiles * triton.cdiv(D, dc.block_n),)](
+        h_in, down, rows_out, align.sorted_rows, align.block_expert, align.total, ds, h_scale,
         num_rows, D, inter,
-        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0, h_scale.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0, h_scale.stride(0), tiles,
+        BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m,
+        num_warps=dc.num_warps, num_stages=dc.num_stages,
     )  # fmt: skip
-    return _sum_rows(rows_out, hidden, k), align.counts
+    return _sum_rows(rows_out, hidden, k, topk_weights), align.counts
 
 
-def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """A token's k float32 rows summed in a fixed order, whatever the batch; one launch, not 2k-1."""
+def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """A token's k rows summed in float32 in a fixed order, whatever the batch; one launch, not
+    2k-1. ``weights [T, k]``: rows are unweighted expert outputs, each times its routing weight
+    first; None: rows already weighted (float32)."""
     T, D = hidden.shape
     out = torch.empty(T, D, dtype=hidden.dtype, device=hidden.device)
     if T:
         block = min(1024, triton.next_power_of_2(D))
-        _sum_rows_kernel[(T, triton.cdiv(D, block))](rows_out, out, D, K=k, BLOCK=block, num_warps=4)
+        w = weights.reshape(-1).float().contiguous() if weights is not None else rows_out
+        _sum_rows_kernel[(T, triton.cdiv(D, block))](rows_out, w, out, D, K=k, BLOCK=block, HAS_W=weights is not None, num_warps=4, enable_fp_fusion=False)
     return out
 
 
