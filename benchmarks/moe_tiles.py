@@ -96,10 +96,9 @@ def kernel_ms(fn) -> dict:
 def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> None:
     """Gate/up tilings with the down GEMM fixed, then down tilings with gate/up fixed (same
     block_m: both walk one alignment); ``group_m`` is the program order (0: row tiles fastest)."""
-    gu_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 4, 8)] + [(128, 128, 64, 8, 4, g) for g in (1, 8)] + [
-        (128, 64, 64, 4, 4, 1), (128, 64, 64, 4, 4, 8), (128, 64, 64, 8, 4, 8), (64, 128, 64, 4, 3, 8), (64, 128, 64, 4, 4, 8), (64, 128, 64, 8, 3, 8)]
-    dn_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 4, 8)] + [(128, 128, 64, 8, 4, g) for g in (1, 8)] + [
-        (128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (128, 64, 64, 4, 4, 8), (64, 256, 64, 8, 3, 8), (64, 128, 64, 4, 4, 8)]
+    gu_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 8)] + [(128, 128, 64, 8, 4, 8), (128, 64, 64, 4, 4, 8), (64, 128, 64, 4, 3, 8)]
+    dn_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 8)] + [
+        (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (128, 64, 64, 4, 4, 8), (64, 256, 64, 8, 3, 8)]
     fixed = {128: MoEConfig(128, 128, 64, 8, 3), 64: MoEConfig(64, 128, 64, 4, 3)}
     res = {}
     for name, grid in (("gate/up", gu_grid), ("down", dn_grid)):
