@@ -573,7 +573,8 @@ def main() -> int:
     if "speed" not in skip:
         vocab = (config or {}).get("vocab_size", 49152)
         torch.cuda.reset_peak_memory_stats()
-        llm = di(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(levels) * 2 + 300)
+        # 64 sequences at least: the prefill measure is one 64 x 512 step whatever the levels
+        llm = di(path, "bfloat16", max_num_seqs=max(levels + [64]), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(max(levels) * 2 + 300, 64 * 5 + 16))
         cfg = llm.engine.model.config
         from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
 

@@ -70,6 +70,21 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
         fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=MoEConfig(16, 64, 64, 4, 3), down_config=MoEConfig(64, 64, 64, 4, 3))
 
 
+def test_default_prefill_tiles_are_close_to_reference():
+    """A batch past 256 rows an expert takes the prefill tilings chosen on the H200 (gate/up
+    128 x 128 and down 128 x 256, both in groups of 8 row tiles) with no config given."""
+    from deepinfer_cuda_sm100.kernels.fused_moe import choose_config, choose_down_config, fused_moe
+
+    spec, hidden, experts, logits = _case(600, E=2, k=1, D=64, I=48, dtype=torch.bfloat16, seed=8)
+    ids, w = TorchMoEDispatcher().select_experts(spec, logits)
+    assert choose_config(600, 2).group_m == 8 and choose_down_config(600, 2).block_n == 256
+    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    assert counts.sum().item() == 600
+
+
 def test_grouped_order_and_own_down_tiles_give_the_same_numbers():
     """The program order changes which program computes an output tile, not its arithmetic:
     results are equal; the down GEMM's own column tiles agree to float32 rounding."""
