@@ -132,10 +132,14 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("H,C", [(3, 40), (20, 300)], ids=["3heads", "20heads-2tiles"])
-def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved, H, C):
-    """Heads in tiles of up to 16 per program (20 heads: a full tile and a partial one) and a
-    latent copied in several chunks (300 channels at 16 heads: chunks of 256)."""
+@pytest.mark.parametrize("H,C,tiled", [(3, 40, False), (3, 40, True), (20, 300, True)], ids=["3heads", "3heads-tiled", "20heads-2tiles"])
+def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved, H, C, tiled, monkeypatch):
+    """A program per (token, head) (decode-sized steps), or heads in tiles of up to 16 per program
+    (prefill-sized: 20 heads give a full tile and a partial one, and a 300-channel latent is
+    copied in chunks of 256)."""
+    from deepinfer_cuda_sm100.kernels import fused_elementwise
+
+    monkeypatch.setattr(fused_elementwise, "ROPE_CAT_TILE_TOKENS", 0 if tiled else 1 << 30)
     g = torch.Generator().manual_seed(3)
     T, n, r, P = 9, 8, 16, 300
     inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
