@@ -386,7 +386,7 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     events = prof.key_averages()
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     total = sum(getattr(ev, key) for ev in events)
-    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms, {sum(ev.count for ev in events)} kernels; top kernels:")
+    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms, {sum(ev.count for ev in events if getattr(ev, key) > 0)} kernels; top kernels:")
     for ev in sorted(events, key=lambda ev: -getattr(ev, key))[:16]:
         log(f"  {getattr(ev, key) / 1e3:8.2f} ms  {ev.count:5d}x  {ev.key[:90]}")
     prefill_timeline(llm, vocab)
