@@ -36,6 +36,12 @@ void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_he
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
                             float scale, int64_t window, float *out, int nthreads, int f16);
+/* prefill_attention.c's */
+int64_t prefill_has_runs(const int64_t *positions, const int32_t *tables, int64_t max_blocks, int64_t R);
+void prefill_attention(const float *q, const float *k, int64_t kstride, const float *v, int64_t vstride, const void *cache,
+                       int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t width, int64_t num_heads,
+                       int64_t head_dim, const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t R,
+                       float scale, int64_t window, float *out, int nthreads, int f16, int mode);
 
 #define MAX_SEGMENTS 4
 
@@ -72,6 +78,8 @@ typedef struct {
     const void *embed_qs;
     const float *embed_d, *embed_m;
     int64_t kv_f16;                                /* the cache holds IEEE half elements (else float32) */
+    int64_t prefill_attn;                          /* calls with prompt runs: 0 the decode attention, 1 prefill_attention
+                                                      reading the cache, 2 it with the call's keys and values in float32 */
 } lb_model;
 
 /* Scratch floats per request row; the caller allocates rows * this once and reuses it. */
@@ -80,7 +88,7 @@ int64_t llama_decode_scratch_per_row(const lb_model *md) {
     const int64_t qkv = (md->heads + 2 * md->kv_heads) * hd, attn = md->heads * hd;
     int64_t widest = qkv > 2 * I ? qkv : 2 * I;
     widest = widest > D ? widest : D;
-    return 3 * D + qkv + 2 * attn + 2 * I + I + widest + 64;
+    return 3 * D + qkv + 2 * attn + 2 * I + I + widest + md->kv_heads * hd + 64;
 }
 
 static void embed_row(const lb_model *md, int64_t id, float *out) {
@@ -197,6 +205,9 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
     const int64_t nqkv = (H + 2 * Hkv) * hd, nattn = H * hd;
     float *h = scratch, *xn = h + R * D, *t = xn + R * D, *qkv = t + R * D, *q = qkv + R * nqkv;
     float *attn = q + R * nattn, *gu = attn + R * nattn, *act = gu + R * 2 * I, *tmp = act + R * I;
+    const int64_t widest = nqkv > 2 * I ? (nqkv > D ? nqkv : D) : (2 * I > D ? 2 * I : D);  /* as llama_decode_scratch_per_row */
+    float *kr = tmp + R * widest;  /* [R, Hkv, hd]: the rows' rotated keys in float32 */
+    const int prefill = md->prefill_attn && hd % 32 == 0 && prefill_has_runs(positions, block_tables, max_blocks, R);
     for (int64_t r = 0; r < R; r++) embed_row(md, ids[r], h + r * D);
     const int64_t plane = Hkv * md->num_blocks * md->block_size * md->width;
     const int f16 = md->kv_f16 != 0, esize = f16 ? 2 : 4;
@@ -212,13 +223,19 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
             for (int64_t head = 0; head < H; head++) rotary(row + head * hd, c, s, hd, q + (r * H + head) * hd);
             for (int64_t kh = 0; kh < Hkv; kh++) {  /* the new key (rotated) and value into the cache */
                 const int64_t at = (kh * md->num_blocks * md->block_size + slots[r]) * md->width;
-                rotary(row + (H + kh) * hd, c, s, hd, tmp);
-                kv_store((char *)ly->kv_cache + at * esize, tmp, hd, f16);
+                float *key = kr + (r * Hkv + kh) * hd;
+                rotary(row + (H + kh) * hd, c, s, hd, key);
+                kv_store((char *)ly->kv_cache + at * esize, key, hd, f16);
                 kv_store((char *)ly->kv_cache + (at + plane) * esize, row + (H + Hkv + kh) * hd, hd, f16);
             }
         }
-        paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables, max_blocks,
-                               positions, R, md->scale, md->window, attn, nthreads, f16);
+        if (prefill)
+            prefill_attention(q, kr, Hkv * hd, qkv + (H + Hkv) * hd, nqkv, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width,
+                              H, hd, block_tables, max_blocks, positions, R, md->scale, md->window, attn, nthreads, f16,
+                              (int)md->prefill_attn);
+        else
+            paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables, max_blocks,
+                                   positions, R, md->scale, md->window, attn, nthreads, f16);
         TICK(0);
         linear(&ly->o, attn, R, t, tmp, nthreads);
         TICK(2);

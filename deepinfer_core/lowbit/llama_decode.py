@@ -11,15 +11,17 @@ this plan cannot describe keep the torch path. ``DEEPINFER_FUSED_DECODE=0`` turn
 
 Prefill and mixed steps take the same native call, one row per new token: each row carries its
 request's block table and its own position, and a layer writes every row's key and value before
-its attention reads any, so the decode attention over positions ``0..position`` is causal prefill
-attention (a prompt's earlier chunks are already in the cache). Rows go in chunks of
-:data:`PREFILL_CHUNK` in token order: a later chunk reads the keys an earlier chunk wrote, every
-kernel computes a row alone, so chunking changes no bit (but for a last chunk of 1-4 rows, which
-the int16 GEMM sums in its rows layout: the same integers, float32 rounding in another order;
-kernels_i16.c), and the scratch stays small. Contexts
-beyond :data:`PREFILL_MAX_CONTEXT` keep the torch path, whose SDPA reuses each key across a
-prompt's queries (the decode kernel reads it once per query). ``DEEPINFER_NATIVE_PREFILL=0`` keeps
-every multi-token step on the torch path.
+its attention reads any, so attention over positions ``0..position`` is causal prefill attention
+(a prompt's earlier chunks are already in the cache). A call with prompt runs (several rows of one
+request) attends with ``prefill_attention.c``: a request's rows share each key and value loaded,
+and by default (:func:`prefill_attention_mode`) the call's own keys and values are read in float32
+as computed, only earlier chunks' from the (half) cache, as the float32 model sees them. Rows go
+in chunks of :data:`PREFILL_CHUNK` in token order: a later chunk reads the keys an earlier chunk
+wrote, and the scratch stays small. The GEMMs compute a row alone (but for a last chunk of 1-4
+rows, which the int16 GEMM sums in its rows layout: the same integers, float32 rounding in another
+order; kernels_i16.c); where a chunk boundary falls inside a prompt, its later rows see the earlier
+chunk's keys rounded to half. Contexts beyond :data:`PREFILL_MAX_CONTEXT` keep the torch path.
+``DEEPINFER_NATIVE_PREFILL=0`` keeps every multi-token step on the torch path.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from .threads import ThreadChooser, adaptive_enabled
 
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
 PREFILL_SWITCH = "DEEPINFER_NATIVE_PREFILL"
+PREFILL_ATTENTION_SWITCH = "DEEPINFER_PREFILL_ATTENTION"
+PREFILL_ATTENTION_MODES = ("0", "1", "2")
 PREFILL_CHUNK = 512  # rows per native call in a prefill step (the GEMMs run at ~96% of their 2,048-row speed)
 PREFILL_MAX_CONTEXT = 2048  # longest context a prefill step takes natively: measured ahead of the torch path up to 2,000 (benchmarks/README.md, cpu9)
 _MAX_SEGMENTS = 4  # layer.c's MAX_SEGMENTS
@@ -64,6 +68,7 @@ class _Model(ctypes.Structure):
         ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("window", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("width", _i64), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("embed_kind", _i64), ("embed_qs", _p), ("embed_d", _p), ("embed_m", _p), ("kv_f16", _i64),
+        ("prefill_attn", _i64),
     ]  # fmt: skip
 
 
@@ -77,6 +82,18 @@ def prefill_enabled() -> bool:
     if raw not in ("0", "1", ""):
         raise ValueError(f"{PREFILL_SWITCH}={raw!r}: allowed values are 1 (prefill steps in one native call per chunk, the default) and 0 (the torch path)")
     return raw != "0"
+
+
+def prefill_attention_mode() -> int:
+    """How a native prefill call attends (``DEEPINFER_PREFILL_ATTENTION``, read when a plan is
+    built): 2 (the default) ``prefill_attention.c`` with the call's own keys and values in
+    float32 as computed, earlier positions from the cache; 1 the same kernel reading every key
+    and value from the cache (rounded to half there); 0 the decode kernel, a query at a time."""
+    raw = os.environ.get(PREFILL_ATTENTION_SWITCH, "2")
+    if raw not in PREFILL_ATTENTION_MODES:
+        raise ValueError(f"{PREFILL_ATTENTION_SWITCH}={raw!r}: allowed values are 2 (the call's keys and values in float32, the default), "
+                         "1 (every key and value read from the cache) and 0 (the decode attention kernel)")
+    return int(raw)
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> int | None:
@@ -124,6 +141,18 @@ class LlamaDecodePlan:
         # the step's thread count by measured wall time (threads.py); None: torch's count
         self.threads: ThreadChooser | None = ThreadChooser() if adaptive_enabled() else None
         self.prefill = prefill_enabled()
+        md.prefill_attn = prefill_attention_mode()
+
+    @property
+    def prefill_attention(self) -> int:
+        """:func:`prefill_attention_mode`'s value for this plan (settable, for side-by-side runs)."""
+        return int(self._md.prefill_attn)
+
+    @prefill_attention.setter
+    def prefill_attention(self, mode: int) -> None:
+        if str(mode) not in PREFILL_ATTENTION_MODES:
+            raise ValueError(f"prefill_attention={mode!r}: allowed values are 0, 1 and 2")
+        self._md.prefill_attn = int(mode)
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every request feeds one token, positions inside the rotary table, no replay."""

@@ -24,7 +24,7 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "layer.c", "head.c"))  # one shared object
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "prefill_attention.c", "layer.c", "head.c"))  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
@@ -109,6 +109,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.restype = None
     lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64, i32]
     lib.paged_write_kv.restype = None
+    lib.prefill_has_runs.argtypes = [p, p, i64, i64]
+    lib.prefill_has_runs.restype = i64
+    lib.prefill_attention.argtypes = [p, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32, i32, i32]
+    lib.prefill_attention.restype = None
     lib.llama_decode_scratch_per_row.argtypes = [p]
     lib.llama_decode_scratch_per_row.restype = i64
     lib.llama_decode_step.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i32, p]
