@@ -56,6 +56,9 @@ class FusedOps:
     # (x [T, H, D] or [T, D], cos [T, r/2], sin [T, r/2] in x's dtype) -> x's shape: like
     # models.deepseek_v4_layers.V4Rope.apply (DeepSeek-V4 attention's query / key / output rope)
     v4_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [..., D], eps) -> x's shape and dtype: like models.deepseek_v4_layers.unweighted_rms_norm
+    # (the rsqrt rounded to x's dtype before the product; V4's query norm and the hyper-connections' input norm)
+    v4_unweighted_rms_norm: Callable[[torch.Tensor, float], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,14 +136,14 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
             module.kernel = ops.fp8_linear
             n += 1
-        elif isinstance(module, HyperConnection) and (ops.hc_mix is not None or ops.hc_merge is not None):
-            module.fused_mix, module.fused_merge = ops.hc_mix, ops.hc_merge
+        elif isinstance(module, HyperConnection) and (ops.hc_mix is not None or ops.hc_merge is not None or ops.v4_unweighted_rms_norm is not None):
+            module.fused_mix, module.fused_merge, module.fused_norm = ops.hc_mix, ops.hc_merge, ops.v4_unweighted_rms_norm
             n += 1
         elif isinstance(module, V4RMSNorm) and ops.v4_rms_norm is not None:
             module.fused = ops.v4_rms_norm
             n += 1
-        elif isinstance(module, V4Attention) and ops.v4_rope is not None:
-            module.rope_kernel = ops.v4_rope
+        elif isinstance(module, V4Attention) and (ops.v4_rope is not None or ops.v4_unweighted_rms_norm is not None):
+            module.rope_kernel, module.norm_kernel = ops.v4_rope, ops.v4_unweighted_rms_norm
             n += 1
         elif ops.logits is not None and "logits_kernel" in type(module).__dict__:  # a model's LM head
             module.logits_kernel = ops.logits

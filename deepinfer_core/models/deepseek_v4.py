@@ -60,6 +60,7 @@ def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> Attentio
 
 class V4Attention(nn.Module):
     rope_kernel = None  # a platform's one-kernel V4Rope.apply (FusedOps.v4_rope), set by fused_ops.install
+    norm_kernel = None  # a platform's one-kernel unweighted_rms_norm (FusedOps.v4_unweighted_rms_norm), likewise
 
     def __init__(self, cfg: V4Config, spec: AttentionLayerSpec, backend) -> None:
         super().__init__()
@@ -86,7 +87,7 @@ class V4Attention(nn.Module):
         rope = ropes["compress" if self.compressed else "main"]
         cos, sin = rope.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(T, H, D), eps)
+        q = (self.norm_kernel or unweighted_rms_norm)(self.q_b_proj(q_residual).view(T, H, D), eps)
         apply = self.rope_kernel if self.rope_kernel is not None else V4Rope.apply
         q = apply(q, cos, sin)
         kv = apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]

@@ -108,9 +108,10 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3))
         self.fused_mix = None  # FusedOps.hc_mix (one kernel for hc_mix_reference), set by fused_ops.install
         self.fused_merge = None  # FusedOps.hc_merge (one kernel for hc_merge), set by fused_ops.install
+        self.fused_norm = None  # FusedOps.v4_unweighted_rms_norm (one kernel for unweighted_rms_norm), likewise
 
     def forward(self, streams: torch.Tensor):  # [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        flat = (self.fused_norm or unweighted_rms_norm)(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
         mix = self.fused_mix if self.fused_mix is not None else hc_mix_reference
         return mix(mixed, self.base, self.scale, streams, self.iters, self.eps)

@@ -1,6 +1,6 @@
 """``FusedOps.hc_mix`` (kernels/hyper_connection.py): DeepSeek-V4's hyper-connection weights and
 collapse in one launch equal the core's torch reference (``hc_mix_reference``), and a tiny V4
-with it, ``hc_merge``, ``v4_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens;
+with it, ``hc_merge``, ``v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens;
 ``hc_merge`` equals ``deepseek_v4_layers.hc_merge``.
 Without a GPU the kernel runs in Triton's interpreter."""
 from __future__ import annotations
@@ -64,16 +64,17 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
 
     from deepinfer_core.models.deepseek_v4 import V4Attention
     from deepinfer_core.models.deepseek_v4_layers import HyperConnection, V4RMSNorm
-    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
+    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope) == (hc_mix, hc_merge, v4_rms_norm, v4_rope)
+    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope, ops.v4_unweighted_rms_norm) == (hc_mix, hc_merge, v4_rms_norm, v4_rope, v4_unweighted_rms_norm)
     model = save_tiny_v4(tmp_path, 99, 5)
     prompt = list(range(3, 13))
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=4, do_sample=False)
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, fused_ops=False, enforce_eager=True)
     fused = sum(isinstance(m, (HyperConnection, V4RMSNorm, V4Attention)) for m in llm.engine.model.modules())
-    assert install(llm.engine.model, FusedOps(hc_mix=hc_mix, hc_merge=hc_merge, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope)) == fused > 2 * model.config.num_hidden_layers
+    every = FusedOps(hc_mix=hc_mix, hc_merge=hc_merge, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope, v4_unweighted_rms_norm=v4_unweighted_rms_norm)
+    assert install(llm.engine.model, every) == fused > 2 * model.config.num_hidden_layers
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
     assert got == want[0, len(prompt) :].tolist()

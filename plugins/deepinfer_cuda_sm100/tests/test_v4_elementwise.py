@@ -1,6 +1,6 @@
-"""``FusedOps.v4_rms_norm`` and ``FusedOps.v4_rope`` (kernels/v4_elementwise.py) equal the core's
-torch ops (``V4RMSNorm``, ``V4Rope.apply``) on query-, key- and output-shaped tensors, float32 and
-bf16, strided inputs included; wrong shapes are refused by name. (A tiny V4 with them installed
+"""``FusedOps.v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` (kernels/v4_elementwise.py)
+equal the core's torch ops (``V4RMSNorm``, ``unweighted_rms_norm``, ``V4Rope.apply``) on query-,
+key-, output- and hyper-connection-shaped tensors, float32 and bf16, strided inputs included; wrong shapes are refused by name. (A tiny V4 with them installed
 keeps transformers' tokens: test_hyper_connection_kernel.py.) Without a GPU the kernels run in
 Triton's interpreter."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_layers import V4RMSNorm, V4Rope  # noqa: E402
-from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope  # noqa: E402
+from deepinfer_core.models.deepseek_v4_layers import V4RMSNorm, V4Rope, unweighted_rms_norm  # noqa: E402
+from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,6 +29,33 @@ def test_v4_rms_norm_equals_the_module(shape, dtype):
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 96), (2, 4 * 1024)])  # query heads; 4 streams of 1,024 flattened
+def test_v4_unweighted_rms_norm_equals_the_reference(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    wide = (torch.randn(*shape[:-1], shape[-1] + 8, generator=g) * 3).to(DEVICE, dtype)
+    x = wide[..., 8:]  # strided rows, as a reshaped projection may be
+    want = unweighted_rms_norm(x, 1e-6)
+    got = v4_unweighted_rms_norm(x, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    elif DEVICE == "cuda":  # the rsqrt rounded to bf16 before the product, as the reference: where the float32
+        # sums (summed in another order) round it one bf16 step apart, that row's products differ by up to two steps
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+        assert (got == want).float().mean() > 0.9
+    else:  # Triton's interpreter rounds float32 to bf16 towards zero (the GPU to nearest): a step more, each rounding;
+        # the reference's two roundings done that way give the interpreted kernel's values
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.4e-2, atol=2e-2)
+
+        def towards_zero(t):
+            return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+        xf = x.float()
+        rms = towards_zero(torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))
+        assert (got.float() == towards_zero(xf * rms)).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

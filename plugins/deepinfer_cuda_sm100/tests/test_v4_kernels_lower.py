@@ -49,6 +49,9 @@ for arch in (90, 100):
     lower(routing._route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"},
           dict(E_P=64, G=1, TOPK_G=1, K=6, K_P=8, SOFTMAX=False, HAS_BIAS=True, NORMALIZE=True, SQRTSOFTPLUS=True), arch, 1)
     lower(ve._v4_rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(BLOCK=2048), arch, 4)
+    for block in (512, 8192):  # the query's head_dim; V4-mini's 4 hyper-connection streams of 2,048 (float32)
+        ty = "*bf16" if block == 512 else "*fp32"
+        lower(ve._v4_unweighted_rms_norm_kernel, {"x_ptr": ty, "out_ptr": ty, "eps": "fp32"}, dict(BLOCK=block), arch, 8 if block >= 4096 else 4)
     lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}, dict(NOPE=448, BLOCK_NOPE=512, HALF=32), arch, 4)
     print("sm%d" % arch)
 """

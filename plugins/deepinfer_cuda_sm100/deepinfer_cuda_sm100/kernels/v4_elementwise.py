@@ -1,4 +1,5 @@
-"""DeepSeek-V4's RMSNorm and rope in one launch each (``FusedOps.v4_rms_norm`` / ``v4_rope``).
+"""DeepSeek-V4's RMSNorms and rope in one launch each (``FusedOps.v4_rms_norm`` /
+``v4_unweighted_rms_norm`` / ``v4_rope``).
 
 A V4 decode step runs ~33 weighted norms (~6 torch kernels each) and, in each layer's
 attention, three ropes (queries, key, un-roped output; ~9 kernels each) - together ~400 of the
@@ -39,6 +40,31 @@ def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _v4_rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=max(16, _pow2(D)), num_warps=4)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _v4_unweighted_rms_norm_kernel(x_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)).to(ty).to(tl.float32)  # rounded to x's dtype first, as the reference
+    tl.store(out_ptr + row * stride_o + offs, (x * rms).to(ty), mask=mask)
+
+
+def v4_unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x.float()^2) + eps).to(x.dtype)`` (``unweighted_rms_norm``: V4's query
+    norm and the hyper-connections' input norm), x [..., D]; ~4 torch kernels in one launch."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = max(16, _pow2(D))
+        _v4_unweighted_rms_norm_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.view(x.shape)
 
 
