@@ -50,6 +50,8 @@ int lowbit_head_argmax(const float *x, int64_t M, int64_t K, int kind, const voi
                        int64_t N, int64_t int_rows, int64_t int8_rows, int nthreads, int64_t *out) {
     const int64_t nb = K / 32, row_bytes = kind == 4 ? K / 2 : K;
     int64_t chunk = HEAD_CHUNK_BYTES / (M * (int64_t)sizeof(float)) / 16 * 16;
+    const int64_t even = (N + 8 * nthreads - 1) / (8 * nthreads);  /* >= 8 chunks a thread, so few rows still split evenly */
+    if (chunk > even) chunk = (even + 15) / 16 * 16;
     if (chunk < 16) chunk = 16;
     const int64_t chunks = (N + chunk - 1) / chunk;
     float *best = (float *)malloc((size_t)(chunks * M) * sizeof(float));
