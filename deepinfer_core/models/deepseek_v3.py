@@ -80,7 +80,8 @@ class DeepseekV3MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
+        router = getattr(self.dispatcher, "router_logits", None)  # optional (TorchMoEDispatcher's)
+        logits = router(x, self.gate.weight) if router else F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
         ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
         experts = ExpertWeights(
             gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales

@@ -13,6 +13,12 @@ class TorchMoEDispatcher:
     def __init__(self) -> None:
         self._load: torch.Tensor | None = None
 
+    def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Optional (models call it where a dispatcher has it): float32 router logits
+        ``[T, E]`` of ``hidden [T, D]`` and a float32 router weight ``[E, D]``, the products
+        in float32 whatever hidden's dtype (DeepSeek-V3's router; a plugin may fuse the cast)."""
+        return F.linear(hidden.float(), weight.float())
+
     def select_experts(self, spec: MoESpec, router_logits, correction_bias=None, *, token_ids=None, hash_table=None):
         logits = router_logits.float()
         if spec.scoring == "hash":

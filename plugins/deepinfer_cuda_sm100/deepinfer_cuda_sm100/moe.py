@@ -38,6 +38,16 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * spec.routed_scaling
 
+    def router_logits(self, hidden, weight):
+        """A few 16-bit decode rows in one launch (kernels/router.py: the cast folded into the
+        float32 GEMV); float32 rows, larger batches and batch-invariant forwards keep torch's."""
+        from .kernels.invariant import INVARIANT
+        from .kernels.router import router_logits
+
+        if hidden.dtype == torch.float32 or INVARIANT.get() or hidden.dim() != 2:
+            return super().router_logits(hidden, weight)
+        return router_logits(hidden, weight)
+
     def forward(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights):
         from .kernels.fused_moe import MoEConfig, fused_moe
         from .kernels.invariant import INVARIANT
