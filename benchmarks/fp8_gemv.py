@@ -97,6 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true", help="GEMV configs at one row")
+    ap.add_argument("--shape-sweep", action="store_true", help="GEMV configs per shape at one row (slab shape, warps, K splits)")
     ap.add_argument("--dry", action="store_true", help="CPU, Triton's interpreter, shapes / 16, one layer each: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -133,6 +134,8 @@ def main() -> None:
         v = graph_ms(lambda: run("gemv", ws, xs, counters, names={name}))
         print(f"| {name} | {n} x {k} | {layers} | {t:.4f} | {v:.4f} | {t / v:.2f}x | {nbytes / v / 1e9:.2f} |", flush=True)
     moe(g, bw)
+    if args.shape_sweep:
+        shape_sweep(ws, xs, counters)
     if args.sweep:
         print("\n1 row, GEMV configs (whole step graph):")
         print("| block_n | groups | warps | target programs | step ms | TB/s | max rel err |")
@@ -155,6 +158,27 @@ def main() -> None:
             print(f"| {bn} | {grp} | {warps} | {target} | {ms:.4f} | {step_bytes / ms / 1e9:.2f} | {err:.1e} |", flush=True)
         best = min(rows, key=lambda r: r[0])
         print(f"fastest: {best[1]} {best[0]:.4f} ms")
+
+
+def shape_sweep(ws, xs, counters) -> None:
+    """Per shape at one row: (block_n, groups, warps) slabs with the default K splits and with
+    none (no second pass over partial sums, fewer dependent steps per launch)."""
+    print("\n1 row, GEMV configs per shape (graph of that shape's launches over the layers), ms:")
+    slabs = [(16, 8, 8), (8, 16, 8), (4, 16, 4), (2, 16, 4), (16, 4, 4), (4, 8, 4), (8, 8, 4)]
+    print("| shape | " + " | ".join(f"{b}x{g}w{w} auto / 1" for b, g, w in slabs) + " |")
+    print("|---|" + "---:|" * len(slabs))
+    for name, n, k, layers in SHAPES:
+        cells = []
+        for b, grp, warps in slabs:
+            times = []
+            for split in (0, 1):
+                cfg = GemvConfig(b, grp, warps, 528, split)
+                try:
+                    times.append(f"{graph_ms(lambda: run('gemv', ws, xs, counters, cfg, names={name})):.4f}")
+                except Exception as exc:  # resources
+                    times.append(type(exc).__name__)
+            cells.append(" / ".join(times))
+        print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
 
 
 def moe(g, bw) -> None:
@@ -188,6 +212,13 @@ def moe(g, bw) -> None:
         nbytes = layers * k * 3 * I * D * (1 if fp8 else 2)
         t_gemv, t_tiled = graph_ms(lambda: run_moe(None)), graph_ms(lambda: run_moe(tiled_cfg))
         print(f"| {'FP8' if fp8 else 'bf16'} | {t_gemv:.4f} | {t_tiled:.4f} | {t_tiled / t_gemv:.2f}x | {nbytes / t_gemv / 1e9:.2f} | {diff:.1e} |", flush=True)
+        from deepinfer_cuda_sm100.kernels import moe_gemv
+
+        saved = moe_gemv.BLOCK_N
+        for bn in (4, 8, 32):  # the GEMVs' column slab
+            moe_gemv.BLOCK_N = bn
+            print(f"|   BLOCK_N {bn} | {graph_ms(lambda: run_moe(None)):.4f} | | | | |", flush=True)
+        moe_gemv.BLOCK_N = saved
         del mats
 
 

@@ -19,7 +19,7 @@ from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from . import ModelContext
 from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
 from .deepseek_v3_weights import load_hf_weights
-from .layers import GatedMLP, PreNormDecoderLayer, RMSNorm
+from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
 
 
 def is_moe_layer(config: dict, index: int) -> bool:
@@ -87,10 +87,33 @@ class DeepseekV3MoE(nn.Module):
             gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales
             gate_up_scale=getattr(self.experts, "gate_up_scale", None), down_scale=getattr(self.experts, "down_scale", None),
         )  # fmt: skip
+        both = getattr(self.dispatcher, "forward_with_shared", None)  # optional: the shared expert folded in
+        shared = self.shared_weights() if both is not None else None
+        out = both(self.spec, x, ids, weights, experts, shared) if shared is not None else None
+        if out is not None:
+            return out
         out = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def shared_weights(self) -> ExpertWeights | None:
+        """The shared expert as a one-expert stack (views of its weights, FP8 with scales), for a
+        dispatcher's ``forward_with_shared``; None without one or where its projections are not
+        plain bias-free linears (e.g. packed low-bit modules)."""
+        from .fp8 import Fp8Linear
+
+        mlp = self.shared_experts
+        if mlp is None:
+            return None
+        gu, dn = mlp.gate_up_proj, mlp.down_proj
+        if isinstance(gu, Fp8Linear) and isinstance(dn, Fp8Linear):
+            return ExpertWeights(gu.weight_fp8[None], dn.weight_fp8[None], gu.scale_inv[None], dn.scale_inv[None])
+        w1, w2 = getattr(gu, "weight", None), getattr(dn, "weight", None)
+        plain = type(gu).forward is FusedLinear.forward and type(dn).forward is nn.Linear.forward
+        if plain and isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and gu.bias is None and dn.bias is None:
+            return ExpertWeights(w1[None], w2[None])
+        return None
 
 
 class LayerKernels(NamedTuple):

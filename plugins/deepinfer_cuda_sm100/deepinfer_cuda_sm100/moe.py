@@ -63,5 +63,30 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
             self._load = counts if self._load is None else self._load + counts
         return out
 
+    def forward_with_shared(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights):
+        """Routed experts plus the shared expert (one expert shaped as a routed one) in the same
+        two GEMV launches for a few 16-bit decode rows: the shared expert is each token's last
+        row, summed in float32 with the routed rows and rounded once (the separate path rounds
+        the routed sum and the shared output, then adds). None where that path does not apply
+        (batch-invariant forwards, larger batches, float32, a SwiGLU clamp, other shapes): the
+        caller then runs the shared expert itself."""
+        from .kernels.fused_moe import _counts, _sum_rows, _use_gemv
+        from .kernels.invariant import INVARIANT
+        from .kernels.moe_gemv import moe_gemv, shared_fits
+
+        T, k = topk_ids.shape
+        gs, ds = experts.gate_up_scale, experts.down_scale
+        if INVARIANT.get() or spec.swiglu_limit is not None or (gs is None) != (ds is None) or hidden.dim() != 2:
+            return None
+        if not _use_gemv(False, T * (k + 1), hidden, experts.gate_up) or not shared_fits(shared, experts.gate_up, experts.down, gs, ds):
+            return None
+        if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
+            return None
+        rows = moe_gemv(hidden.contiguous(), experts.gate_up, experts.down, topk_ids, topk_weights, None, gs, ds, shared=shared)
+        counts = _counts(topk_ids, experts.gate_up.shape[0])
+        if counts is not None:  # graph replays are not counted
+            self._load = counts if self._load is None else self._load + counts
+        return _sum_rows(rows, hidden, k + 1)
+
     def expert_load(self) -> torch.Tensor | None:
         return super().expert_load()

@@ -43,6 +43,7 @@ class GemvConfig:
     groups: int = 8
     warps: int = 8
     target_programs: int = 528  # 4 per H200 SM (the fastest of 9 configs at one row: 0.242 ms a step)
+    split: int = 0  # K splits; 0: from target_programs
 
 
 @triton.jit
@@ -97,7 +98,7 @@ def gemv_splits(N: int, K: int, cfg: GemvConfig) -> int:
     """K splits (whole K steps each) so that ~``target_programs`` programs stream the weight."""
     tiles = triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(K, cfg.groups * FP8_BLOCK)
-    return max(1, min(steps, triton.cdiv(cfg.target_programs, tiles)))
+    return max(1, min(steps, cfg.split or triton.cdiv(cfg.target_programs, tiles)))
 
 
 def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor, counters: SplitCounters | None = None, cfg: GemvConfig = GemvConfig()) -> torch.Tensor:

@@ -49,23 +49,42 @@ def _dot_rows(w, a, s_w, FP8: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS: tl.constexpr):
+    """Row j = (token j // SLOTS, slot j % SLOTS): slots below top_k are the token's routed
+    choices (weight and scale bases of expert ids[token, slot]); a last slot (SLOTS = top_k + 1)
+    is the shared expert. -> (token, flat routed index or -1, weight base, scale base)."""
+    t = j // SLOTS
+    c = j % SLOTS
+    flat = t * top_k + c
+    w_base = sh_w_ptr
+    s_base = sh_s_ptr
+    if c < top_k:
+        e = tl.load(ids_ptr + flat).to(tl.int64)
+        w_base = w_ptr + e * stride_we
+        s_base = s_ptr + e * stride_se
+    else:
+        flat = flat * 0 - 1
+    return t, flat, w_base, s_base
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, top_k, D, I,
+    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at, limit,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (j, n): row j = (token j // top_k, its choice), act[j, n-slab] = silu(gate) * up."""
+    """Program (j, n): row j (``_expert_base``), act[j, n-slab] = silu(gate) * up."""
     j = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
     rg = tl.arange(0, GROUPS)
     rc = tl.arange(0, 128)
-    e = tl.load(ids_ptr + j).to(tl.int64)
-    x_row = x_ptr + (j // top_k).to(tl.int64) * stride_xt
-    g_rows = w_ptr + e * stride_we + rn.to(tl.int64)[:, None, None] * stride_wn
+    t, flat, w_base, s_base = _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    g_rows = w_base + rn.to(tl.int64)[:, None, None] * stride_wn
     u_rows = g_rows + I * stride_wn
-    sg_rows = s_ptr + e * stride_se + (rn // 128)[:, None] * stride_sn
-    su_rows = s_ptr + e * stride_se + ((I + rn) // 128)[:, None] * stride_sn
+    sg_rows = s_base + (rn // 128)[:, None] * stride_sn
+    su_rows = s_base + ((I + rn) // 128)[:, None] * stride_sn
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, D, GROUPS * 128):
@@ -95,20 +114,21 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, D, I,
+    h_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
     stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (j, n): out[j, n-slab] = routing weight * act[j] @ W_down[e, n-slab]^T (float32)."""
+    """Program (j, n): out[j, n-slab] = routing weight (1 for the shared expert) * act[j] @
+    W_down[n-slab]^T, float32."""
     j = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < D
     rg = tl.arange(0, GROUPS)
     rc = tl.arange(0, 128)
-    e = tl.load(ids_ptr + j).to(tl.int64)
+    t, flat, w_base, s_base = _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS)
     h_row = h_ptr + j.to(tl.int64) * stride_ht
-    w_rows = w_ptr + e * stride_we + rn.to(tl.int64)[:, None, None] * stride_wn
-    s_rows = s_ptr + e * stride_se + (rn // 128)[:, None] * stride_sn
+    w_rows = w_base + rn.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = s_base + (rn // 128)[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, I, GROUPS * 128):
         rk = k0 + rg[:, None] * 128 + rc[None, :]
@@ -119,34 +139,58 @@ def _down_gemv_kernel(
         if FP8:
             s = tl.load(s_rows + (k0 // 128 + rg)[None, :], mask=n_ok[:, None] & (k0 + rg * 128 < I)[None, :], other=0.0)
         acc += _dot_rows(w, a, s, FP8, UPCAST)
-    weight = tl.load(weights_ptr + j)
+    weight = tl.where(flat < 0, 1.0, tl.load(weights_ptr + tl.maximum(flat, 0)))  # the shared expert: 1
     tl.store(out_ptr + j.to(tl.int64) * stride_ot + rn, acc * weight, mask=n_ok)
 
 
-def moe_gemv(hidden, gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale) -> torch.Tensor:
+def moe_gemv(hidden, gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale, shared=None) -> torch.Tensor:
     """The routed rows ``[T * k, D]`` (float32, routing weight applied) for 16-bit ``hidden``;
-    ``fused_moe`` checks the shapes and sums a token's rows."""
+    with ``shared`` (an ``ExpertWeights`` of one expert, shaped as one of ``gate_up`` / ``down``,
+    checked by :func:`shared_fits`) ``[T * (k + 1), D]``, each token's last row its shared
+    expert's output. ``fused_moe`` checks the shapes and sums a token's rows."""
     T, D = hidden.shape
     _, two_i, _ = gate_up.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
-    rows = T * k
+    slots = k + (shared is not None)
+    rows = T * slots
     fp8 = gate_up_scale is not None
     ids = topk_ids.reshape(-1)
     gs = gate_up_scale if fp8 else gate_up  # any tensor: unused without FP8
     ds = down_scale if fp8 else down
+    sh = shared if shared is not None else None
+    sh_gu, sh_d = (sh.gate_up, sh.down) if sh is not None else (gate_up, down)
+    sh_gs, sh_ds = (sh.gate_up_scale, sh.down_scale) if sh is not None and fp8 else (gs, ds)
     upcast = interpreting()
     act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_gemv_kernel[(rows, triton.cdiv(inter, BLOCK_N))](
-        hidden, gate_up, gs, ids, act, k, D, inter,
+        hidden, gate_up, gs, ids, act, sh_gu, sh_gs, k, D, inter,
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0, act.stride(0),
         float(swiglu_limit or 0.0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), HAS_LIMIT=swiglu_limit is not None, FP8=fp8, UPCAST=upcast, num_warps=4,
+        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8, UPCAST=upcast, num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, D, dtype=torch.float32, device=hidden.device)
     _down_gemv_kernel[(rows, triton.cdiv(D, BLOCK_N))](
-        act, down, ds, ids, topk_weights.reshape(-1).float().contiguous(), out, D, inter,
+        act, down, ds, ids, topk_weights.reshape(-1).float().contiguous(), out, sh_d, sh_ds, k, D, inter,
         act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(down), FP8=fp8, UPCAST=upcast, num_warps=4,
+        BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def shared_fits(shared, gate_up, down, gate_up_scale, down_scale) -> bool:
+    """The shared expert can ride along as one more row: one expert ``[1, 2I, D]`` / ``[1, D, I]``
+    of the routed experts' dtype, width and strides (and FP8 scale grids alike), so the kernels
+    address it as they address a routed expert."""
+    if shared is None or shared.gate_up.shape[0] != 1 or shared.down.shape[0] != 1:
+        return False
+    same = shared.gate_up.shape[1:] == gate_up.shape[1:] and shared.down.shape[1:] == down.shape[1:]
+    same = same and shared.gate_up.dtype == gate_up.dtype and shared.down.dtype == down.dtype
+    same = same and shared.gate_up.stride()[1:] == gate_up.stride()[1:] and shared.down.stride()[1:] == down.stride()[1:]
+    if gate_up_scale is None:
+        return same and shared.gate_up_scale is None
+    scales = shared.gate_up_scale is not None and shared.down_scale is not None
+    return (
+        same and scales and shared.gate_up_scale.shape[1:] == gate_up_scale.shape[1:] and shared.down_scale.shape[1:] == down_scale.shape[1:]
+        and shared.gate_up_scale.stride()[1:] == gate_up_scale.stride()[1:] and shared.down_scale.stride()[1:] == down_scale.stride()[1:]
+    )  # fmt: skip

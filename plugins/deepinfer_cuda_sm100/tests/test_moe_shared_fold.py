@@ -1,0 +1,95 @@
+"""The shared expert folded into the routed experts' GEMVs (``TritonMoEDispatcher.
+forward_with_shared``, kernels/moe_gemv.py) against the float64 reference: routed experts
+through the core's reference dispatcher plus the shared expert as a plain SwiGLU MLP, in bf16
+and in DeepSeek's FP8 block format; on the GPU when present, else in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.moe import ExpertWeights, MoESpec  # noqa: E402
+from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
+from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, K, D, I = 8, 6, 256, 128
+
+
+def _weights(g, fp8):
+    """Routed experts [E, 2I, D] / [E, D, I] and one shared expert [1, ...]; FP8: e4m3 values
+    and random 128 x 128 tile scales; bf16: small random values."""
+
+    def one(n):
+        gu = torch.randn(n, 2 * I, D, generator=g) / D**0.5
+        dn = torch.randn(n, D, I, generator=g) / I**0.5
+        if not fp8:
+            return ExpertWeights(gu.to(DEVICE, torch.bfloat16), dn.to(DEVICE, torch.bfloat16))
+        return ExpertWeights(
+            (gu * 32).to(torch.float8_e4m3fn).to(DEVICE), (dn * 32).to(torch.float8_e4m3fn).to(DEVICE),
+            (torch.rand(n, 2 * I // 128, D // 128, generator=g) / 32).to(DEVICE), (torch.rand(n, D // 128, I // 128, generator=g) / 32).to(DEVICE),
+        )  # fmt: skip
+
+    return one(E), one(1)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_shared_expert_folded_matches_reference(fp8):
+    g = torch.Generator().manual_seed(11 + fp8)
+    experts, shared = _weights(g, fp8)
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5)
+    hidden = torch.randn(1, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(1, E, generator=g).to(DEVICE))
+    ours = TritonMoEDispatcher()
+    got = ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (1, D)
+    want = reference(hidden, ids, w, experts.dequantized(torch.float64), shared.dequantized(torch.float64), fp8)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < 6e-3, f"relative error {err:.2e}"
+    assert torch.equal(ours.expert_load().cpu(), torch.bincount(ids.flatten().cpu(), minlength=E))
+    separate = ours.forward(spec, hidden, ids, w, experts).double()  # routed alone: the folded sum minus the shared part
+    assert ((got.double() - separate).norm() / separate.norm()).item() > 1e-3  # the shared expert is in the sum
+
+
+def reference(hidden, ids, w, experts, shared, fp8):
+    """float64: each routed choice (times its weight) and the shared expert (times 1): gate / up
+    rounded to bf16, SiLU-and-mul rounded, FP8: the inputs of both products quantized as the
+    kernels do (e4m3 per row and 128 channels)."""
+    from test_fp8_kernels import act_quant64  # the FP8 kernels' test helper (same directory)
+
+    q = act_quant64 if fp8 else (lambda t: t.double())
+    xq = q(hidden)
+    rows = [(experts.gate_up[e], experts.down[e], w[0, j].double()) for j, e in enumerate(ids[0].tolist())]
+    out = torch.zeros(1, D, dtype=torch.float64, device=hidden.device)
+    for gu, dn, wt in rows + [(shared.gate_up[0], shared.down[0], 1.0)]:
+        y = xq @ gu.double().t()
+        gate, up = y[:, :I].to(torch.bfloat16).double(), y[:, I:].to(torch.bfloat16).double()
+        act = (gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16)
+        out += (q(act) @ dn.double().t()) * wt
+    return out
+
+
+def test_fold_declines_where_it_does_not_apply():
+    """float32 rows, batch-invariant forwards, too many rows, a SwiGLU clamp, a shared expert of
+    another width: None (the caller then runs the shared expert itself)."""
+    from dataclasses import replace
+
+    from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
+
+    g = torch.Generator().manual_seed(3)
+    experts, shared = _weights(g, False)
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid")
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(2, E, generator=g).to(DEVICE))
+    x = torch.randn(2, D, generator=g).to(DEVICE, torch.bfloat16)
+    ours = TritonMoEDispatcher()
+    assert ours.forward_with_shared(spec, x, ids, w, experts, shared) is None  # 2 x 7 rows > MOE_GEMV_ROWS
+    assert ours.forward_with_shared(spec, x[:1].float(), ids[:1], w[:1], experts, shared) is None
+    assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x[:1], ids[:1], w[:1], experts, shared) is None
+    narrow = ExpertWeights(shared.gate_up[:, : I, :], shared.down[:, :, : I // 2].contiguous())
+    assert ours.forward_with_shared(spec, x[:1], ids[:1], w[:1], experts, narrow) is None
+    token = INVARIANT.set(True)
+    try:
+        assert ours.forward_with_shared(spec, x[:1], ids[:1], w[:1], experts, shared) is None
+    finally:
+        INVARIANT.reset(token)
