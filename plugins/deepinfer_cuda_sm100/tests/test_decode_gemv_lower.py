@@ -1,0 +1,53 @@
+"""The decode GEMV kernels (dense FP8 GEMV, the MoE's per-row GEMVs with and without the shared
+expert's row, the router logits) lower to machine code for SM90 (H100/H200) and SM100 (B200) at
+DeepSeek-V3's shapes: Triton's ahead-of-time compile with an explicit target needs no GPU, so
+CI, which runs the kernels only in the interpreter, also proves they compile (the interpreter
+accepts code the compiler rejects, e.g. branches yielding different types)."""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+CHILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_cuda_sm100.kernels import fp8_gemv, moe_gemv, router
+
+def lower(fn, types, consts, arch, warps):
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    assert kernel.asm.get("cubin"), "no cubin"
+
+for arch in (90, 100):
+    for rows, fixup in ((1, True), (2, False)):
+        types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if fixup else "*bf16", "final_ptr": "*bf16", "cnt_ptr": "*i32"}
+        lower(fp8_gemv._fp8_gemv_kernel, types, dict(ROWS=rows, BLOCK_N=16, GROUPS=8, UPCAST=False, FIXUP=fixup), arch, 8)
+    for fp8, w in ((True, "*fp8e4nv"), (False, "*bf16")):
+        for slots in (7,):  # the shared expert's row included (6: the same code, one branch never taken)
+            common = {"w_ptr": w, "sh_w_ptr": w, "s_ptr": "*fp32", "sh_s_ptr": "*fp32", "ids_ptr": "*i64"}
+            lower(moe_gemv._gate_up_gemv_kernel, dict(common, x_ptr="*bf16", act_ptr="*bf16", limit="fp32"),
+                  dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, HAS_LIMIT=False, FP8=fp8, UPCAST=False), arch, 4)
+            lower(moe_gemv._down_gemv_kernel, dict(common, h_ptr="*bf16", weights_ptr="*fp32", out_ptr="*fp32"),
+                  dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, FP8=fp8, UPCAST=False), arch, 4)
+    lower(router._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK_E=2, BLOCK_D=1024), arch, 4)
+    print("sm%d" % arch)
+"""
+
+
+def test_decode_gemv_kernels_compile_for_sm90_and_sm100():
+    from triton.compiler import ASTSource
+
+    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["sm90", "sm100"]
