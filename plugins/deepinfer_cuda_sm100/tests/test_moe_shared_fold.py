@@ -93,3 +93,31 @@ def test_fold_declines_where_it_does_not_apply():
         assert ours.forward_with_shared(spec, x[:1], ids[:1], w[:1], experts, shared) is None
     finally:
         INVARIANT.reset(token)
+
+
+def test_deepseek_v3_moe_layer_folds_its_shared_expert():
+    """The model wiring: a bf16 DeepseekV3MoE layer on the Triton dispatcher (router kernel,
+    routed + shared expert in the per-row GEMVs) against the same layer on the core reference
+    dispatcher (router, routed experts and the shared MLP separately), one decode token."""
+    from deepinfer_core.models.deepseek_v3 import DeepseekV3MoE
+
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5, num_shared_experts=1)
+    g = torch.Generator().manual_seed(21)
+    ours = DeepseekV3MoE({}, spec, TritonMoEDispatcher())
+    for p in ours.parameters():
+        p.data = (torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5).to(p.dtype)
+    ours = ours.to(DEVICE, torch.bfloat16)
+    ours.gate.float()  # the router stays float32 (restore_float32)
+    shared = ours.shared_weights()
+    assert shared is not None and shared.gate_up.shape == (1, 2 * I, D) and shared.gate_up.data_ptr() == ours.shared_experts.gate_up_proj.weight.data_ptr()
+    ref = DeepseekV3MoE({}, spec, TorchMoEDispatcher()).to(DEVICE)
+    ref.load_state_dict(ours.state_dict())
+    ref = ref.to(torch.bfloat16)
+    ref.gate.float()
+    x = torch.randn(1, D, generator=g).to(DEVICE, torch.bfloat16)
+    separate = []
+    ours.shared_experts.register_forward_hook(lambda *_: separate.append(1))
+    got, want = ours(x), ref(x)
+    assert not separate  # folded: the shared MLP module never ran
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    assert ours.dispatcher.expert_load().sum().item() == K  # counted once, by the folded path
