@@ -14,7 +14,7 @@ from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
 from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-E, K, D, I = 8, 6, 256, 128
+E, K, D, I = 4, 2, 256, 128  # small: the interpreter runs a program per (row, 16 columns)
 
 
 def _weights(g, fp8):
@@ -80,10 +80,10 @@ def test_fold_declines_where_it_does_not_apply():
     g = torch.Generator().manual_seed(3)
     experts, shared = _weights(g, False)
     spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid")
-    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(2, E, generator=g).to(DEVICE))
-    x = torch.randn(2, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(3, E, generator=g).to(DEVICE))
+    x = torch.randn(3, D, generator=g).to(DEVICE, torch.bfloat16)
     ours = TritonMoEDispatcher()
-    assert ours.forward_with_shared(spec, x, ids, w, experts, shared) is None  # 2 x 7 rows > MOE_GEMV_ROWS
+    assert ours.forward_with_shared(spec, x, ids, w, experts, shared) is None  # 3 x 3 rows > MOE_GEMV_ROWS
     assert ours.forward_with_shared(spec, x[:1].float(), ids[:1], w[:1], experts, shared) is None
     assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x[:1], ids[:1], w[:1], experts, shared) is None
     narrow = ExpertWeights(shared.gate_up[:, : I, :], shared.down[:, :, : I // 2].contiguous())
