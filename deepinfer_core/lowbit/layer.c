@@ -134,7 +134,7 @@ static void rmsnorm(const float *x, const float *w, float eps, int64_t R, int64_
 }
 
 /* Steps of at least this many rows split their elementwise stages (residual add + rmsnorm,
- * SiLU-mul) between the threads: on two threads those stages, run by one thread, left the other
+ * rotary + KV write, SiLU-mul) between the threads: on two threads those stages, run by one thread, left the other
  * core idle for ~2-3% of a 32-request step; a row is computed alone either way (same bits). */
 #define PAR_ROWS 8
 
@@ -217,6 +217,7 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
         TICK(0);
         linear(&ly->qkv, xn, R, qkv, tmp, nthreads);
         TICK(1);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R >= PAR_ROWS)  /* rows own their slots and kr rows */
         for (int64_t r = 0; r < R; r++) {
             const float *c = md->cos + positions[r] * hd, *s = md->sin + positions[r] * hd;
             const float *row = qkv + r * nqkv;
