@@ -13,8 +13,10 @@
  * Elementwise maths follows the torch path's expressions operation by operation (this file is
  * compiled with FP contraction off (the pragmas below), so a*b + c is never fused into one rounding); only the
  * reductions (rmsnorm's sum of squares) and expf may differ from torch's by an ulp. The GEMMs
- * and attention are the very same functions the torch path calls. Prefill and mixed steps, and
- * every other model family, keep the torch path (deepinfer_core.lowbit.llama_decode decides).
+ * and decode attention are the very same functions the torch path calls. Prefill and mixed steps
+ * (up to llama_decode.PREFILL_MAX_CONTEXT) run here too, a row per token: a call with prompt runs
+ * attends with prefill_attention.c (the call's own keys and values in float32 by default); every
+ * other model family keeps the torch path (deepinfer_core.lowbit.llama_decode decides).
  */
 #if defined(__clang__)
 #pragma clang fp contract(off)
