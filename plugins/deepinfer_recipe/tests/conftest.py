@@ -21,19 +21,6 @@ def tokenizer_path() -> Path:
     return path
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread():
-    """torch on one thread for the session (the in-process server's float32 SmolLM2 steps run
-    here): with other processes on the 2 cores, as CI's two envs at a time, two intra-op threads
-    cost 6.7x the CPU time of one for SmolLM2's float32 steps (tests/test_lowbit_engine.py)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def served():
     """One in-process ``deepinfer serve`` (SmolLM2) shared by the server tests."""
