@@ -78,3 +78,23 @@ def test_prefix_caching_disabled():
     kv = KVCacheManager(8, BS, None)
     run_prefill(kv, make(range(10)))
     assert kv.match_prefix(make(range(10), "b")) == []
+
+
+def test_block_keys_keep_their_stored_format():
+    """Keys name blocks that persistent stores keep for days, across versions and machines: block
+    i's key is SHA-256 over the namespace, block i-1's key and its token ids as 4-byte
+    little-endian integers. Computed here one token at a time, as the format is written down."""
+    import hashlib
+
+    tokens = [0, 1, 255, 256, 65_535, 65_536, 129_279, 2**32 - 1, 7, 8, 9]  # 2 full blocks of 4 + 3
+    kv = KVCacheManager(16, BS, "model-a")
+    req = make(tokens)
+    kv.match_prefix(req)
+    parent, expected = b"", []
+    for i in range(len(tokens) // BS):
+        h = hashlib.sha256(b"model-a" + parent)
+        for t in tokens[i * BS : (i + 1) * BS]:
+            h.update(t.to_bytes(4, "little"))
+        parent = h.digest()
+        expected.append(parent)
+    assert req.block_keys == expected

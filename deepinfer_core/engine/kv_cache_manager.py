@@ -13,6 +13,7 @@ the pool needs them (LRU eviction); a block with references is never evicted.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 
 from .request import Request
@@ -83,7 +84,7 @@ class KVCacheManager:
             tokens = req.all_token_ids[i * bs : (i + 1) * bs]
             h = hashlib.sha256(self.namespace)
             h.update(parent)
-            h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+            h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
             req.block_keys.append(h.digest())
 
     def match_prefix(self, req: Request) -> list[int]:
