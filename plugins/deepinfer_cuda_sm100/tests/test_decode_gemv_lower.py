@@ -5,26 +5,15 @@ CI, which runs the kernels only in the interpreter, also proves they compile (th
 accepts code the compiler rejects, e.g. branches yielding different types)."""
 from __future__ import annotations
 
-import inspect
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-CHILD = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from deepinfer_cuda_sm100.kernels import fp8_gemv, moe_gemv, router
+from deepinfer_cuda_sm100.kernels import lowering  # noqa: E402
 
-def lower(fn, types, consts, arch, warps):
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    assert kernel.asm.get("cubin"), "no cubin"
+CHILD = r"""
+from deepinfer_cuda_sm100.kernels.lowering import lower
+from deepinfer_cuda_sm100.kernels import fp8_gemv, moe_gemv, router
 
 for arch in (90, 100):
     for rows, fixup in ((1, True), (2, False)):
@@ -43,11 +32,8 @@ for arch in (90, 100):
 
 
 def test_decode_gemv_kernels_compile_for_sm90_and_sm100():
-    from triton.compiler import ASTSource
-
-    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
-        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    if not lowering.supported():
+        pytest.skip(lowering.UNSUPPORTED)
+    out = lowering.run_script(CHILD, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.split() == ["sm90", "sm100"]

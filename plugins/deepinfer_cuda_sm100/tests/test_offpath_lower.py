@@ -6,19 +6,14 @@ a bf16 split-KV decode needed 256 KiB and failed on the H200 with OutOfResources
 KiB). Triton's ahead-of-time compile needs no GPU (see test_v4_kernels_lower.py)."""
 from __future__ import annotations
 
-import inspect
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
+from deepinfer_cuda_sm100.kernels import lowering  # noqa: E402
+
 CHILD = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from deepinfer_cuda_sm100.kernels.lowering import lower
 from deepinfer_cuda_sm100.kernels import paged_attention as pa
 
 fn = pa._paged_attention_kernel
@@ -28,29 +23,21 @@ for head_dim, dt, qlen in ((4, "fp32", 64), (8, "bf16", 1), (12, "fp32", 1)):
     types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
     consts = dict(G=2, TPT=max(1, cfg.block_m // 2), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=min(da, head_dim), BLOCK_DB=bdb, DB=db,
                   BLOCK_DV=16, DV=head_dim, V_PLANE=1, HAS_WINDOW=False, SPLIT=cfg.num_splits > 1, IEEE=dt == "fp32", UPCAST=False)
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert kernel.asm.get("cubin"), "no cubin"
+    lower(fn, types, consts, 90, cfg.num_warps, cfg.num_stages)
     print("d%d" % head_dim)
 """
 
 
 def test_narrow_heads_compile_for_sm90():
-    from triton.compiler import ASTSource
-
-    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
-        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    if not lowering.supported():
+        pytest.skip(lowering.UNSUPPORTED)
+    out = lowering.run_script(CHILD, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.split() == ["d4", "d8", "d12"]
 
 
 WIDE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from deepinfer_cuda_sm100.kernels.lowering import lower
 from deepinfer_cuda_sm100.kernels import paged_attention as pa
 
 fn = pa._paged_attention_kernel
@@ -64,20 +51,15 @@ for dt, size, qlen, R in (("bf16", 2, 1, 4), ("bf16", 2, 512, 1), ("fp32", 4, 1,
     types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*fp32" if split else "*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
     consts = dict(G=heads, TPT=max(1, cfg.block_m // heads), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=da, BLOCK_DB=bdb, DB=db,
                   BLOCK_DV=512, DV=512, V_PLANE=0, HAS_WINDOW=False, SPLIT=split, IEEE=dt == "fp32", UPCAST=False)
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    kernel = lower(fn, types, consts, 90, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED, (dt, qlen, heads, cfg, kernel.metadata.shared)
     print("%s-q%d-%dheads-%s" % (dt, qlen, heads, "split" if split else "whole"))
 """
 
 
 def test_deepseek_v3_mla_launches_fit_h200_shared_memory():
-    from triton.compiler import ASTSource
-
-    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
-        pytest.skip("this Triton's ahead-of-time API predates ASTSource(constexprs=...) (Triton >= 3.3 has it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", WIDE], env=env, capture_output=True, text=True, timeout=900)
+    if not lowering.supported():
+        pytest.skip(lowering.UNSUPPORTED)
+    out = lowering.run_script(WIDE, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.split() == ["bf16-q1-64heads-split", "bf16-q512-128heads-whole", "fp32-q1-16heads-split"]
