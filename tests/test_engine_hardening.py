@@ -75,6 +75,39 @@ def test_a_request_changed_after_construction_is_refused_and_the_others_finish(l
     assert llm.engine.abort_request(ok) is None  # finished: nothing to abort, and no error
 
 
+@pytest.mark.parametrize("bad_at", [0, 2])
+def test_a_batch_with_one_bad_request_adds_none_of_them(llm, bad_at):
+    """LLM checks the whole batch first and adds what it checked without checking it again: one
+    bad request (a token outside the vocabulary, params changed after construction) refuses the
+    call, naming that prompt, with nothing queued and no KV block taken; the same engine then
+    serves the good prompts as it serves them alone."""
+    tok = llm.get_tokenizer()
+    vocab = llm.engine.model.vocab_size
+    good = [tok.encode(p) for p in ("Hello there", "The weather today", "Once upon a time")]
+    expected = [alone(llm, {"prompt_token_ids": ids}) for ids in good]
+    free = llm.engine.kv.pool.num_free
+    next_id = int(llm.engine.add_request(good[0], GREEDY))
+    llm.engine.abort_request(str(next_id))
+    poisoned = [list(ids) for ids in good]
+    poisoned[bad_at][-1] = vocab
+    with pytest.raises(ValueError, match=rf"prompt {bad_at}: prompt token ids outside the vocabulary \[0, {vocab}\): \[{vocab}\]"):
+        llm.generate([{"prompt_token_ids": ids} for ids in poisoned], GREEDY)
+    changed = SamplingParams(temperature=0, max_tokens=12)
+    changed.top_p = 0.0
+    params = [GREEDY] * 3
+    params[bad_at] = changed
+    with pytest.raises(ValueError, match=rf"prompt {bad_at}: invalid sampling parameter top_p=0.0"):
+        llm.generate([{"prompt_token_ids": ids} for ids in good], params)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.scheduler.requests
+    assert llm.engine.kv.pool.num_free == free
+    assert int(llm.engine.add_request(good[0], GREEDY)) == next_id + 1  # no id was drawn for the refused batches
+    llm.engine.abort_request(str(next_id + 1))
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in good], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    with pytest.raises(TypeError, match="add_checked takes what check_batch returned"):
+        llm.engine.add_checked((good[0], GREEDY))
+
+
 def test_params_changed_while_a_request_runs_do_not_reach_it(llm):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = alone(llm, "Once upon a time", params)

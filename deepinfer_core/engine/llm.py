@@ -118,17 +118,13 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got {type(params).__name__}")
         if len(params) != len(encoded):
             raise ValueError(f"got {len(params)} sampling params for {len(encoded)} prompts")
-        for i, ((ids, _), p) in enumerate(zip(encoded, params)):  # all or nothing
-            try:
-                self.engine.validate(ids, p)
-            except (ValueError, TypeError) as exc:
-                raise type(exc)(f"prompt {i}: {exc}") from None
+        checked = self.engine.check_batch([(ids, p) for (ids, _), p in zip(encoded, params)])  # all or nothing
 
         def add_all() -> list[str]:
             ids: list[str] = []
             try:
-                for (prompt_ids, text), p in zip(encoded, params):
-                    ids.append(self.engine.add_request(prompt_ids, p, prompt=text))
+                for request, (_, text) in zip(checked, encoded):
+                    ids.append(self.engine.add_checked(request, prompt=text))
             except BaseException:
                 for request_id in ids:
                     self.engine.abort_request(request_id)

@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import threading
+from typing import Sequence
 
 import torch
 
@@ -119,10 +120,35 @@ class LLMEngine:
         changes nothing when the request cannot be served. The engine keeps its own validated
         copy of ``params`` and of the prompt: changing them afterwards has no effect."""
         with self._lock:
-            return self._add(prompt_token_ids, params, prompt, request_id)
+            return self._add(self._checked(prompt_token_ids, params), prompt, request_id)
 
-    def _add(self, prompt_token_ids, params, prompt, request_id) -> str:
-        prompt_token_ids, params = self._checked(prompt_token_ids, params)
+    def check_batch(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[validation.CheckedRequest]:
+        """Check every ``(prompt_token_ids, params)`` of a batch before any of them is added, so
+        that a batch with one bad request adds none: raises what :meth:`add_request` would raise
+        for the first bad one, its message prefixed with ``prompt i:``, and changes nothing. A
+        params object given for several prompts is copied and checked once (they share the copy,
+        which the engine never changes)."""
+        copies: dict[int, SamplingParams] = {}
+        checked = []
+        for i, (ids, params) in enumerate(requests):
+            try:
+                if id(params) not in copies:  # ``requests`` holds the object: its id stays its own
+                    copies[id(params)] = _params_copy(params)
+                checked.append(self._check_prompt(ids, copies[id(params)]))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+        return checked
+
+    def add_checked(self, checked: validation.CheckedRequest, prompt: str | None = None, request_id: str | None = None) -> str:
+        """Enqueue a request that :meth:`check_batch` accepted, without checking it again (the
+        request id and ``prompt`` still are)."""
+        if not isinstance(checked, validation.CheckedRequest):
+            raise TypeError(f"add_checked takes what check_batch returned, got {type(checked).__name__}")
+        with self._lock:
+            return self._add(checked, prompt, request_id)
+
+    def _add(self, checked: validation.CheckedRequest, prompt, request_id) -> str:
+        prompt_token_ids, params = checked.prompt_token_ids, checked.params
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
         if prompt is not None and not isinstance(prompt, str):
@@ -135,7 +161,7 @@ class LLMEngine:
         eos = eos or (() if params.ignore_eos else tuple(_config_eos(self.model.config)))
         req = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,  # the checked copy: the engine's own
             params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             eos_token_ids=eos,
@@ -150,13 +176,14 @@ class LLMEngine:
         """Raise what :meth:`add_request` would raise for this request; change nothing."""
         self._checked(prompt_token_ids, params)
 
-    def _checked(self, prompt_token_ids, params) -> tuple[list[int], SamplingParams]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = params.checked()
+    def _checked(self, prompt_token_ids, params) -> validation.CheckedRequest:
+        return self._check_prompt(prompt_token_ids, _params_copy(params))
+
+    def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> validation.CheckedRequest:
+        """``params``: already the engine's checked copy."""
         ids = validation.prompt_token_ids(prompt_token_ids, self.limits)
         validation.check_params(params, len(ids), self.limits)
-        return ids, params
+        return validation.CheckedRequest(ids, params)
 
     def check_prompt_text(self, text: str) -> None:
         """Refuse a text prompt that is surely longer than the context, before tokenizing it."""
@@ -271,7 +298,7 @@ class LLMEngine:
             return self._prompt_logits(prompt_token_ids)
 
     def _prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
-        prompt_token_ids, _ = self._checked(prompt_token_ids, SamplingParams(max_tokens=1))
+        prompt_token_ids = self._checked(prompt_token_ids, SamplingParams(max_tokens=1)).prompt_token_ids
         req = Request("__score__", list(prompt_token_ids), SamplingParams(max_tokens=1), seed=0)
         if not self.kv.allocate(req, len(prompt_token_ids)):
             raise RuntimeError("not enough free KV blocks to score this prompt now")
@@ -297,6 +324,13 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
         }
+
+
+def _params_copy(params) -> SamplingParams:
+    """The engine's own re-validated copy of a request's params."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    return params.checked()
 
 
 def _numel(shape) -> int:
