@@ -142,9 +142,10 @@ def child(path: str, repeats: int) -> dict:
     for owner, attr, name in (
         (LLMClass, "generate", "other (generate, request streams)"),
         (LLMClass, "_encode", "prompts: encode"),
-        (llm_engine.LLMEngine, "validate", "validate (LLM._submit)"),
-        (llm_engine.LLMEngine, "add_request", "add_request"),
-        (llm_engine.LLMEngine, "_add_checked", "add_request"),
+        (llm_engine.LLMEngine, "validate", "check requests (LLM._submit)"),  # before check_batch
+        (llm_engine.LLMEngine, "check_batch", "check requests (LLM._submit)"),
+        (llm_engine.LLMEngine, "add_request", "add requests"),  # before add_checked
+        (llm_engine.LLMEngine, "add_checked", "add requests"),
         (llm_engine.LLMEngine, "step", "other (engine step)"),
         (scheduler.Scheduler, "schedule", "schedule"),
         (llm_engine.LLMEngine, "_sampling_rows", "sampling rows"),
