@@ -1,0 +1,212 @@
+"""Shapes nobody tuned for, drawn by hypothesis, for the kernels and dispatch rules that the
+model-shaped tests pin at a few sizes: the fused routing (group limits, top-k 1-8, biases,
+experts not a power of two that the kernel must decline, empty batches), the router GEMV (on
+both sides of its row limit), the MoE for 16-bit rows on both sides of the per-row GEMV's
+threshold (bf16 and FP8 experts, the shared expert folded in), the FP8 dense GEMM on both
+sides of the GEMV / K-split / pre-quantization switches, greedy argmax over odd vocabularies,
+and the norms and SiLU-and-mul at widths that are not a power of two.
+
+Every expected value comes from the core's torch reference or a float64 product restated here;
+the GPU runs them as they are (prefgpu's series), CI in Triton's interpreter at tiny sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
+
+from deepinfer_core.fused_ops import add_rms_norm_reference, rms_norm_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.moe import ExpertWeights, MoESpec  # noqa: E402
+from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
+from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FEW = settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def rel(got, want) -> float:
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+# -- routing -------------------------------------------------------------------------------
+
+
+@st.composite
+def routings(draw):
+    """A learned routing a DeepSeek-style config can state: experts a power of two (the kernel)
+    or not (the reference), groups dividing the experts, top-k within the kept groups."""
+    E = draw(st.sampled_from([1, 3, 6, 16, 32, 64, 96, 256]))
+    bias = draw(st.booleans())
+    groups = [g for g in (1, 2, 4, 8) if E % g == 0 and (g == 1 or E // g >= 2 or not bias)]
+    G = draw(st.sampled_from(groups))
+    topk_groups = draw(st.integers(1, G))
+    k = draw(st.integers(1, min(8, topk_groups * E // G)))
+    scoring = draw(st.sampled_from(["sigmoid", "softmax", "sqrtsoftplus"]))
+    spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=8, intermediate_size=8, scoring=scoring, num_groups=G, topk_groups=topk_groups,
+                   normalize_topk=draw(st.booleans()), routed_scaling=draw(st.sampled_from([1.0, 2.5])))  # fmt: skip
+    return spec, bias, draw(st.integers(0, 20))
+
+
+@FEW
+@given(routings(), st.integers(0, 2**16))
+def test_routing_matches_the_reference_for_any_valid_setting(case, seed):
+    spec, bias_on, T = case
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, spec.num_experts, generator=g) * 3).to(DEVICE)
+    bias = (torch.randn(spec.num_experts, generator=g) * 0.3).to(DEVICE) if bias_on else None
+    ids, w = TritonMoEDispatcher().select_experts(spec, logits, bias)
+    ref_ids, ref_w = TorchMoEDispatcher().select_experts(spec, logits, bias)
+    assert ids.shape == ref_ids.shape == (T, spec.top_k) and w.dtype == torch.float32
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values, ref_order.values), f"other experts chosen for {spec}"
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=2e-6, atol=1e-7)
+
+
+@FEW
+@given(T=st.integers(1, 18), E=st.integers(1, 19), D=st.integers(1, 1100), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_router_logits_on_both_sides_of_the_row_limit(T, E, D, dtype):
+    g = torch.Generator().manual_seed(T * 1000 + E * 7 + D)
+    x = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(E, D, generator=g) / D**0.5).to(DEVICE)
+    got = TritonMoEDispatcher().router_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (T, E)
+    assert (got.double() - x.double() @ w.double().t()).abs().max().item() < 1e-4
+
+
+# -- MoE experts, 16-bit rows ---------------------------------------------------------------
+
+
+def experts_of(E, D, I, g, fp8):
+    if not fp8:
+        gu, dn = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
+        return ExpertWeights(gu.to(DEVICE, torch.bfloat16), dn.to(DEVICE, torch.bfloat16))
+    gu, dn = (torch.randn(E, 2 * I, D, generator=g) * 2).to(torch.float8_e4m3fn), (torch.randn(E, D, I, generator=g) * 2).to(torch.float8_e4m3fn)
+    gus = torch.rand(E, -(-2 * I // 128), -(-D // 128), generator=g) * 0.02 / D**0.5 + 1e-3
+    dns = torch.rand(E, -(-D // 128), -(-I // 128), generator=g) * 0.02 / I**0.5 + 1e-3
+    return ExpertWeights(gu.to(DEVICE), dn.to(DEVICE), gus.to(DEVICE), dns.to(DEVICE))
+
+
+def swiglu64(x, e: ExpertWeights, i: int, fp8: bool):
+    """Expert i of ``e`` (float64 weights) on 16-bit rows x; FP8 experts see what the kernels
+    feed them: the rows and the SiLU-and-mul output quantized as DeepSeek's scheme states
+    (``act_quant64``), gate and up rounded to bf16 first."""
+    q = act_quant64 if fp8 else (lambda a: a)
+    gate, up = (q(x) @ e.gate_up[i].t()).chunk(2, dim=-1)
+    if fp8:
+        gate, up = gate.to(torch.bfloat16).double(), up.to(torch.bfloat16).double()
+        return q((torch.nn.functional.silu(gate) * up).to(torch.bfloat16).double()) @ e.down[i].t()
+    return (torch.nn.functional.silu(gate) * up) @ e.down[i].t()
+
+
+@st.composite
+def moe_cases(draw):
+    fp8 = draw(st.booleans())
+    E = draw(st.integers(1, 9))
+    k = draw(st.integers(1, min(E, 8)))
+    T = draw(st.integers(0, max(1, 16 // k)))  # T * k on both sides of MOE_GEMV_ROWS (8)
+    D = draw(st.sampled_from([8, 40, 136, 200]))
+    I = 128 if fp8 else draw(st.sampled_from([8, 24, 72]))
+    return fp8, E, k, T, D, I, draw(st.booleans())
+
+
+@FEW
+@given(moe_cases(), st.integers(0, 2**16))
+def test_bf16_moe_rows_on_both_sides_of_the_gemv_threshold(case, seed):
+    """The dispatcher's forward (the per-row GEMVs up to 8 rows, the grouped GEMMs above) and,
+    where it applies, forward_with_shared, against float64 products of the same weights (FP8:
+    widened exactly, activations quantized as the scheme states). Experts may receive no
+    token; T may be 0."""
+    fp8, E, k, T, D, I, with_shared = case
+    g = torch.Generator().manual_seed(seed)
+    spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=D, intermediate_size=I, scoring="softmax")
+    experts, shared = experts_of(E, D, I, g, fp8), experts_of(1, D, I, g, fp8)
+    hidden = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    ids = ids.to(DEVICE)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    wide = lambda e: e.dequantized(torch.float64) if fp8 else ExpertWeights(e.gate_up.double(), e.down.double())  # noqa: E731
+    x = hidden.double()
+    want = torch.zeros(T, D, dtype=torch.float64, device=DEVICE)
+    for t in range(T):
+        for c in range(k):
+            want[t] += w[t, c].double() * swiglu64(x[t : t + 1], wide(experts), int(ids[t, c]), fp8)[0]
+    ours = TritonMoEDispatcher()
+    got = ours.forward(spec, hidden, ids, w, experts) if not with_shared else ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
+    if with_shared and got is None:  # declined (no rows, or more than the GEMVs take): the layer runs it apart
+        assert T == 0 or T * (k + 1) > 8
+        return
+    if with_shared:
+        want = want + swiglu64(x, wide(shared), 0, fp8)
+    assert got.shape == (T, D) and got.dtype == torch.bfloat16
+    if T:
+        assert rel(got, want) < 1.5e-2, f"relative error {rel(got, want):.2e}"
+    counts = torch.bincount(ids.flatten().cpu(), minlength=E)
+    assert torch.equal(ours.expert_load().cpu(), counts)
+
+
+# -- FP8 dense GEMM -------------------------------------------------------------------------
+
+
+def act_quant64(x):
+    """DeepSeek's activation scheme restated: per row and 128 channels, scale = amax / 448, e4m3."""
+    M, K = x.shape
+    grp = torch.nn.functional.pad(x.double(), (0, -K % 128)).view(M, -1, 128)
+    scale = (grp.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0).float().double()
+    return ((grp / scale).float().to(torch.float8_e4m3fn).double() * scale).view(M, -1)[:, :K]
+
+
+@FEW
+@given(M=st.sampled_from([1, 2, 3, 16, 17, 64, 65, 127, 128, 130]), N=st.integers(1, 300), K=st.integers(1, 700),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), counters=st.booleans(), lead=st.booleans())  # fmt: skip
+def test_fp8_linear_for_any_rows_and_widths(M, N, K, dtype, counters, lead):
+    """Rows across GEMV_ROWS (2), FIXUP_ROWS (16), the K-split limit (64) and PREQUANT_ROWS
+    (128); N and K any (tails of the 128 x 128 scale tiles); x with a leading batch dimension."""
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters, fp8_linear
+
+    g = torch.Generator().manual_seed(M * 100003 + N * 701 + K)
+    w = (torch.randn(N, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 0.02 + 0.001
+    full = s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+    x = torch.randn(M, K, generator=g).to(dtype)
+    xin = x.view(1, M, K) if lead else x
+    got = fp8_linear(xin.to(DEVICE), w.to(DEVICE), s.to(DEVICE), SplitCounters() if counters else None)
+    assert got.shape == (*xin.shape[:-1], N) and got.dtype == dtype
+    a = x.double() if dtype == torch.float32 else act_quant64(x)
+    want = a @ (w.double() * full).t()
+    assert rel(got.reshape(M, N).cpu(), want) < (1e-5 if dtype == torch.float32 else 6e-3)  # float32: summation order
+
+
+# -- argmax, norms, SiLU-and-mul ------------------------------------------------------------
+
+
+@FEW
+@given(N=st.integers(0, 4), V=st.integers(1, 3100), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_argmax_over_any_vocabulary(N, V, dtype, seed):
+    from deepinfer_cuda_sm100.kernels.argmax import argmax_rows
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g).mul(2).round().to(DEVICE, dtype)  # coarse: ties across chunks
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+
+
+@FEW
+@given(rows=st.integers(0, 5), D=st.integers(1, 1500), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_norms_and_silu_and_mul_at_any_width(rows, D, dtype, seed):
+    from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, silu_and_mul
+
+    g = torch.Generator().manual_seed(seed)
+    x, r = ((torch.randn(rows, D, generator=g) * 3).to(DEVICE, dtype) for _ in range(2))
+    w = (torch.rand(D, generator=g) + 0.5).to(DEVICE, dtype)
+    pairs = [(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))]
+    got, h = add_rms_norm(x, r, w, 1e-6)
+    want, want_h = add_rms_norm_reference(x, r, w, 1e-6)
+    assert torch.equal(h, want_h)
+    pairs += [(got, want), (silu_and_mul(x), silu_and_mul_reference(x))] if D % 2 == 0 else [(got, want)]
+    for got, want in pairs:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if rows:
+            assert rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
