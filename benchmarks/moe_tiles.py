@@ -13,7 +13,7 @@ import itertools
 import torch
 import triton
 
-from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, choose_config, fused_moe
+from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, choose_config, choose_down_config, fused_moe
 
 
 def main() -> None:
@@ -95,17 +95,19 @@ def kernel_ms(fn) -> dict:
 
 def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> None:
     """Gate/up tilings with the down GEMM fixed, then down tilings with gate/up fixed (same
-    block_m: both walk one alignment); ``group_m`` is the program order (0: row tiles fastest)."""
-    gu_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 8)] + [(128, 128, 64, 8, 4, 8), (128, 64, 64, 4, 4, 8), (64, 128, 64, 4, 3, 8)]
-    dn_grid = [(128, 128, 64, 8, 3, g) for g in (0, 1, 8)] + [
-        (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (128, 64, 64, 4, 4, 8), (64, 256, 64, 8, 3, 8)]
-    fixed = {128: MoEConfig(128, 128, 64, 8, 3), 64: MoEConfig(64, 128, 64, 4, 3)}
+    block_m: both walk one alignment); ``group_m`` is the program order (0: row tiles fastest),
+    ``tma`` the copy engine's tile loads (MoEConfig.tma)."""
+    tma = [(128, 128, 64, 8, s, 8, True) for s in (3, 4)] + [(128, 128, 128, 8, 2, 8, True), (128, 64, 64, 4, 4, 8, True)]
+    gu_grid = [(128, 128, 64, 8, 3, 8)] + tma  # the default (pointer loads) first; earlier sweeps: benchmarks/README.md
+    dn_grid = [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)] + tma + [(128, 256, 64, 8, s, 8, True) for s in (3, 4)]
+    rows_n = ids.numel()
+    fixed = {"gate/up": choose_down_config(rows_n, gate_up.shape[0]), "down": choose_config(rows_n, gate_up.shape[0])}
     res = {}
     for name, grid in (("gate/up", gu_grid), ("down", dn_grid)):
         rows = []
         for c in grid:
             cfg = MoEConfig(*c)
-            pair = (cfg, fixed[cfg.block_m]) if name == "gate/up" else (fixed[cfg.block_m], cfg)
+            pair = (cfg, fixed[name]) if name == "gate/up" else (fixed[name], cfg)
             try:
                 ms, err = _time(x, gate_up, down, ids, w, scales, *pair, ref)
             except Exception as exc:  # out of shared memory / registers for this tile
@@ -115,12 +117,12 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
             print(f"{name} {cfg}: {ms:.3f} ms", flush=True)
         rows.sort(key=lambda r: r[0])
         res[name] = rows
-        print(f"\n{name} sweep (the other GEMM fixed at its 128 / 64-row default); whole fused_moe, default {default}: {base:.3f} ms")
-        print("| block_m | block_n | block_k | warps | stages | group_m | ms | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\n{name} sweep (the other GEMM fixed at its default); whole fused_moe, default {default}: {base:.3f} ms")
+        print("| block_m | block_n | block_k | warps | stages | group_m | tma | ms | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         for ms, c, err in rows:
-            print(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {ms:.3f} | {base / ms:.2f}x | {err:.1e} |")
+            print(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {c.tma} | {ms:.3f} | {base / ms:.2f}x | {err:.1e} |")
     best = None
-    for bm in (128, 64):
+    for bm in (128,):
         gu = [r for r in res["gate/up"] if r[1].block_m == bm]
         dn = [r for r in res["down"] if r[1].block_m == bm]
         if gu and dn:

@@ -72,17 +72,45 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
 
 def test_default_prefill_tiles_are_close_to_reference():
     """A batch past 256 rows an expert takes the prefill tilings chosen on the H200 (gate/up
-    128 x 128 and down 128 x 256, both in groups of 8 row tiles) with no config given."""
+    and down 128 x 128 in groups of 8 row tiles, tiles fetched by the copy engine) with no
+    config given."""
     from deepinfer_cuda_sm100.kernels.fused_moe import choose_config, choose_down_config, fused_moe
 
-    spec, hidden, experts, logits = _case(600, E=2, k=1, D=64, I=48, dtype=torch.bfloat16, seed=8)
+    spec, hidden, experts, logits = _case(600, E=2, k=1, D=128, I=128, dtype=torch.bfloat16, seed=8)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
-    assert choose_config(600, 2).group_m == 8 and choose_down_config(600, 2).block_n == 256
+    gu, dn = choose_config(600, 2), choose_down_config(600, 2)
+    assert (gu.block_m, gu.block_n, gu.group_m, gu.tma) == (128, 128, 8, True) and (dn.block_n, dn.group_m, dn.tma) == (128, 8, True)
     want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
     got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w)
     err = (got.double() - want).norm() / want.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
     assert counts.sum().item() == 600
+
+
+def test_copy_engine_tiles_give_the_pointer_loads_numbers():
+    """``MoEConfig.tma``: the weight tiles (and the down GEMM's sorted rows) fetched through
+    tensor descriptors hold the same values as the masked pointer loads, so the results are
+    equal and close to float64; the tails past D and I (80 and 48 are not multiples of the
+    64 / 32-wide K steps) are zero-filled by the descriptor. Where a tile would cross into the
+    next expert's rows (I % block_n) the config falls back to pointer loads."""
+    from dataclasses import replace
+
+    from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, fused_moe
+
+    spec, hidden, experts, logits = _case(70, E=4, k=2, D=80, I=48, dtype=torch.bfloat16, seed=11)
+    ids, w = TorchMoEDispatcher().select_experts(spec, logits)
+    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    for cfg, down_cfg in (
+        (MoEConfig(16, 16, 64, 4, 2), MoEConfig(16, 16, 32, 4, 2)),
+        (MoEConfig(64, 16, 32, 4, 2, group_m=2), MoEConfig(64, 16, 64, 4, 2, group_m=2)),
+        (MoEConfig(16, 32, 64, 4, 2), MoEConfig(16, 32, 32, 4, 2)),  # 48 % 32, 80 % 32: pointer loads
+    ):
+        base, _ = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=down_cfg)
+        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=replace(cfg, tma=True), down_config=replace(down_cfg, tma=True))
+        assert torch.equal(got, base), cfg
+        err = (got.double() - want).norm() / want.norm()
+        assert err < 1e-2, f"{cfg}: relative error {err:.2e}"
+        assert counts.sum().item() == 70 * 2
 
 
 def test_grouped_order_and_own_down_tiles_give_the_same_numbers():

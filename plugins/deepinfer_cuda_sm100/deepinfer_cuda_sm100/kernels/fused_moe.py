@@ -42,13 +42,13 @@ def _tile_of(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, xs_ptr,
+    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, xs_ptr,
     num_rows, top_k, D, I,
     stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_xs,
     limit, num_tiles_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -67,8 +67,13 @@ def _gate_up_kernel(
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < D
             a = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if TMA:  # the copy engine fetches the weight tiles ([E * 2I, D] rows; I % BLOCK_N == 0)
+                row0 = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
+                wg = w_desc.load([row0, k0]).T
+                wu = w_desc.load([row0 + I, k0]).T
+            else:
+                wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
                 s_base = s_ptr + e * stride_se + k0 // 128
                 if PREQ:  # x already e4m3 (act_quant), one scale per token and group
@@ -108,12 +113,12 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, hs_ptr,
+    h_ptr, w_ptr, h_desc, w_desc, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, hs_ptr,
     num_rows, D, I,
     stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs, num_tiles_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -129,8 +134,13 @@ def _down_kernel(
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < I
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if TMA:  # both tiles by the copy engine: the sorted rows are contiguous (a padding row's
+                # unwritten values reach only its own output row, which is never stored)
+                a = h_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+                w = w_desc.load([(e * D + pid_n * BLOCK_N).to(tl.int32), k0]).T
+            else:
+                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             if FP8 and QUANT_A:
                 if PREQ:
                     q = a
@@ -184,27 +194,31 @@ class MoEConfig:
     num_warps: int
     num_stages: int
     group_m: int = 0  # program order (_tile_of): 0 row tiles fastest, else groups of this many row tiles
+    tma: bool = False  # 16-bit weights: tiles fetched by the copy engine (_descriptors says where it applies)
 
 
 def choose_config(num_rows: int, num_experts: int) -> MoEConfig:
     """The gate/up GEMM's tiles: 16 rows while experts get few rows each (decode), 64 for
-    mid-sized batches, 128 x 128 once experts average 256+ rows, in groups of 8 row tiles
-    (benchmarks/moe_tiles.py --split on an H200, V3-mini 64 x 512 prefill: 2.76 ms vs 3.06 ms
-    with row tiles fastest; 128 x 128 was the best of 36 tilings before)."""
+    mid-sized batches, 128 x 128 once experts average 256+ rows, in groups of 8 row tiles, the
+    weight tiles fetched by the copy engine (benchmarks/moe_tiles.py --split on an H200, V3-mini
+    64 x 512 prefill: 2.76 ms vs 3.06 ms with row tiles fastest; with ``tma`` 2.60 vs 2.74 ms;
+    128 x 128 was the best of 36 tilings before)."""
     if num_rows <= 64 * num_experts:
         return MoEConfig(16, 64, 64, 4, 3)
     if num_rows <= 256 * num_experts:
         return MoEConfig(64, 128, 64, 8, 3)
-    return MoEConfig(128, 128, 64, 8, 3, group_m=8)
+    return MoEConfig(128, 128, 64, 8, 3, group_m=8, tma=True)
 
 
 def choose_down_config(num_rows: int, num_experts: int) -> MoEConfig:
     """The down GEMM's tiles (K is the expert width, N the hidden size), same block_m as
-    :func:`choose_config`: 128 x 256 in groups of 8 row tiles for prefill-sized batches
-    (moe_tiles.py --split, same run: 1.42 ms vs 1.91 ms with 128 x 128, row tiles fastest)."""
+    :func:`choose_config`: 128 x 128 in groups of 8 row tiles for prefill-sized batches, both
+    operands fetched by the copy engine (moe_tiles.py --split on an H200: 1.30 ms vs 1.40 ms
+    for pointer loads at 128 x 256, which had beaten 128 x 128 with row tiles fastest, 1.42 vs
+    1.91 ms; with ``tma`` 128 x 128 and 128 x 256 were within 0.02 ms of each other)."""
     if num_rows <= 256 * num_experts:
         return choose_config(num_rows, num_experts)
-    return MoEConfig(128, 256, 64, 8, 3, group_m=8)
+    return MoEConfig(128, 128, 64, 8, 3, group_m=8, tma=True)
 
 
 @dataclass(frozen=True)
@@ -366,28 +380,48 @@ def fused_moe(
     act = torch.empty(align.sorted_rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     x_in, x_scale = act_quant(hidden) if preq else (hidden, gs)
     tiles = align.block_expert.numel()
+    gu_desc = _descriptors(config, fp8, hidden, gate_up, inter)
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
-        x_in, gate_up, act, align.sorted_rows, align.block_expert, align.total, gs, x_scale,
+        x_in, gate_up, gate_up if gu_desc is None else gu_desc, act, align.sorted_rows, align.block_expert, align.total, gs, x_scale,
         num_rows, k, D, inter,
         x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0, x_scale.stride(0),
         float(swiglu_limit or 0.0), tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        TMA=gu_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     # each (token, choice) row's expert output in the activation dtype (rounded as the reference
     # rounds it); the routing weights are applied in the fixed-order sum
     rows_out = torch.empty(num_rows, D, dtype=hidden.dtype, device=hidden.device)
     h_in, h_scale = act_quant(act) if preq else (act, gs)
     dc = down_config
+    dn_desc = _descriptors(dc, fp8, hidden, down, D)
+    h_desc = _descriptors(replace(dc, block_n=dc.block_m), fp8, hidden, act, dc.block_m) if dn_desc is not None else None
     _down_kernel[(tiles * triton.cdiv(D, dc.block_n),)](
-        h_in, down, rows_out, align.sorted_rows, align.block_expert, align.total, ds, h_scale,
+        h_in, down, down if h_desc is None else h_desc, down if dn_desc is None else dn_desc, rows_out, align.sorted_rows, align.block_expert, align.total, ds, h_scale,
         num_rows, D, inter,
         h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0, h_scale.stride(0), tiles,
         BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m,
-        num_warps=dc.num_warps, num_stages=dc.num_stages,
+        TMA=dn_desc is not None and h_desc is not None, num_warps=dc.num_warps, num_stages=dc.num_stages,
     )  # fmt: skip
     return _sum_rows(rows_out, hidden, k, topk_weights), align.counts
+
+
+def _descriptors(config: MoEConfig, fp8: bool, hidden: torch.Tensor, rows: torch.Tensor, n_span: int):
+    """A copy-engine descriptor over ``rows`` (contiguous; its leading dimensions flattened) in
+    ``[block_n, block_k]`` tiles, or None
+    where ``config.tma`` is off or does not apply: FP8 experts and float32 activations keep the
+    pointer loads, and a tile must not cross into the next span of ``n_span`` rows (the up half,
+    the next expert), which the copy engine could not mask (``n_span % block_n``); its row pitch
+    and base need 16-byte alignment."""
+    if not config.tma or fp8 or hidden.dtype not in (torch.bfloat16, torch.float16) or rows.dtype != hidden.dtype:
+        return None
+    if n_span % config.block_n or not rows.is_contiguous() or (rows.shape[-1] * rows.element_size()) % 16 or rows.data_ptr() % 16:
+        return None
+    rows = rows.reshape(-1, rows.shape[-1])
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(rows, [config.block_n, config.block_k])
 
 
 def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
