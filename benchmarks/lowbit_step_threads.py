@@ -1,6 +1,11 @@
 """How evenly the native decode step's threads work: this code's layer.c against another git revision's.
 
     OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/lowbit_step_threads.py --rev 165c9ba --requests 32 --threads 2 --rounds 30
+    .venv/bin/python benchmarks/lowbit_step_threads.py --rev main --file attention.c --at-step 64 --threads 1
+
+``--file`` swaps another lowbit C file instead of layer.c (the other side's copy of that one file,
+this checkout's for the rest); ``--at-step`` captures a later 32-row decode step (longer contexts).
+The step's native phases (layer.c's phase_ms: GEMMs, attention, the rest) are printed per side.
 
 Why per-thread CPU time: on a shared machine two threads' wall time mostly measures who else
 runs (each barrier waits for a descheduled thread). With passive OpenMP waits a waiting thread
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import os
 import statistics
 import subprocess
@@ -29,13 +35,13 @@ from cpu_throughput import build_prompts  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build(layer_source: str, out_dir: str, name: str) -> ctypes.CDLL:
+def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c") -> ctypes.CDLL:
     from deepinfer_core.lowbit import native
 
     path = os.path.join(out_dir, f"{name}.c")
     with open(path, "w") as f:
         f.write(layer_source)
-    sources = [p for p in native._SOURCES if not p.endswith("layer.c")] + [path]
+    sources = [p for p in native._SOURCES if not p.endswith(file)] + [path]
     so = os.path.join(out_dir, f"{name}.so")
     subprocess.run([native.compiler_path(), *native._FLAGS, f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
     lib = ctypes.CDLL(so)
@@ -60,20 +66,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--file", default="layer.c", help="the lowbit C file taken from --rev (the rest from this checkout)")
+    parser.add_argument("--at-step", type=int, default=1, help="capture the n-th decode step of --requests rows")
     args = parser.parse_args()
     os.environ["DEEPINFER_ADAPTIVE_THREADS"] = "0"
     from deepinfer_core import LLM, SamplingParams
 
-    old = subprocess.run(["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/layer.c"], check=True, capture_output=True, text=True).stdout
-    with open(os.path.join(ROOT, "deepinfer_core/lowbit/layer.c")) as f:
+    old = subprocess.run(["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/{args.file}"], check=True, capture_output=True, text=True).stdout
+    with open(os.path.join(ROOT, "deepinfer_core/lowbit", args.file)) as f:
         new = f.read()
     R, T = args.requests, args.threads
     torch.set_num_threads(T)
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=R, kv_cache_blocks=R * 3)
+    block_size = inspect.signature(LLM).parameters["block_size"].default
+    blocks = R * max(3, -(-(128 + args.at_step + 8) // block_size))  # no preemption up to the captured step
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=R, kv_cache_blocks=blocks)
     engine, model = llm.engine, llm.engine.model
     for p in build_prompts(R, 128):
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=args.at_step + 8, ignore_eos=True))
     seen: dict[str, list[torch.Tensor]] = {}
+    count = [0]
     while "args" not in seen and engine.has_unfinished_requests():
         engine.step()
         plan = model._decode_plan
@@ -82,33 +93,41 @@ def main() -> None:
 
             def capture(ids, positions, slots, tables, out, decode, call=call):
                 if decode and ids.shape[0] == R:
-                    seen["args"] = [t.clone() for t in (ids, positions, slots, tables)]
+                    count[0] += 1
+                    if count[0] == args.at_step:
+                        seen["args"] = [t.clone() for t in (ids, positions, slots, tables)]
                 return call(ids, positions, slots, tables, out, decode)
 
             plan._call, plan._captures = capture, True
     ids, positions, slots, tables = seen["args"]
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {f"layer.c of {args.rev}": build(old, tmp, "old"), "layer.c of this checkout": build(new, tmp, "new")}
+        libs = {f"{args.file} of {args.rev}": build(old, tmp, "old", args.file), f"{args.file} of this checkout": build(new, tmp, "new", args.file)}
     outs = {k: torch.empty(R, plan._md.hidden) for k in libs}
     scratch = torch.empty(R * plan._per_row)
     busy: dict[str, list[list[float]]] = {k: [] for k in libs}
     wall: dict[str, list[float]] = {k: [] for k in libs}
+    phases: dict[str, list[list[float]]] = {k: [] for k in libs}
+    phase_ms = (ctypes.c_double * 3)()
     for _ in range(args.rounds):
         for name, lib in libs.items():
+            phase_ms[0] = phase_ms[1] = phase_ms[2] = 0.0
             before, start = thread_cpu_ms(), time.perf_counter()
             lib.llama_decode_step(ctypes.byref(plan._md), plan._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                  tables.data_ptr(), tables.shape[1], R, scratch.data_ptr(), outs[name].data_ptr(), T, None)
+                                  tables.data_ptr(), tables.shape[1], R, scratch.data_ptr(), outs[name].data_ptr(), T, phase_ms)
             wall[name].append((time.perf_counter() - start) * 1e3)
             after = thread_cpu_ms()
             busy[name].append(sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)[:T])
+            phases[name].append(list(phase_ms))
     a, b = outs.values()
     print(f"{R} rows, {T} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}, "
-          f"{args.rounds} steps each, alternating; hidden states identical: {torch.equal(a, b)}\n")
-    print("| library | busiest thread CPU ms (median) | other threads (median) | wall ms (median) |")
-    print("|---|---:|---:|---:|")
+          f"{args.rounds} steps each, alternating, contexts {int(positions.min()) + 1}-{int(positions.max()) + 1} tokens; "
+          f"hidden states identical: {torch.equal(a, b)}\n")
+    print("| library | busiest thread CPU ms (median) | other threads (median) | wall ms (median) | phases CPU ms: GEMMs / attention / rest (median) |")
+    print("|---|---:|---:|---:|---:|")
     for name in libs:
         cols = [statistics.median(x[i] for x in busy[name]) for i in range(T)]
-        print(f"| {name} | {cols[0]:.1f} | {' / '.join(f'{c:.1f}' for c in cols[1:])} | {statistics.median(wall[name]):.1f} |")
+        ph = " / ".join(f"{statistics.median(x[i] for x in phases[name]):.1f}" for i in (0, 1, 2))
+        print(f"| {name} | {cols[0]:.1f} | {' / '.join(f'{c:.1f}' for c in cols[1:])} | {statistics.median(wall[name]):.1f} | {ph} |")
 
 
 if __name__ == "__main__":

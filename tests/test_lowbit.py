@@ -124,12 +124,12 @@ def test_cpu_feature_detection_agrees_with_the_kernel_s_flags():
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("hd", [64, 20])
-@pytest.mark.parametrize("heads_kv", [(9, 3), (8, 2)])
+@pytest.mark.parametrize("hd", [64, 20, 128])
+@pytest.mark.parametrize("heads_kv", [(9, 3), (8, 2), (4, 4), (6, 3)])
 def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cache_dtype, hd, heads_kv):
-    """One-token rows written to and read in place from a paged cache (scattered blocks, GQA 9/3
-    and 8/2 heads; a float32 or float16 cache; a head width that is and one that is not a multiple
-    of 8; contexts of 1 to 71 tokens)
+    """One-token rows written to and read in place from a paged cache (scattered blocks, GQA 9/3,
+    8/2, 6/3 and 4/4 heads; a float32 or float16 cache; head widths 64 and 128 (the compiled-shape
+    kernel) and 20 (the general one); contexts of 1 to 71 tokens)
     against torch's index_put for the write (float16: torch's rounding of each value) and
     scaled_dot_product_attention in float32 on each request's keys and values taken out by hand."""
     import dataclasses

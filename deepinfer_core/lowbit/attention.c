@@ -15,8 +15,12 @@
  * Work item = (request, KV head); its G = H / Hkv query heads share each key/value row loaded.
  * Each position's row offset is computed once for K and V; scores are float32 dot products,
  * softmax max-subtracted with exponentials 8 at a time (exp8), and the weighted sum of values
- * keeps a 64-wide slice of the output in registers across all positions. Each request is
- * computed alone: the result never depends on the rest of the batch.
+ * keeps a slice of the output in registers across all positions. Each request is computed
+ * alone: the result never depends on the rest of the batch.
+ *
+ * Common shapes (G = 1-4, head width 64 or 128) run attend_fixed, the same arithmetic with the
+ * shape known at compile time so no accumulator leaves the registers; at 32 requests its time
+ * is mostly the cache's bytes coming from memory (benchmarks/README.md, cpu13's section).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -51,6 +55,115 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *cache
     for (int64_t b = 0; b < n * (f16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+/* softmax of n scores in place: max-subtracted, exponentials 8 at a time */
+static inline void softmax_row(float *sc, int64_t n) {
+    float mx = sc[0], total = 0.0f;
+    int64_t t = 0;
+    if (n >= 8) {  /* the maximum 8 lanes at a time (exact in any order) */
+        __m256 vm = _mm256_loadu_ps(sc);
+        for (t = 8; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sc + t));
+        mx = vec_hmax8(vm);
+    }
+    for (t = t > 0 ? t : 1; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+    t = 0;
+    __m256 vt = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(sc + t, e);
+        vt = _mm256_add_ps(vt, e);
+    }
+    float part[8];
+    _mm256_storeu_ps(part, vt);
+    for (int j = 0; j < 8; j++) total += part[j];
+    for (; t < n; t++) { sc[t] = expf(sc[t] - mx); total += sc[t]; }
+    const float inv = 1.0f / total;
+    for (t = 0; t < n; t++) sc[t] *= inv;
+}
+
+/* The cache row (element offset in a plane) of each of n positions from `first`: one division per item, not per position */
+static inline void item_rows(int64_t *rows, const int32_t *table, int64_t first, int64_t n, int64_t block_size, int64_t width) {
+    int64_t b = first / block_size, o = first % block_size;
+    for (int64_t s = 0; s < n; s++) {
+        rows[s] = ((int64_t)table[b] * block_size + o) * width;
+        if (++o == block_size) o = 0, b++;
+    }
+    for (int64_t s = n; s < n + PREFETCH_AHEAD; s++) rows[s] = rows[n - 1];
+}
+
+/* A position's score with the lane sums in the order the 4-position path reduces (hsum4x8's pattern) */
+static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4x8(a, a, a, a)); }
+
+/* attend() for a compile-time group size G (<= 4) and head width D (a multiple of 8 * VJ): every
+ * accumulator array has constant bounds, so the accumulators stay in the 16 vector registers (with
+ * a runtime group tile they were spilled to the stack, a store-load chain on each FMA). Same
+ * arithmetic in the same order as attend(), so the same bits: each position's score sums its 8
+ * lanes as the generic path does at that position (hsum4x8's pattern below n / 4 * 4, vec_hsum8's
+ * above), and each output column sums its positions in order. Keys and values of the position
+ * PREFETCH_AHEAD further are prefetched during the scores, so the weighted sum reads L1/L2. */
+#define KP(G) ((G) >= 4 ? 2 : (G) == 3 ? 3 : 4)      /* positions per score step: G x KP accumulators + KP keys + 1 query <= 16 */
+#define VJ(G) ((G) >= 3 ? 2 : 4)      /* 8-wide output vectors per head in the weighted sum */
+static inline __attribute__((always_inline)) void attend_fixed(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
+                                                               int64_t block_size, int64_t width, const int64_t G, const int64_t D,
+                                                               const int32_t *block_tables, int64_t max_blocks, const int64_t *positions,
+                                                               float scale, int64_t window, float *out, int64_t item, int f16) {
+    const int64_t plane = num_kv_heads * num_blocks * block_size * width, r = item / num_kv_heads, h = item % num_kv_heads;
+    const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+    const int64_t n = last - first + 1, stride = n + 4, n4 = n / 4 * 4;
+    float *scores = (float *)malloc((size_t)(G * stride) * sizeof(float) + (size_t)(n + PREFETCH_AHEAD) * sizeof(int64_t));
+    int64_t *rows = (int64_t *)(scores + G * stride);
+    const int64_t keys = h * num_blocks * block_size * width, values = keys + plane;
+    item_rows(rows, block_tables + r * max_blocks, first, n, block_size, width);
+    const float *qh = q + (r * num_kv_heads * G + h * G) * D;
+    int64_t s = 0;
+    for (; s + KP(G) <= n4; s += KP(G)) {
+        for (int j = 0; j < KP(G); j++) {
+            prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], D, f16);
+            prefetch_row(cache, values + rows[s + PREFETCH_AHEAD + j], D, f16);
+        }
+        __m256 acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < KP(G); j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            __m256 k[4];
+            for (int j = 0; j < KP(G); j++) k[j] = kv_load8(cache, keys + rows[s + j] + i, f16);
+            for (int g = 0; g < G; g++) {
+                const __m256 qv = _mm256_loadu_ps(qh + g * D + i);
+                for (int j = 0; j < KP(G); j++) acc[g][j] = _mm256_fmadd_ps(qv, k[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m256 z = _mm256_setzero_ps();
+            const __m128 t = hsum4x8(acc[g][0], acc[g][1], KP(G) > 2 ? acc[g][2] : z, KP(G) > 3 ? acc[g][3] : z);
+            _mm_storeu_ps(scores + g * stride + s, _mm_mul_ps(t, _mm_set1_ps(scale)));  /* lanes past KP(G): rewritten later */
+        }
+    }
+    for (; s < n; s++) {
+        prefetch_row(cache, values + rows[s + PREFETCH_AHEAD], D, f16);
+        for (int g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), kv_load8(cache, keys + rows[s] + i, f16), acc);
+            scores[g * stride + s] = (s < n4 ? hsum_as4(acc) : vec_hsum8(acc)) * scale;
+        }
+    }
+    for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
+    for (int64_t c0 = 0; c0 < D; c0 += 8 * VJ(G)) {
+        __m256 a[4][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < VJ(G); j++) a[g][j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            __m256 w[4];
+            for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(scores[g * stride + t]);
+            for (int j = 0; j < VJ(G); j++) {
+                const __m256 v = kv_load8(cache, values + rows[t] + c0 + 8 * j, f16);
+                for (int g = 0; g < G; g++) a[g][j] = _mm256_fmadd_ps(w[g], v, a[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < VJ(G); j++) _mm256_storeu_ps(out + ((r * num_kv_heads + h) * G + g) * D + c0 + 8 * j, a[g][j]);
+    }
+    free(scores);
+}
+
 static inline __attribute__((always_inline)) void attend(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
                                                          int64_t block_size, int64_t width, int64_t num_heads, int64_t head_dim,
                                                          int64_t v_head_dim, const int32_t *block_tables, int64_t max_blocks,
@@ -64,11 +177,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
     int64_t *rows = (int64_t *)(scores + groups * n);
     const int64_t keys = h * num_blocks * block_size * width, values = keys + plane;  /* element offsets */
     const int32_t *table = block_tables + r * max_blocks;
-    for (int64_t s = 0; s < n; s++) {
-        const int64_t p = first + s;
-        rows[s] = ((int64_t)table[p / block_size] * block_size + p % block_size) * width;
-    }
-    for (int64_t s = n; s < n + PREFETCH_AHEAD; s++) rows[s] = rows[n - 1];
+    item_rows(rows, table, first, n, block_size, width);
     const float *qh = q + (r * num_heads + h * groups) * head_dim;
     int64_t s = 0;
     if (head_dim % 8 == 0)  /* 4 positions at a time: each key vector widened once for every query head of the group */
@@ -103,23 +212,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
             scores[g * n + s] = dot * scale;
         }
     }
-    for (int64_t g = 0; g < groups; g++) {  /* softmax of each query head's scores, in place */
-        float *sc = scores + g * n, mx = sc[0], total = 0.0f;
-        for (int64_t t = 1; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
-        int64_t t = 0;
-        __m256 vt = _mm256_setzero_ps();
-        for (; t + 8 <= n; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
-            _mm256_storeu_ps(sc + t, e);
-            vt = _mm256_add_ps(vt, e);
-        }
-        float part[8];
-        _mm256_storeu_ps(part, vt);
-        for (int j = 0; j < 8; j++) total += part[j];
-        for (; t < n; t++) { sc[t] = expf(sc[t] - mx); total += sc[t]; }
-        const float inv = 1.0f / total;
-        for (t = 0; t < n; t++) sc[t] *= inv;
-    }
+    for (int64_t g = 0; g < groups; g++) softmax_row(scores + g * n, n);
     /* weighted sum of values: 32 output columns of up to GROUP_TILE query heads in registers across
      * all positions, so each value vector is widened once for all heads of the tile */
     const int64_t vec_end = v_head_dim / 8 * 8;
@@ -154,17 +247,31 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
     free(scores);
 }
 
+/* attend_fixed for one (G, D, f16) of the shapes it is instantiated for: G = 1-4 query heads per KV head, D = 64 or 128 */
+#define FIXED(G, D, F16) attend_fixed(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
+                                      scale, window, out, item, F16)
+#define FIXED_CASES(G) \
+    case 4 * (G) - 4: FIXED(G, 64, 0); break; case 4 * (G) - 3: FIXED(G, 64, 1); break; \
+    case 4 * (G) - 2: FIXED(G, 128, 0); break; case 4 * (G) - 1: FIXED(G, 128, 1); break;
+
 void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
                             float scale, int64_t window, float *out, int nthreads, int f16) {
+    const int64_t G = num_heads / num_kv_heads;
+    const int fixed = G >= 1 && G <= 4 && G * num_kv_heads == num_heads && head_dim == v_head_dim && (head_dim == 64 || head_dim == 128);
+    const int shape = fixed ? (int)(4 * G - 4 + 2 * (head_dim == 128) + (f16 != 0)) : -1;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t item = 0; item < num_requests * num_kv_heads; item++) {
-        if (f16)
-            attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables, max_blocks,
-                   positions, scale, window, out, item, 1);
-        else
-            attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables, max_blocks,
-                   positions, scale, window, out, item, 0);
+        switch (shape) {
+            FIXED_CASES(1) FIXED_CASES(2) FIXED_CASES(3) FIXED_CASES(4)
+            default:
+                if (f16)
+                    attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
+                           max_blocks, positions, scale, window, out, item, 1);
+                else
+                    attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
+                           max_blocks, positions, scale, window, out, item, 0);
+        }
     }
 }
