@@ -41,7 +41,7 @@ def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c") -> 
     path = os.path.join(out_dir, f"{name}.c")
     with open(path, "w") as f:
         f.write(layer_source)
-    sources = [p for p in native._SOURCES if not p.endswith(file)] + [path]
+    sources = [p for p in native._SOURCES if os.path.basename(p) != file] + [path]
     so = os.path.join(out_dir, f"{name}.so")
     subprocess.run([native.compiler_path(), *native._FLAGS, f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
     lib = ctypes.CDLL(so)
