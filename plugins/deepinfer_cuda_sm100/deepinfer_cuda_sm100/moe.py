@@ -64,12 +64,13 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         return out
 
     def forward_with_shared(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights):
-        """Routed experts plus the shared expert (one expert shaped as a routed one) in the same
-        two GEMV launches for a few 16-bit decode rows: the shared expert is each token's last
-        row, summed in float32 with the routed rows and rounded once (the separate path rounds
-        the routed sum and the shared output, then adds). None where that path does not apply
-        (batch-invariant forwards, larger batches, float32, a SwiGLU clamp, other shapes): the
-        caller then runs the shared expert itself."""
+        """Routed experts plus the shared expert, its output summed in float32 with the routed
+        rows and rounded once (the separate path rounds the routed sum and the shared output,
+        then adds). A few 16-bit decode rows: the shared expert is each token's last row of the
+        same two GEMV launches. Larger 16-bit batches (:meth:`_grouped_with_shared`): the shared
+        MLP on cuBLAS, added inside the routed rows' sum (prefill: one read-add-write pass over
+        the hidden state a layer fewer). None where neither applies (batch-invariant forwards,
+        float32, a SwiGLU clamp, other shapes): the caller then runs the shared expert itself."""
         from .kernels.fused_moe import _counts, _sum_rows, _use_gemv
         from .kernels.invariant import INVARIANT
         from .kernels.moe_gemv import moe_gemv, shared_fits
@@ -78,7 +79,9 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         gs, ds = experts.gate_up_scale, experts.down_scale
         if INVARIANT.get() or spec.swiglu_limit is not None or (gs is None) != (ds is None) or hidden.dim() != 2:
             return None
-        if not _use_gemv(False, T * (k + 1), hidden, experts.gate_up) or not shared_fits(shared, experts.gate_up, experts.down, gs, ds):
+        if not _use_gemv(False, T * (k + 1), hidden, experts.gate_up):
+            return self._grouped_with_shared(spec, hidden, topk_ids, topk_weights, experts, shared)
+        if not shared_fits(shared, experts.gate_up, experts.down, gs, ds):
             return None
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             return None
@@ -87,6 +90,30 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         if counts is not None:  # graph replays are not counted
             self._load = counts if self._load is None else self._load + counts
         return _sum_rows(rows, hidden, k + 1)
+
+    def _grouped_with_shared(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights):
+        """The grouped-GEMM forward with the shared expert's output as one more addend of each
+        token's fixed-order sum; 16-bit activations with 16-bit routed and shared weights of
+        their dtype only (FP8 shared experts keep the caller's path)."""
+        from .kernels.fused_elementwise import silu_and_mul
+        from .kernels.fused_moe import fused_moe
+
+        dtype = hidden.dtype
+        if dtype not in (torch.bfloat16, torch.float16) or experts.gate_up_scale is not None or experts.gate_up.dtype != dtype:
+            return None
+        if shared is None or shared.gate_up_scale is not None or shared.down_scale is not None or shared.gate_up.shape[0] != 1:
+            return None
+        w1, w2 = shared.gate_up[0], shared.down[0]  # [2I_s, D], [D, I_s]
+        D = hidden.shape[1]
+        if w1.dtype != dtype or w2.dtype != dtype or w1.shape[1] != D or w2.shape[0] != D or w1.shape[0] != 2 * w2.shape[1]:
+            return None
+        if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
+            return None
+        extra = torch.nn.functional.linear(silu_and_mul(torch.nn.functional.linear(hidden, w1)), w2)
+        out, counts = fused_moe(hidden, experts.gate_up, experts.down, topk_ids, topk_weights, None, None, addend=extra)
+        if counts is not None and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._load = counts if self._load is None else self._load + counts
+        return out
 
     def expert_load(self) -> torch.Tensor | None:
         return super().expert_load()

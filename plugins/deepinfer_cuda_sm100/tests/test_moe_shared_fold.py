@@ -70,9 +70,30 @@ def reference(hidden, ids, w, experts, shared, fp8):
     return out
 
 
+@pytest.mark.parametrize("T", [3, 40])
+def test_shared_expert_added_in_the_grouped_sum_matches_reference(T):
+    """Past the GEMV rows (3 x 3 and 40 x 3 rows), bf16: the shared MLP's output is the last
+    addend of each token's float32 sum (grouped GEMMs); float64 reference with the same
+    roundings of gate / up and SiLU-and-mul, routed and shared outputs summed unrounded."""
+    g = torch.Generator().manual_seed(40 + T)
+    experts, shared = _weights(g, False)
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5)
+    hidden = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(T, E, generator=g).to(DEVICE))
+    ours = TritonMoEDispatcher()
+    got = ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (T, D)
+    want = torch.cat([reference(hidden[t : t + 1], ids[t : t + 1], w[t : t + 1], experts, shared, False) for t in range(T)])
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < 6e-3, f"relative error {err:.2e}"
+    assert torch.equal(ours.expert_load().cpu(), torch.bincount(ids.flatten().cpu(), minlength=E))
+    separate = ours.forward(spec, hidden, ids, w, experts).double()
+    assert ((got.double() - separate).norm() / separate.norm()).item() > 1e-3  # the shared expert is in the sum
+
+
 def test_fold_declines_where_it_does_not_apply():
-    """float32 rows, batch-invariant forwards, too many rows, a SwiGLU clamp, a shared expert of
-    another width: None (the caller then runs the shared expert itself)."""
+    """float32 rows, batch-invariant forwards, a SwiGLU clamp, a shared expert of another width
+    (one row) or an FP8 one (more rows): None (the caller then runs the shared expert itself)."""
     from dataclasses import replace
 
     from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
@@ -83,7 +104,9 @@ def test_fold_declines_where_it_does_not_apply():
     ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(3, E, generator=g).to(DEVICE))
     x = torch.randn(3, D, generator=g).to(DEVICE, torch.bfloat16)
     ours = TritonMoEDispatcher()
-    assert ours.forward_with_shared(spec, x, ids, w, experts, shared) is None  # 3 x 3 rows > MOE_GEMV_ROWS
+    fp8_experts, fp8_shared = _weights(g, True)
+    assert ours.forward_with_shared(spec, x, ids, w, experts, fp8_shared) is None  # 3 x 3 rows > MOE_GEMV_ROWS
+    assert ours.forward_with_shared(spec, x, ids, w, fp8_experts, fp8_shared) is None
     assert ours.forward_with_shared(spec, x[:1].float(), ids[:1], w[:1], experts, shared) is None
     assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x[:1], ids[:1], w[:1], experts, shared) is None
     narrow = ExpertWeights(shared.gate_up[:, : I, :], shared.down[:, :, : I // 2].contiguous())
@@ -95,10 +118,12 @@ def test_fold_declines_where_it_does_not_apply():
         INVARIANT.reset(token)
 
 
-def test_deepseek_v3_moe_layer_folds_its_shared_expert():
+@pytest.mark.parametrize("T", [1, 24])
+def test_deepseek_v3_moe_layer_folds_its_shared_expert(T):
     """The model wiring: a bf16 DeepseekV3MoE layer on the Triton dispatcher (router kernel,
-    routed + shared expert in the per-row GEMVs) against the same layer on the core reference
-    dispatcher (router, routed experts and the shared MLP separately), one decode token."""
+    routed + shared expert in the per-row GEMVs for one decode token, the shared output added in
+    the grouped GEMMs' sum for 24) against the same layer on the core reference dispatcher
+    (router, routed experts and the shared MLP separately)."""
     from deepinfer_core.models.deepseek_v3 import DeepseekV3MoE
 
     spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5, num_shared_experts=1)
@@ -114,10 +139,10 @@ def test_deepseek_v3_moe_layer_folds_its_shared_expert():
     ref.load_state_dict(ours.state_dict())
     ref = ref.to(torch.bfloat16)
     ref.gate.float()
-    x = torch.randn(1, D, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
     separate = []
     ours.shared_experts.register_forward_hook(lambda *_: separate.append(1))
     got, want = ours(x), ref(x)
     assert not separate  # folded: the shared MLP module never ran
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
-    assert ours.dispatcher.expert_load().sum().item() == K  # counted once, by the folded path
+    assert ours.dispatcher.expert_load().sum().item() == K * T  # counted once, by the folded path

@@ -177,6 +177,31 @@ def test_batch_invariant_routing_is_in_expert_order_and_equals_reference():
         assert torch.equal(one_ids, ids[t : t + 1]) and torch.equal(one_w, w[t : t + 1])
 
 
+@pytest.mark.parametrize("T,k,E,block_m", [(700, 6, 64, 128), (50, 3, 300, 16), (9, 2, 5, 32)])
+def test_torch_align_follows_its_definition(T, k, E, block_m):
+    """The tensor-op alignment (large batches: two-byte sort keys, counts from the sorted keys'
+    boundaries) against the definition written out in Python: each expert's rows in row order,
+    its run padded to block_m with num_rows, each tile's expert, the used length, the counts
+    (experts with no row included)."""
+    from deepinfer_cuda_sm100.kernels.fused_moe import moe_align_torch
+
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(0, E - 1, (T, k), generator=g)  # the last expert gets no row
+    got = moe_align_torch(ids.to(DEVICE), E, block_m)
+    flat = ids.flatten().tolist()
+    rows, owners = [], []
+    for e in range(E):
+        mine = [r for r, x in enumerate(flat) if x == e]
+        mine += [len(flat)] * (-len(mine) % block_m)
+        rows += mine
+        owners += [e] * (len(mine) // block_m)
+    assert got.sorted_rows.cpu().tolist()[: len(rows)] == rows
+    assert set(got.sorted_rows.cpu().tolist()[len(rows) :]) <= {len(flat)}
+    assert got.block_expert.cpu().tolist()[: len(owners)] == owners
+    assert got.total.cpu().tolist() == [len(rows)]
+    assert got.counts.cpu().tolist() == [flat.count(e) for e in range(E)]
+
+
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 64, 16), (64, 6, 64, 16), (300, 6, 64, 64), (3, 2, 5, 128)])
 def test_one_program_align_equals_the_torch_sort(T, k, E, block_m):
     """The decode-sized alignment kernel against the tensor-op version (stable sort by expert,
