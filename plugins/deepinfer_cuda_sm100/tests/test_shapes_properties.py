@@ -210,3 +210,27 @@ def test_norms_and_silu_and_mul_at_any_width(rows, D, dtype, seed):
         assert got.shape == want.shape and got.dtype == want.dtype
         if rows:
             assert rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+# -- DeepSeek-V4 norms and rope ---------------------------------------------------------------
+
+
+@FEW
+@given(T=st.integers(0, 4), H=st.integers(0, 3), D=st.integers(8, 600), data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
+    """Any rope width the V4 config accepts (even, <= head_dim: e.g. 24 or 48, whose halves are
+    not powers of two), any head width, any head count (2D rows for H = 0), empty batches."""
+    from deepinfer_core.models.deepseek_v4_layers import V4RMSNorm, V4Rope, unweighted_rms_norm
+    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
+
+    rope = 2 * data.draw(st.integers(1, D // 2))
+    g = torch.Generator().manual_seed(T * 10007 + D * 31 + rope)
+    x = torch.randn(T, *((H,) if H else ()), D, generator=g).to(DEVICE, dtype)
+    cos, sin = V4Rope(rope, {"rope_theta": 10000.0, "rope_type": "default"}, 4096, DEVICE).cos_sin(torch.randint(0, 4096, (T,), generator=g).to(DEVICE), dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(v4_rope(x, cos, sin), V4Rope.apply(x, cos, sin), rtol=tol, atol=tol)
+    norm = V4RMSNorm(D, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        torch.testing.assert_close(v4_rms_norm(x, norm.weight, 1e-6), norm(x), rtol=tol, atol=tol)
+    torch.testing.assert_close(v4_unweighted_rms_norm(x, 1e-6), unweighted_rms_norm(x, 1e-6), rtol=tol, atol=2 * tol)

@@ -41,7 +41,9 @@ for arch in (90, 100):
     for block in (512, 8192):  # the query's head_dim; V4-mini's 4 hyper-connection streams of 2,048 (float32)
         ty = "*bf16" if block == 512 else "*fp32"
         lower(ve._v4_unweighted_rms_norm_kernel, {"x_ptr": ty, "out_ptr": ty, "eps": "fp32"}, dict(BLOCK=block), arch, 8 if block >= 4096 else 4)
-    lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"}, dict(NOPE=448, BLOCK_NOPE=512, HALF=32), arch, 4)
+    for half in (32, 24):  # V4's rope of 64; a rope of 48 (its half not a power of two: a masked block)
+        lower(ve._v4_rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"},
+              dict(NOPE=512 - 2 * half, BLOCK_NOPE=512, HALF=half, BLOCK_HALF=32), arch, 4)
     print("sm%d" % arch)
 """
 

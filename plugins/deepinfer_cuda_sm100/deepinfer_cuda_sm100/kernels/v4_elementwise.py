@@ -70,7 +70,7 @@ def v4_unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _v4_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c, H,
-                    NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+                    NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     t = pid // H
     h = pid % H
@@ -79,22 +79,23 @@ def _v4_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stri
     for c0 in range(0, NOPE, BLOCK_NOPE):  # the channels without rope: copied
         c = c0 + tl.arange(0, BLOCK_NOPE)
         tl.store(dst + c, tl.load(src + c, mask=c < NOPE), mask=c < NOPE)
-    k = tl.arange(0, HALF)
-    even = tl.load(src + NOPE + 2 * k).to(tl.float32)
-    odd = tl.load(src + NOPE + 2 * k + 1).to(tl.float32)
-    cos = tl.load(cos_ptr + t * stride_c + k).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_c + k).to(tl.float32)
+    k = tl.arange(0, BLOCK_HALF)  # rope pairs; r/2 need not be a power of two (a config may say 24 or 48)
+    ok = k < HALF
+    even = tl.load(src + NOPE + 2 * k, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(src + NOPE + 2 * k + 1, mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_c + k, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_c + k, mask=ok, other=0.0).to(tl.float32)
     ty = out_ptr.dtype.element_ty
-    tl.store(dst + NOPE + 2 * k, (even * cos - odd * sin).to(ty))
-    tl.store(dst + NOPE + 2 * k + 1, (odd * cos + even * sin).to(ty))
+    tl.store(dst + NOPE + 2 * k, (even * cos - odd * sin).to(ty), mask=ok)
+    tl.store(dst + NOPE + 2 * k + 1, (odd * cos + even * sin).to(ty), mask=ok)
 
 
 def v4_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``V4Rope.apply``: x [T, H, D] or [T, D]; cos / sin [T, r / 2] in x's dtype; the last r
     channels rotated in pairs (0, 1), (2, 3), ...; a new tensor."""
     T, D, half = x.shape[0], x.shape[-1], cos.shape[-1]
-    if cos.shape != (T, half) or sin.shape != (T, half) or 2 * half > D or half & (half - 1):
-        raise ValueError(f"v4_rope: cos and sin must be [T={T}, r/2] with r <= {D} and r/2 a power of two; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if cos.shape != (T, half) or sin.shape != (T, half) or 2 * half > D:
+        raise ValueError(f"v4_rope: cos and sin must be [T={T}, r/2] with r <= {D}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
@@ -105,6 +106,6 @@ def v4_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if T * H:
         _v4_rope_kernel[(T * H,)](
             x3, cos, sin, out, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
-            NOPE=nope, BLOCK_NOPE=min(512, max(16, _pow2(nope))), HALF=half, num_warps=4,
+            NOPE=nope, BLOCK_NOPE=min(512, max(16, _pow2(nope))), HALF=half, BLOCK_HALF=max(2, _pow2(half)), num_warps=4,
         )  # fmt: skip
     return out.view(x.shape)
