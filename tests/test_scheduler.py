@@ -69,3 +69,14 @@ def test_abort_frees_blocks():
     assert kv.pool.num_free < 8
     sched.abort("a")
     assert kv.pool.num_free == 8 and not sched.has_unfinished()
+
+
+def test_token_slice_is_the_slice_of_prompt_plus_output():
+    """Request.token_slice (the scheduler's and the prefix-cache keys' way to read a window of
+    a request's tokens without copying its history) equals slicing the concatenated list."""
+    req = Request("a", [10, 11, 12, 13, 14], SamplingParams(), 0)
+    req.output_token_ids.extend([20, 21, 22])
+    whole = [10, 11, 12, 13, 14, 20, 21, 22]
+    for start in range(len(whole) + 2):
+        for end in range(start, len(whole) + 3):
+            assert req.token_slice(start, end) == whole[start:end], (start, end)

@@ -81,7 +81,7 @@ class KVCacheManager:
         while (len(req.block_keys) + 1) * bs <= req.num_tokens:
             i = len(req.block_keys)
             parent = req.block_keys[-1] if req.block_keys else b""
-            tokens = req.all_token_ids[i * bs : (i + 1) * bs]
+            tokens = req.token_slice(i * bs, (i + 1) * bs)
             h = hashlib.sha256(self.namespace)
             h.update(parent)
             h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
@@ -105,6 +105,14 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: list[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after taking ``prefix_blocks``
         as its first blocks). All or nothing: returns False and changes nothing when short."""
+        if not prefix_blocks:  # a running request (every decode step of every request)
+            new = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_ids)
+            if new <= 0:
+                return True
+            if new > len(self.pool.free):
+                return False
+            req.block_ids.extend(self.pool.allocate() for _ in range(new))
+            return True
         needed_total = -(-(req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens) // self.block_size)
         have = len(req.block_ids) + len(prefix_blocks)
         new = max(0, needed_total - have)

@@ -10,6 +10,7 @@ from .request import Request
 @dataclass
 class _Progress:
     detok: object | None
+    prompt_token_ids: list[int]  # one copy for all of the request's snapshots (see snapshot)
     text: str = ""
     sent_text: int = 0  # characters already streamed
     sent_tokens: int = 0
@@ -27,7 +28,7 @@ class OutputProcessor:
             from ..tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.params.skip_special_tokens)
-        self._progress[req.request_id] = _Progress(detok)
+        self._progress[req.request_id] = _Progress(detok, list(req.prompt_token_ids))
 
     def process(self, req: Request) -> tuple[str | None, int | str | None]:
         """Account for the request's newest token; return (finish_reason, stop_reason)."""
@@ -62,20 +63,22 @@ class OutputProcessor:
         visible = len(prog.text) if finished else len(prog.text) - prog.held
         delta_text = prog.text[prog.sent_text : visible]
         prog.sent_text = max(prog.sent_text, visible)
-        delta_tokens = req.output_token_ids[prog.sent_tokens :]
+        delta_tokens = req.output_token_ids[prog.sent_tokens :]  # slices: fresh lists
         prog.sent_tokens = len(req.output_token_ids)
         completion = CompletionOutput(
             index=0,
             text=prog.text[:visible],
-            token_ids=list(req.output_token_ids),
+            token_ids=req.output_token_ids[:],
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             delta_text=delta_text,
-            delta_token_ids=list(delta_tokens),
+            delta_token_ids=delta_tokens,
         )
         if finished:
             self._progress.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, req.num_cached_tokens or 0)
+        # every snapshot of a request shares one copy of its prompt (as vLLM's outputs do): a
+        # 256-request decode step copied 256 prompts per step; the engine's own list stays apart
+        return RequestOutput(req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0)
 
     def finish(self, req: Request) -> RequestOutput:
         return self.snapshot(req)

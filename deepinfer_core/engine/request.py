@@ -43,6 +43,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole history first (the
+        scheduler and the prefix-cache keys take a slice of every request each step)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

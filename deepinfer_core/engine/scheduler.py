@@ -111,7 +111,7 @@ class Scheduler:
         scheduled = tuple(
             ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=tuple(req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + n]),
+                token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
                 start_position=req.num_computed_tokens,
                 block_ids=tuple(req.block_ids),
                 sample=req.num_computed_tokens + n == req.num_tokens,
