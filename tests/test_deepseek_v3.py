@@ -220,6 +220,49 @@ def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return step(model, new_caches(model), [ids], [0], [0])
 
 
+class SharedFoldingDispatcher(TorchMoEDispatcher):
+    """Offers ``forward_with_shared`` as cuda_sm100's GEMV path does: the shared expert arrives
+    as a one-expert stack (``DeepseekV3MoE.shared_weights``) and is computed here from those
+    views with plain torch (gate rows, then up rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared_seen: list = []
+
+    def forward_with_shared(self, spec, x, ids, weights, experts, shared):
+        self.shared_seen.append(shared)
+        gate, up = torch.nn.functional.linear(x, shared.gate_up[0]).chunk(2, dim=-1)
+        return self.forward(spec, x, ids, weights, experts) + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, shared.down[0])
+
+
+def test_shared_expert_views_are_derived_once_after_loading(saved, monkeypatch):
+    """A dispatcher offering forward_with_shared gets the shared expert's views derived once
+    after the weights load (not rebuilt per forward), and they read the loaded weights: the
+    logits equal transformers'."""
+    from deepinfer_core.models import deepseek_v3
+
+    hf, path = saved
+    calls = []
+    derive = deepseek_v3.DeepseekV3MoE.shared_weights
+    monkeypatch.setattr(deepseek_v3.DeepseekV3MoE, "shared_weights", lambda self: calls.append(1) or derive(self))
+    files = open_hf_dir(path)
+    ctx = cpu_context()
+    ours = build(files.config, ModelContext(ctx.device, ctx.dtype, ctx.attention_backend, lambda spec: SharedFoldingDispatcher()))
+    ours.load_weights(files.weights())
+    moe = [layer.mlp for layer in ours.model.layers[TINY["first_k_dense_replace"] :]]
+    derived = len(calls)
+    ids = torch.arange(5, 40)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    for _ in range(3):
+        assert (reference_logits(ours, ids) - want).abs().max().item() < 1e-4
+    assert len(calls) == derived  # no forward derived them again
+    for layer in moe:
+        seen = layer.dispatcher.shared_seen
+        assert len(seen) == 3 and all(s is seen[0] for s in seen)
+        assert seen[0].gate_up.data_ptr() == layer.shared_experts.gate_up_proj.weight.data_ptr()
+
+
 def test_sharded_checkpoint_loads_the_same_model(saved, tmp_path):
     hf, single = saved
     hf.save_pretrained(tmp_path, max_shard_size="40KB")

@@ -97,3 +97,58 @@ def test_mixed_batch_writes_and_chooses_as_each_request_alone(ratio, csa):
             got = chosen[key]
             width = min(got.shape[1], want.shape[1])  # a batch without ranking pads fewer -1 columns
             assert torch.equal(got[:, -width:], want[:, -width:]) and (got[:, :-width] == -1).all(), f"request {r}, step {key[1]}"
+
+
+def test_layers_of_one_kind_share_the_forwards_plans(monkeypatch):
+    """One StepPlans per forward: the second layer of a kind reuses the window plan the first
+    built (one plan per kind and step, not per layer), and writes what it writes with a plan of
+    its own."""
+    from deepinfer_core.models import deepseek_v4_compress
+    from deepinfer_core.models.deepseek_v4_compress import StepPlans
+
+    built = []
+    real = deepseek_v4_compress.window_plan
+    monkeypatch.setattr(deepseek_v4_compress, "window_plan", lambda *a: built.append(1) or real(*a))
+    parts = _layer(8, False)
+    rope = V4Rope(CFG.rope_dim, CFG.compress_rope, CFG.max_position_embeddings)
+    tables = torch.arange(16).view(2, 8).int()
+    batch = V4Batch(((0, 37), (37, 37 + 20)), (0, 0), (0, 1), tables, BLOCK, prompt_lens=(37, 20))
+    raw = [torch.randn(57, 2 * comp.width, generator=torch.Generator().manual_seed(3)) for comp, _ in parts]
+
+    def cache():
+        return V4LayerCache(entries=torch.zeros(16, BLOCK // 8, D), window=torch.zeros(2, 1, D), tail=torch.zeros(2, 8, 2 * parts[0][0].width))
+
+    plans, layers = StepPlans(), [cache(), cache()]
+    for c in layers:
+        update_entries(parts, raw, c, batch, rope, plans=plans)
+    assert len(built) == 1
+    alone = cache()
+    update_entries(parts, raw, alone, batch, rope)
+    assert len(built) == 2 and alone.entries.abs().sum() > 0
+    for c in layers:
+        assert torch.equal(c.entries, alone.entries) and torch.equal(c.tail, alone.tail)
+
+
+def test_the_step_layout_comes_from_the_host_copies_the_batch_builder_attaches():
+    """The engine's batch builder attaches the layout as host tuples when requests have state
+    KV; DeepSeek-V4 takes its per-forward layout from them without reading the device tensors
+    (here on the meta device, where a read fails), and gets the layout those tensors hold."""
+    import dataclasses
+
+    from deepinfer_core.engine.batch_build import build
+    from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    reqs = (
+        ScheduledRequest("decode", (7,), start_position=40, block_ids=(0, 1, 2), sample=True, seed=0, prompt_len=30),
+        ScheduledRequest("chunk", tuple(range(10)), start_position=20, block_ids=(3, 4), sample=False, seed=0, prompt_len=50),
+        ScheduledRequest("prompt", tuple(range(5)), start_position=0, block_ids=(5,), sample=True, seed=0, prompt_len=5),
+    )
+    meta = build(SchedulerOutput(reqs, 16), 16, torch.device("cpu"), state_slots=[5, 2, 7]).meta
+    assert meta.host_query_start_loc == (0, 1, 11, 16) and meta.host_seq_lens == (41, 30, 5) and meta.host_state_slots == (5, 2, 7)
+    read_back = DeepseekV4ForCausalLM._batch(None, dataclasses.replace(meta, host_query_start_loc=None, host_seq_lens=None, host_state_slots=None))
+    unreadable = {f: torch.empty(getattr(meta, f).shape, dtype=getattr(meta, f).dtype, device="meta") for f in ("query_start_loc", "seq_lens", "state_slots")}
+    host = DeepseekV4ForCausalLM._batch(None, dataclasses.replace(meta, **unreadable))
+    assert host.token_ranges == read_back.token_ranges == ((0, 1), (1, 11), (11, 16))
+    assert host.starts == read_back.starts == (40, 20, 0) and host.slots == read_back.slots == (5, 2, 7)
+    assert host.prompt_lens == (30, 50, 5)

@@ -84,6 +84,12 @@ class AttentionMetadata:
     num_context_tokens: int = 0
     # Host-side count of the step's causal (query, key) pairs, summed over requests (0: unknown).
     num_attention_pairs: int = 0
+    # Host-side copies of query_start_loc, seq_lens and state_slots as the batch was built (None:
+    # unknown): a model that needs the layout on the host (DeepSeek-V4's compressor and indexer
+    # plans) reads them instead of copying the tensors back from the device every forward.
+    host_query_start_loc: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
+    host_state_slots: tuple[int, ...] | None = None
     # A model may attach a fresh dict per forward (dataclasses.replace) so that backends compute
     # what every layer shares (gather slots, decode masks) once per step instead of once per layer.
     # None: no memo (a meta reused across forwards, e.g. CUDA-graph capture, must not cache).

@@ -107,6 +107,13 @@ def build(
         prompt_lens=tuple(s.prompt_len for s in reqs),
         num_context_tokens=int(seq_lens.sum()),
         num_attention_pairs=int(positions.sum()) + T,  # query at position p sees keys 0..p
+        **(_host_layout(cu, seq_lens, state_slots) if state_slots is not None else {}),
     )
     every_row = len(sample_rows) == T and bool(sample.all()) and T == R
     return Batch(ids_t, meta, sample_rows.tolist(), None if every_row else samp_t)
+
+
+def _host_layout(cu: np.ndarray, seq_lens: np.ndarray, state_slots: list[int]) -> dict:
+    """The layout as host tuples, for models with state KV (DeepSeek-V4 plans its compressors
+    on the host; reading the device tensors back cost a sync per forward)."""
+    return dict(host_query_start_loc=tuple(cu.tolist()), host_seq_lens=tuple(seq_lens.tolist()), host_state_slots=tuple(state_slots))

@@ -78,6 +78,13 @@ class DeepseekV3MoE(nn.Module):
             if spec.num_shared_experts
             else None
         )
+        self._shared: tuple[ExpertWeights | None] | None = None  # (shared_weights(),) once derived
+
+    def bind_shared(self) -> None:
+        """Derive :meth:`shared_weights` once the weights are in place (``load_weights`` calls
+        it), instead of rebuilding its views on every forward; call it again after replacing the
+        shared expert's weights (its views would still read the old ones)."""
+        self._shared = (self.shared_weights(),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         router = getattr(self.dispatcher, "router_logits", None)  # optional (TorchMoEDispatcher's)
@@ -88,7 +95,9 @@ class DeepseekV3MoE(nn.Module):
             gate_up_scale=getattr(self.experts, "gate_up_scale", None), down_scale=getattr(self.experts, "down_scale", None),
         )  # fmt: skip
         both = getattr(self.dispatcher, "forward_with_shared", None)  # optional: the shared expert folded in
-        shared = self.shared_weights() if both is not None else None
+        if both is not None and self._shared is None:  # a layer used without load_weights
+            self.bind_shared()
+        shared = self._shared[0] if both is not None else None
         out = both(self.spec, x, ids, weights, experts, shared) if shared is not None else None
         if out is not None:
             return out
@@ -185,13 +194,18 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def restore_float32(self) -> None:
         """The router (weight and correction bias) in float32 whatever the model dtype, as
-        transformers keeps it (``_keep_in_fp32_modules_strict``); called again after any cast."""
+        transformers keeps it (``_keep_in_fp32_modules_strict``); called again after any cast,
+        which also re-derives each MoE layer's shared-expert views (a cast may move the weights)."""
         for layer in self.model.layers:
             if isinstance(layer.mlp, DeepseekV3MoE):
                 layer.mlp.gate.float()
+                layer.mlp.bind_shared()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_hf_weights(self, weights)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.bind_shared()
 
     def forward(
         self,

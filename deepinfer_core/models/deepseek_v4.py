@@ -27,7 +27,7 @@ from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
 from ..engine.fast_init import materialize
 from . import ModelContext
 from .deepseek_v3_weights import load_hf_weights
-from .deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
+from .deepseek_v4_compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
 from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .deepseek_v4_decode import V4DecodeBatch, decode_select, decode_update_entries
 from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
@@ -82,7 +82,7 @@ class V4Attention(nn.Module):
             if kind == CSA:
                 self.compressor.indexer = Indexer(cfg, ratio)
 
-    def forward(self, x, positions, ropes, cache: V4LayerCache, meta: AttentionMetadata, batch: V4Batch) -> torch.Tensor:
+    def forward(self, x, positions, ropes, cache: V4LayerCache, meta: AttentionMetadata, batch: V4Batch, plans: StepPlans | None = None) -> torch.Tensor:
         T, H, D, eps = x.shape[0], self.cfg.num_heads, self.cfg.head_dim, self.cfg.rms_norm_eps
         rope = ropes["compress" if self.compressed else "main"]
         cos, sin = rope.cos_sin(positions, x.dtype)
@@ -105,9 +105,9 @@ class V4Attention(nn.Module):
                 if indexer is not None:
                     selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer, (cos, sin), apply)
             else:
-                update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay)
+                update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, meta.replay, plans)
                 if indexer is not None:
-                    selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
+                    selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer, plans)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
         out = apply(out, cos, -sin)  # undo the values' rope at the query position
         grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)
@@ -124,9 +124,9 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, h, input_ids, positions, ropes, cache, meta, batch):  # h [T, hc, D]
+    def forward(self, h, input_ids, positions, ropes, cache, meta, batch, plans=None):  # h [T, hc, D]
         post, comb, collapsed = self.attn_hc(h)
-        out = self.self_attn(self.input_layernorm(collapsed), positions, ropes, cache, meta, batch)
+        out = self.self_attn(self.input_layernorm(collapsed), positions, ropes, cache, meta, batch, plans)
         h = self.attn_hc.merge(h, out, post, comb)
         post, comb, collapsed = self.ffn_hc(h)
         out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
@@ -224,14 +224,17 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.mtp_unavailable = NO_MTP_IN_CHECKPOINT
 
     def _batch(self, meta: AttentionMetadata) -> V4Batch:
+        """The step's layout on the host: from the host-side copies the engine's batch builder
+        attaches (``AttentionMetadata.host_*``), else read back from the device (a sync)."""
         if meta.state_slots is None:
             raise ValueError("DeepSeek-V4 needs per-request state KV: AttentionMetadata.state_slots is missing")
-        starts = meta.query_start_loc.tolist()
-        ends = meta.seq_lens.tolist()
+        starts, ends, slots = meta.host_query_start_loc, meta.host_seq_lens, meta.host_state_slots
+        if starts is None or ends is None or slots is None:
+            starts, ends, slots = meta.query_start_loc.tolist(), meta.seq_lens.tolist(), meta.state_slots.tolist()
         return V4Batch(
             token_ranges=tuple(zip(starts[:-1], starts[1:])),
             starts=tuple(e - (b - a) for e, a, b in zip(ends, starts[:-1], starts[1:])),
-            slots=tuple(meta.state_slots.tolist()),
+            slots=tuple(slots),
             block_tables=meta.block_tables,
             block_size=meta.block_size,
             prompt_lens=tuple(meta.prompt_lens or ()),
@@ -241,10 +244,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The last layer's hyper-connection streams [T, hc, D], before ``hc_head`` and the final
         norm: what the MTP blocks consume. ``batch``: the layout, else built from ``meta``."""
         batch = self._batch(meta) if batch is None else batch
+        plans = StepPlans()  # this forward's index plans, shared by the layers of each kind
         e = self.model.embed_tokens(input_ids)
         h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, input_ids, positions, self.ropes, cache, meta, batch)
+            h = layer(h, input_ids, positions, self.ropes, cache, meta, batch, plans)
         return h
 
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:

@@ -10,7 +10,7 @@ whose windows close inside the scheduled tokens, so any chunking gives the same 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,14 +33,21 @@ class V4Batch:
     block_tables: torch.Tensor  # [R, max_blocks] int
     block_size: int
     prompt_lens: tuple[int, ...] = ()  # per request, 0 where unknown
-    # Index plans built from this layout (deepseek_v4_prefill), one per layer kind, shared by its layers.
-    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def plan(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """The plan ``key`` of this step, built by ``build`` on first use (once per step, not per layer)."""
-        if key not in self.plans:
-            self.plans[key] = build()
-        return self.plans[key]
+
+class StepPlans:
+    """The index plans of one forward (:mod:`.deepseek_v4_prefill`), one per layer kind: built by
+    the first layer of a kind that needs it, reused by that kind's other layers (the numpy work
+    and the upload are the same for all of them). Made once per forward beside its
+    :class:`V4Batch`, from whose layout the plans are built, and dropped with it."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, Any] = {}
+
+    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
 
 
 class Compressor(nn.Module):
@@ -84,14 +91,15 @@ def update_entries(
     batch: V4Batch,
     rope: V4Rope,
     replay: bool = False,
+    plans: StepPlans | None = None,  # the forward's (None: plans for this call alone)
 ) -> None:
     """Write every entry whose window closes in this step to block KV; refresh the state tails.
     A replay (rebuilding state after a prefix hit) only refreshes the tails: the entries are
     already in the shared cached blocks, and the replay's first positions are not exact.
     Every request at once (:mod:`.deepseek_v4_prefill`)."""
     comp = compressors[0][0]
-    plan = batch.plan(("windows", comp.ratio, comp.overlap, cache.tail.shape[1], replay),
-                      lambda: window_plan(batch, comp.ratio, comp.overlap, cache.tail.shape[1], replay, raw[0].device))  # fmt: skip
+    plan = (plans or StepPlans()).get(("windows", comp.ratio, comp.overlap, cache.tail.shape[1], replay),
+                                      lambda: window_plan(batch, comp.ratio, comp.overlap, cache.tail.shape[1], replay, raw[0].device))  # fmt: skip
     update_entries_batched(compressors, raw, cache, plan, rope)
 
 
@@ -106,7 +114,7 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
 
-    def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None) -> torch.Tensor:
+    def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None, plans: StepPlans | None = None) -> torch.Tensor:
         """Top-k entry indices per token ([T, k], -1 where nothing is chosen; k = index_topk, or
         fewer when no row of the batch has that many entries).
 
@@ -119,7 +127,7 @@ class Indexer(Compressor):
         same either way. Every request and row at once (:mod:`.deepseek_v4_prefill`)."""
         T = x.shape[0]
         visible = (positions + 1) // self.ratio  # entries each query may see
-        plan = batch.plan(("topk", self.ratio, self.topk), lambda: topk_plan(batch, self.ratio, self.topk, x.device))
+        plan = (plans or StepPlans()).get(("topk", self.ratio, self.topk), lambda: topk_plan(batch, self.ratio, self.topk, x.device))
         # no ranking at all: only as many columns as the batch has entries (attention reads fewer -1 slots)
         ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
         width = self.topk if plan is not None else max(1, min(self.topk, max(ends, default=0) // self.ratio))
