@@ -8,7 +8,10 @@ fail inside a step because of its inputs; each refusal names the field and the a
 from __future__ import annotations
 
 import numbers
+import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 from .sampling_params import SamplingParams
 
@@ -42,7 +45,7 @@ def prompt_token_ids(ids, limits: ModelLimits) -> list[int]:
     n = len(ids)
     if n >= limits.max_model_len:
         raise ValueError(f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens (the prompt must leave room for at least one new token)")
-    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < limits.vocab_size:
+    if set(map(type, ids)) == {int} and _largest_unsigned(ids) < limits.vocab_size:
         return list(ids)  # the common case, checked at C speed (a per-token loop cost ~1 us a token)
     wrong_type = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if wrong_type:
@@ -100,6 +103,15 @@ def check_unicode(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode: {exc.object[exc.start]!r} at position {exc.start} is a lone surrogate") from None
+
+
+def _largest_unsigned(ids: list[int]) -> int:
+    """The largest id, or 2**32 when one is negative or wider than 32 bits: one packing pass
+    in C (min + max were two passes, ~40% of checking a prompt)."""
+    try:
+        return int(np.frombuffer(struct.pack(f"<{len(ids)}I", *ids), np.uint32).max())
+    except struct.error:
+        return 2**32
 
 
 def _few(values: list) -> str:
