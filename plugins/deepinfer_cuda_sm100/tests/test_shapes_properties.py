@@ -75,6 +75,12 @@ def test_router_logits_on_both_sides_of_the_row_limit(T, E, D, dtype):
     got = TritonMoEDispatcher().router_logits(x, w)
     assert got.dtype == torch.float32 and got.shape == (T, E)
     assert (got.double() - x.double() @ w.double().t()).abs().max().item() < 1e-4
+    if dtype == torch.bfloat16:  # the prefill GEMM (4,096+ rows in use) at any T, E, D: tails of every tile
+        from deepinfer_cuda_sm100.kernels.router import router_gemm
+
+        rows = torch.randn(T * 5, D, generator=g).to(DEVICE, dtype)
+        tiled = router_gemm(rows, w)
+        assert tiled.shape == (T * 5, E) and (tiled.double() - rows.double() @ w.double().t()).abs().max().item() < 1e-4
 
 
 # -- MoE experts, 16-bit rows ---------------------------------------------------------------
@@ -234,3 +240,26 @@ def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
         norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
         torch.testing.assert_close(v4_rms_norm(x, norm.weight, 1e-6), norm(x), rtol=tol, atol=tol)
     torch.testing.assert_close(v4_unweighted_rms_norm(x, 1e-6), unweighted_rms_norm(x, 1e-6), rtol=tol, atol=2 * tol)
+
+
+@FEW
+@given(hc=st.integers(1, 6), D=st.integers(1, 1300), T=st.integers(0, 3), iters=st.integers(1, 20), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_hyper_connections_at_any_stream_count_and_width(hc, D, T, iters, dtype):
+    """hc_mix (the Sinkhorn weights and collapse) and hc_merge for any number of streams (V4
+    uses 4), widths past one 512 / 1,024-wide step, empty batches."""
+    from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference, hc_mix_reference
+    from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix
+
+    g = torch.Generator().manual_seed(hc * 1000 + D + T)
+    n = (2 + hc) * hc
+    mixed, base, scale = (torch.randn(T, n, generator=g) * 2).to(DEVICE), torch.randn(n, generator=g).to(DEVICE), (torch.rand(3, generator=g) + 0.5).to(DEVICE)
+    streams = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(hc_mix(mixed, base, scale, streams, iters, 1e-6), hc_mix_reference(mixed, base, scale, streams, iters, 1e-6)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    out = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    post, comb = (torch.rand(T, hc, generator=g) * 2).to(DEVICE), torch.rand(T, hc, hc, generator=g).to(DEVICE)
+    got, want = hc_merge(streams, out, post, comb), hc_merge_reference(streams, out, post, comb)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
