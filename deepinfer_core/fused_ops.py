@@ -59,6 +59,15 @@ class FusedOps:
     # (x [..., D], eps) -> x's shape and dtype: like models.deepseek_v4_layers.unweighted_rms_norm
     # (the rsqrt rounded to x's dtype before the product; V4's query norm and the hyper-connections' input norm)
     v4_unweighted_rms_norm: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+    # (x [..., K] 16-bit, weight [N, K] x's dtype) -> [..., N]: F.linear(x, weight), bias-free;
+    # a decode GEMV for a few rows where torch's GEMM reads weights slowly (the kernel hands any
+    # other case to F.linear itself). Installed on MLAAttention's and GatedMLP's plain linears;
+    # offering it also has install() store MLA's q_a and kv_a weights as one [N_q + N_kv, K]
+    # tensor (MLAAttention.qkv_a_weight, the two parameters views of it): one launch for both.
+    dense_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [T, H, K], weight [H, N, K], any strides) -> [T, H, N]: einsum("thk,hnk->thn") (MLA's
+    # absorbed W_UK / W_UV products on views of kv_b_proj), the kernel falling back itself
+    head_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,6 +129,7 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         return 0
     n = 0
     for module in model.modules():
+        linear = _install_linear(module, ops)
         if isinstance(module, RMSNorm) and (ops.rms_norm is not None or ops.add_rms_norm is not None):
             module.fused = ops.rms_norm
             module.fused_add = ops.add_rms_norm
@@ -148,4 +158,26 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         elif ops.logits is not None and "logits_kernel" in type(module).__dict__:  # a model's LM head
             module.logits_kernel = ops.logits
             n += 1
+        elif linear:
+            n += 1
     return n
+
+
+def _install_linear(module: torch.nn.Module, ops: FusedOps) -> bool:
+    """``ops.dense_linear`` / ``head_linear`` on an MLA layer or gated MLP (their plain
+    linears use it, see models.layers.project); for MLA with 16-bit bias-free q_a and kv_a, the
+    two weights moved into one tensor (the parameters become views of it, no second copy)."""
+    from .models.deepseek_v3_mla import MLAAttention
+    from .models.layers import GatedMLP, plain_linear
+
+    if ops.dense_linear is None or not isinstance(module, (MLAAttention, GatedMLP)):
+        return False
+    module.linear = ops.dense_linear
+    if isinstance(module, MLAAttention):
+        module.head_linear = ops.head_linear
+        qa, kva = getattr(module, "q_a_proj", None), module.kv_a_proj_with_mqa
+        if plain_linear(qa) and plain_linear(kva) and qa.weight.dtype == kva.weight.dtype and qa.weight.dtype in (torch.bfloat16, torch.float16) and qa.weight.device == kva.weight.device:
+            both = torch.cat([qa.weight.data, kva.weight.data])
+            qa.weight.data, kva.weight.data = both[: qa.out_features], both[qa.out_features :]
+            module.qkv_a_weight = both
+    return True

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .layers import RMSNorm, Rotary, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
+from .layers import RMSNorm, Rotary, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
 
 
 def rope_parameters(config: dict) -> dict:
@@ -107,6 +107,9 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
     rope_cat = None  # a platform's fused rotary + concatenation (deepinfer_core.fused_ops)
+    linear = None  # a platform's FusedOps.dense_linear for the plain projections (fused_ops.install)
+    head_linear = None  # FusedOps.head_linear for the absorbed W_UK / W_UV products
+    qkv_a_weight = None  # q_a's and kv_a's weights as one tensor (fused_ops.install, with linear)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         # DeepSeek's checkpoints pair rope channels as (0,1),(2,3),...; putting evens before
@@ -133,14 +136,18 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:  # [T, D]
         T = x.shape[0]
         H, C = self.num_heads, self.latent_dim
+        lin = self.linear
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv_a = project(lin, self.q_proj, x), project(lin, self.kv_a_proj_with_mqa, x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.qkv_a_weight is not None and lin is not None:  # one launch for both (same input)
+                q_a, kv_a = lin(x, self.qkv_a_weight).split([self.q_lora_rank, self.latent_dim + self.rope_dim], dim=-1)
+            else:
+                q_a, kv_a = project(lin, self.q_a_proj, x), project(lin, self.kv_a_proj_with_mqa, x)
+            q = project(lin, self.q_b_proj, self.q_a_layernorm(q_a))
         q = q.view(T, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
-
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + r]
+        # kv_a: [T, C + r]
         c_kv = self.kv_a_layernorm(kv_a[:, :C])  # [T, C]
         k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
 
@@ -149,12 +156,18 @@ class MLAAttention(nn.Module):
         if expand is not None and expand(self.spec, meta):  # the backend's non-absorbed form (prefill)
             out = self.backend.forward_mla_expanded(self.spec, self._assemble(q_nope, q_pe, positions, rotary),
                                                     self._assemble(c_kv[:, None, :], k_pe, positions, rotary), w_kv, kv_cache, meta)  # fmt: skip
-            return self.o_proj(out.reshape(T, H * self.v_dim))
+            return project(lin, self.o_proj, out.reshape(T, H * self.v_dim))
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
+        if self.head_linear is not None:
+            q_latent = self.head_linear(q_nope, w_uk.transpose(1, 2))
+        else:
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
         query = self._assemble(q_latent, q_pe, positions, rotary)  # [T, H, C + r]
         key = self._assemble(c_kv[:, None, :], k_pe, positions, rotary)  # [T, 1, C + r]
 
         out_latent = self.backend.forward(self.spec, query, key, None, kv_cache, meta)  # [T, H, C]
-        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(T, H * self.v_dim))
+        if self.head_linear is not None:
+            out = self.head_linear(out_latent, w_uv)
+        else:
+            out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
+        return project(lin, self.o_proj, out.reshape(T, H * self.v_dim))

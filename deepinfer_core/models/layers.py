@@ -83,6 +83,20 @@ def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     return targets | lowbit | fp8, fused | own | fp8_own
 
 
+def plain_linear(module: nn.Module | None) -> bool:
+    """A bias-free ``nn.Linear`` (or :class:`FusedLinear`) computing ``x @ weight^T`` as torch's
+    does: what a platform's ``FusedOps.dense_linear`` may run instead (not FP8 / low-bit modules)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and module.bias is None
+
+
+def project(linear, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, through ``linear`` (``FusedOps.dense_linear``, set by fused_ops.install)
+    when there is one and the module is a :func:`plain_linear`."""
+    if linear is not None and plain_linear(module):
+        return linear(x, module.weight)
+    return module(x)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP; gate and up projections fused, loaded from Hugging Face's separate
     ``gate_proj`` / ``up_proj`` tensors (see :func:`fused_targets`)."""
@@ -93,12 +107,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     fused_act = None  # a platform's one-kernel silu(gate) * up (deepinfer_core.fused_ops)
+    linear = None  # a platform's FusedOps.dense_linear for the two projections (fused_ops.install)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         if self.fused_act is not None:
-            return self.down_proj(self.fused_act(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+            return project(self.linear, self.down_proj, self.fused_act(project(self.linear, self.gate_up_proj, x)))
+        gate, up = self.gate_up_proj.split(project(self.linear, self.gate_up_proj, x))
+        return project(self.linear, self.down_proj, F.silu(gate) * up)
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:

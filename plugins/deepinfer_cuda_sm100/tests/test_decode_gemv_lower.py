@@ -1,5 +1,5 @@
-"""The decode GEMV kernels (dense FP8 GEMV, the MoE's per-row GEMVs with and without the shared
-expert's row, the router logits) lower to machine code for SM90 (H100/H200) and SM100 (B200) at
+"""The decode GEMV kernels (dense FP8 GEMV, the 16-bit GEMV (dense and per-head), the MoE's
+per-row GEMVs with and without the shared expert's row, the router logits) lower to machine code for SM90 (H100/H200) and SM100 (B200) at
 DeepSeek-V3's shapes: Triton's ahead-of-time compile with an explicit target needs no GPU, so
 CI, which runs the kernels only in the interpreter, also proves they compile (the interpreter
 accepts code the compiler rejects, e.g. branches yielding different types)."""
@@ -13,7 +13,7 @@ from deepinfer_cuda_sm100.kernels import lowering  # noqa: E402
 
 CHILD = r"""
 from deepinfer_cuda_sm100.kernels.lowering import lower
-from deepinfer_cuda_sm100.kernels import fp8_gemv, moe_gemv, router
+from deepinfer_cuda_sm100.kernels import bf16_gemv, fp8_gemv, moe_gemv, router
 
 for arch in (90, 100):
     for rows, fixup in ((1, True), (2, False)):
@@ -26,6 +26,9 @@ for arch in (90, 100):
                   dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, HAS_LIMIT=False, FP8=fp8, UPCAST=False), arch, 4)
             lower(moe_gemv._down_gemv_kernel, dict(common, h_ptr="*bf16", weights_ptr="*fp32", out_ptr="*fp32"),
                   dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, FP8=fp8, UPCAST=False), arch, 4)
+    for rows, fixup, bn, bk, even in ((1, True, 16, 512, True), (2, False, 16, 512, False), (1, False, 64, 64, True)):
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if fixup else "*bf16", "final_ptr": "*bf16", "cnt_ptr": "*i32"}
+        lower(bf16_gemv._gemv_kernel, types, dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=even, EVEN_K=even, FIXUP=fixup), arch, 4)
     lower(router._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK_E=2, BLOCK_D=1024), arch, 4)
     print("sm%d" % arch)
 """

@@ -1,0 +1,181 @@
+"""16-bit GEMV for decode: ``y = x @ W^T`` for 1 to :data:`GEMV_ROWS` rows of bf16 / fp16.
+
+Why: at one request every dense projection of a decode step is a pure weight read, and cuBLAS
+runs them at one row far from the read rate (H200, V3-mini bf16, one request: the MLA
+projections' 32 launches took 0.141 ms for 212 MB, the absorbed per-head products' 16 launches
+0.107 ms for 34 MB, against 4.2 TB/s for a plain copy). Here each program streams a
+``[BLOCK_N, BLOCK_K]`` slab of the weight per step, multiplies it on the CUDA cores in float32
+(no MMA, no padding rows) and rounds once; K is split over enough programs to keep the memory
+system busy, the splits summed in split order by the last program of each column tile (arrival
+counters, as ``fp8_gemv``) or by a separate launch. A third grid axis runs a stack of weights at
+once (MLA's per-head ``W_UK`` / ``W_UV`` products), any strides (``W_UK`` is read along N).
+
+Only the order of the float32 sums differs from cuBLAS (which also accumulates in float32), so a
+row's result can differ from it in the last bit: batch-invariant forwards and float32 never come
+here (:func:`dense_linear` and :func:`head_linear` hand them to torch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .fp8_gemm import SplitCounters, _split_sum_kernel
+from .fused_elementwise import _round
+from .paged_attention import _pow2, interpreting
+
+GEMV_ROWS = 2  # rows up to which the GEMV replaces cuBLAS (decode of one or two requests)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Bf16GemvConfig:
+    """Weight rows per program (``block_n``), K per step (``block_k``; the slab is
+    ``block_n x block_k`` elements), warps, and how many programs K splits should aim for."""
+
+    block_n: int = 16
+    block_k: int = 512
+    warps: int = 4
+    target_programs: int = 528  # 4 per H200 SM
+    split: int = 0  # K splits; 0: from target_programs
+
+
+DENSE = Bf16GemvConfig()
+HEADS_K = Bf16GemvConfig(block_n=16, block_k=512, warps=4, split=1)  # per-head, K contiguous (W_UV)
+HEADS_N = Bf16GemvConfig(block_n=64, block_k=64, warps=4, split=1)  # per-head, N contiguous (W_UK^T)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, K_PER,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_ob, stride_om, stride_split,
+    final_ptr, cnt_ptr, stride_fb, stride_fm,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FIXUP: tl.constexpr,
+):
+    """Program (n, s, b): output columns n * BLOCK_N.. of stack entry b, K from s * K_PER (whole
+    steps); ``out`` is the result (one split) or split s's float32 partial (``stride_split``
+    apart). x is contiguous along K."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk0 = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    k_end = tl.minimum(K, (pid_s + 1) * K_PER)
+    w_rows = w_ptr + pid_b * stride_wb + rn.to(tl.int64)[:, None] * stride_wn
+    x_base = x_ptr + pid_b * stride_xb
+    for k0 in range(pid_s * K_PER, k_end, BLOCK_K):
+        rk = k0 + rk0
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + rk[None, :] * stride_wk).to(tl.float32)
+        elif EVEN_K:
+            w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < k_end)[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            if r < M:
+                if EVEN_K:
+                    a = tl.load(x_base + r * stride_xm + rk).to(tl.float32)
+                else:
+                    a = tl.load(x_base + r * stride_xm + rk, mask=rk < k_end, other=0.0).to(tl.float32)
+                part = tl.sum(w * a[None, :], axis=1)
+                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    out_ty = out_ptr.dtype.element_ty
+    offs = rows[:, None].to(tl.int64) * stride_om + rn[None, :]
+    ok = (rows < M)[:, None] & n_ok[None, :]
+    tl.store(out_ptr + pid_b * stride_ob + pid_s.to(tl.int64) * stride_split + offs, _round(acc, out_ty).to(out_ty), mask=ok)
+    if FIXUP:  # one stack entry (b == 0): the last split of each column tile sums them in split order
+        tl.debug_barrier()  # every thread's partial stored before the arrival is published
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            total = tl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for j in range(1, tl.num_programs(1)):
+                total += tl.load(out_ptr + j * stride_split + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            f_ty = final_ptr.dtype.element_ty
+            tl.store(final_ptr + rows[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (graph replays too)
+
+
+def gemv_splits(N: int, K: int, cfg: Bf16GemvConfig, stack: int = 1) -> int:
+    """K splits (whole K steps each) so that ~``target_programs`` programs stream the weight."""
+    tiles = triton.cdiv(N, cfg.block_n) * stack
+    steps = triton.cdiv(K, cfg.block_k)
+    return max(1, min(steps, cfg.split or triton.cdiv(cfg.target_programs, tiles)))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, counters: SplitCounters | None = None, cfg: Bf16GemvConfig = DENSE) -> torch.Tensor:
+    """``out[b] = x[b] @ weight[b]^T`` for ``x [B, M, K]`` (contiguous along K), ``weight
+    [B, N, K]`` and ``out [B, M, N]`` (any other strides), ``1 <= M <= GEMV_ROWS``. K splits
+    only for one stack entry (B == 1); shapes and dtypes are checked by the callers."""
+    B, M, K = x.shape
+    N = weight.shape[1]
+    split = gemv_splits(N, K, cfg) if B == 1 else 1
+    k_per = triton.cdiv(triton.cdiv(K, cfg.block_k), split) * cfg.block_k
+    split = triton.cdiv(K, k_per)
+    tiles = triton.cdiv(N, cfg.block_n)
+    if split > 1:
+        dest = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        d_strides = (0, N, M * N)
+    else:
+        dest, d_strides = out, (out.stride(0), out.stride(1), 0)
+    cnt = counters.get(x.device, tiles) if counters is not None and split > 1 else None
+    _gemv_kernel[(tiles, split, B)](
+        x, weight, dest, M, N, K, k_per,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *d_strides,
+        out, cnt if cnt is not None else dest, out.stride(0), out.stride(1),
+        ROWS=_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_N=N % cfg.block_n == 0, EVEN_K=K % cfg.block_k == 0,
+        FIXUP=cnt is not None, num_warps=cfg.warps, num_stages=2,
+    )  # fmt: skip
+    if split > 1 and cnt is None:  # out is [1, M, N]: contiguous in the partials' order when its rows are
+        flat = out if out.stride(1) == N and out.stride(2) == 1 else torch.empty(1, M, N, dtype=out.dtype, device=out.device)
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dest, flat, M * N, SPLIT=split, BLOCK=1024, num_warps=4)
+        if flat is not out:
+            out.copy_(flat)
+    return out
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    from .invariant import INVARIANT
+
+    return (
+        1 <= rows <= GEMV_ROWS and x.dtype in SIXTEEN_BIT and weight.dtype == x.dtype and (x.is_cuda or interpreting())
+        and x.device == weight.device and not INVARIANT.get()
+    )  # fmt: skip
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, counters: SplitCounters | None = None, cfg: Bf16GemvConfig = DENSE) -> torch.Tensor:
+    """``FusedOps.dense_linear``: ``x [..., K] @ weight [N, K]^T`` -> ``[..., N]`` in x's dtype;
+    the GEMV for 1 to GEMV_ROWS 16-bit rows (not in batch-invariant mode), else ``F.linear``."""
+    K = weight.shape[-1]
+    if x.shape[-1] != K:
+        raise ValueError(f"dense_linear: x has {x.shape[-1]} features, weight expects {K}")
+    x2 = x.reshape(-1, K)
+    if not _eligible(x2, weight, x2.shape[0]) or weight.dim() != 2 or weight.stride(-1) != 1:
+        return F.linear(x, weight)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    gemv(x2[None], weight[None], out[None], counters, cfg)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``FusedOps.head_linear``: ``einsum("thk,hnk->thn", x [T, H, K], weight [H, N, K])``
+    (any strides: MLA's ``W_UK^T`` and ``W_UV`` are views of ``kv_b_proj``'s weight); the GEMV
+    for 1 to GEMV_ROWS 16-bit tokens, else torch's einsum."""
+    T, H, K = x.shape
+    if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K:
+        raise ValueError(f"head_linear: weight is {tuple(weight.shape)}, expected [{H}, N, {K}] for x {tuple(x.shape)}")
+    if not _eligible(x, weight, T) or 1 not in (weight.stride(1), weight.stride(2)):
+        return torch.einsum("thk,hnk->thn", x, weight)
+    xs = x.transpose(0, 1)  # [H, T, K]
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
+    out = torch.empty(T, H, weight.shape[1], dtype=x.dtype, device=x.device)
+    gemv(xs, weight, out.transpose(0, 1), None, HEADS_K if weight.stride(2) == 1 else HEADS_N)
+    return out
