@@ -19,7 +19,9 @@ import torch.nn.functional as F
 import triton
 
 from deepinfer_cuda_sm100.kernels import bf16_gemv as gm
+from deepinfer_core.fused_ops import rms_norm_reference
 from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters
+from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm
 
 # V3-mini: (name, N, K, layers) dense; MLA heads 16, nope 128, v 128, latent 512
 DENSE = [("q_a+kv_a", 2112, 2048, 8), ("q_a", 1536, 2048, 8), ("kv_a", 576, 2048, 8), ("q_b", 3072, 1536, 8),
@@ -70,7 +72,7 @@ def main() -> None:
     counters = SplitCounters()
 
     def dense(name, x, cfg=None, cublas=False):
-        return [F.linear(x, w) if cublas else gm.dense_linear(x, w, counters, cfg or gm.DENSE) for w in ws[name]]
+        return [F.linear(x, w) if cublas else gm.dense_linear(x, w, counters, cfg) for w in ws[name]]
 
     def uk(xq, cublas=False, cfg=None):  # q_nope [T, H, n] -> [T, H, C]
         if cublas:
@@ -95,6 +97,13 @@ def main() -> None:
             t = graph_ms(lambda: dense(name, xs[K], cublas=True))
             e = graph_ms(lambda: dense(name, xs[K]))
             print(f"| {name} | {N} x {K} | {layers} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {N * K * 2 * layers / e / 1e9:.2f} | {err:.1e} |", flush=True)
+        qn = (torch.rand(_k("q_b"), device=DEVICE, generator=g) + 0.5).bfloat16()
+        qa = torch.randn(m, _k("q_b"), device=DEVICE, generator=g).bfloat16() * 3
+        got = [gm.dense_linear(qa, w, counters, norm=(qn, 1e-6)) for w in ws["q_b"]]
+        err = max(rel(o, rms_norm_reference(qa, qn, 1e-6).double() @ w.double().t()) for o, w in zip(got, ws["q_b"]))
+        t = graph_ms(lambda: [F.linear(rms_norm(qa, qn, 1e-6), w) for w in ws["q_b"]])
+        e = graph_ms(lambda: [gm.dense_linear(qa, w, counters, norm=(qn, 1e-6)) for w in ws["q_b"]])
+        print(f"| q_b with q_a's norm (norm kernel + cuBLAS vs one GEMV) | 3072 x 1536 | 8 | {t:.4f} | {e:.4f} | {t / e:.2f}x | | {err:.1e} |", flush=True)
         for label, fn, x, nbytes in (("W_UK (heads, N contiguous)", uk, xq, H * n * C * 2), ("W_UV (heads)", uv, xl, H * v * C * 2)):
             got = fn(x)
             ref = [torch.einsum(*_eq(fn), x.double(), w.double()) for w in _views(fn, kvb, n)]
@@ -110,7 +119,10 @@ def main() -> None:
                     F.linear(xs[_k("q_a")], ws["q_a"][i]), F.linear(xs[_k("kv_a")], ws["kv_a"][i])
                 else:
                     lin(xs[_k("q_a+kv_a")], ws["q_a+kv_a"][i])
-                lin(xs[_k("q_b")], ws["q_b"][i])
+                if cublas:
+                    F.linear(rms_norm(qa, qn, 1e-6), ws["q_b"][i])
+                else:
+                    gm.dense_linear(qa, ws["q_b"][i], counters, norm=(qn, 1e-6))
                 w = kvb[i]
                 if cublas:
                     torch.einsum("thn,hnc->thc", xq, w[:, :n]), torch.einsum("thc,hvc->thv", xl, w[:, n:])
@@ -153,13 +165,13 @@ def _heads(x, w, cfg):
 
 def sweep(dense, uk, uv, xs, xq, xl) -> None:
     """One row: slab shapes, warps and K-split targets per shape (ms, graph over the layers)."""
-    cfgs = [gm.Bf16GemvConfig(bn, bk, w, t) for bn, bk, w, t in [
-        (16, 512, 4, 528), (8, 512, 4, 528), (32, 256, 4, 528), (16, 256, 4, 528), (16, 512, 8, 528), (8, 1024, 8, 528),
-        (16, 512, 4, 264), (16, 512, 4, 1056), (4, 1024, 4, 1056), (32, 512, 8, 528), (16, 1024, 8, 1056), (8, 256, 2, 1056),
+    cfgs = [gm.Bf16GemvConfig(bn, bk, w, t, sp) for bn, bk, w, t, sp in [
+        (16, 512, 4, 528, 0), (4, 1024, 4, 1056, 0), (1, 1024, 4, 1056, 1), (2, 1024, 8, 1056, 1), (2, 512, 4, 1056, 1), (4, 1024, 8, 1056, 1),
+        (4, 512, 4, 1056, 1), (8, 512, 8, 1056, 1), (16, 1024, 8, 1056, 1), (1, 2048, 8, 1056, 1), (2, 1024, 4, 1056, 1), (2, 1024, 8, 1056, 2),
     ]]  # fmt: skip
     print("\n1 row, GEMV configs per shape (block_n x block_k, warps, target programs), ms:")
-    print("| shape | " + " | ".join(f"{c.block_n}x{c.block_k} w{c.warps} t{c.target_programs}" for c in cfgs) + " | best |")
-    print("|---|" + "---:|" * (len(cfgs) + 1))
+    print("| shape | auto | " + " | ".join(f"{c.block_n}x{c.block_k} w{c.warps} s{c.split or 't' + str(c.target_programs)}" for c in cfgs) + " | best |")
+    print("|---|" + "---:|" * (len(cfgs) + 2))
     for name, _, K, _ in DENSE:
         cells = []
         for c in cfgs:
@@ -169,10 +181,12 @@ def sweep(dense, uk, uv, xs, xq, xl) -> None:
                 print(f"  {name} {c}: {type(exc).__name__}: {str(exc)[:100]}")
                 cells.append(float("inf"))
         best = min(range(len(cfgs)), key=lambda i: cells[i])
-        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in cells) + f" | {cfgs[best]} |", flush=True)
+        auto = graph_ms(lambda: dense(name, xs[K]))
+        c = gm.dense_config(next(N for nm, N, _, _ in DENSE if nm == name), K)
+        print(f"| {name} | {auto:.4f} ({c.block_n}x{c.block_k} w{c.warps}) | " + " | ".join(f"{v:.4f}" for v in cells) + f" | {cfgs[best]} |", flush=True)
     hcfgs = [gm.Bf16GemvConfig(bn, bk, w, 528, s) for bn, bk, w, s in [
-        (64, 64, 4, 1), (32, 64, 4, 1), (128, 32, 4, 1), (64, 32, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1),
-        (16, 512, 4, 1), (8, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 256, 2, 1), (4, 512, 4, 1),
+        (64, 128, 4, 1), (32, 128, 4, 1), (128, 128, 8, 1), (64, 128, 8, 1), (16, 128, 2, 1), (32, 128, 2, 1),
+        (16, 512, 4, 1), (8, 512, 4, 1), (4, 512, 4, 1), (2, 512, 4, 1), (4, 512, 2, 1), (8, 512, 2, 1),
     ]]  # fmt: skip
     print("\n| heads | " + " | ".join(f"{c.block_n}x{c.block_k} w{c.warps}" for c in hcfgs) + " |")
     print("|---|" + "---:|" * len(hcfgs))

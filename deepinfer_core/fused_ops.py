@@ -59,12 +59,13 @@ class FusedOps:
     # (x [..., D], eps) -> x's shape and dtype: like models.deepseek_v4_layers.unweighted_rms_norm
     # (the rsqrt rounded to x's dtype before the product; V4's query norm and the hyper-connections' input norm)
     v4_unweighted_rms_norm: Callable[[torch.Tensor, float], torch.Tensor] | None = None
-    # (x [..., K] 16-bit, weight [N, K] x's dtype) -> [..., N]: F.linear(x, weight), bias-free;
-    # a decode GEMV for a few rows where torch's GEMM reads weights slowly (the kernel hands any
-    # other case to F.linear itself). Installed on MLAAttention's and GatedMLP's plain linears;
-    # offering it also has install() store MLA's q_a and kv_a weights as one [N_q + N_kv, K]
-    # tensor (MLAAttention.qkv_a_weight, the two parameters views of it): one launch for both.
-    dense_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [..., K], weight [N, K] x's dtype, norm=None) -> [..., N]: F.linear(x, weight), bias-free,
+    # of rms_norm(x, g, eps) when norm=(g, eps) is given (MLA's q_a norm before q_b); a decode GEMV
+    # for a few 16-bit rows where torch's GEMM reads weights slowly (the kernel hands any other
+    # case, float32 included, to the norm and F.linear itself). Installed on MLAAttention's and
+    # GatedMLP's plain linears; offering it also has install() store MLA's q_a and kv_a weights as
+    # one [N_q + N_kv, K] tensor (MLAAttention.qkv_a_weight, the parameters views of it): one launch.
+    dense_linear: Callable[..., torch.Tensor] | None = None
     # (x [T, H, K], weight [H, N, K], any strides) -> [T, H, N]: einsum("thk,hnk->thn") (MLA's
     # absorbed W_UK / W_UV products on views of kv_b_proj), the kernel falling back itself
     head_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

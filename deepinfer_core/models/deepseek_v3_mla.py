@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .layers import RMSNorm, Rotary, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
+from .layers import RMSNorm, Rotary, plain_linear, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
 
 
 def rope_parameters(config: dict) -> dict:
@@ -144,7 +144,10 @@ class MLAAttention(nn.Module):
                 q_a, kv_a = lin(x, self.qkv_a_weight).split([self.q_lora_rank, self.latent_dim + self.rope_dim], dim=-1)
             else:
                 q_a, kv_a = project(lin, self.q_a_proj, x), project(lin, self.kv_a_proj_with_mqa, x)
-            q = project(lin, self.q_b_proj, self.q_a_layernorm(q_a))
+            if lin is not None and plain_linear(self.q_b_proj) and type(self.q_a_layernorm) is RMSNorm:  # the norm inside q_b's launch
+                q = lin(q_a, self.q_b_proj.weight, norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps))
+            else:
+                q = project(lin, self.q_b_proj, self.q_a_layernorm(q_a))
         q = q.view(T, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
         # kv_a: [T, C + r]

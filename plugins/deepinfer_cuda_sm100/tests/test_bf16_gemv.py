@@ -20,7 +20,7 @@ def rel(got, want):
 
 
 @pytest.mark.parametrize("M,N,K,dtype", [(1, 200, 300, torch.bfloat16), (2, 130, 1024, torch.bfloat16), (1, 48, 2176, torch.float16)], ids=str)
-def test_dense_gemv_matches_the_float64_product(M, N, K, dtype):
+def test_dense_gemv_matches_the_float64_product(M, N, K, dtype, monkeypatch):
     """Ragged columns and K (tails of a column tile and of a K step), K split and summed in-kernel
     (counters) or by the separate launch: bit-identical and repeatable, within one 16-bit
     rounding of the float64 product; ``dense_linear`` takes the GEMV for these rows."""
@@ -37,8 +37,28 @@ def test_dense_gemv_matches_the_float64_product(M, N, K, dtype):
     assert all(not b.any() for b in counters._buffers.values())  # counters back at zero
     want = x.double() @ w.double().t()
     assert rel(fused[0], want) < 4e-3
+    monkeypatch.setattr(module, "GEMV_ROWS", 2)
     got = module.dense_linear(x, w, counters, cfg)
     assert got.shape == (M, N) and got.dtype == dtype and torch.equal(got, fused[0])
+
+
+@pytest.mark.parametrize("N,K", [(72, 1536), (40, 200)], ids=str)
+def test_dense_gemv_with_the_norm_folded_in(N, K):
+    """``norm=(g, eps)``: the row RMS-normalised inside the launch (the default config: no K
+    split) equals the float64 product of the core's reference norm to a 16-bit rounding; more rows
+    take the norm kernel and F.linear."""
+    from deepinfer_core.fused_ops import rms_norm_reference
+
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(N, K, generator=g).to(DEVICE, torch.bfloat16)
+    gain = (torch.rand(K, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    x = (torch.randn(3, K, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    for rows in (x[:1], x):
+        got = module.dense_linear(rows, w, norm=(gain, 1e-6))
+        want = rms_norm_reference(rows, gain, 1e-6).double() @ w.double().t()
+        assert got.shape == (rows.shape[0], N) and rel(got, want) < 4e-3
+    plain = module.dense_linear(x[:1], w)
+    assert rel(plain, x[:1].double() @ w.double().t()) < 4e-3
 
 
 @pytest.mark.parametrize("T", [1, 2])
@@ -114,6 +134,7 @@ def test_a_bf16_deepseek_v3_with_the_gemvs_installed_stays_as_close_to_transform
               attention_backend="builtin", moe_backend="builtin")  # fmt: skip
     model = llm.engine.model
     torch_err = rel(llm.engine.prompt_logits(prompt).cpu(), want)
+    monkeypatch.setattr(module, "GEMV_ROWS", 2)
     launches = []
     real = module.gemv
     monkeypatch.setattr(module, "gemv", lambda x, w, *a, **k: launches.append(tuple(w.shape)) or real(x, w, *a, **k))

@@ -26,9 +26,9 @@ for arch in (90, 100):
                   dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, HAS_LIMIT=False, FP8=fp8, UPCAST=False), arch, 4)
             lower(moe_gemv._down_gemv_kernel, dict(common, h_ptr="*bf16", weights_ptr="*fp32", out_ptr="*fp32"),
                   dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, FP8=fp8, UPCAST=False), arch, 4)
-    for rows, fixup, bn, bk, even in ((1, True, 16, 512, True), (2, False, 16, 512, False), (1, False, 64, 64, True)):
-        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if fixup else "*bf16", "final_ptr": "*bf16", "cnt_ptr": "*i32"}
-        lower(bf16_gemv._gemv_kernel, types, dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=even, EVEN_K=even, FIXUP=fixup), arch, 4)
+    for rows, fixup, bn, bk, even, norm in ((1, True, 16, 512, True, False), (2, False, 16, 512, False, True), (1, False, 2, 1024, True, True), (1, False, 64, 128, True, False)):
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if fixup else "*bf16", "nw_ptr": "*bf16", "eps": "fp32", "final_ptr": "*bf16", "cnt_ptr": "*i32"}
+        lower(bf16_gemv._gemv_kernel, types, dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=even, EVEN_K=even, FIXUP=fixup, NORM=norm), arch, 8 if bn * bk >= 2048 else 4)
     lower(router._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK_E=2, BLOCK_D=1024), arch, 4)
     print("sm%d" % arch)
 """
