@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec.h"
 
@@ -80,7 +81,7 @@ void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, 
         }
 }
 
-/* ---- rows layout (few tokens); widen_block_i16 serves the panel too ---- */
+/* ---- rows layout (few tokens) ---- */
 
 static inline __attribute__((always_inline)) void widen_block_i16(int kind, const void *qs, int64_t blk, __m256i *w0, __m256i *w1) {
     if (kind == 4) {
@@ -161,37 +162,80 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
 #define P16_BLOCK (P16_PAIRS * 2 * 32 + 4 * 32)       /* bytes per block: 1,024 of weights, d and m of 16 rows */
 #define P16_MIN_M 5                                   /* fewer rows: the rows layout */
 
+/* 8 x 8 transpose of 16-bit units: r[c] = units 0-7 of row c -> r[u] = unit u of rows 0-7 */
+static inline void transpose8_epi16(__m128i *r) {
+    const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+    const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+    const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+    const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    r[0] = _mm_unpacklo_epi64(b0, b4); r[1] = _mm_unpackhi_epi64(b0, b4);
+    r[2] = _mm_unpacklo_epi64(b1, b5); r[3] = _mm_unpackhi_epi64(b1, b5);
+    r[4] = _mm_unpacklo_epi64(b2, b6); r[5] = _mm_unpackhi_epi64(b2, b6);
+    r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
 /* The panel of weight rows n0.. (nr of them; a short tile repeats its first row), per block:
  * pair p of rows 0-7 at vector 2p, of rows 8-15 at 2p + 1; then d of the 16 rows, then m.
- * The rows are first widened one after the other into `rows` (int16, [16, K]): the 16 rows are
- * one contiguous span of the packed weight, read front to back as the hardware prefetcher
- * likes (reading block b of all 16 rows at once left a decode step's GEMMs waiting on memory),
- * then transposed from L1/L2. */
+ * Built from the packed bytes: a k-pair is one 16-bit unit of the packed block (q4: unit p's
+ * low nibbles are elements 2p, 2p + 1, its high nibbles 2p + 16, 2p + 17; q8: unit p is
+ * elements 2p, 2p + 1), so an 8 x 8 transpose of 16-bit units gives each unit of 8 rows side by
+ * side, and one widening to int16 puts each row's pair in its own 32-bit lane (q4: a mask and
+ * a shift then split the two pairs). Half the shuffles of widening row by row into an int16
+ * scratch and transposing 32-bit pairs (the build before 2026-12-01 16:00), no scratch: 1.15x
+ * for a whole 8-row call, 1.03-1.07x at 32 (benchmarks/README.md, cpu12). The 16 rows are one
+ * contiguous span of the packed weight read a block of each row at a time, which the hardware
+ * prefetcher does not follow: q4 prefetches the next tile's span (and its scales) while this
+ * one is built; q8 rows (twice the bytes; the head, from memory) are first copied front to
+ * back, which measured better than prefetching them. The panel's contents are the same
+ * integers either way, so every result keeps its bits. */
 static void build_panel16(int kind, const void *qs, const float *d, const float *m, int64_t n0, int nr, int64_t nb,
-                          int16_t *rows, __m256i *panel) {
-    const int64_t K = nb * QK;
-    for (int c = 0; c < P16_COLS; c++) {
-        const int64_t n = n0 + (c < nr ? c : 0);
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i lo, hi;
-            widen_block_i16(kind, qs, n * nb + b, &lo, &hi);
-            _mm256_store_si256((__m256i *)(rows + c * K + b * QK), lo);
-            _mm256_store_si256((__m256i *)(rows + c * K + b * QK + 16), hi);
+                          int64_t N, uint8_t *copy, __m256i *panel) {
+    const int64_t row_bytes = nb * (kind == 4 ? QK / 2 : QK);
+    const uint8_t *base = (const uint8_t *)qs;
+    if (kind == 4 && n0 + P16_COLS < N) {
+        const int64_t n1 = n0 + P16_COLS, rows = N - n1 < P16_COLS ? N - n1 : P16_COLS;
+        for (int64_t off = 0; off < rows * row_bytes; off += 64) _mm_prefetch((const char *)(base + n1 * row_bytes + off), _MM_HINT_T0);
+        for (int64_t off = 0; off < rows * nb; off += 16) {  /* the scales (and offsets): 16 floats a line */
+            _mm_prefetch((const char *)(d + n1 * nb + off), _MM_HINT_T0);
+            if (m) _mm_prefetch((const char *)(m + n1 * nb + off), _MM_HINT_T0);
         }
     }
+    const uint8_t *rp[P16_COLS];
+    for (int c = 0; c < P16_COLS; c++) rp[c] = base + (n0 + (c < nr ? c : 0)) * row_bytes;
+    if (kind == 8)  /* twice q4's bytes: copied front to back first (the prefetch alone lost to it) */
+        for (int c = 0; c < P16_COLS; c++) {
+            memcpy(copy + c * row_bytes, rp[c], (size_t)row_bytes);
+            rp[c] = copy + c * row_bytes;
+        }
+    const __m256i low = _mm256_set1_epi16(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         __m256i *pb = panel + b * (P16_BLOCK / 32);
         for (int h = 0; h < 2; h++) {
-            __m256i lo[8], hi[8];  /* values 0-15 and 16-31 of each of 8 rows */
-            for (int c = 0; c < 8; c++) {
-                lo[c] = _mm256_load_si256((const __m256i *)(rows + (8 * h + c) * K + b * QK));
-                hi[c] = _mm256_load_si256((const __m256i *)(rows + (8 * h + c) * K + b * QK + 16));
-            }
-            transpose8_epi32(lo);
-            transpose8_epi32(hi);
-            for (int p = 0; p < 8; p++) {
-                _mm256_store_si256(pb + 2 * p + h, lo[p]);
-                _mm256_store_si256(pb + 2 * (p + 8) + h, hi[p]);
+            if (kind == 4) {
+                __m128i u[8];
+                for (int c = 0; c < 8; c++) u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * (QK / 2)));
+                transpose8_epi16(u);
+                for (int p = 0; p < 8; p++) {
+                    const __m256i both = _mm256_cvtepu8_epi16(u[p]);
+                    _mm256_store_si256(pb + 2 * p + h, _mm256_and_si256(both, low));
+                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_srli_epi16(both, 4));
+                }
+            } else {
+                __m128i u[8], v[8];
+                for (int c = 0; c < 8; c++) {
+                    u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * QK));
+                    v[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * QK + 16));
+                }
+                transpose8_epi16(u);
+                transpose8_epi16(v);
+                for (int p = 0; p < 8; p++) {
+                    _mm256_store_si256(pb + 2 * p + h, _mm256_cvtepi8_epi16(u[p]));
+                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_cvtepi8_epi16(v[p]));
+                }
             }
         }
         float *sc = (float *)(pb + 2 * P16_PAIRS);
@@ -297,19 +341,19 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
         __m256i *panel = (__m256i *)aligned_alloc(32, (size_t)(nb * P16_BLOCK));
-        int16_t *rows = (int16_t *)aligned_alloc(32, (size_t)(P16_COLS * K) * sizeof(int16_t));
+        uint8_t *copy = kind == 8 ? (uint8_t *)malloc((size_t)(P16_COLS * K)) : 0;
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
 #pragma omp for schedule(static) nowait
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t n0 = tile * P16_COLS;
                 const int nr = (int)(N - n0 < P16_COLS ? N - n0 : P16_COLS);
-                build_panel16(kind, qs, d, m, n0, nr, nb, rows, panel);
+                build_panel16(kind, qs, d, m, n0, nr, nb, N, copy, panel);
                 panel16_range(panel, nb, K, a, c0, c1, offs, n0, nr, N, y);
             }
         }
         free(panel);
-        free(rows);
+        free(copy);
     }
 }
 
