@@ -263,3 +263,65 @@ def test_hyper_connections_at_any_stream_count_and_width(hc, D, T, iters, dtype)
     got, want = hc_merge(streams, out, post, comb), hc_merge_reference(streams, out, post, comb)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+# -- attention: wide GQA groups, MQA with many heads, wide heads; MLA prefill at any widths ---------
+
+
+@FEW
+@given(kv_heads=st.integers(1, 2), groups=st.sampled_from([7, 12, 16, 24, 40]), head_dim=st.sampled_from([20, 64, 136, 256]),
+       decode=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_paged_attention_with_wide_groups_and_heads(kv_heads, groups, head_dim, decode, seed):
+    """Query heads per KV head past one 16-row tile (Falcon-style MQA, 40 heads a KV head),
+    head widths with a tail past a power of two (136) and 256, decode (split-KV) and prefill over
+    a cached prefix; the K/V write and the output against the core's reference in float64."""
+    from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
+    from deepinfer_core.attention.torch_ref import TorchAttentionBackend
+    from deepinfer_core.testing.paged_batch import scattered_batch
+    from deepinfer_cuda_sm100.attention import TritonAttention
+
+    spec = AttentionLayerSpec(AttentionKind.FULL, 0, kv_heads * groups, kv_heads, head_dim, head_dim, scale=head_dim**-0.5)
+    g = torch.Generator().manual_seed(seed)
+    cached = [int(c) for c in torch.randint(0, 40, (2,), generator=g)]
+    new = [1, 1] if decode else [int(n) for n in torch.randint(1, 9, (2,), generator=g)]
+    batch = scattered_batch([c + n for c, n in zip(cached, new)], new, block_size=16, generator=g, spare_blocks=2)
+    ref = TorchAttentionBackend()
+    cache = torch.randn(ref.kv_cache_shape(spec, batch.num_blocks, 16), generator=g)
+    q, k, v = (torch.randn(batch.num_tokens, h, head_dim, generator=g) for h in (spec.num_heads, kv_heads, kv_heads))
+    ours_cache = cache.clone().to(DEVICE)
+    got = TritonAttention().forward(spec, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), ours_cache, batch.metadata(DEVICE))
+    ref_cache = cache.double().to(DEVICE)
+    want = ref.forward(spec, q.double().to(DEVICE), k.double().to(DEVICE), v.double().to(DEVICE), ref_cache, batch.metadata(DEVICE))
+    assert torch.equal(ours_cache.double(), ref_cache)
+    torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=1e-4)
+
+
+@FEW
+@given(heads=st.integers(1, 5), latent=st.sampled_from([16, 24, 40]), rope=st.sampled_from([8, 16, 24]), nope=st.sampled_from([8, 16, 40]),
+       v_dim=st.sampled_from([8, 24, 40]), prefix=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, prefix, seed):
+    """MLA's non-absorbed prefill (TritonAttention.forward_mla_expanded) for latent, rope, nope
+    and value widths that are not powers of two, against the absorbed form in float64 through
+    the core's reference attention (multiplying the queries into the latent space instead)."""
+    from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
+    from deepinfer_core.attention.torch_ref import TorchAttentionBackend
+    from deepinfer_core.testing.paged_batch import scattered_batch
+    from deepinfer_cuda_sm100.attention import TritonAttention
+
+    spec = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=heads, num_kv_heads=1, head_dim=latent + rope, v_head_dim=latent, scale=0.2,
+                              rope_dim=rope, kv_shared=True)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    new = [int(n) for n in torch.randint(1, 40, (2,), generator=g)]
+    lens = [n + (int(torch.randint(1, 30, (1,), generator=g)) if prefix else 0) for n in new]
+    batch = scattered_batch(lens, new, block_size=16, generator=g, spare_blocks=2)
+    cache = torch.randn(TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, 16), generator=g).to(DEVICE)
+    meta = batch.metadata(DEVICE, num_context_tokens=sum(lens), num_attention_pairs=batch.num_attention_pairs)
+    key = cache.view(-1, cache.shape[-1])[batch.slot_mapping.to(DEVICE)][:, None, : latent + rope]  # the new entries, already in place
+    q = torch.randn(batch.num_tokens, heads, nope + rope, generator=g).to(DEVICE)
+    w_kv = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent**0.5).to(DEVICE)
+    got = TritonAttention(mla_expand_min_tokens=1).forward_mla_expanded(spec, q, key, w_kv, cache, meta)
+    qd, wd = q.double(), w_kv.double()
+    query = torch.cat([torch.einsum("thn,hnc->thc", qd[..., :nope], wd[:, :nope]), qd[..., nope:]], dim=-1)
+    want = torch.einsum("thc,hvc->thv", TorchAttentionBackend()._forward_padded(spec, query, cache.double(), meta), wd[:, nope:])
+    assert got.shape == (batch.num_tokens, heads, v_dim)
+    torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=1e-4)
