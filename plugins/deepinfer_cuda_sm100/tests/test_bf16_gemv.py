@@ -42,7 +42,7 @@ def test_dense_gemv_matches_the_float64_product(M, N, K, dtype, monkeypatch):
     assert got.shape == (M, N) and got.dtype == dtype and torch.equal(got, fused[0])
 
 
-@pytest.mark.parametrize("N,K", [(72, 1536), (40, 200)], ids=str)
+@pytest.mark.parametrize("N,K", [(24, 1536), (40, 200)], ids=str)
 def test_dense_gemv_with_the_norm_folded_in(N, K):
     """``norm=(g, eps)``: the row RMS-normalised inside the launch (the default config: no K
     split) equals the float64 product of the core's reference norm to a 16-bit rounding; more rows
@@ -135,6 +135,7 @@ def test_a_bf16_deepseek_v3_with_the_gemvs_installed_stays_as_close_to_transform
     model = llm.engine.model
     torch_err = rel(llm.engine.prompt_logits(prompt).cpu(), want)
     monkeypatch.setattr(module, "GEMV_ROWS", 2)
+    monkeypatch.setattr(module, "PROGRAMS", 4)  # 16 weight rows a program: the interpreter's cost is per program
     launches = []
     real = module.gemv
     monkeypatch.setattr(module, "gemv", lambda x, w, *a, **k: launches.append(tuple(w.shape)) or real(x, w, *a, **k))
