@@ -325,3 +325,47 @@ def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, pr
     want = torch.einsum("thc,hvc->thv", TorchAttentionBackend()._forward_padded(spec, query, cache.double(), meta), wd[:, nope:])
     assert got.shape == (batch.num_tokens, heads, v_dim)
     torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=1e-4)
+
+
+# -- DeepSeek-V4 attention ----------------------------------------------------------------------
+
+
+@FEW
+@given(kind=st.sampled_from(["sliding", "csa", "hca"]), heads=st.integers(1, 20), window=st.integers(1, 40), ratio=st.sampled_from([4, 8, 32]),
+       topk=st.integers(1, 8), decode=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ratio, topk, decode, seed):
+    """TritonV4Attention.forward_v4 (the kernel and its ring write) for head counts that are not
+    powers of two, windows from 1 (a one-row ring, as the engine sizes it) up, HCA ratios 4-32 (the block's entry count
+    down to 1), CSA top-k 1-8 with unused (-1) slots; decode and prefill chunks over a prefix,
+    against the core's V4 reference backend in float64 on the same cache."""
+    from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
+    from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend
+    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+    from deepinfer_core.testing.paged_batch import scattered_batch
+    from deepinfer_cuda_sm100.attention import TritonV4Attention
+
+    k_ = {"sliding": AttentionKind.SLIDING, "csa": AttentionKind.COMPRESSED_SPARSE, "hca": AttentionKind.HEAVILY_COMPRESSED}[kind]
+    ratio = {"sliding": 0, "csa": 4, "hca": ratio}[kind]
+    D, bs = 32, 32
+    spec = AttentionLayerSpec(k_, 0, num_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, scale=D**-0.5, rope_dim=8, kv_shared=True,
+                              window=window, compress_ratio=ratio, index_topk=topk if kind == "csa" else 0, state_kv=True)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    new = [1, 1, 1] if decode else [int(n) for n in torch.randint(1, 30, (3,), generator=g)]
+    lens = [n + int(c) for n, c in zip(new, torch.randint(0, 80, (3,), generator=g))]
+    batch = scattered_batch(lens, new, block_size=bs, generator=g, spare_blocks=2)
+    width = D + (16 if kind == "csa" else 0)
+    cache = V4LayerCache(torch.randn(int(batch.block_tables.max()) + 1, bs // ratio if ratio else 0, width, generator=g).to(DEVICE),
+                         torch.randn(5, max(1, window - 1), D, generator=g).to(DEVICE), torch.zeros(5, 0, 0, device=DEVICE))  # fmt: skip (rows as V4LayerCache sizes them)
+    selected = None
+    if kind == "csa":
+        rows = [torch.randperm((p + 1) // ratio, generator=g)[:topk].tolist() for p in batch.positions.tolist()]
+        selected = torch.tensor([r + [-1] * (topk - len(r)) for r in rows], dtype=torch.long, device=DEVICE)
+    meta = batch.metadata(DEVICE, slot_mapping=torch.zeros_like(batch.positions), state_slots=torch.randperm(5, generator=g)[:3].to(DEVICE))
+    q = torch.randn(batch.num_tokens, heads, D, generator=g).to(DEVICE)
+    kv = torch.randn(batch.num_tokens, D, generator=g).to(DEVICE)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    ref_cache = V4LayerCache(cache.entries.double(), cache.window.double(), cache.tail)
+    want = TorchV4AttentionBackend().forward_v4(spec, q.double(), kv.double(), sinks, ref_cache, meta, selected)
+    got = TritonV4Attention().forward_v4(spec, q, kv, sinks, cache, meta, selected)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(cache.window.double(), ref_cache.window), "the ring differs from the reference's"
