@@ -16,8 +16,9 @@ stages it calls is the callee's), measured with ``time.thread_time_ns``; "other"
 stage clocks, whose own cost (~4 us a wrapped call) the stage sums include.
 
 ``--before REV`` runs the engine of git revision REV in alternate child processes (its
-``deepinfer_core`` from ``git archive``, first on ``PYTHONPATH``), the peer in the same run; the
-machine's load hits both alike, and each figure is the median over ``--rounds`` processes.
+``deepinfer_core`` from ``git archive``, first on ``PYTHONPATH``; this checkout's is copied at the
+start the same way), the peer in the same run; the machine's load hits both alike, and each figure
+is the median over ``--rounds`` processes.
 
     .venv/bin/python benchmarks/engine_host_time.py --before 9bbfe2d --rounds 5
 """
@@ -27,6 +28,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,10 +233,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine_host_time") as tmp:
         ckpt = os.path.join(tmp, "v3")
         make_checkpoint(ckpt)
-        variants: dict[str, str | None] = {"now": None}
+        now = os.path.join(tmp, "now")  # this checkout's engine as it is at the start (edits during the run do not count)
+        shutil.copytree(Path(__file__).resolve().parent.parent / "deepinfer_core", os.path.join(now, "deepinfer_core"), ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        variants: dict[str, str | None] = {"now": now}
         if args.before:
             os.makedirs(os.path.join(tmp, "before"))
-            variants = {f"before ({args.before})": export(args.before, os.path.join(tmp, "before")), "now": None}
+            variants = {f"before ({args.before})": export(args.before, os.path.join(tmp, "before")), "now": now}
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, pythonpath in variants.items():

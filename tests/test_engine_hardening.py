@@ -108,6 +108,34 @@ def test_a_batch_with_one_bad_request_adds_none_of_them(llm, bad_at):
         llm.engine.add_checked((good[0], GREEDY))
 
 
+def test_generate_gets_only_last_outputs_from_the_steps_and_the_same_results_as_a_stream(llm, monkeypatch):
+    """generate() reads only each request's last output, so the engine builds no snapshot per
+    step for its requests (final_only); the results are a stream's last outputs, text and ids,
+    for greedy, sampled and stop-string requests."""
+    prompts = ["Hello there", "The weather today", "Once upon a time"]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=5, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, stop=["e"])]
+    streamed = {}
+    for out in llm.stream(prompts, params):
+        streamed[out.prompt] = out
+    emitted = []
+    step = llm.engine.step
+
+    def counted():
+        outs = step()
+        emitted.extend(outs)
+        return outs
+
+    monkeypatch.setattr(llm.engine, "step", counted)
+    outs = llm.generate(prompts, params)
+    assert len(emitted) == len(prompts) and all(o.finished for o in emitted)
+    for out in outs:
+        want = streamed[out.prompt].outputs[0]
+        got = out.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert out.prompt_token_ids == streamed[out.prompt].prompt_token_ids
+    assert streamed[prompts[2]].outputs[0].finish_reason == "stop"
+
+
 def test_params_changed_while_a_request_runs_do_not_reach_it(llm):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = alone(llm, "Once upon a time", params)

@@ -80,3 +80,34 @@ def test_token_slice_is_the_slice_of_prompt_plus_output():
     for start in range(len(whole) + 2):
         for end in range(start, len(whole) + 3):
             assert req.token_slice(start, end) == whole[start:end], (start, end)
+
+
+def test_prompt_chunks_carry_their_ids_as_array_views_and_build_the_same_batch():
+    """A request whose prompt came with an array (the entry check makes one) is scheduled with
+    views of it for prompt chunks (None once the step reaches output tokens); the batch built
+    from them has the input ids, positions and slots of the batch built from the token ids."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from deepinfer_core.engine.batch_build import build
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10), KVCacheManager(64, BS, "ns"))
+    prompt = [(37 * i) % 101 for i in range(25)]
+    sched.add(Request("a", list(prompt), SamplingParams(), 0, prompt_array=np.array(prompt, dtype=np.uint32)))
+    sched.add(Request("b", [5, 6, 7], SamplingParams(), 0))  # no array: its rows come from token_ids
+    steps = drive(sched, max_new=3)
+    seen = 0
+    for out in steps:
+        for s in out.requests:
+            if s.request_id == "a" and s.start_position + len(s.token_ids) <= len(prompt):
+                assert s.token_array.tolist() == list(s.token_ids)
+                seen += 1
+            else:
+                assert s.token_array is None
+        plain = dataclasses.replace(out, requests=tuple(dataclasses.replace(s, token_array=None) for s in out.requests))
+        a, b = build(out, BS, torch.device("cpu")), build(plain, BS, torch.device("cpu"))
+        assert torch.equal(a.input_ids, b.input_ids) and a.input_ids.dtype == torch.int64
+        assert torch.equal(a.meta.positions, b.meta.positions) and torch.equal(a.meta.slot_mapping, b.meta.slot_mapping)
+    assert seen == 3  # 10 + 10 + 5 prompt tokens

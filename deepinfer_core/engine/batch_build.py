@@ -79,9 +79,13 @@ def build(
     sample_rows = cu[1:][sample] - 1
     parts = [positions, slots, cu, seq_lens, tables.ravel(), sample_rows]
     if input_ids is None:
-        ids = np.fromiter(chain.from_iterable(s.token_ids for s in reqs), np.int64, T)
-        if (ids == PENDING).any():  # a token of the step in flight: never read before it exists
-            raise RuntimeError("overlap guard: a scheduled token is still pending on the device and no device ids were given")
+        arrays = [s.token_array for s in reqs]
+        if R and all(a is not None for a in arrays):  # prompt chunks: their ids as arrays already (no per-token conversion)
+            ids = np.concatenate(arrays).astype(np.int64)
+        else:
+            ids = np.fromiter(chain.from_iterable(s.token_ids for s in reqs), np.int64, T)
+            if (ids == PENDING).any():  # a token of the step in flight: never read before it exists
+                raise RuntimeError("overlap guard: a scheduled token is still pending on the device and no device ids were given")
         parts.append(ids)
     elif tuple(input_ids.shape) != (T,):
         raise ValueError(f"input_ids must have shape ({T},), got {tuple(input_ids.shape)}")

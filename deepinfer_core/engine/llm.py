@@ -111,7 +111,7 @@ class LLM:
             raise TypeError(f"prompts are a string, a list of token ids, a prompt dict, or a list of those; got {type(prompts).__name__}")
         return list(prompts)
 
-    def _submit(self, encoded: list[tuple[list[int], str | None]], params) -> list[str]:
+    def _submit(self, encoded: list[tuple[list[int], str | None]], params, final_only: bool = False) -> list[str]:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(encoded)
         if not isinstance(params, (list, tuple)):
@@ -124,7 +124,7 @@ class LLM:
             ids: list[str] = []
             try:
                 for request, (_, text) in zip(checked, encoded):
-                    ids.append(self.engine.add_checked(request, prompt=text))
+                    ids.append(self.engine.add_checked(request, prompt=text, final_only=final_only))
             except BaseException:
                 for request_id in ids:
                     self.engine.abort_request(request_id)
@@ -142,7 +142,7 @@ class LLM:
         instead (for text from users). A request the engine gives up on comes back with
         ``finish_reason="error"`` and the reason in ``outputs[0].error``."""
         encoded = [self._encode(p, split_special_tokens) for p in self._as_list(prompts)]
-        return self._run(self._submit(encoded, sampling_params), use_tqdm)
+        return self._run(self._submit(encoded, sampling_params, final_only=True), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
@@ -152,7 +152,7 @@ class LLM:
             raise TypeError(f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         encoded = [self._encode_chat(c, add_generation_prompt) for c in conversations]
-        return self._run(self._submit(encoded, sampling_params), use_tqdm)
+        return self._run(self._submit(encoded, sampling_params, final_only=True), use_tqdm)
 
     def _encode_chat(self, conversation: Conversation, add_generation_prompt: bool) -> tuple[list[int], str]:
         tok = self.engine.tokenizer

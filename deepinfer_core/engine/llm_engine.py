@@ -139,15 +139,17 @@ class LLMEngine:
                 raise type(exc)(f"prompt {i}: {exc}") from None
         return checked
 
-    def add_checked(self, checked: validation.CheckedRequest, prompt: str | None = None, request_id: str | None = None) -> str:
+    def add_checked(self, checked: validation.CheckedRequest, prompt: str | None = None, request_id: str | None = None, *, final_only: bool = False) -> str:
         """Enqueue a request that :meth:`check_batch` accepted, without checking it again (the
-        request id and ``prompt`` still are)."""
+        request id and ``prompt`` still are). ``final_only``: :meth:`step` returns only the
+        request's last output (finished), not a snapshot each time it gains a token (building
+        them was a third of a 256-request decode step's host time, for callers that drop them)."""
         if not isinstance(checked, validation.CheckedRequest):
             raise TypeError(f"add_checked takes what check_batch returned, got {type(checked).__name__}")
         with self._lock:
-            return self._add(checked, prompt, request_id)
+            return self._add(checked, prompt, request_id, final_only)
 
-    def _add(self, checked: validation.CheckedRequest, prompt, request_id) -> str:
+    def _add(self, checked: validation.CheckedRequest, prompt, request_id, final_only: bool = False) -> str:
         prompt_token_ids, params = checked.prompt_token_ids, checked.params
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
@@ -167,6 +169,8 @@ class LLMEngine:
             eos_token_ids=eos,
             max_tokens=min(params.max_tokens or room, room),
             prompt=prompt,
+            final_only=final_only,
+            prompt_array=checked.prompt_array,
         )
         self.scheduler.add(req)
         self.outputs.add(req)
@@ -181,9 +185,9 @@ class LLMEngine:
 
     def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> validation.CheckedRequest:
         """``params``: already the engine's checked copy."""
-        ids = validation.prompt_token_ids(prompt_token_ids, self.limits)
+        ids, array = validation.checked_prompt(prompt_token_ids, self.limits)
         validation.check_params(params, len(ids), self.limits)
-        return validation.CheckedRequest(ids, params)
+        return validation.CheckedRequest(ids, params, array)
 
     def check_prompt_text(self, text: str) -> None:
         """Refuse a text prompt that is surely longer than the context, before tokenizing it."""
@@ -226,7 +230,7 @@ class LLMEngine:
                     log.exception("engine step failed; failing every request")
                     return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
                 outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items()]
-                return outputs + [self._process(req) for req in changed]
+                return outputs + [out for req in changed if (out := self._process(req)) is not None]
             finally:
                 self._stepping = False
 
@@ -262,7 +266,7 @@ class LLMEngine:
         kept = {s.request_id for s in sched.requests}
         changed = self.scheduler.update(sched, {i: t for i, t in result.sampled.items() if i in kept})
         outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items() if i in kept]
-        return outputs + [self._process(req) for req in changed]
+        return outputs + [out for req in changed if (out := self._process(req)) is not None]
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}
@@ -273,12 +277,15 @@ class LLMEngine:
                 rows[s.request_id] = SamplingRow(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
         return rows
 
-    def _process(self, req: Request) -> RequestOutput:
-        """Stop checks and detokenization of the request's new token, contained to it."""
+    def _process(self, req: Request) -> RequestOutput | None:
+        """Stop checks and detokenization of the request's new token, contained to it; None
+        when the request runs on and its caller wants only its last output."""
         try:
             reason, stop_reason = self.outputs.process(req)
             if reason is not None:
                 self.scheduler.finish(req, reason, stop_reason)
+            elif req.final_only:
+                return None
             return self.outputs.snapshot(req)
         except Exception as exc:
             log.exception("request %s failed", req.request_id)

@@ -97,10 +97,11 @@ class ModelRunner:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
         ids = tuple(s.request_id for s in out.requests if s.sample)
         row_list = [rows[i] for i in ids]
+        plain = type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list)  # the sampler would return the argmax
         if logits is None:
             sample_hidden = hidden if batch.sample_index is None else hidden[batch.sample_index]
             fused = getattr(self.model, "greedy_tokens", None)  # the head's argmax without the logits (greedy rows only)
-            if fused is not None and type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list):
+            if fused is not None and plain:
                 if (got := fused(sample_hidden)) is not None:
                     host, ready = _copy_back(got[0])
                     return Launched(out, ids, got[0], host, ready, None, fed, got[1])
@@ -109,8 +110,8 @@ class ModelRunner:
         try:  # penalties change the logits in place: keep them for the per-row retry
             if on_device is None:
                 raise NotImplementedError
-            if greedy is not None and type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list):
-                tokens = greedy  # the sampler's own argmax over these logits, already in the graph
+            if plain:  # the sampler's own argmax, already in the graph or taken here without its per-row passes
+                tokens = greedy if greedy is not None else torch.argmax(logits.float(), dim=-1)
             else:
                 tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)

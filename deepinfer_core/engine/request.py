@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_stored_blocks: int = 0  # leading full blocks already handed to the KV store writer
+    final_only: bool = False  # its caller reads only the last output (LLM.generate): no snapshot per step
+    prompt_array: Any = field(default=None, repr=False)  # np.ndarray [n] uint32 of prompt_token_ids, from the entry check (None: not made)
 
     @property
     def num_tokens(self) -> int:

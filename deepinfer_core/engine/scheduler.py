@@ -9,7 +9,8 @@ computed full blocks usually stay in the prefix cache, so the recompute is cheap
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -24,6 +25,9 @@ class ScheduledRequest:
     sample: bool  # the step reaches the last known token: sample the next one
     seed: int
     prompt_len: int = 0  # the request's prompt tokens (0: unknown), see AttentionMetadata.prompt_lens
+    # token_ids as a uint32 array where they lie in the prompt (a view of Request.prompt_array);
+    # None: build from token_ids
+    token_array: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class Scheduler:
                 sample=req.num_computed_tokens + n == req.num_tokens,
                 seed=req.seed,
                 prompt_len=len(req.prompt_token_ids),
+                token_array=_prompt_view(req, req.num_computed_tokens, n),
             )
             for req, n in chosen
         )
@@ -178,3 +183,9 @@ class Scheduler:
         if req is not None:
             self.finish(req, "abort")
         return req
+
+
+def _prompt_view(req: Request, start: int, n: int):
+    """The scheduled ids as a view of the prompt's array, when they all lie in the prompt."""
+    array = req.prompt_array
+    return array[start : start + n] if array is not None and start + n <= len(req.prompt_token_ids) else None
