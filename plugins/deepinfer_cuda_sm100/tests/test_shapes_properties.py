@@ -369,3 +369,42 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
     got = TritonV4Attention().forward_v4(spec, q, kv, sinks, cache, meta, selected)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
     assert torch.equal(cache.window.double(), ref_cache.window), "the ring differs from the reference's"
+
+
+@FEW
+@given(overlap=st.booleans(), ratio=st.sampled_from([2, 4, 8, 16, 32]), dim=st.sampled_from([16, 32, 64]), data=st.data(), seed=st.integers(0, 2**16))
+def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, data, seed):
+    """One compressor's decode step in one launch (TritonV4Attention.compress_decode) for
+    compression ratios 2-32 (a block of 32 holding 16 entries down to 1), overlapping or not,
+    and any even rope width up to the compressed width (halves that are not powers of two),
+    against the core's torch form; requests closing their window and not."""
+    from deepinfer_core.models.deepseek_v4_compress import Compressor
+    from deepinfer_core.models.deepseek_v4_decode import V4DecodeBatch, decode_update_entries
+    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+    from deepinfer_core.models.deepseek_v4_layers import V4Rope
+    from deepinfer_cuda_sm100.attention import TritonV4Attention
+
+    rope_dim = 2 * data.draw(st.integers(1, dim // 2))
+    g = torch.Generator().manual_seed(seed)
+    comp = Compressor(24, dim, ratio, overlap, 1e-6)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    comp = comp.to(DEVICE)
+    block = 32
+    nb = -(-5 * ratio // block)  # blocks a request's positions reach
+    cache = V4LayerCache(torch.randn(4 * nb + 2, block // ratio, dim + 8, generator=g).to(DEVICE), torch.zeros(6, 1, dim, device=DEVICE),
+                         torch.randn(6, 2 * ratio if overlap else ratio, 2 * comp.width + 6, generator=g).to(DEVICE))  # fmt: skip
+    positions = torch.tensor([ratio - 1, 3 * ratio - 1, 2 * ratio + 1, 5 * ratio - 1], device=DEVICE)
+    batch = V4DecodeBatch(positions=positions, slots=torch.tensor([2, 0, 5, 3], device=DEVICE),
+                          block_tables=torch.randperm(4 * nb + 2, generator=g)[: 4 * nb].view(4, nb).to(DEVICE, torch.int32), block_size=block)  # fmt: skip
+    raw = [comp.project(torch.randn(4, 24, generator=g).to(DEVICE))]
+    rope = V4Rope(rope_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 512, DEVICE)
+    want = V4LayerCache(cache.entries.clone(), cache.window, cache.tail.clone())
+    decode_update_entries([(comp, 4)], raw, want, batch, rope)
+    got = V4LayerCache(cache.entries.clone(), cache.window, cache.tail.clone())
+    calls = []
+    decode_update_entries([(comp, 4)], raw, got, batch, rope, lambda *a: calls.append(1) or TritonV4Attention().compress_decode(*a))
+    assert calls == [1]
+    torch.testing.assert_close(got.tail, want.tail, rtol=0, atol=0)
+    torch.testing.assert_close(got.entries, want.entries, rtol=1e-5, atol=1e-5)
