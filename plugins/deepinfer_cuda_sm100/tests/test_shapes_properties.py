@@ -408,3 +408,55 @@ def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, d
     assert calls == [1]
     torch.testing.assert_close(got.tail, want.tail, rtol=0, atol=0)
     torch.testing.assert_close(got.entries, want.entries, rtol=1e-5, atol=1e-5)
+
+
+@FEW
+@given(heads=st.integers(1, 20), di=st.sampled_from([16, 32]), topk=st.integers(1, 9), decode=st.booleans(), seed=st.integers(0, 2**16))
+def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
+    """The CSA indexer's masked scores (TritonV4Attention.index_scores) for indexer head counts
+    that are not powers of two, widths 16 / 32, any top-k, decode and prefill over a prefix,
+    against a float64 loop over each token's visible entries."""
+    import functools
+
+    from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch
+    from deepinfer_core.models.deepseek_v4_config import parse_config
+    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+    from deepinfer_core.models.deepseek_v4_layers import V4Rope
+    from deepinfer_core.testing.paged_batch import scattered_batch
+    from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG
+    from deepinfer_cuda_sm100.attention import TritonV4Attention
+
+    ratio, block, D = 4, 32, 64
+    g = torch.Generator().manual_seed(seed)
+    cfg = parse_config(dict(TINY_V4_CONFIG) | {"index_n_heads": heads, "index_head_dim": di, "index_topk": topk})
+    indexer = Indexer(cfg, ratio)
+    for p in indexer.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    indexer = indexer.to(DEVICE).requires_grad_(False)
+    news = [1, 1, 1] if decode else [int(n) for n in torch.randint(1, 30, (3,), generator=g)]
+    ends = [n + int(c) for n, c in zip(news, torch.randint(0, 50, (3,), generator=g))]
+    paged = scattered_batch(ends, news, block_size=block, generator=g, spare_blocks=2)
+    entries = torch.randn(int(paged.block_tables.max()) + 1, block // ratio, D + di, generator=g).to(DEVICE)
+    cache = V4LayerCache(entries=entries, window=entries.new_zeros(1, 1, D), tail=entries.new_zeros(1, 0, 0))
+    bounds = paged.query_start_loc.tolist()
+    batch = V4Batch(tuple(zip(bounds[:-1], bounds[1:])), tuple(e - n for e, n in zip(ends, news)), (0, 1, 2), paged.block_tables.to(DEVICE), block,
+                    prompt_lens=tuple(ends))  # fmt: skip
+    positions = paged.positions.to(DEVICE)
+    meta = paged.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(3, device=DEVICE))
+    seen = {}
+
+    def scorer(*args):
+        seen["args"], seen["out"] = args, TritonV4Attention().index_scores(*args, meta=meta)
+        return seen["out"]
+
+    x = torch.randn(paged.num_tokens, cfg.hidden_size, generator=g).to(DEVICE)
+    q_res = torch.randn(paged.num_tokens, cfg.q_lora_rank, generator=g).to(DEVICE)
+    indexer.select(x, q_res, positions, cache, batch, V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, DEVICE), D, scorer)
+    q, weights, ents, key_col, pos, _b, r, n_max, scale = seen["args"]
+    want = torch.full((q.shape[0], n_max), float("-inf"), dtype=torch.float64)
+    for req, (a, b) in enumerate(batch.token_ranges):
+        for t in range(a, b):
+            for w in range((int(pos[t]) + 1) // r):
+                key = ents[int(batch.block_tables[req, w // (block // r)]), w % (block // r), key_col : key_col + di].double()
+                want[t, w] = float((weights[t].double() * (q[t].double() @ key).clamp_min(0)).sum()) * scale
+    torch.testing.assert_close(seen["out"].double().cpu(), want, atol=1e-5, rtol=1e-5)
