@@ -19,8 +19,10 @@
  * alone: the result never depends on the rest of the batch.
  *
  * Common shapes (G = 1-4, head width 64 or 128) run attend_fixed, the same arithmetic with the
- * shape known at compile time so no accumulator leaves the registers; at 32 requests its time
- * is mostly the cache's bytes coming from memory (benchmarks/README.md, cpu13's section).
+ * shape known at compile time so no accumulator leaves the registers. At 32 requests its time is
+ * mostly the cache's bytes coming from memory (benchmarks/README.md, cpu13's section), so while
+ * an item's weighted sum runs from L1/L2 the thread fetches the keys and values of the next item
+ * it will take (the memory would otherwise idle there).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -100,12 +102,13 @@ static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4x8(a, a, a, a
  * lanes as the generic path does at that position (hsum4x8's pattern below n / 4 * 4, vec_hsum8's
  * above), and each output column sums its positions in order. Keys and values of the position
  * PREFETCH_AHEAD further are prefetched during the scores, so the weighted sum reads L1/L2. */
+#define CHUNK 3  /* items a thread takes at a time: it warms the next item of its chunk (see next) */
 #define KP(G) ((G) >= 4 ? 2 : (G) == 3 ? 3 : 4)      /* positions per score step: G x KP accumulators + KP keys + 1 query <= 16 */
 #define VJ(G) ((G) >= 3 ? 2 : 4)      /* 8-wide output vectors per head in the weighted sum */
 static inline __attribute__((always_inline)) void attend_fixed(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
                                                                int64_t block_size, int64_t width, const int64_t G, const int64_t D,
                                                                const int32_t *block_tables, int64_t max_blocks, const int64_t *positions,
-                                                               float scale, int64_t window, float *out, int64_t item, int f16) {
+                                                               float scale, int64_t window, float *out, int64_t item, int64_t next, int f16) {
     const int64_t plane = num_kv_heads * num_blocks * block_size * width, r = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
     const int64_t n = last - first + 1, stride = n + 4, n4 = n / 4 * 4;
@@ -146,11 +149,27 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
         }
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
+    /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
+     * keys and values fetched, a position per iteration of the first column pass */
+    const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
+    const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
+    const int32_t *table2 = block_tables + r2 * max_blocks;
+    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * (f16 ? 2 : 4);
+    const int64_t vplane = plane * (f16 ? 2 : 4);
+    int64_t b2 = first2 / block_size, o2 = first2 % block_size;
     for (int64_t c0 = 0; c0 < D; c0 += 8 * VJ(G)) {
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < VJ(G); j++) a[g][j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
+            if (c0 == 0 && t < n2) {
+                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * (f16 ? 2 : 4);
+                for (int64_t b = 0; b < D * (f16 ? 2 : 4); b += 64) {
+                    _mm_prefetch(p + b, _MM_HINT_T0);
+                    _mm_prefetch(p + vplane + b, _MM_HINT_T0);
+                }
+                if (++o2 == block_size) o2 = 0, b2++;
+            }
             __m256 w[4];
             for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(scores[g * stride + t]);
             for (int j = 0; j < VJ(G); j++) {
@@ -249,7 +268,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
 
 /* attend_fixed for one (G, D, f16) of the shapes it is instantiated for: G = 1-4 query heads per KV head, D = 64 or 128 */
 #define FIXED(G, D, F16) attend_fixed(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
-                                      scale, window, out, item, F16)
+                                      scale, window, out, item, next, F16)
 #define FIXED_CASES(G) \
     case 4 * (G) - 4: FIXED(G, 64, 0); break; case 4 * (G) - 3: FIXED(G, 64, 1); break; \
     case 4 * (G) - 2: FIXED(G, 128, 0); break; case 4 * (G) - 1: FIXED(G, 128, 1); break;
@@ -261,8 +280,11 @@ void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_he
     const int64_t G = num_heads / num_kv_heads;
     const int fixed = G >= 1 && G <= 4 && G * num_kv_heads == num_heads && head_dim == v_head_dim && (head_dim == 64 || head_dim == 128);
     const int shape = fixed ? (int)(4 * G - 4 + 2 * (head_dim == 128) + (f16 != 0)) : -1;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_requests * num_kv_heads; item++) {
+    const int64_t items = num_requests * num_kv_heads;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, CHUNK)
+    for (int64_t item = 0; item < items; item++) {
+        /* the item this thread takes next: the rest of its chunk of CHUNK, or any item on one thread */
+        const int64_t next = item + 1 < items && (nthreads == 1 || (item + 1) % CHUNK != 0) ? item + 1 : -1;
         switch (shape) {
             FIXED_CASES(1) FIXED_CASES(2) FIXED_CASES(3) FIXED_CASES(4)
             default:
