@@ -29,7 +29,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vec.h"
 
@@ -188,29 +187,14 @@ static inline void transpose8_epi16(__m128i *r) {
  * scratch and transposing 32-bit pairs (the build before 2026-12-01 16:00), no scratch: 1.15x
  * for a whole 8-row call, 1.03-1.07x at 32 (benchmarks/README.md, cpu12). The 16 rows are one
  * contiguous span of the packed weight read a block of each row at a time, which the hardware
- * prefetcher does not follow: q4 prefetches the next tile's span (and its scales) while this
- * one is built; q8 rows (twice the bytes; the head, from memory) are first copied front to
- * back, which measured better than prefetching them. The panel's contents are the same
- * integers either way, so every result keeps its bits. */
+ * prefetcher does not follow: the span is prefetched while the tile before runs (ahead_t).
+ * The panel's contents are the same integers either way, so every result keeps its bits. */
 static void build_panel16(int kind, const void *qs, const float *d, const float *m, int64_t n0, int nr, int64_t nb,
-                          int64_t N, uint8_t *copy, __m256i *panel) {
+                          __m256i *panel) {
     const int64_t row_bytes = nb * (kind == 4 ? QK / 2 : QK);
     const uint8_t *base = (const uint8_t *)qs;
-    if (kind == 4 && n0 + P16_COLS < N) {
-        const int64_t n1 = n0 + P16_COLS, rows = N - n1 < P16_COLS ? N - n1 : P16_COLS;
-        for (int64_t off = 0; off < rows * row_bytes; off += 64) _mm_prefetch((const char *)(base + n1 * row_bytes + off), _MM_HINT_T0);
-        for (int64_t off = 0; off < rows * nb; off += 16) {  /* the scales (and offsets): 16 floats a line */
-            _mm_prefetch((const char *)(d + n1 * nb + off), _MM_HINT_T0);
-            if (m) _mm_prefetch((const char *)(m + n1 * nb + off), _MM_HINT_T0);
-        }
-    }
     const uint8_t *rp[P16_COLS];
     for (int c = 0; c < P16_COLS; c++) rp[c] = base + (n0 + (c < nr ? c : 0)) * row_bytes;
-    if (kind == 8)  /* twice q4's bytes: copied front to back first (the prefetch alone lost to it) */
-        for (int c = 0; c < P16_COLS; c++) {
-            memcpy(copy + c * row_bytes, rp[c], (size_t)row_bytes);
-            rp[c] = copy + c * row_bytes;
-        }
     const __m256i low = _mm256_set1_epi16(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         __m256i *pb = panel + b * (P16_BLOCK / 32);
@@ -245,6 +229,40 @@ static void build_panel16(int kind, const void *qs, const float *d, const float 
             sc[P16_COLS + c] = m ? m[n * nb + b] : 0.0f;
         }
     }
+}
+
+/* The next tile's packed rows, scales and offsets, prefetched a few lines before each pass of
+ * this tile's tokens, spread over the tile's work: all ~110 lines at the tile's start measured
+ * worse (a 32-row step's GEMMs with weights from memory still ran ~15% below the same calls
+ * with one matrix in cache; spread, about as fast), and q8 rows (the head) copied front to
+ * back, the other way tried, lost 1.2-1.3x to this on the head. */
+typedef struct {
+    const char *p[3];
+    int64_t left[3];  /* bytes still to prefetch per span */
+    int64_t per_pass; /* lines per pass */
+} ahead_t;
+
+static ahead_t next_tile(int kind, const void *qs, const float *d, const float *m, int64_t n1, int64_t N, int64_t nb, int64_t passes) {
+    ahead_t pf = {{0, 0, 0}, {0, 0, 0}, 0};
+    if (n1 >= N) return pf;
+    const int64_t rows = N - n1 < P16_COLS ? N - n1 : P16_COLS, row_bytes = nb * (kind == 4 ? QK / 2 : QK);
+    pf.p[0] = (const char *)qs + n1 * row_bytes;
+    pf.left[0] = rows * row_bytes;
+    pf.p[1] = (const char *)(d + n1 * nb);
+    pf.left[1] = rows * nb * (int64_t)sizeof(float);
+    if (m) {
+        pf.p[2] = (const char *)(m + n1 * nb);
+        pf.left[2] = pf.left[1];
+    }
+    const int64_t lines = (pf.left[0] + pf.left[1] + pf.left[2]) / 64 + 3;
+    pf.per_pass = (lines + passes - 1) / passes;
+    return pf;
+}
+
+static inline void ahead_some(ahead_t *pf) {
+    int64_t n = pf->per_pass;
+    for (int k = 0; k < 3 && n > 0; k++)
+        for (; pf->left[k] > 0 && n > 0; n--, pf->p[k] += 64, pf->left[k] -= 64) _mm_prefetch(pf->p[k], _MM_HINT_T0);
 }
 
 /* y = the tile's sums over the first K slice, y += them over the next ones */
@@ -307,10 +325,10 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
  * at 0.94x the exact kernel, 1.23x sliced). Slice boundaries depend on K only, so a row's result
  * still does not depend on M. */
 #define P16_SLICE 20
-#define P16_PASS(T, OFFS) panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y)
+#define P16_PASS(T, OFFS) (ahead_some(pf), panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y))
 
 static void panel16_range(const __m256i *panel, int64_t nb, int64_t K, const act16_t *a, int64_t c0, int64_t c1, int offs,
-                          int64_t n0, int nr, int64_t N, float *y) {
+                          int64_t n0, int nr, int64_t N, float *y, ahead_t *pf) {
     const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, step = (nb + slices - 1) / slices;
     for (int64_t b0 = 0; b0 < nb; b0 += step) {
         const int64_t b1 = b0 + step < nb ? b0 + step : nb;
@@ -336,24 +354,24 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
     int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / 3 * 3;
     if (chunk < 3) chunk = 3;
     const int offs = kind == 4;
+    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + 2) / 3;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
         __m256i *panel = (__m256i *)aligned_alloc(32, (size_t)(nb * P16_BLOCK));
-        uint8_t *copy = kind == 8 ? (uint8_t *)malloc((size_t)(P16_COLS * K)) : 0;
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
 #pragma omp for schedule(static) nowait
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t n0 = tile * P16_COLS;
                 const int nr = (int)(N - n0 < P16_COLS ? N - n0 : P16_COLS);
-                build_panel16(kind, qs, d, m, n0, nr, nb, N, copy, panel);
-                panel16_range(panel, nb, K, a, c0, c1, offs, n0, nr, N, y);
+                ahead_t pf = next_tile(kind, qs, d, m, n0 + P16_COLS, N, nb, passes);
+                build_panel16(kind, qs, d, m, n0, nr, nb, panel);
+                panel16_range(panel, nb, K, a, c0, c1, offs, n0, nr, N, y, &pf);
             }
         }
         free(panel);
-        free(copy);
     }
 }
 
