@@ -460,3 +460,25 @@ def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
                 key = ents[int(batch.block_tables[req, w // (block // r)]), w % (block // r), key_col : key_col + di].double()
                 want[t, w] = float((weights[t].double() * (q[t].double() @ key).clamp_min(0)).sum()) * scale
     torch.testing.assert_close(seen["out"].double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@FEW
+@given(B=st.integers(1, 2), M=st.integers(1, 70), N=st.integers(1, 70), K=st.integers(1, 100), D=st.integers(1, 600), seed=st.integers(0, 2**16))
+def test_batch_invariant_matmul_and_row_sums_at_any_shape(B, M, N, K, D, seed):
+    """The batch-invariant bmm (tails of its 64 x 64 x 32 tiles, a bias) and last-dimension
+    sum / mean (tails of the 256-wide step) in float32 against float64, and (on a GPU) a row
+    computed alone bitwise equal to the same row inside the batch: the interpreter's ``tl.dot``
+    is numpy's BLAS product, whose last bit may depend on the row's place in the tile (seen at
+    7 x 3 @ 3 x 1), which the compiled kernel's fixed-order products do not."""
+    from deepinfer_cuda_sm100.kernels.invariant import bmm, row_reduce
+
+    g = torch.Generator().manual_seed(seed)
+    a, b, bias = (torch.randn(*s, generator=g).to(DEVICE) for s in ((B, M, K), (B, K, N), (N,)))
+    got = bmm(a, b, bias, beta=0.5, alpha=2.0)
+    torch.testing.assert_close(got.double(), 0.5 * bias.double() + 2.0 * a.double() @ b.double(), atol=1e-4, rtol=1e-4)
+    if DEVICE == "cuda":
+        assert torch.equal(bmm(a[:, -1:], b, bias, beta=0.5, alpha=2.0), got[:, -1:])
+    x = torch.randn(M, D, generator=g).to(DEVICE)
+    torch.testing.assert_close(row_reduce(x, True, True).double(), x.double().mean(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(row_reduce(x, False, False).double(), x.double().sum(-1), atol=1e-4, rtol=1e-5)
+    assert torch.equal(row_reduce(x[-1:], False, False), row_reduce(x, False, False)[-1:])
