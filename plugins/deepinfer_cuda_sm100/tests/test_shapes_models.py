@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.plugin_host import PluginHost  # noqa: E402
+from deepinfer_core.testing.greedy_check import assert_same_or_near_tie  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=False, enforce_eager=True)
@@ -69,18 +70,6 @@ def plugin_on_cpu(monkeypatch):
     monkeypatch.setattr(fused_elementwise, "ROPE_CAT_TILE_TOKENS", 0)  # rope_cat's per-token form: the interpreter's cost is per program
 
 
-def assert_same_greedy(got, want, prompts, hf, margin=1e-4):
-    for i, (a, b, p) in enumerate(zip(got, want, prompts)):
-        if a == b:
-            continue
-        assert len(a) == len(b), f"request {i}: {len(a)} tokens vs the reference's {len(b)}"
-        j = next(j for j in range(len(a)) if a[j] != b[j])
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + a[:j]])).logits[0, -1].double()
-        gap = abs((logits[a[j]] - logits[b[j]]).item())
-        assert gap < margin, f"request {i} differs at token {j}: {a[j]} vs {b[j]}, transformers' margin {gap:.2e}"
-
-
 def run(path, prompts, params, **kw):
     llm = LLM(str(path), dtype="float32", **kw)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -103,7 +92,7 @@ def test_unusual_deepseek_v3_on_the_plugin_kernels_in_the_interpreter(tmp_path, 
     kinds |= {type(getattr(m, "dispatcher", None)) for m in ours.engine.model.modules()}
     assert TritonAttention in kinds and TritonMoEDispatcher in kinds, "the plugin's kernels were not in place"
     want, _ = run(tmp_path, prompts, params, **kw, **REFERENCE)
-    assert_same_greedy(got, want, prompts, hf)
+    assert_same_or_near_tie(got, want, prompts, hf)
 
 
 @pytest.mark.skipif(not CUDA, reason="the plugin's own defaults need a CUDA device (the interpreter variant runs above)")
@@ -118,4 +107,4 @@ def test_unusual_deepseek_v3_through_the_plugin_on_the_gpu(tmp_path, name):
     got, ours = run(tmp_path, prompts, params, **kw)
     del ours
     want, _ = run(tmp_path, prompts, params, **kw, **REFERENCE)
-    assert_same_greedy(got, want, prompts, hf.to("cpu"))
+    assert_same_or_near_tie(got, want, prompts, hf.to("cpu"))
