@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import graph_timing  # this folder (run as a script)
 from deepinfer_cuda_sm100.kernels import bf16_gemv as gm
 from deepinfer_core.fused_ops import rms_norm_reference
 from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters
@@ -31,17 +32,7 @@ DEVICE = "cuda"
 
 
 def graph_ms(fn) -> float:
-    if DEVICE == "cpu":
-        fn()
-        return float("nan")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return graph_timing.graph_ms(fn, DEVICE)  # NaN under --dry (DEVICE cpu)
 
 
 def rel(got, want) -> float:

@@ -18,6 +18,7 @@ import argparse
 import torch
 import triton
 
+import graph_timing  # this folder (run as a script)
 from deepinfer_cuda_sm100.kernels import fp8_gemv as gemv_module
 from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters, fp8_linear
 from deepinfer_cuda_sm100.kernels.fp8_gemv import GemvConfig
@@ -44,19 +45,7 @@ def weights(g):
 
 
 def graph_ms(fn) -> float:
-    """Median replay of ``fn``'s launches captured in one graph; the eager warm-up runs on the
-    capture stream (the split counters are per stream, allocated outside a capture)."""
-    if DEVICE == "cpu":  # --dry: the interpreter, no graphs, no timing
-        fn()
-        return float("nan")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return graph_timing.graph_ms(fn, DEVICE)  # NaN under --dry (DEVICE cpu)
 
 
 def rel_err(got, x, w, s) -> float:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import SplitCounters, _split_sum_kernel
+from .fp8_gemv import _gemv_epilogue
 from .fused_elementwise import _round
 from .paged_attention import _pow2, interpreting
 
@@ -118,20 +119,8 @@ def _gemv_kernel(
                     a = _round(g * a, x_ty)
                 part = tl.sum(w * a[None, :], axis=1)
                 acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    out_ty = out_ptr.dtype.element_ty
-    offs = rows[:, None].to(tl.int64) * stride_om + rn[None, :]
-    ok = (rows < M)[:, None] & n_ok[None, :]
-    tl.store(out_ptr + pid_b * stride_ob + pid_s.to(tl.int64) * stride_split + offs, _round(acc, out_ty).to(out_ty), mask=ok)
-    if FIXUP:  # one stack entry (b == 0): the last split of each column tile sums them in split order
-        tl.debug_barrier()  # every thread's partial stored before the arrival is published
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            total = tl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            for j in range(1, tl.num_programs(1)):
-                total += tl.load(out_ptr + j * stride_split + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            f_ty = final_ptr.dtype.element_ty
-            tl.store(final_ptr + rows[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=ok)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (graph replays too)
+    # FIXUP only with one stack entry (b == 0): the last split of each column tile sums them in split order
+    _gemv_epilogue(acc, out_ptr + pid_b * stride_ob, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP)
 
 
 def gemv_splits(N: int, K: int, cfg: Bf16GemvConfig, stack: int = 1) -> int:

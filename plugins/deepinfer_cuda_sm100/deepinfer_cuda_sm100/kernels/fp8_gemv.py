@@ -78,6 +78,16 @@ def _fp8_gemv_kernel(
                 dots = tl.sum(w * q.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_N, GROUPS], exact products
                 part = tl.sum(dots * sw * sa[None, :], axis=1)
                 acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    _gemv_epilogue(acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP)
+
+
+@triton.jit
+def _gemv_epilogue(acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP: tl.constexpr):
+    """A GEMV program's end (this kernel's and ``bf16_gemv``'s): rows ``rows < M`` x columns
+    ``rn`` of ``acc`` stored, rounded to ``out``'s dtype, as split ``pid_s``'s result
+    (``stride_split`` apart; the result itself when K is not split). ``FIXUP``: the last split of
+    column tile ``pid_n`` to arrive (its counter in ``cnt``) sums every split in split order into
+    ``final`` and resets the counter."""
     out_ty = out_ptr.dtype.element_ty
     offs = rows[:, None].to(tl.int64) * stride_om + rn[None, :]
     ok = (rows < M)[:, None] & n_ok[None, :]
