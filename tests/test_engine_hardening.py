@@ -110,8 +110,8 @@ def test_a_batch_with_one_bad_request_adds_none_of_them(llm, bad_at):
 
 def test_generate_gets_only_last_outputs_from_the_steps_and_the_same_results_as_a_stream(llm, monkeypatch):
     """generate() reads only each request's last output, so the engine builds no snapshot per
-    step for its requests (final_only); the results are a stream's last outputs, text and ids,
-    for greedy, sampled and stop-string requests."""
+    step for its requests (final_only: the first output and the last only); the results are a
+    stream's last outputs, text and ids, for greedy, sampled and stop-string requests."""
     prompts = ["Hello there", "The weather today", "Once upon a time"]
     params = [GREEDY, SamplingParams(temperature=0.8, seed=5, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, stop=["e"])]
     streamed = {}
@@ -127,7 +127,13 @@ def test_generate_gets_only_last_outputs_from_the_steps_and_the_same_results_as_
 
     monkeypatch.setattr(llm.engine, "step", counted)
     outs = llm.generate(prompts, params)
-    assert len(emitted) == len(prompts) and all(o.finished for o in emitted)
+    per_request = {}
+    for o in emitted:
+        per_request.setdefault(o.request_id, []).append(o)
+    assert len(per_request) == len(prompts)
+    for outs_of_one in per_request.values():  # its first token's output (unless that finished it), then the finished one
+        assert [o.finished for o in outs_of_one] in ([True], [False, True])
+        assert len(outs_of_one) == 1 or len(outs_of_one[0].outputs[0].token_ids) == 1
     for out in outs:
         want = streamed[out.prompt].outputs[0]
         got = out.outputs[0]

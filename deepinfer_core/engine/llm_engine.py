@@ -115,12 +115,14 @@ class LLMEngine:
         return max(1, min(int(budget // block_bytes), enough))
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None, request_id: str | None = None,
+                    *, final_only: bool = False) -> str:
         """Validate and enqueue. Raises ValueError or TypeError (naming the problem) and
         changes nothing when the request cannot be served. The engine keeps its own validated
-        copy of ``params`` and of the prompt: changing them afterwards has no effect."""
+        copy of ``params`` and of the prompt: changing them afterwards has no effect.
+        ``final_only``: as for :meth:`add_checked` (a caller that reads only the last output)."""
         with self._lock:
-            return self._add(self._checked(prompt_token_ids, params), prompt, request_id)
+            return self._add(self._checked(prompt_token_ids, params), prompt, request_id, final_only)
 
     def check_batch(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[validation.CheckedRequest]:
         """Check every ``(prompt_token_ids, params)`` of a batch before any of them is added, so
@@ -142,8 +144,9 @@ class LLMEngine:
     def add_checked(self, checked: validation.CheckedRequest, prompt: str | None = None, request_id: str | None = None, *, final_only: bool = False) -> str:
         """Enqueue a request that :meth:`check_batch` accepted, without checking it again (the
         request id and ``prompt`` still are). ``final_only``: :meth:`step` returns only the
-        request's last output (finished), not a snapshot each time it gains a token (building
-        them was a third of a 256-request decode step's host time, for callers that drop them)."""
+        request's first output (its first token: a server's time to first token) and its last
+        (finished), not a snapshot each time it gains a token (building them was a third of a
+        256-request decode step's host time, for callers that drop them)."""
         if not isinstance(checked, validation.CheckedRequest):
             raise TypeError(f"add_checked takes what check_batch returned, got {type(checked).__name__}")
         with self._lock:
@@ -279,12 +282,12 @@ class LLMEngine:
 
     def _process(self, req: Request) -> RequestOutput | None:
         """Stop checks and detokenization of the request's new token, contained to it; None
-        when the request runs on and its caller wants only its last output."""
+        when the request runs on past its first token and its caller wants only its last output."""
         try:
             reason, stop_reason = self.outputs.process(req)
             if reason is not None:
                 self.scheduler.finish(req, reason, stop_reason)
-            elif req.final_only:
+            elif req.final_only and len(req.output_token_ids) > 1:  # its first output still comes
                 return None
             return self.outputs.snapshot(req)
         except Exception as exc:

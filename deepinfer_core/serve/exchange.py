@@ -74,8 +74,10 @@ class ProtocolRoute:
             conversation = await self._parse(request)
             prepared = await asyncio.to_thread(server.preparer.prepare, conversation)  # grammar compiles off the loop
             request_id = secrets.token_hex(8)
-            sink = RequestSink(loop, conversation.stream or prepared.parser_stops)  # parser stops: read as it goes
-            lease = server.front.submit(Submission(request_id, prepared.prompt_token_ids, prepared.params), sink)
+            read_as_it_goes = conversation.stream or prepared.parser_stops  # parser stops: read as it goes
+            sink = RequestSink(loop, read_as_it_goes)
+            submission = Submission(request_id, prepared.prompt_token_ids, prepared.params, final_only=not read_as_it_goes)
+            lease = server.front.submit(submission, sink)
         except QueueFull as exc:
             server.metrics.rejected.inc()
             return self._error(ProtocolError(f"the server is at capacity ({exc}); retry later", status=429, code="rate_limit_exceeded"))

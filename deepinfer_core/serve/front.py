@@ -8,7 +8,8 @@
                                             step() -> outputs
     await sink.admitted      <--call_soon_threadsafe-- admitted / refused (ValueError)
     await sink.final         <--call_soon_threadsafe-- last snapshot (finished)
-    frames thread reads sink.outputs <----- every snapshot (streams only)
+    frames thread reads sink.outputs <----- every snapshot (streams only; a request nobody
+                                            streams is final_only: first and last snapshot)
 
 Only the step thread ever touches the engine, so the engine needs no locks and the event loop
 never waits on a step: ``/health`` and ``/metrics`` answer from the last published stats.
@@ -54,6 +55,7 @@ class Submission:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    final_only: bool = False  # nothing reads its snapshots as they come (not streamed): the engine builds its first and last only
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ class EngineFront:
     def _handle(self, kind: str, payload, sink: RequestSink | None) -> None:
         if kind == "add":
             try:
-                self.engine.add_request(list(payload.prompt_token_ids), payload.params, request_id=payload.request_id)
+                self.engine.add_request(list(payload.prompt_token_ids), payload.params, request_id=payload.request_id, final_only=payload.final_only)
             except Exception as exc:  # ValueError / TypeError: the request's fault; others: ours
                 if not isinstance(exc, (ValueError, TypeError)):
                     log.exception("adding request %s failed", payload.request_id)

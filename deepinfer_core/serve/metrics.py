@@ -59,7 +59,7 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, timing.step_start - timing.arrival))
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.cached_prompt_tokens.inc(out.num_cached_tokens)
-        elif new_tokens:
+        elif new_tokens:  # a non-streamed (final_only) request's last output brings all but its first token: each counts the mean gap
             gap = (timing.now - timing.previous) / new_tokens
             for _ in range(new_tokens):
                 self.itl.observe(gap)

@@ -207,3 +207,49 @@ def test_unset_sampling_fields_take_the_models_recommendation(oai, claude, serve
     assert sum("Paris" in a for a in unset) >= 6 > sum("Paris" in a for a in hot), (unset, hot)
     claude_reply = claude.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
     assert (seen[-1].temperature, seen[-1].top_p) == (0.2, 0.9) and claude_reply.content[0].text
+
+
+def test_non_streamed_calls_get_no_snapshot_per_step_and_the_streamed_text(oai, claude, served, monkeypatch):
+    """A non-streamed body (OpenAI chat, Anthropic messages) is a final_only request: the engine
+    hands the server its first token's output and its last, not one snapshot per step, while a
+    streamed call of the same request gets one per token; the SDKs read the same text both ways."""
+    if served.server is None:
+        pytest.skip("an external server: its engine is not in this process")
+    engine = served.server.engine
+    outputs: dict[str, list] = {}
+    step = engine.step
+
+    def counted():  # runs in the server's step thread
+        outs = step()
+        for o in outs:
+            outputs.setdefault(o.request_id, []).append(o)
+        return outs
+
+    monkeypatch.setattr(engine, "step", counted)
+    messages = [{"role": "user", "content": QUESTION}]
+
+    def one_call(call):  # the outputs of the request that ``call`` makes, alone on the server
+        served.wait_idle()
+        outputs.clear()
+        result = call()
+        served.wait_idle()
+        assert len(outputs) == 1
+        return result, next(iter(outputs.values()))
+
+    plain, plain_outs = one_call(lambda: oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30).choices[0].message.content)
+    streamed, streamed_outs = one_call(lambda: "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=30, stream=True) if c.choices))  # fmt: skip
+    tokens = len(plain_outs[-1].outputs[0].token_ids)
+    assert plain == streamed and "Paris" in plain and tokens > 3
+    assert [o.finished for o in plain_outs] == [False, True] and len(plain_outs[0].outputs[0].token_ids) == 1
+    assert len(streamed_outs) == tokens  # one snapshot per token
+    assert streamed_outs[-1].outputs[0].token_ids == plain_outs[-1].outputs[0].token_ids
+    reply, claude_outs = one_call(lambda: claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=messages).content[0].text)
+
+    def claude_stream():
+        with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=messages) as stream:
+            return "".join(stream.text_stream)
+
+    text, claude_streamed = one_call(claude_stream)
+    assert reply == text == plain
+    assert [o.finished for o in claude_outs] == [False, True] and len(claude_streamed) == len(claude_streamed[-1].outputs[0].token_ids)
