@@ -3,9 +3,10 @@
 Why this module: building the batch token by token in Python lists cost ~80 ms of host time on
 a 64 x 512-token prefill and a large share of a 64-request decode step (benchmarks/README.md).
 Here every per-token array is computed with numpy from a few per-request arrays, all of them are
-packed into one int64 buffer and copied to the device once. On an accelerator the buffer is
-pinned and the copy is asynchronous, so building step N+1 never waits for step N's kernels (a
-pageable copy synchronises with the device's queue, which would undo overlapped scheduling).
+packed into one int64 buffer and copied to the device once. On an accelerator that buffer is one
+of the device's reusable pinned staging buffers (engine/staging.py) and the copy is asynchronous,
+so building step N+1 never waits for step N's kernels (a pageable copy synchronises with the
+device's queue, which would undo overlapped scheduling).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from .scheduler import SchedulerOutput
+from .staging import staging_for
 
 PENDING = -1  # a token id placeholder: sampled by the step in flight, still on the device
 
@@ -30,14 +32,21 @@ class Batch:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without waiting for the device's queued work (pinned
-    source, asynchronous copy). On the CPU the tensor itself is returned."""
+    """Copy a host tensor to ``device`` without waiting for the device's queued work (a reused
+    pinned staging buffer, asynchronous copy). On the CPU the tensor itself is returned."""
     if device.type == "cpu":
         return host
-    try:
-        return host.pin_memory().to(device, non_blocking=True)
-    except RuntimeError:  # no pinned memory for this device: a plain (synchronising) copy
-        return host.to(device)
+    staging = staging_for(device)
+    return host.to(device) if staging is None else staging.upload(host)  # None: no pinned memory, a plain copy
+
+
+def arrays_to_device(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The int64 concatenation of ``arrays`` on ``device``, as :func:`to_device` copies it
+    (written straight into the staging buffer on an accelerator)."""
+    staging = staging_for(device) if device.type != "cpu" else None
+    if staging is None:
+        return to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)), device)
+    return staging.upload_arrays(arrays)
 
 
 def build(
@@ -91,7 +100,7 @@ def build(
         raise ValueError(f"input_ids must have shape ({T},), got {tuple(input_ids.shape)}")
     if state_slots is not None:
         parts.append(np.asarray(state_slots, np.int64))
-    dev = to_device(torch.from_numpy(np.concatenate(parts)), device)
+    dev = arrays_to_device(parts, device)
     sizes = [T, T, R + 1, R, R * width, len(sample_rows)] + ([T] if input_ids is None else []) + ([R] if state_slots is not None else [])
     pieces = list(torch.split(dev, sizes))
     pos_t, slot_t, cu_t, seq_t, tab_t, samp_t = pieces[:6]

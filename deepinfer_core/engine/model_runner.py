@@ -19,6 +19,7 @@ from .graphs import DecodeGraphs
 from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow, invalid_token_message
 from .scheduler import SchedulerOutput
+from .staging import staging_for
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ModelRunner:
         if launched.ready is not None:
             launched.ready.synchronize()
         tokens = launched.host.tolist()
+        if launched.staged is not None:  # read: the buffer may take the next step's ids
+            staging_for(launched.tokens.device).release(launched.staged)
         sampled, failed = {}, {}
         for request_id, token in zip(launched.request_ids, tokens):
             if 0 <= token < launched.vocab:
@@ -103,8 +106,8 @@ class ModelRunner:
             fused = getattr(self.model, "greedy_tokens", None)  # the head's argmax without the logits (greedy rows only)
             if fused is not None and plain:
                 if (got := fused(sample_hidden)) is not None:
-                    host, ready = _copy_back(got[0])
-                    return Launched(out, ids, got[0], host, ready, None, fed, got[1])
+                    host, ready, buf = _copy_back(got[0])
+                    return Launched(out, ids, got[0], host, ready, None, fed, got[1], buf)
             logits = self.model.compute_logits(sample_hidden)  # [N, V]
         on_device = getattr(self.sampler, "sample_device", None)  # a plain callable samples on the host
         try:  # penalties change the logits in place: keep them for the per-row retry
@@ -117,8 +120,8 @@ class ModelRunner:
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
             sampled, failed = sample_isolated(self.sampler, logits, ids, row_list)
             return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
-        host, ready = _copy_back(tokens)
-        return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1])
+        host, ready, buf = _copy_back(tokens)
+        return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1], buf)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class Launched:
     result: RunnerOutput | None  # set when the step is already finished on the host
     fed: torch.Tensor | None = None  # device ids that stood in for pending tokens (checked in debug)
     vocab: int = 0
+    staged: torch.Tensor | None = None  # the pinned buffer under ``host``: back to the staging once read
 
 
 def _mutates(row: SamplingRow) -> bool:
@@ -146,15 +150,14 @@ def _plain_greedy(row: SamplingRow) -> bool:
     return row.params.greedy and not _mutates(row) and not row.suppressed
 
 
-def _copy_back(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
-    """Start the one device-to-host copy of a step's sampled ids; (host tensor, event or None)."""
-    if tokens.device.type == "cpu":
-        return tokens, None
-    try:
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.Event(device=tokens.device)
-        ready.record()
-        return host, ready
-    except (RuntimeError, AttributeError, TypeError):  # no pinned memory / events here
-        return tokens.cpu(), None
+def _copy_back(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None, torch.Tensor | None]:
+    """Start the one device-to-host copy of a step's sampled ids; (host tensor, event or None,
+    the staging buffer :meth:`ModelRunner.collect` gives back once it has read the ids, or None)."""
+    staging = staging_for(tokens.device)
+    if staging is None:  # the CPU, or no pinned memory / events here
+        return (tokens if tokens.device.type == "cpu" else tokens.cpu()), None, None
+    host, buf = staging.readback_buffer(tokens.shape, tokens.dtype)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.Event(device=tokens.device)
+    ready.record()
+    return host, ready, buf

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..engine.batch_build import to_device
+from ..engine.batch_build import arrays_to_device
 
 if TYPE_CHECKING:
     from .deepseek_v4_compress import V4Batch
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def _upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     """One host-to-device copy for several int64 index arrays (views of one buffer)."""
     sizes = [len(a) for a in arrays]
-    buf = to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)), torch.device(device))
+    buf = arrays_to_device(arrays, torch.device(device))
     return list(buf.split(sizes))
 
 
