@@ -14,9 +14,10 @@ from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("T,E,D,dtype", [(1, 64, 2048, torch.bfloat16), (3, 7, 300, torch.float16), (16, 5, 1030, torch.bfloat16)])
+@pytest.mark.parametrize("T,E,D,dtype", [(1, 64, 2048, torch.bfloat16), (3, 7, 300, torch.float16), (16, 5, 1030, torch.bfloat16), (17, 9, 700, torch.float16), (64, 64, 2048, torch.bfloat16)])
 def test_router_logits_match_the_reference(T, E, D, dtype):
-    """Odd expert counts and widths (tails of the expert block and of the 1,024-wide step);
+    """Odd expert counts and widths (tails of the expert block and of the 1,024-wide step), the
+    1-16 and the 17-64 row launches;
     float32 products of the widened rows: within float32 summation-order error of the
     reference, float64 as the independent check."""
     g = torch.Generator().manual_seed(T * 31 + E)

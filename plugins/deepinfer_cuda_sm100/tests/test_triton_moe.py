@@ -87,6 +87,31 @@ def test_default_prefill_tiles_are_close_to_reference():
     assert counts.sum().item() == 600
 
 
+def test_decode_batches_take_the_decode_tiles():
+    """16-bit decode-sized batches with no config given take the decode tiles (gate/up 128-wide
+    K steps through the copy engine, down 128-wide K steps): close to float64 (80 is not a
+    multiple of the 128-wide K step: the descriptor zero-fills the tail), and on a GPU bit-equal
+    to the 16 x 64 x 64 pointer-load tiles they replaced (tensor-core partial sums in the same
+    order); float32 activations, FP8 experts and larger batches keep ``choose_config``."""
+    from deepinfer_cuda_sm100.kernels import fused_moe as fm
+
+    spec, hidden, experts, logits = _case(12, E=4, k=2, D=80, I=64, dtype=torch.bfloat16, seed=12)
+    ids, w = TorchMoEDispatcher().select_experts(spec, logits)
+    assert fm.decode_configs(24, 4, hidden, experts.gate_up, None) == (fm.DECODE_GATE_UP, fm.DECODE_DOWN)
+    assert fm.DECODE_GATE_UP.tma and fm.DECODE_GATE_UP.block_k == 128 and fm.DECODE_DOWN.block_k == 128
+    assert fm.decode_configs(33, 4, hidden, experts.gate_up, None) is None  # past 8 rows an expert
+    assert fm.decode_configs(24, 4, hidden.float(), experts.gate_up.float(), None) is None
+    assert fm.decode_configs(24, 4, hidden, experts.gate_up.to(torch.float8_e4m3fn), torch.ones(1)) is None
+    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    got, counts = fm.fused_moe(hidden, experts.gate_up, experts.down, ids, w)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    assert counts.sum().item() == 24
+    if DEVICE == "cuda":  # the interpreter's float32 dots round per K step: equal on the GPU only
+        old = fm.MoEConfig(16, 64, 64, 4, 3)
+        assert torch.equal(got, fm.fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=old, down_config=old)[0])
+
+
 def test_copy_engine_tiles_give_the_pointer_loads_numbers():
     """``MoEConfig.tma``: the weight tiles (and the down GEMM's sorted rows) fetched through
     tensor descriptors hold the same values as the masked pointer loads, so the results are
@@ -177,17 +202,22 @@ def test_batch_invariant_routing_is_in_expert_order_and_equals_reference():
         assert torch.equal(one_ids, ids[t : t + 1]) and torch.equal(one_w, w[t : t + 1])
 
 
-@pytest.mark.parametrize("T,k,E,block_m", [(700, 6, 64, 128), (50, 3, 300, 16), (9, 2, 5, 32)])
-def test_torch_align_follows_its_definition(T, k, E, block_m):
+@pytest.mark.parametrize(
+    "T,k,E,block_m,kernel",
+    [(700, 6, 64, 128, False), (50, 3, 300, 16, False), (9, 2, 5, 32, False), (9, 2, 5, 32, True), (200, 2, 5, 16, True), (64, 6, 64, 16, True), (1000, 2, 3, 128, True)],
+)
+def test_align_follows_its_definition(T, k, E, block_m, kernel):
     """The tensor-op alignment (large batches: two-byte sort keys, counts from the sorted keys'
-    boundaries) against the definition written out in Python: each expert's rows in row order,
-    its run padded to block_m with num_rows, each tile's expert, the used length, the counts
-    (experts with no row included)."""
-    from deepinfer_cuda_sm100.kernels.fused_moe import moe_align_torch
+    boundaries) and the decode-sized kernel (``moe_align``: a program per expert; here runs of
+    up to 5 tiles an expert and a tail longer than one fill step) against the definition written
+    out in Python: each expert's rows in row order, its run padded to block_m with num_rows, each
+    tile's expert, the used length, the counts (experts with no row included)."""
+    from deepinfer_cuda_sm100.kernels.fused_moe import ALIGN_MAX_ROWS, moe_align, moe_align_torch
 
     g = torch.Generator().manual_seed(T + E)
     ids = torch.randint(0, E - 1, (T, k), generator=g)  # the last expert gets no row
-    got = moe_align_torch(ids.to(DEVICE), E, block_m)
+    assert not kernel or T * k <= ALIGN_MAX_ROWS
+    got = (moe_align if kernel else moe_align_torch)(ids.to(DEVICE), E, block_m)
     flat = ids.flatten().tolist()
     rows, owners = [], []
     for e in range(E):
@@ -198,13 +228,15 @@ def test_torch_align_follows_its_definition(T, k, E, block_m):
     assert got.sorted_rows.cpu().tolist()[: len(rows)] == rows
     assert set(got.sorted_rows.cpu().tolist()[len(rows) :]) <= {len(flat)}
     assert got.block_expert.cpu().tolist()[: len(owners)] == owners
+    if kernel:  # the tail's tiles belong to the last expert, as the tensor-op version says
+        assert set(got.block_expert.cpu().tolist()[len(owners) :]) <= {E - 1}
     assert got.total.cpu().tolist() == [len(rows)]
     assert got.counts.cpu().tolist() == [flat.count(e) for e in range(E)]
 
 
-@pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 64, 16), (64, 6, 64, 16), (300, 6, 64, 64), (3, 2, 5, 128)])
-def test_one_program_align_equals_the_torch_sort(T, k, E, block_m):
-    """The decode-sized alignment kernel against the tensor-op version (stable sort by expert,
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 64, 16), (64, 6, 64, 16), (300, 6, 64, 64), (3, 2, 5, 128), (10, 8, 256, 16)])
+def test_align_kernel_equals_the_torch_sort(T, k, E, block_m):
+    """The decode-sized alignment kernel (a program per expert) against the tensor-op version (stable sort by expert,
     padding, tile owners, totals, counts): identical outputs."""
     from deepinfer_cuda_sm100.kernels.fused_moe import moe_align, moe_align_torch
 

@@ -224,6 +224,25 @@ def choose_down_config(num_rows: int, num_experts: int) -> MoEConfig:
     return MoEConfig(128, 128, 64, 8, 3, group_m=8, tma=True)
 
 
+DECODE_ROWS_PER_EXPERT = 8  # 16-bit decode batches up to this many rows an expert take the tiles below
+# benchmarks/decode64_sweep.py, H200, V3-mini's 64-request decode shape (384 rows over 64 experts),
+# whole fused_moe 0.221 ms with the 16 x 64 x 64 pointer-load tiles: gate/up with 128-wide K steps
+# fetched by the copy engine 0.212 ms, down with 128-wide K steps 0.217 ms; results bit-equal
+DECODE_GATE_UP = MoEConfig(16, 64, 128, 4, 3, tma=True)
+DECODE_DOWN = MoEConfig(16, 64, 128, 4, 3)
+
+
+def decode_configs(num_rows: int, num_experts: int, hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> tuple[MoEConfig, MoEConfig] | None:
+    """``(gate/up, down)`` tiles for a decode-sized batch of 16-bit activations and experts of
+    their dtype (few rows an expert: the GEMMs stream the expert weights, so deeper K steps keep
+    more bytes in flight), or None: FP8 experts (``_fp8_tiles``), float32 activations (wider A
+    tiles, more shared memory) and larger batches keep :func:`choose_config`."""
+    wide = hidden.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == hidden.dtype
+    if gate_up_scale is None and wide and num_rows <= DECODE_ROWS_PER_EXPERT * num_experts:
+        return DECODE_GATE_UP, DECODE_DOWN
+    return None
+
+
 @dataclass(frozen=True)
 class Alignment:
     """Rows of ``topk_ids.flatten()`` grouped by expert, each group padded to ``block_m``."""
@@ -239,61 +258,69 @@ def _align_kernel(
     ids_ptr, sorted_ptr, expert_ptr, total_ptr, counts_ptr, num_rows, capacity, num_experts,
     BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):
-    """moe_align in one program (decode-sized batches): rows counted per expert, each row's rank
-    among its expert's rows in row order (the stable sort's order), padded offsets by a prefix sum,
-    then every row scattered to its place; ~25 small torch launches per MoE layer become one."""
+    """moe_align for decode-sized batches, one program per expert (~25 small torch launches per
+    MoE layer become one): every program counts the rows of every expert (the ids are a few KB,
+    read from L2) to find where its padded run starts, then writes its own rows in row order (the
+    stable sort's order), its run's padding and its row tiles' owner; the last program also fills
+    the unused tail. The programs write disjoint slots, so no step waits for another (one program
+    walking every row serially took 11 us a layer at 384 rows on an H200)."""
+    me = tl.program_id(0)
     experts = tl.arange(0, E_P)
     counts = tl.zeros([E_P], tl.int32)
-    for c0 in range(0, num_rows, CHUNK):  # pass 1: rows per expert
+    for c0 in range(0, num_rows, CHUNK):  # rows per expert
         r = c0 + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + r, mask=r < num_rows, other=E_P)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
     total = tl.sum(padded, axis=0)
-    for f0 in range(0, capacity, FILL):  # padding rows point past the last real row
-        f = f0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + f, tl.full([FILL], 0, tl.int32) + num_rows, mask=f < capacity)
-    for t0 in range(0, capacity // BLOCK_M, CHUNK):  # each row tile's expert (searchsorted)
-        t = t0 + tl.arange(0, CHUNK)
-        owner = tl.sum((padded_end[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_ptr + t, tl.minimum(owner, num_experts - 1), mask=t < capacity // BLOCK_M)
-    tl.debug_barrier()  # the fill above before the scatter below
-    seen = tl.zeros([E_P], tl.int32)
-    for c0 in range(0, num_rows, CHUNK):  # pass 2: scatter, ranks carried across chunks
+    mine = experts == me
+    start = tl.sum(tl.where(mine, padded_end - padded, 0), axis=0)
+    end = tl.sum(tl.where(mine, padded_end, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    seen = count * 0
+    for c0 in range(0, num_rows, CHUNK):  # my rows, ranks carried across chunks
         r = c0 + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + r, mask=r < num_rows, other=E_P)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
-        dest = tl.sum(onehot * (before + padded_start[None, :]), axis=1)
-        tl.store(sorted_ptr + dest, r, mask=r < num_rows)
-        seen += tl.sum(onehot, axis=0)
-    tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < num_experts)
-    tl.store(total_ptr, total)
+        hit = (e == me).to(tl.int32)
+        rank = tl.cumsum(hit, axis=0) - hit + seen
+        tl.store(sorted_ptr + start + rank, r.to(tl.int32), mask=hit > 0)
+        seen += tl.sum(hit, axis=0)
+    pad = start + count + tl.arange(0, BLOCK_M)  # the run's padding: fewer than BLOCK_M rows
+    tl.store(sorted_ptr + pad, tl.full([BLOCK_M], 0, tl.int32) + num_rows, mask=pad < end)
+    for t0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):  # my row tiles
+        t = t0 + tl.arange(0, CHUNK)
+        tl.store(expert_ptr + t, tl.full([CHUNK], 0, tl.int32) + me, mask=t < end // BLOCK_M)
+    tl.store(counts_ptr + me, count.to(tl.int64))
+    if me == num_experts - 1:  # the tail past the last run: padding rows, owned by the last expert
+        for f0 in range(total, capacity, FILL):
+            f = f0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + f, tl.full([FILL], 0, tl.int32) + num_rows, mask=f < capacity)
+            tile = f // BLOCK_M
+            tl.store(expert_ptr + tile, tl.full([FILL], 0, tl.int32) + me, mask=(f < capacity) & (f % BLOCK_M == 0))
+        tl.store(total_ptr, total)
 
 
-ALIGN_MAX_ROWS = 2048  # one program up to here (decode batches); larger batches sort with torch
+ALIGN_MAX_ROWS = 2048  # the Triton kernel up to here (decode batches); larger batches sort with torch
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the T*k (token, choice) rows by expert and pad each expert's run to ``block_m``,
-    with no host read-back (capturable in a CUDA graph): one Triton program for decode-sized
-    batches, tensor ops otherwise (the same result)."""
+    with no host read-back (capturable in a CUDA graph): one Triton launch for decode-sized
+    batches (a program per expert), tensor ops otherwise (the same result)."""
     num_rows = topk_ids.numel()
     if 0 < num_rows <= ALIGN_MAX_ROWS and num_experts <= 256:
-        flat = topk_ids.reshape(-1).to(torch.int32)
+        flat = topk_ids.reshape(-1)  # int64 ids read as they are (no cast launch)
+        if flat.dtype not in (torch.int32, torch.int64):
+            flat = flat.to(torch.int32)
         capacity = -(-(num_rows + num_experts * (block_m - 1)) // block_m) * block_m
         sorted_rows = torch.empty(capacity, dtype=torch.int32, device=flat.device)
         block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
         total = torch.empty(1, dtype=torch.int32, device=flat.device)
         counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
-        # one program walks every row serially: wider chunks (and 8 warps) halve its iterations
-        # for 64+ decode requests (384+ rows: 14 us a layer at 64-row chunks on an H200)
-        chunk = 128 if num_rows > 64 else 64
-        _align_kernel[(1,)](
+        _align_kernel[(num_experts,)](
             flat, sorted_rows, block_expert, total, counts, num_rows, capacity, num_experts,
-            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=chunk, FILL=1024, num_warps=8 if chunk > 64 else 4,
+            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=128 if num_rows > 64 else 64, FILL=256, num_warps=4,
         )  # fmt: skip
         return Alignment(sorted_rows, block_expert, total, counts)
     return moe_align_torch(topk_ids, num_experts, block_m)
@@ -362,6 +389,9 @@ def fused_moe(
     k = topk_ids.shape[1]
     num_rows = T * k
     explicit = config is not None
+    decode = None if explicit or down_config is not None else decode_configs(num_rows, E, hidden, gate_up, gate_up_scale)
+    if decode is not None:
+        config, down_config = decode
     if down_config is None:  # FP8 and float32 (wider A tiles, more shared memory) keep one tiling
         plain16 = gate_up_scale is None and hidden.dtype != torch.float32
         down_config = config or (choose_down_config(num_rows, E) if plain16 else choose_config(num_rows, E))

@@ -178,7 +178,7 @@ def head_chunk(groups: int, head_dim: int, v_head_dim: int, element_size: int, s
     return max(1, 1 << (rows.bit_length() - 1))
 
 
-def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: int, max_seq_len: int, batch_invariant: bool, sms: int = 132) -> LaunchConfig:
+def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: int, max_seq_len: int, batch_invariant: bool, sms: int = 132, element_size: int = 2) -> LaunchConfig:
     """A launch configuration from shapes only. Batch-invariant mode always returns the same
     one for a layer (so a request computes identically alone and in any batch)."""
     wide = head_dim > 256
@@ -190,7 +190,12 @@ def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: 
         splits = 1
         if num_programs < sms:
             splits = max(1, min(16, -(-2 * sms // max(num_programs, 1)), -(-max_seq_len // 256)))
-        return LaunchConfig(max(16, _pow2(groups)), block_n, splits, warps, stages)
+        block_m = max(16, _pow2(groups))
+        if wide and block_m == 16 and num_programs >= 64 and element_size == 2:  # 16-bit MLA at 16 heads, 64+ requests: 4 warps
+            # (benchmarks/decode64_sweep.py, H200, 64 requests x 161 tokens of V3-mini: 0.0132-0.0135
+            # ms at 3-4 splits vs 0.0195 ms with 8 warps, merge included)
+            warps = 4
+        return LaunchConfig(block_m, block_n, splits, warps, stages)
     return LaunchConfig(max(32 if wide else 64, _pow2(groups)), block_n, 1, warps, stages)
 
 
@@ -219,7 +224,7 @@ def paged_attention(
     R = seq_lens.shape[0]
     auto = config is None
     if auto:
-        config = choose_config(groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant)
+        config = choose_config(groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant, element_size=q.element_size())
     chunk = head_chunk(groups, D, v_head_dim, q.element_size(), config.num_splits > 1) if auto else groups
     if chunk < groups:  # one launch per KV head and run of `chunk` query heads
         out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
