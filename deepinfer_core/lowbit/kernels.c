@@ -171,6 +171,18 @@ void gemm_i16_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
 void gemm_i8_act(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N, float *y,
                  int nthreads);  /* kernels_i8.c */
 
+/* Which instruction set this library was compiled for (native.py's isa names): 0 AVX2, 1 AVX512-VNNI
+ * (+VL), 2 AVX-VNNI; kernels_i16.c's int16 products use vpdpwssd in the last two. */
+int lowbit_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 1;
+#elif defined(__AVXVNNI__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
 /* The one entry point for callers in C (layer.c): the int8 kernel for 4-bit weights from
  * int8_rows rows on (opt-in; 0: never), else the int16 kernel for M <= int_rows rows, the exact
  * float32-activation kernel otherwise (ops.kernel_for chooses the same way). */

@@ -34,6 +34,17 @@
 
 #define QK 32
 
+/* acc + the pair sums of a * b, int32 lanes (wrap-around either way, so the same bits): one
+ * vpdpwssd where the library is built for VNNI (native.py picks the build from the CPU), else
+ * vpmaddwd + vpaddd. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#elif defined(__AVXVNNI__)
+#define DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#else
+#define DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+
 static inline float dot_offsets(const float *m, const float *sx, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
@@ -97,8 +108,8 @@ static inline __attribute__((always_inline)) void widen_block_i16(int kind, cons
 }
 
 static inline __attribute__((always_inline)) __m256 block_dot_i16(__m256i w0, __m256i w1, const int16_t *vr) {
-    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)vr)),
-                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(vr + 16))));
+    const __m256i p = DPWSSD(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)vr)), w1,
+                             _mm256_loadu_si256((const __m256i *)(vr + 16)));
     return _mm256_cvtepi32_ps(p);
 }
 
@@ -299,8 +310,8 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
             const __m256i w0 = _mm256_load_si256(pb + 2 * p), w1 = _mm256_load_si256(pb + 2 * p + 1);
             for (int t = 0; t < T; t++) {
                 const __m256i u = _mm256_set1_epi32(x0[t * (K / 2) + p]);
-                s0[t] = _mm256_add_epi32(s0[t], _mm256_madd_epi16(w0, u));
-                s1[t] = _mm256_add_epi32(s1[t], _mm256_madd_epi16(w1, u));
+                s0[t] = DPWSSD(s0[t], w0, u);
+                s1[t] = DPWSSD(s1[t], w1, u);
             }
         }
         const float *sc = (const float *)(pb + 2 * P16_PAIRS);

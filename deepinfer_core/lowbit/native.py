@@ -7,6 +7,14 @@ about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``,
 ``libgomp.so.1`` to the runtime torch already loaded, so it shares torch's threads. The shared
 object is cached under ``$XDG_CACHE_HOME/deepinfer`` (or ``~/.cache``) keyed by the hash of the
 source and flags (builds of other versions pruned: ``deepinfer_core.build_cache``); a failed build is reported, never raised: callers fall back to float weights.
+
+Which instructions (:func:`isa_choice`): the kernels are written for AVX2 + FMA; where the running
+CPU has AVX512-VNNI with AVX512-VL (Zen 4, Ice Lake and later Xeons) or AVX-VNNI, the library is
+compiled with those flags too, and kernels_i16.c's int16 products take ``vpdpwssd`` (multiply,
+pair-sum and accumulate in one instruction) where AVX2 needs ``vpmaddwd`` + ``vpaddd``: the same
+integers, so every output keeps its bits (tests/test_lowbit_isa.py), fewer instructions.
+``DEEPINFER_LOWBIT_ISA=avx2`` forces the AVX2 build (tests, A/B, debugging); ``avx512vnni`` or
+``avxvnni`` force one on a CPU that has it; any other value, or one the CPU lacks, is refused.
 """
 from __future__ import annotations
 
@@ -27,6 +35,14 @@ from .. import build_cache
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "prefill_attention.c", "layer.c", "head.c"))  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+ISA_ENV = "DEEPINFER_LOWBIT_ISA"
+# extra compiler flags per instruction set, and the /proc/cpuinfo flags each needs
+_ISA_FLAGS = {
+    "avx2": (),
+    "avx512vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"),
+    "avxvnni": ("-mavxvnni",),
+}
+_ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512vnni": ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"), "avxvnni": ("avx_vnni",)}
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,7 @@ class NativeKernels:
 
     lib: ctypes.CDLL | None
     reason: str = ""
+    isa: str = "avx2"  # the instruction set it was compiled for (_ISA_FLAGS)
 
 
 def cache_dir() -> str:
@@ -55,46 +72,93 @@ def compiler_path() -> str | None:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The running CPU's feature flags as Linux names them (empty where /proc/cpuinfo is not
+    readable: then only the AVX2 build is chosen). torch's capability level does not say VNNI."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa_choice(environ: "os._Environ[str] | dict[str, str]" = os.environ, flags: frozenset[str] | None = None) -> str:
+    """The instruction set the kernels are built for: ``DEEPINFER_LOWBIT_ISA`` (``auto``, the
+    default: the best of avx512vnni, avxvnni, avx2 the CPU has), refused by name when unknown or
+    when the CPU lacks it (the library would die of an illegal instruction)."""
+    flags = cpu_flags() if flags is None else flags
+    raw = environ.get(ISA_ENV, "") or "auto"
+    if raw == "auto":
+        return next((isa for isa in ("avx512vnni", "avxvnni") if all(f in flags for f in _ISA_NEEDS[isa])), "avx2")
+    if raw not in _ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={raw!r}: allowed values are auto, {', '.join(_ISA_FLAGS)}")
+    if raw != "avx2" and not all(f in flags for f in _ISA_NEEDS[raw]):
+        raise ValueError(f"{ISA_ENV}={raw!r}: this CPU lacks {', '.join(f for f in _ISA_NEEDS[raw] if f not in flags)}")
+    return raw
+
+
+def describe_isa(isa: str) -> str:
+    """For the start-up line and ``deepinfer plugins``."""
+    return {"avx2": "AVX2 (vpmaddwd)", "avx512vnni": "AVX512-VNNI (vpdpwssd)", "avxvnni": "AVX-VNNI (vpdpwssd)"}[isa]
+
+
 def load() -> NativeKernels:
-    """Compile (first time) and load the kernels; cached for the process."""
+    """Compile (first time) and load the kernels for :func:`isa_choice`; cached for the process
+    (per instruction set). A VNNI build that fails falls back to the AVX2 one."""
+    isa = isa_choice()
+    kernels = load_isa(isa)
+    if kernels.lib is None and isa != "avx2":
+        kernels = load_isa("avx2")
+    return kernels
+
+
+@functools.cache
+def load_isa(isa: str) -> NativeKernels:
+    """The library built for ``isa`` (a key of _ISA_FLAGS; the caller checked the CPU has it)."""
     ok, why = cpu_supports_kernels()
     if not ok:
-        return NativeKernels(None, why)
+        return NativeKernels(None, why, isa)
     compiler = compiler_path()
     if compiler is None:
-        return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)")
+        return NativeKernels(None, "no C compiler found (set CC or install gcc/clang)", isa)
+    flags = _FLAGS + _ISA_FLAGS[isa]
     source = b"".join(pathlib.Path(path).read_bytes() for path in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = os.path.join(cache_dir(), f"lowbit-{digest}.so")
     with build_cache.loading(target) as present:  # held against another process's pruning
         if present:
-            return _open(target)
+            return _open(target, isa)
     if not os.path.exists(target):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
-            subprocess.run([compiler, *_FLAGS, "-o", tmp, *_SOURCES], check=True, capture_output=True, text=True, timeout=300)
+            subprocess.run([compiler, *flags, "-o", tmp, *_SOURCES], check=True, capture_output=True, text=True, timeout=300)
             os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            return NativeKernels(None, f"building the low-bit kernels with {compiler} failed: {detail.strip()[:300]}")
+            return NativeKernels(None, f"building the low-bit kernels ({isa}) with {compiler} failed: {detail.strip()[:300]}", isa)
         build_cache.prune(cache_dir(), "lowbit-*.so")  # other source versions' builds, least recently used first
     with build_cache.loading(target):
-        return _open(target)
+        return _open(target, isa)
 
 
-def _open(target: str) -> NativeKernels:
+def _open(target: str, isa: str) -> NativeKernels:
     try:
-        lib = ctypes.CDLL(target)
+        lib = ctypes.CDLL(target)  # RTLD_LOCAL: two builds in one process each call their own functions
     except OSError as exc:
-        return NativeKernels(None, f"loading {target} failed: {exc}")
+        return NativeKernels(None, f"loading {target} failed: {exc}", isa)
     _declare(lib)
-    return NativeKernels(lib)
+    return NativeKernels(lib, "", isa)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.lowbit_isa.argtypes = []
+    lib.lowbit_isa.restype = i32
     lib.gemm_f32_act.argtypes = [p, i64, i64, i32, p, p, p, i64, p, i32]
     lib.gemm_f32_act.restype = None
     lib.gemm_i16_act.argtypes = [p, i64, i64, i32, p, p, p, i64, p, i32]

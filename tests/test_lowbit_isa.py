@@ -1,0 +1,117 @@
+"""The low-bit library's instruction-set builds (deepinfer_core.lowbit.native: AVX2, or AVX512-VNNI
+where the CPU has it) give the same bits.
+
+The reference is the AVX2 build, the kernels as they were before VNNI (``vpmaddwd`` + ``vpaddd``):
+the VNNI build's ``vpdpwssd`` sums the same integers, so every output must be bit-for-bit equal,
+on the shapes the kernel tests use (odd N with a short last tile, the rows layout at 1-4 rows,
+the panel from 5 with every token tail, K in one and in several slices of the panel, q4 with
+offsets and q8), through the fused head and a whole decode step. The choice of build is read
+from /proc/cpuinfo (checked against the kernel flags there) and ``DEEPINFER_LOWBIT_ISA``.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from deepinfer_core.lowbit import native
+from deepinfer_core.lowbit.formats import QuantWeight, quantize_q8
+
+BASE = native.load_isa("avx2")
+HAS_VNNI = all(f in native.cpu_flags() for f in ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"))
+VNNI = native.load_isa("avx512vnni") if HAS_VNNI and BASE.lib is not None else None
+needs_both = pytest.mark.skipif(
+    VNNI is None or VNNI.lib is None,
+    reason="this CPU lacks AVX512-VNNI + AVX512-VL (or the kernels cannot be built): nothing to compare"
+    if not HAS_VNNI else f"a build failed: {BASE.reason or (VNNI and VNNI.reason)}",
+)
+
+
+def test_isa_choice_follows_the_cpu_flags_and_the_switch():
+    zen3 = frozenset({"avx2", "fma", "f16c"})
+    zen4 = zen3 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx512_bf16"}
+    alder = zen3 | {"avx_vnni"}
+    assert native.isa_choice({}, zen3) == "avx2"
+    assert native.isa_choice({}, zen4) == "avx512vnni"
+    assert native.isa_choice({}, alder) == "avxvnni"
+    assert native.isa_choice({}, zen4 - {"avx512vl"}) == "avx2"  # vpdpwssd on ymm needs VL
+    assert native.isa_choice({"DEEPINFER_LOWBIT_ISA": "auto"}, zen4) == "avx512vnni"
+    assert native.isa_choice({"DEEPINFER_LOWBIT_ISA": "avx2"}, zen4) == "avx2"
+    assert native.isa_choice({"DEEPINFER_LOWBIT_ISA": "avxvnni"}, alder) == "avxvnni"
+    with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_ISA='avx512vnni': this CPU lacks avx512f"):
+        native.isa_choice({"DEEPINFER_LOWBIT_ISA": "avx512vnni"}, zen3)
+    with pytest.raises(ValueError, match="allowed values are auto, avx2"):
+        native.isa_choice({"DEEPINFER_LOWBIT_ISA": "sse"}, zen4)
+
+
+def test_cpu_flags_are_those_of_proc_cpuinfo():
+    with open("/proc/cpuinfo") as f:
+        line = next((ln for ln in f if ln.startswith("flags")), "")
+    assert native.cpu_flags() == frozenset(line.partition(":")[2].split())
+
+
+@needs_both
+def test_each_build_says_which_instructions_it_was_compiled_for():
+    assert (BASE.isa, BASE.lib.lowbit_isa()) == ("avx2", 0)
+    assert (VNNI.isa, VNNI.lib.lowbit_isa()) == ("avx512vnni", 1)
+
+
+def _weight(kind: str, n: int, k: int, seed: int) -> QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "q8":
+        return quantize_q8(torch.randn(n, k, generator=g))
+    d = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
+    return QuantWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g), d,
+                       -8 * d + 0.002 * torch.randn(n, k // 32, generator=g), "Q4_1")
+
+
+def _gemm(lib: ctypes.CDLL, exact: bool, x: torch.Tensor, w: QuantWeight, threads: int) -> torch.Tensor:
+    M, K = x.shape
+    y = torch.full((M, w.qs.shape[0]), float("nan"))
+    fn = lib.gemm_f32_act if exact else lib.gemm_i16_act
+    fn(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None,
+       w.qs.shape[0], y.data_ptr(), threads)
+    return y
+
+
+@needs_both
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("K", [352, 640, 1376, 1536])  # 11 blocks; one slice of 20; three of 15 and one short; three of 16
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
+    w = _weight(kind, 37, K, K)
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 301):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M * K)) * 3
+        x[:, 7] = 0.0  # a block of zeros among them: scale 0
+        x[0, :32] = 0.0
+        base, vnni = _gemm(BASE.lib, False, x, w, threads), _gemm(VNNI.lib, False, x, w, threads)
+        assert not base.isnan().any()
+        assert torch.equal(base.view(torch.int32), vnni.view(torch.int32)), (M, K, kind)
+
+
+@needs_both
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_exact_kernel_bits_equal_between_builds(kind):
+    """The rest of the library is compiled with the wider flags too: the float32 kernel keeps its bits."""
+    w = _weight(kind, 37, 640, 5)
+    for M in (1, 3, 4, 5, 32):
+        x = torch.randn(M, 640, generator=torch.Generator().manual_seed(M))
+        assert torch.equal(_gemm(BASE.lib, True, x, w, 2).view(torch.int32), _gemm(VNNI.lib, True, x, w, 2).view(torch.int32))
+
+
+@needs_both
+@pytest.mark.parametrize("M", [1, 4, 5, 32])
+def test_fused_head_picks_the_same_tokens_between_builds(M):
+    """lowbit_head_argmax on a head whose logits are close together (many near-ties): the same
+    index per row from both builds."""
+    w = quantize_q8(torch.randn(4099, 576, generator=torch.Generator().manual_seed(3)) * 0.02)
+    x = torch.randn(M, 576, generator=torch.Generator().manual_seed(M))
+    outs = []
+    for lib in (BASE.lib, VNNI.lib):
+        out = torch.empty(M, dtype=torch.int64)
+        assert lib.lowbit_head_argmax(x.data_ptr(), M, 576, 8, w.qs.data_ptr(), w.d.data_ptr(), None, w.qs.shape[0], 1 << 62, 0, 2,
+                                      out.data_ptr()) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], _gemm(BASE.lib, False, x, w, 2).argmax(-1))
