@@ -3,6 +3,10 @@ CPU time of one thread, the two libraries alternating cell by cell in one proces
 outputs compared bit for bit (a kernel change must keep every output element's bits).
 
     .venv/bin/python benchmarks/lowbit_i16_ab.py --rev main --rows 1,8,32,512 --threads 1
+    .venv/bin/python benchmarks/lowbit_i16_ab.py --isa avx512vnni --rows 1,8,32,512,4096
+
+With ``--isa``, both sides are this checkout's sources: "before" built for AVX2 (native.py's
+baseline flags), "after" for the named instruction set (its extra flags, native._ISA_FLAGS).
 
 Why a second library and not two settings: the kernel has no switch for its old code; building
 the other revision's kernels_i16.c beside this checkout's other sources gives the exact "before"
@@ -32,8 +36,9 @@ SHAPES = (("qkv", 960, 576, "q4"), ("o", 576, 576, "q4"), ("gate+up", 3072, 576,
           ("head", 49152, 576, "q8"))
 
 
-def build(i16_source: str, out_dir: str, name: str) -> ctypes.CDLL:
-    """The library with ``i16_source`` as kernels_i16.c and this checkout's other sources."""
+def build(i16_source: str, out_dir: str, name: str, isa: str = "avx2") -> ctypes.CDLL:
+    """The library with ``i16_source`` as kernels_i16.c and this checkout's other sources,
+    compiled for ``isa``."""
     from deepinfer_core.lowbit import native
 
     path = os.path.join(out_dir, f"{name}.c")
@@ -41,7 +46,7 @@ def build(i16_source: str, out_dir: str, name: str) -> ctypes.CDLL:
         f.write(i16_source)
     sources = [p for p in native._SOURCES if not p.endswith("kernels_i16.c")] + [path]
     so = os.path.join(out_dir, f"{name}.so")
-    subprocess.run([native.compiler_path(), *native._FLAGS, f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
+    subprocess.run([native.compiler_path(), *native._FLAGS, *native._ISA_FLAGS[isa], f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
     lib = ctypes.CDLL(so)
     native._declare(lib)
     return lib
@@ -64,6 +69,7 @@ def timed(fn, clock, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rev", default="main", help="git revision whose kernels_i16.c is the 'before' side")
+    parser.add_argument("--isa", default="", help="compare this checkout built for AVX2 (before) and for this ISA (after) instead of --rev")
     parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 512])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
@@ -75,18 +81,21 @@ def main() -> None:
                         help="M of the second table: 30 distinct layers' four GEMMs (weights from memory) + the head up to 256 rows")
     args = parser.parse_args()
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    old_src = subprocess.run(["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/kernels_i16.c"], check=True,
-                             capture_output=True, text=True).stdout
     with open(os.path.join(ROOT, "deepinfer_core/lowbit/kernels_i16.c")) as f:
         new_src = f.read()
+    if args.isa:
+        old_src, args.rev = new_src, "this checkout for AVX2"
+    else:
+        old_src = subprocess.run(["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/kernels_i16.c"], check=True,
+                                 capture_output=True, text=True).stdout
     only = set(filter(None, args.only.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"before": build(old_src, tmp, "before"), "after": build(new_src, tmp, "after")}
+        libs = {"before": build(old_src, tmp, "before"), "after": build(new_src, tmp, "after", args.isa or "avx2")}
         if args.run_ab:
             torch.set_num_threads(args.threads)
             run_ab(libs, args.requests, args.run_ab, args.rev)
             return
-        print(f"kernels_i16.c of {args.rev} (before) vs this checkout (after); {args.threads} thread(s), "
+        print(f"kernels_i16.c of {args.rev} (before) vs this checkout{' for ' + args.isa if args.isa else ''} (after); {args.threads} thread(s), "
               f"{'thread CPU' if args.threads == 1 else 'wall'} clock, best of {args.repeats}, load average {os.getloadavg()[0]:.1f}\n")
         print("| matrix (N x K, kind) | M | before ms | before GFLOP/s | after ms | after GFLOP/s | after / before | bits equal |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")

@@ -23,8 +23,12 @@
  *   to int16 once per call (and token chunk) into a panel where each vector holds one k-pair of
  *   8 rows side by side, so one broadcast of a token's activation pair and one vpmaddwd give 8
  *   columns x 2 products into an int32 lane per column: no horizontal reductions, and each
- *   weight vector loaded serves 3 tokens, each broadcast 2 vectors. Per block: 16 vpmaddwd and
- *   16 adds per token and 8 columns, then one conversion and two FMAs (the scales, the offset).
+ *   weight vector loaded serves 3 tokens (5 in the VNNI build: P16_T), each broadcast 2 vectors.
+ *   Per block: 16 vpmaddwd and 16 adds per token and 8 columns (16 vpdpwssd with VNNI), then
+ *   one conversion and two FMAs (the scales, the offset).
+ *
+ * Where the CPU has AVX512-VNNI + VL (or AVX-VNNI), native.py builds this file with those flags
+ * and DPWSSD below is one vpdpwssd: the same int32 sums, so the same bits as the AVX2 build.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -171,6 +175,19 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
 #define P16_PAIRS (QK / 2)                            /* k-pairs per block */
 #define P16_BLOCK (P16_PAIRS * 2 * 32 + 4 * 32)       /* bytes per block: 1,024 of weights, d and m of 16 rows */
 #define P16_MIN_M 5                                   /* fewer rows: the rows layout */
+/* Tokens per pass over a panel slice: 2 T int32 sums and 2 T float accumulators in registers.
+ * AVX2's 16 registers hold T = 3. With VNNI one vpdpwssd adds into a sum where AVX2 needs two
+ * instructions, and its 4-cycle latency then bounds 6 chains at 1.5 a cycle on Zen 4 (2 a cycle
+ * takes 8; benchmarks/lowbit_i16_ceiling.c); AVX512-VL's 32 ymm registers hold more tokens:
+ * T = 4 and 5 ran 1.1-1.25x the AVX2 build per matrix, 5 a little ahead at 512 rows, 6 and 8
+ * no faster than AVX2 (registers spill) (benchmarks/README.md, cpuvnni). -DP16_T=n overrides. */
+#ifndef P16_T
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define P16_T 5
+#else
+#define P16_T 3
+#endif
+#endif
 
 /* 8 x 8 transpose of 16-bit units: r[c] = units 0-7 of row c -> r[u] = unit u of rows 0-7 */
 static inline void transpose8_epi16(__m128i *r) {
@@ -293,17 +310,17 @@ static inline void store16(float *y, int nr, __m256 a0, __m256 a1, int first) {
     }
 }
 
-/* One tile's panel against T (1-3) consecutive tokens from i0; T and offs compile-time after
+/* One tile's panel against T (1 to P16_T) consecutive tokens from i0; T and offs compile-time after
  * inlining. Per block: the int32 column sums of 16 pairs, then acc += f * (d * s) (+ m * sx). */
 static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *panel, int64_t b0, int64_t b1, int64_t nb, int64_t K, const act16_t *a,
                                                                 int64_t i0, const int T, const int offs, int64_t n0, int nr,
                                                                 int64_t N, float *y) {
-    __m256 f0[3], f1[3];
+    __m256 f0[P16_T], f1[P16_T];
     for (int t = 0; t < T; t++) f0[t] = f1[t] = _mm256_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const __m256i *pb = panel + b * (P16_BLOCK / 32);
         const int32_t *x0 = (const int32_t *)(a->v + i0 * K + b * QK);  /* token t's pair p: x0[t * K / 2 + p] */
-        __m256i s0[3], s1[3];
+        __m256i s0[P16_T], s1[P16_T];
         for (int t = 0; t < T; t++) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int p = 0; p < P16_PAIRS; p++) {
@@ -338,21 +355,25 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
 #define P16_SLICE 20
 #define P16_PASS(T, OFFS) (ahead_some(pf), panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y))
 
+#define P16_CASE(n, OFFS) \
+    case n:                \
+        if ((n) < P16_T) P16_PASS((n) < P16_T ? (n) : 1, OFFS); \
+        break;
+#define P16_TOKENS(OFFS)                                                      \
+    do {                                                                      \
+        for (; i0 + P16_T <= c1; i0 += P16_T) P16_PASS(P16_T, OFFS);          \
+        switch (c1 - i0) { P16_CASE(7, OFFS) P16_CASE(6, OFFS) P16_CASE(5, OFFS) P16_CASE(4, OFFS) \
+                           P16_CASE(3, OFFS) P16_CASE(2, OFFS) P16_CASE(1, OFFS) default: break; } \
+    } while (0)
+
 static void panel16_range(const __m256i *panel, int64_t nb, int64_t K, const act16_t *a, int64_t c0, int64_t c1, int offs,
                           int64_t n0, int nr, int64_t N, float *y, ahead_t *pf) {
     const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, step = (nb + slices - 1) / slices;
     for (int64_t b0 = 0; b0 < nb; b0 += step) {
         const int64_t b1 = b0 + step < nb ? b0 + step : nb;
         int64_t i0 = c0;
-        if (offs) {
-            for (; i0 + 3 <= c1; i0 += 3) P16_PASS(3, 1);
-            if (c1 - i0 == 2) P16_PASS(2, 1);
-            else if (c1 - i0 == 1) P16_PASS(1, 1);
-        } else {
-            for (; i0 + 3 <= c1; i0 += 3) P16_PASS(3, 0);
-            if (c1 - i0 == 2) P16_PASS(2, 0);
-            else if (c1 - i0 == 1) P16_PASS(1, 0);
-        }
+        if (offs) P16_TOKENS(1);
+        else P16_TOKENS(0);
     }
 }
 
@@ -362,10 +383,10 @@ static void panel16_range(const __m256i *panel, int64_t nb, int64_t K, const act
 static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K, int kind, const void *qs, const float *d,
                                const float *m, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / QK, tiles = (N + P16_COLS - 1) / P16_COLS;
-    int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / 3 * 3;
-    if (chunk < 3) chunk = 3;
+    int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / P16_T * P16_T;
+    if (chunk < P16_T) chunk = P16_T;
     const int offs = kind == 4;
-    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + 2) / 3;
+    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + P16_T - 1) / P16_T;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
