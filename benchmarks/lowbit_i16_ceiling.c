@@ -1,12 +1,16 @@
 /* The multiply-add ceiling of kernels_i16.c's panel on this CPU, one thread, no memory traffic.
  *
  *     cc -O2 -mavx2 -mfma -o /tmp/ceiling benchmarks/lowbit_i16_ceiling.c && /tmp/ceiling
+ *     cc -O2 -mavx2 -mfma -mavx512f -mavx512vl -mavx512vnni -o /tmp/ceiling benchmarks/lowbit_i16_ceiling.c && /tmp/ceiling
  *
  * Why: the panel's block sums are vpmaddwd products each added into an int32 accumulator (no
  * VNNI on AVX2), so the bound is the pair, not vpmaddwd alone. Prints G instructions per second
  * of thread CPU time for vpmaddwd alone, vfmadd231ps alone, vpaddd alone (12 independent
  * registers each), and vpmaddwd + the vpaddd accumulating it (6 pairs a loop); x 32 gives
  * GFLOP/s for the int16 pair (16 multiply-adds). benchmarks/README.md (cpu12) has the readings.
+ * Built with AVX512-VNNI (second line), also vpdpwssd (the pair in one instruction) on ymm and on
+ * zmm (12 independent accumulators), and on ymm with 8, 6, 4 and 1 accumulators: its latency
+ * decides how many a kernel needs (benchmarks/README.md, cpuvnni).
  */
 #include <stdio.h>
 #include <time.h>
@@ -29,6 +33,33 @@ static double now(void) {
     "vpmaddwd %%ymm15, %%ymm10, %%ymm8\nvpmaddwd %%ymm15, %%ymm9, %%ymm0\nvpaddd %%ymm8, %%ymm2, %%ymm2\nvpaddd %%ymm0, %%ymm3, %%ymm3\n" \
     "dec %0\njnz 1b\n" : "+r"(n) : : CLOBBER)
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DP(r, i) "vpdpwssd %%" r "15, %%" r "14, %%" r #i "\n"
+#define CHAINS(n, body) __asm__ volatile("vpxor %%xmm15, %%xmm15, %%xmm15\n1:\n" body "dec %0\njnz 1b\n" : "+r"(n) : : CLOBBER)
+#define C12(r) DP(r, 0) DP(r, 1) DP(r, 2) DP(r, 3) DP(r, 4) DP(r, 5) DP(r, 6) DP(r, 7) DP(r, 8) DP(r, 9) DP(r, 10) DP(r, 11)
+#define C8 DP("ymm", 0) DP("ymm", 1) DP("ymm", 2) DP("ymm", 3) DP("ymm", 4) DP("ymm", 5) DP("ymm", 6) DP("ymm", 7)
+#define C6 DP("ymm", 0) DP("ymm", 1) DP("ymm", 2) DP("ymm", 3) DP("ymm", 4) DP("ymm", 5)
+#define C4 DP("ymm", 0) DP("ymm", 1) DP("ymm", 2) DP("ymm", 3)
+#define C1 DP("ymm", 0)
+
+static void vnni(long loops) {
+    long n;
+    double t;
+    n = loops; t = now(); CHAINS(n, C12("ymm")); t = now() - t;
+    printf("vpdpwssd ymm %.2f G/s (%.0f GFLOP/s) | ", 12 * loops / t / 1e9, 32 * 12 * loops / t / 1e9);
+    n = loops; t = now(); CHAINS(n, C12("zmm")); t = now() - t;
+    printf("zmm %.2f G/s (%.0f GFLOP/s) | ymm chains:", 12 * loops / t / 1e9, 64 * 12 * loops / t / 1e9);
+    n = loops; t = now(); CHAINS(n, C8 C8); t = now() - t;
+    printf(" 8: %.2f", 16 * loops / t / 1e9);
+    n = loops; t = now(); CHAINS(n, C6 C6); t = now() - t;
+    printf(" 6: %.2f", 12 * loops / t / 1e9);
+    n = loops; t = now(); CHAINS(n, C4 C4); t = now() - t;
+    printf(" 4: %.2f", 8 * loops / t / 1e9);
+    n = loops; t = now(); CHAINS(n, C1 C1 C1 C1); t = now() - t;
+    printf(" 1: %.2f G/s\n", 4 * loops / t / 1e9);
+}
+#endif
+
 int main(void) {
     const long loops = 50000000;
     for (int round = 0; round < 3; round++) {
@@ -42,6 +73,9 @@ int main(void) {
         printf("vpaddd alone %.2f G/s | ", 12 * loops / t / 1e9);
         n = loops; t = now(); PAIRS; t = now() - t;
         printf("vpmaddwd + vpaddd %.2f G pairs/s (%.0f GFLOP/s)\n", 6 * loops / t / 1e9, 32 * 6 * loops / t / 1e9);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        vnni(loops);
+#endif
     }
     return 0;
 }

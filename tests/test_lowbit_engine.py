@@ -64,6 +64,7 @@ def test_the_default_keeps_the_file_s_q4_1_and_q8_0_weights_packed_and_says_why(
     assert describe_weights(llm.engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
     assert "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0> (block-quantized GGUF on CPU: weights kept packed" in caplog.text
     assert "on cpu (torch.float32, KV cache float16), 8 KV blocks" in caplog.text  # float32 activations, half the cache bytes
+    assert f"kernels {native.describe_isa(native.load().isa)})" in caplog.text  # the build the CPU got (AVX2 or VNNI)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out[0].outputs[0].text
 

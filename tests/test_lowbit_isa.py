@@ -115,3 +115,22 @@ def test_fused_head_picks_the_same_tokens_between_builds(M):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], _gemm(BASE.lib, False, x, w, 2).argmax(-1))
+
+
+def test_the_switch_is_refused_by_name_when_the_library_loads(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "avx1024")
+    with pytest.raises(ValueError, match="DEEPINFER_LOWBIT_ISA='avx1024'"):
+        native.load()
+
+
+@pytest.mark.skipif(BASE.lib is None, reason=f"low-bit kernels unavailable here: {BASE.reason}")
+def test_the_loaded_build_and_deepinfer_plugins_name_the_chosen_instructions(monkeypatch):
+    from deepinfer_core.builtin.cpu_features import cpu_summary
+
+    monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "avx2")
+    assert native.load().isa == "avx2" and native.load().lib.lowbit_isa() == 0
+    assert "(kernels AVX2 (vpmaddwd))" in cpu_summary()
+    if HAS_VNNI:
+        monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "auto")
+        assert native.load().isa == "avx512vnni" and native.load().lib.lowbit_isa() == 1
+        assert "(kernels AVX512-VNNI (vpdpwssd))" in cpu_summary()

@@ -97,7 +97,9 @@ def weights_choice(files: ModelFiles, device: torch.device, allow_lowbit: bool) 
     if not allow_lowbit:
         return "dense weights: a float dtype was asked for" if files.quantized_weights is not None else "dense checkpoint"
     why_not = lowbit_unavailable(files, device)
-    return f"dense weights: {why_not}" if why_not else "block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference)"
+    if why_not:
+        return f"dense weights: {why_not}"
+    return f"block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference), kernels {native.describe_isa(native.load().isa)}"
 
 
 def resolve_dtype(files: ModelFiles, device: torch.device, dtype: torch.dtype, allow_lowbit: bool) -> tuple[torch.dtype, str | None]:

@@ -7,7 +7,8 @@ path is float16 (``attention.kv_dtype``): decode attention at many requests is b
 reads of the cache. An int8-activation kernel for 4-bit weights (llama.cpp's arithmetic, ~2x faster from 5 rows on)
 is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it loses the float32 model's greedy tokens.
 
-``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels, ``ops`` calls them,
+``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels (with VNNI where the
+CPU has it: ``DEEPINFER_LOWBIT_ISA``), ``ops`` calls them,
 ``modules`` holds the packed layers and swaps them into a model before its weights load.
 Where the kernels cannot run (no AVX2, no C compiler), :func:`native.load` says why and the
 engine loads the same file dequantized to float instead.
