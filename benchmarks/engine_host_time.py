@@ -21,6 +21,7 @@ start the same way), the peer in the same run; the machine's load hits both alik
 is the median over ``--rounds`` processes.
 
     .venv/bin/python benchmarks/engine_host_time.py --before 9bbfe2d --rounds 5
+    .venv/bin/python benchmarks/engine_host_time.py --gc-freeze-ab --rounds 5   # gc.freeze() after start-up or not
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def make_checkpoint(path: str) -> None:
     transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
 
 
-def child(path: str, repeats: int) -> dict:
+def child(path: str, repeats: int, frozen: bool = True) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -126,8 +127,9 @@ def child(path: str, repeats: int) -> dict:
     decode_prompts = [torch.randint(2, VOCAB, (rn, rlen), generator=g).tolist() for _ in range(2 * repeats + 2)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0, max_tokens=1 + steps, ignore_eos=True)
-    gc.collect()
-    gc.freeze()  # the prompt sets held here (~1M ids in lists) are not the engine's: no full collection walks them
+    if frozen:  # --gc-freeze-ab's peer does without: nothing frozen, as in a process that never calls gc.freeze
+        gc.collect()
+        gc.freeze()  # the prompt sets held here (~1M ids in lists) are not the engine's: no full collection walks them
 
     def run(prompts, params) -> tuple[float, float]:
         first_forward.clear()
@@ -195,11 +197,12 @@ def export(rev: str, into: str) -> str:
     return into
 
 
-def spawn(path: str, repeats: int, pythonpath: str | None) -> dict:
+def spawn(path: str, repeats: int, pythonpath: str | None, frozen: bool = True) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, __file__, "--child", path, "--repeats", str(repeats)], env=env, capture_output=True, text=True)
+    cmd = [sys.executable, __file__, "--child", path, "--repeats", str(repeats)] + ([] if frozen else ["--not-frozen"])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -228,10 +231,12 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="git revision whose engine is the peer")
     ap.add_argument("--rounds", type=int, default=3, help="child processes per revision (alternating)")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefills / decode runs per process")
+    ap.add_argument("--gc-freeze-ab", action="store_true", help="this checkout only: nothing frozen vs everything frozen (gc.freeze) after start-up")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--not-frozen", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.repeats)))
+        print(json.dumps(child(args.child, args.repeats, not args.not_frozen)))
         return
     with tempfile.TemporaryDirectory(prefix="engine_host_time") as tmp:
         ckpt = os.path.join(tmp, "v3")
@@ -239,18 +244,26 @@ def main() -> None:
         now = os.path.join(tmp, "now")  # this checkout's engine as it is at the start (edits during the run do not count)
         shutil.copytree(Path(__file__).resolve().parent.parent / "deepinfer_core", os.path.join(now, "deepinfer_core"), ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         variants: dict[str, str | None] = {"now": now}
-        if args.before:
+        frozen = {"now": True}
+        if args.gc_freeze_ab:
+            variants, frozen = {"no gc.freeze": now, "frozen after start-up": now}, {"no gc.freeze": False, "frozen after start-up": True}
+        elif args.before:
             os.makedirs(os.path.join(tmp, "before"))
             variants = {f"before ({args.before})": export(args.before, os.path.join(tmp, "before")), "now": now}
+            frozen = dict.fromkeys(variants, True)
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, pythonpath in variants.items():
-                runs[name].append(spawn(ckpt, args.repeats, pythonpath))
+                runs[name].append(spawn(ckpt, args.repeats, pythonpath, frozen[name]))
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}, torch on one thread")
         table(f"{PREFILL[0]} x {PREFILL[1]} prefill, generate(max_tokens=1)", "prefill_stages", runs,
               {"prefill_before_forward_ms": "**host before the forward, no stage clocks**", "prefill_generate_ms": "**whole generate, no stage clocks**"})
         table(f"one {DECODE[0]}-request decode step ({DECODE[1]}-token prompts, mean of {DECODE[2]} steps)", "decode_stages", runs,
               {"decode_step_ms": "**the step, no stage clocks**"})
+        print("\nper process (the spread):")
+        for name, rs in runs.items():
+            for key in ("prefill_before_forward_ms", "prefill_generate_ms", "decode_step_ms"):
+                print(f"  {name}, {key}: " + ", ".join(f"{r[key]:.2f}" for r in rs))
 
 
 if __name__ == "__main__":
