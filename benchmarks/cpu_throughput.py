@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-ENGINES = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "transformers", "llamacpp")
+ENGINES = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "deepinfer-kv8", "transformers", "llamacpp")
 DEFAULT_ENGINES = ("deepinfer", "deepinfer-fp32", "transformers", "llamacpp")  # bf16: --engines
 LABELS = {
     "deepinfer": "deepinfer default", "deepinfer-fp32": "deepinfer fp32", "deepinfer-bf16": "deepinfer bf16",
-    "deepinfer-lowbit": "deepinfer lowbit",
+    "deepinfer-lowbit": "deepinfer lowbit", "deepinfer-kv8": "deepinfer int8 KV",
     "transformers": "transformers", "llamacpp": "llama.cpp",
 }  # fmt: skip
-OURS = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit")
+OURS = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "deepinfer-kv8")
 RESULT_MARK = "RESULT "
 # Opening of "A Tale of Two Cities" (public domain); repeated and windowed into prompts.
 SOURCE_TEXT = (
@@ -129,10 +129,11 @@ def build_prompts(n: int, length: int | list[int], windows: int | None = None) -
 # --- engines: each loads its model, sized for prompts like these, and returns generate() -------
 
 
-def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "auto") -> Generate:
+def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> Generate:
     """auto is the default (no flag): the GGUF's Q4_1/Q8_0 weights kept packed, int8 dot
     products; fp32 dequantizes them (exactly transformers' arithmetic); bf16 runs the matmuls on
-    the CPU's bf16 dot-product units where it has them (AVX512-BF16, AMX)."""
+    the CPU's bf16 dot-product units where it has them (AVX512-BF16, AMX). kv8: the default with
+    kv_cache_dtype="int8" (the opt-in int8 KV cache)."""
     import torch
     from deepinfer_core import LLM, SamplingParams
 
@@ -141,7 +142,7 @@ def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: s
     block_size = inspect.signature(LLM).parameters["block_size"].default
     blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
     model = os.environ.get("DEEPINFER_BENCH_GGUF") or "smollm2-135m-instruct"
-    llm = LLM(model, device="cpu", dtype=dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+    llm = LLM(model, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -228,6 +229,7 @@ LOADERS: dict[str, Loader] = {
     "deepinfer-fp32": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "float32"),
     "deepinfer-bf16": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "bfloat16"),
     "deepinfer-lowbit": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "lowbit"),
+    "deepinfer-kv8": lambda prompts, new, threads: load_deepinfer(prompts, new, threads, "auto", "int8"),
     "transformers": load_transformers,
     "llamacpp": load_llamacpp,
 }

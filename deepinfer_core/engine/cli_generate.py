@@ -22,6 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", help="a text file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (the first usable installed platform)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="the KV cache's element type on the low-bit CPU path: auto (float16; float32 for an all-8-bit GGUF), float16, float32, or int8 (opt-in: half float16's bytes, a scale per token and head; changes the numbers). Dense weights accept only auto or their dtype")
     p.add_argument("--dtype", default="auto", help="auto (CPU: a quantized GGUF's weights kept packed, low-bit kernels; dense weights bfloat16 with AVX512-BF16/AMX, else float32; bfloat16 elsewhere), lowbit (the same), or float32 / bfloat16 / float16 (dense; float32 is the exact reference)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice, one per core; on a busy machine fewer is faster)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most (the Python API's SamplingParams defaults to 16)")
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks, attention_backend=args.attention_backend, moe_backend=args.moe_backend, enforce_eager=args.enforce_eager, kv_store=args.kv_store, kv_store_gib=args.kv_store_gib)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs, kv_cache_blocks=args.kv_cache_blocks, attention_backend=args.attention_backend, moe_backend=args.moe_backend, enforce_eager=args.enforce_eager, kv_store=args.kv_store, kv_store_gib=args.kv_store_gib)
         if args.stream:
             return _stream(llm, prompts, params, args.chat)
         if args.chat:

@@ -22,6 +22,11 @@ class EngineConfig:
     # else float32; bfloat16 off the CPU. lowbit: the same as auto (kept as an explicit name).
     # Any other dtype loads dense weights (float32: the exact reference the tests pin).
     dtype: str = "auto"
+    # the KV cache's element type: auto (the low-bit CPU path: float16, float32 for an all-8-bit
+    # file; elsewhere the compute dtype); float16 / float32 / int8 choose it on the low-bit path
+    # (int8: a float32 scale per token and KV head, opt-in, benchmarks/README.md kv8); elsewhere only
+    # the compute dtype's own name is accepted
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_blocks: int | None = None  # None: sized from kv_cache_gib, else from free memory
@@ -54,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
         if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
+        from ..lowbit.attention import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
 
     def torch_dtype(self, device_type: str) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

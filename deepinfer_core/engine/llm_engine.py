@@ -50,7 +50,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.platform.device_type)
         self.files, self.model, ctx = loading.load(
             config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend,
-            allow_lowbit=config.allows_lowbit(self.platform.device_type),
+            allow_lowbit=config.allows_lowbit(self.platform.device_type), kv_cache_dtype=config.kv_cache_dtype,
         )
         self.weights_choice = loading.weights_choice(self.files, self.device, config.allows_lowbit(self.platform.device_type))
         self.dtype = ctx.dtype  # low-bit weights run float32 activations

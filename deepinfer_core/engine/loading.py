@@ -38,9 +38,10 @@ def resolve_model_path(name: str, host: PluginHost) -> str:
     raise ValueError(f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})")
 
 
-def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, lowbit: bool = False):
+def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, lowbit: bool = False, kv_cache_dtype: str = "auto"):
     """``lowbit``: keep block-quantized weights packed (``files.quantized_weights``); activations
-    then stay float32, which the kernels read and write."""
+    then stay float32, which the kernels read and write, over a cache of ``kv_cache_dtype``
+    (:func:`deepinfer_core.lowbit.attention.kv_dtype`)."""
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -54,7 +55,7 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     )
     if lowbit:  # float32 activations over a float16 KV cache (8-bit files: float32); attention rows read it in C
         resolve = ctx.attention_backend
-        ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(files.quantized_types), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
+        ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(files.quantized_types, kv_cache_dtype), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
         adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
         prefill_enabled()  # and a bad DEEPINFER_NATIVE_PREFILL
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
@@ -111,16 +112,28 @@ def resolve_dtype(files: ModelFiles, device: torch.device, dtype: torch.dtype, a
     return (torch.float32 if why_not is None else dtype), why_not
 
 
-def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False):
+def check_kv_cache_dtype(requested: str, dtype: torch.dtype, why_not: str | None) -> None:
+    """Refuse a ``kv_cache_dtype`` the path cannot honour: the low-bit CPU path (``why_not`` None)
+    takes float16 / float32 / int8; any other path caches keys and values in its compute dtype."""
+    if why_not is None or requested in ("auto", str(dtype).removeprefix("torch.")):
+        return
+    name = str(dtype).removeprefix("torch.")
+    raise ValueError(f"kv_cache_dtype={requested!r} is for packed low-bit weights on CPU (a block-quantized GGUF with dtype auto); "
+                     f"this engine's weights are dense ({why_not}) and cache keys and values in {name}: use 'auto' or {name!r}")
+
+
+def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False, kv_cache_dtype: str = "auto"):
     """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
     provider's implementation for every layer; None takes the host's default order.
-    ``allow_lowbit``: serve a block-quantized GGUF's weights packed where the kernels run."""
+    ``allow_lowbit``: serve a block-quantized GGUF's weights packed where the kernels run.
+    ``kv_cache_dtype``: :class:`~deepinfer_core.engine.config.EngineConfig`'s."""
     host.check_backend_name("attention", attention_backend)  # before any file is read
     host.check_backend_name("moe", moe_backend)
     path = resolve_model_path(name, host)
     files = open_model_files(path)
     dtype, why_not = resolve_dtype(files, device, dtype, allow_lowbit)
+    check_kv_cache_dtype(kv_cache_dtype, dtype, why_not)
     if allow_lowbit and why_not and files.quantized_weights is not None:
         log.warning("%s: serving dequantized %s weights (%s)", path, dtype, why_not)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, lowbit=why_not is None)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, lowbit=why_not is None, kv_cache_dtype=kv_cache_dtype)
     return files, model, ctx

@@ -7,10 +7,14 @@
  *
  *   cache [2, Hkv, num_blocks, bs, W]   plane 0 keys, plane 1 values; slot = block * bs + offset
  *
- * The cache holds float32 or IEEE half elements (f16 != 0). The low-bit default keeps a float16
- * cache: at 32 requests of ~170 tokens the decode step read ~250 MB of float32 keys and values
+ * The cache holds float32, IEEE half or int8 elements (kv: vec.h's KV_F32 / KV_F16 / KV_I8). The
+ * low-bit default keeps a float16 cache: at 32 requests of ~170 tokens the decode step read ~250 MB of float32 keys and values
  * per step and memory bandwidth bounded attention; half elements halve that, and F16C widens
- * 8 of them per instruction. Arithmetic stays float32 either way.
+ * 8 of them per instruction. Arithmetic stays float32 either way. The opt-in int8 cache halves the
+ * bytes again: a row is head_dim int8 codes and its float32 scale right after them (a row's scale
+ * is read with its codes, from the same cache lines, and a block copied whole carries its scales);
+ * a key's dot product is taken over the widened codes and multiplied by the scale once, a value's
+ * softmax weight is multiplied by its scale once, so the loops are those of the float paths.
  *
  * Work item = (request, KV head); its G = H / Hkv query heads share each key/value row loaded.
  * Each position's row offset is computed once for K and V; scores are float32 dot products,
@@ -33,13 +37,13 @@
 
 /* The new tokens' keys and values into their slots (k, v [T, Hkv, D] float32; cache as above). */
 void paged_write_kv(const float *k, const float *v, void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                    int64_t width, int64_t head_dim, int64_t v_head_dim, const int64_t *slots, int64_t num_tokens, int f16) {
-    const int64_t plane = num_kv_heads * num_blocks * block_size * width, esize = f16 ? 2 : 4;
+                    int64_t width, int64_t head_dim, int64_t v_head_dim, const int64_t *slots, int64_t num_tokens, int kv) {
+    const int64_t plane = num_kv_heads * num_blocks * block_size * width, esize = kv_esize(kv);
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t row = (h * num_blocks * block_size + slots[t]) * width;
-            kv_store((char *)cache + row * esize, k + (t * num_kv_heads + h) * head_dim, head_dim, f16);
-            kv_store((char *)cache + (row + plane) * esize, v + (t * num_kv_heads + h) * v_head_dim, v_head_dim, f16);
+            kv_store((char *)cache + row * esize, k + (t * num_kv_heads + h) * head_dim, head_dim, kv);
+            kv_store((char *)cache + (row + plane) * esize, v + (t * num_kv_heads + h) * v_head_dim, v_head_dim, kv);
         }
 }
 
@@ -52,9 +56,9 @@ static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #define GROUP_TILE 3  /* query heads of one KV head accumulated together (3 x 4 vectors in registers) */
 #define PREFETCH_AHEAD 16  /* positions: rows lie in scattered blocks, which the hardware prefetcher does not follow */
 
-static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int64_t at, int64_t n, int f16) {
-    const char *p = (const char *)cache + at * (f16 ? 2 : 4);
-    for (int64_t b = 0; b < n * (f16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int64_t at, int64_t n, int kv) {
+    const char *p = (const char *)cache + at * kv_esize(kv);
+    for (int64_t b = 0; b < kv_row_bytes(n, kv); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 /* softmax of n scores in place: max-subtracted, exponentials 8 at a time */
@@ -108,7 +112,7 @@ static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4x8(a, a, a, a
 static inline __attribute__((always_inline)) void attend_fixed(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
                                                                int64_t block_size, int64_t width, const int64_t G, const int64_t D,
                                                                const int32_t *block_tables, int64_t max_blocks, const int64_t *positions,
-                                                               float scale, int64_t window, float *out, int64_t item, int64_t next, int f16) {
+                                                               float scale, int64_t window, float *out, int64_t item, int64_t next, int kv) {
     const int64_t plane = num_kv_heads * num_blocks * block_size * width, r = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
     const int64_t n = last - first + 1, stride = n + 4, n4 = n / 4 * 4;
@@ -120,15 +124,21 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
     int64_t s = 0;
     for (; s + KP(G) <= n4; s += KP(G)) {
         for (int j = 0; j < KP(G); j++) {
-            prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], D, f16);
-            prefetch_row(cache, values + rows[s + PREFETCH_AHEAD + j], D, f16);
+            prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], D, kv);
+            prefetch_row(cache, values + rows[s + PREFETCH_AHEAD + j], D, kv);
+        }
+        __m128 sc4 = _mm_set1_ps(scale);
+        if (kv == KV_I8) {  /* each position's key scale (lanes past KP(G): rewritten later) */
+            float ks[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int j = 0; j < KP(G); j++) ks[j] = kv_scale(cache, keys + rows[s + j], D);
+            sc4 = _mm_mul_ps(sc4, _mm_loadu_ps(ks));
         }
         __m256 acc[4][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < KP(G); j++) acc[g][j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < D; i += 8) {
             __m256 k[4];
-            for (int j = 0; j < KP(G); j++) k[j] = kv_load8(cache, keys + rows[s + j] + i, f16);
+            for (int j = 0; j < KP(G); j++) k[j] = kv_load8(cache, keys + rows[s + j] + i, kv);
             for (int g = 0; g < G; g++) {
                 const __m256 qv = _mm256_loadu_ps(qh + g * D + i);
                 for (int j = 0; j < KP(G); j++) acc[g][j] = _mm256_fmadd_ps(qv, k[j], acc[g][j]);
@@ -137,15 +147,16 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
         for (int g = 0; g < G; g++) {
             const __m256 z = _mm256_setzero_ps();
             const __m128 t = hsum4x8(acc[g][0], acc[g][1], KP(G) > 2 ? acc[g][2] : z, KP(G) > 3 ? acc[g][3] : z);
-            _mm_storeu_ps(scores + g * stride + s, _mm_mul_ps(t, _mm_set1_ps(scale)));  /* lanes past KP(G): rewritten later */
+            _mm_storeu_ps(scores + g * stride + s, _mm_mul_ps(t, sc4));  /* lanes past KP(G): rewritten later */
         }
     }
     for (; s < n; s++) {
-        prefetch_row(cache, values + rows[s + PREFETCH_AHEAD], D, f16);
+        prefetch_row(cache, values + rows[s + PREFETCH_AHEAD], D, kv);
+        const float sk = kv == KV_I8 ? scale * kv_scale(cache, keys + rows[s], D) : scale;
         for (int g = 0; g < G; g++) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), kv_load8(cache, keys + rows[s] + i, f16), acc);
-            scores[g * stride + s] = (s < n4 ? hsum_as4(acc) : vec_hsum8(acc)) * scale;
+            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), kv_load8(cache, keys + rows[s] + i, kv), acc);
+            scores[g * stride + s] = (s < n4 ? hsum_as4(acc) : vec_hsum8(acc)) * sk;
         }
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
@@ -154,8 +165,8 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
     const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
     const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
     const int32_t *table2 = block_tables + r2 * max_blocks;
-    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * (f16 ? 2 : 4);
-    const int64_t vplane = plane * (f16 ? 2 : 4);
+    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * kv_esize(kv);
+    const int64_t vplane = plane * kv_esize(kv);
     int64_t b2 = first2 / block_size, o2 = first2 % block_size;
     for (int64_t c0 = 0; c0 < D; c0 += 8 * VJ(G)) {
         __m256 a[4][4];
@@ -163,17 +174,21 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
             for (int j = 0; j < VJ(G); j++) a[g][j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
             if (c0 == 0 && t < n2) {
-                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * (f16 ? 2 : 4);
-                for (int64_t b = 0; b < D * (f16 ? 2 : 4); b += 64) {
+                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
+                for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
                     _mm_prefetch(p + b, _MM_HINT_T0);
                     _mm_prefetch(p + vplane + b, _MM_HINT_T0);
                 }
                 if (++o2 == block_size) o2 = 0, b2++;
             }
             __m256 w[4];
-            for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(scores[g * stride + t]);
+            if (kv == KV_I8) {  /* the weight times the value row's scale */
+                const float vs = kv_scale(cache, values + rows[t], D);
+                for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(scores[g * stride + t] * vs);
+            } else
+                for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(scores[g * stride + t]);
             for (int j = 0; j < VJ(G); j++) {
-                const __m256 v = kv_load8(cache, values + rows[t] + c0 + 8 * j, f16);
+                const __m256 v = kv_load8(cache, values + rows[t] + c0 + 8 * j, kv);
                 for (int g = 0; g < G; g++) a[g][j] = _mm256_fmadd_ps(w[g], v, a[g][j]);
             }
         }
@@ -187,7 +202,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
                                                          int64_t block_size, int64_t width, int64_t num_heads, int64_t head_dim,
                                                          int64_t v_head_dim, const int32_t *block_tables, int64_t max_blocks,
                                                          const int64_t *positions, float scale, int64_t window, float *out,
-                                                         int64_t item, int f16) {
+                                                         int64_t item, int kv) {
     const int64_t groups = num_heads / num_kv_heads, plane = num_kv_heads * num_blocks * block_size * width;
     const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
@@ -201,7 +216,11 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
     int64_t s = 0;
     if (head_dim % 8 == 0)  /* 4 positions at a time: each key vector widened once for every query head of the group */
         for (; s + 4 <= n; s += 4) {
-            for (int j = 0; j < 4; j++) prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], head_dim, f16);
+            for (int j = 0; j < 4; j++) prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], head_dim, kv);
+            __m128 sc4 = _mm_set1_ps(scale);
+            if (kv == KV_I8)
+                sc4 = _mm_mul_ps(sc4, _mm_setr_ps(kv_scale(cache, keys + rows[s], head_dim), kv_scale(cache, keys + rows[s + 1], head_dim),
+                                                  kv_scale(cache, keys + rows[s + 2], head_dim), kv_scale(cache, keys + rows[s + 3], head_dim)));
             for (int64_t g0 = 0; g0 < groups; g0 += GROUP_TILE) {
                 const int gt = (int)(groups - g0 < GROUP_TILE ? groups - g0 : GROUP_TILE);
                 __m256 acc[GROUP_TILE][4];
@@ -209,26 +228,27 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
                     for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
                 for (int64_t i = 0; i < head_dim; i += 8) {
                     __m256 k[4];
-                    for (int j = 0; j < 4; j++) k[j] = kv_load8(cache, keys + rows[s + j] + i, f16);
+                    for (int j = 0; j < 4; j++) k[j] = kv_load8(cache, keys + rows[s + j] + i, kv);
                     for (int g = 0; g < gt; g++) {
                         const __m256 qv = _mm256_loadu_ps(qh + (g0 + g) * head_dim + i);
                         for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qv, k[j], acc[g][j]);
                     }
                 }
                 for (int g = 0; g < gt; g++)
-                    _mm_storeu_ps(scores + (g0 + g) * n + s, _mm_mul_ps(hsum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+                    _mm_storeu_ps(scores + (g0 + g) * n + s, _mm_mul_ps(hsum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), sc4));
             }
         }
     for (; s < n; s++) {
         const int64_t k = keys + rows[s];
+        const float sk = kv == KV_I8 ? scale * kv_scale(cache, k, head_dim) : scale;
         for (int64_t g = 0; g < groups; g++) {
             const float *qg = qh + g * head_dim;
             __m256 acc = _mm256_setzero_ps();
             int64_t i = 0;
-            for (; i + 8 <= head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), kv_load8(cache, k + i, f16), acc);
+            for (; i + 8 <= head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), kv_load8(cache, k + i, kv), acc);
             float dot = vec_hsum8(acc);
-            for (; i < head_dim; i++) dot += qg[i] * kv_load1(cache, k + i, f16);
-            scores[g * n + s] = dot * scale;
+            for (; i < head_dim; i++) dot += qg[i] * kv_load1(cache, k + i, kv);
+            scores[g * n + s] = dot * sk;
         }
     }
     for (int64_t g = 0; g < groups; g++) softmax_row(scores + g * n, n);
@@ -244,11 +264,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
                 for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
                 const int64_t v = values + rows[t] + c0;
-                if (c0 == 0 && g0 == 0) prefetch_row(cache, values + rows[t + PREFETCH_AHEAD], v_head_dim, f16);
+                if (c0 == 0 && g0 == 0) prefetch_row(cache, values + rows[t + PREFETCH_AHEAD], v_head_dim, kv);
                 __m256 vv[4];
-                for (int j = 0; j < nv; j++) vv[j] = kv_load8(cache, v + 8 * j, f16);
+                for (int j = 0; j < nv; j++) vv[j] = kv_load8(cache, v + 8 * j, kv);
+                const float vs = kv == KV_I8 ? kv_scale(cache, values + rows[t], v_head_dim) : 1.0f;
                 for (int g = 0; g < gt; g++) {
-                    const __m256 w = _mm256_set1_ps(scores[(g0 + g) * n + t]);
+                    const __m256 w = _mm256_set1_ps(kv == KV_I8 ? scores[(g0 + g) * n + t] * vs : scores[(g0 + g) * n + t]);
                     for (int j = 0; j < nv; j++) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
                 }
             }
@@ -260,26 +281,28 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
         for (int64_t c = vec_end; c < v_head_dim; c++) {
             const float *sc = scores + g * n;
             float a = 0.0f;
-            for (int64_t t = 0; t < n; t++) a += sc[t] * kv_load1(cache, values + rows[t] + c, f16);
+            for (int64_t t = 0; t < n; t++)
+                a += (kv == KV_I8 ? sc[t] * kv_scale(cache, values + rows[t], v_head_dim) : sc[t]) * kv_load1(cache, values + rows[t] + c, kv);
             out[(r * num_heads + h * groups + g) * v_head_dim + c] = a;
         }
     free(scores);
 }
 
-/* attend_fixed for one (G, D, f16) of the shapes it is instantiated for: G = 1-4 query heads per KV head, D = 64 or 128 */
-#define FIXED(G, D, F16) attend_fixed(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
-                                      scale, window, out, item, next, F16)
+/* attend_fixed for one (G, D, kv) of the shapes it is instantiated for: G = 1-4 query heads per KV head, D = 64 or 128 */
+#define FIXED(G, D, KV) attend_fixed(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
+                                     scale, window, out, item, next, KV)
 #define FIXED_CASES(G) \
-    case 4 * (G) - 4: FIXED(G, 64, 0); break; case 4 * (G) - 3: FIXED(G, 64, 1); break; \
-    case 4 * (G) - 2: FIXED(G, 128, 0); break; case 4 * (G) - 1: FIXED(G, 128, 1); break;
+    case 6 * (G) - 6: FIXED(G, 64, KV_F32); break; case 6 * (G) - 5: FIXED(G, 64, KV_F16); break; \
+    case 6 * (G) - 4: FIXED(G, 64, KV_I8); break; case 6 * (G) - 3: FIXED(G, 128, KV_F32); break; \
+    case 6 * (G) - 2: FIXED(G, 128, KV_F16); break; case 6 * (G) - 1: FIXED(G, 128, KV_I8); break;
 
 void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
-                            float scale, int64_t window, float *out, int nthreads, int f16) {
+                            float scale, int64_t window, float *out, int nthreads, int kv) {
     const int64_t G = num_heads / num_kv_heads;
     const int fixed = G >= 1 && G <= 4 && G * num_kv_heads == num_heads && head_dim == v_head_dim && (head_dim == 64 || head_dim == 128);
-    const int shape = fixed ? (int)(4 * G - 4 + 2 * (head_dim == 128) + (f16 != 0)) : -1;
+    const int shape = fixed ? (int)(6 * G - 6 + 3 * (head_dim == 128) + kv) : -1;
     const int64_t items = num_requests * num_kv_heads;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, CHUNK)
     for (int64_t item = 0; item < items; item++) {
@@ -288,9 +311,12 @@ void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_he
         switch (shape) {
             FIXED_CASES(1) FIXED_CASES(2) FIXED_CASES(3) FIXED_CASES(4)
             default:
-                if (f16)
+                if (kv == KV_I8)
                     attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
-                           max_blocks, positions, scale, window, out, item, 1);
+                           max_blocks, positions, scale, window, out, item, KV_I8);
+                else if (kv == KV_F16)
+                    attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
+                           max_blocks, positions, scale, window, out, item, KV_F16);
                 else
                     attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
                            max_blocks, positions, scale, window, out, item, 0);

@@ -37,13 +37,13 @@ void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs,
 void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                             int64_t width, int64_t num_heads, int64_t head_dim, int64_t v_head_dim,
                             const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t num_requests,
-                            float scale, int64_t window, float *out, int nthreads, int f16);
+                            float scale, int64_t window, float *out, int nthreads, int kv);
 /* prefill_attention.c's */
 int64_t prefill_has_runs(const int64_t *positions, const int32_t *tables, int64_t max_blocks, int64_t R);
 void prefill_attention(const float *q, const float *k, int64_t kstride, const float *v, int64_t vstride, const void *cache,
                        int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t width, int64_t num_heads,
                        int64_t head_dim, const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t R,
-                       float scale, int64_t window, float *out, int nthreads, int f16, int mode);
+                       float scale, int64_t window, float *out, int nthreads, int kv, int mode);
 
 #define MAX_SEGMENTS 4
 
@@ -79,7 +79,7 @@ typedef struct {
     int64_t embed_kind;
     const void *embed_qs;
     const float *embed_d, *embed_m;
-    int64_t kv_f16;                                /* the cache holds IEEE half elements (else float32) */
+    int64_t kv_kind;                               /* the cache's elements: vec.h's KV_F32 (0), KV_F16 (1), KV_I8 (2) */
     int64_t prefill_attn;                          /* calls with prompt runs: 0 the decode attention, 1 prefill_attention
                                                       reading the cache, 2 it with the call's keys and values in float32 */
 } lb_model;
@@ -212,7 +212,7 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
     const int prefill = md->prefill_attn && hd % 32 == 0 && prefill_has_runs(positions, block_tables, max_blocks, R);
     for (int64_t r = 0; r < R; r++) embed_row(md, ids[r], h + r * D);
     const int64_t plane = Hkv * md->num_blocks * md->block_size * md->width;
-    const int f16 = md->kv_f16 != 0, esize = f16 ? 2 : 4;
+    const int kv = (int)md->kv_kind, esize = (int)kv_esize(kv);  /* vec.h's KV_F32 / KV_F16 / KV_I8 */
     for (int64_t l = 0; l < md->num_layers; l++) {
         const lb_layer *ly = &layers[l];
         add_rmsnorm(h, l ? t : NULL, ly->input_norm, md->eps, R, D, xn, nthreads);  /* the last layer's residual, then the norm */
@@ -228,17 +228,17 @@ void llama_decode_step(const lb_model *md, const lb_layer *layers, const int64_t
                 const int64_t at = (kh * md->num_blocks * md->block_size + slots[r]) * md->width;
                 float *key = kr + (r * Hkv + kh) * hd;
                 rotary(row + (H + kh) * hd, c, s, hd, key);
-                kv_store((char *)ly->kv_cache + at * esize, key, hd, f16);
-                kv_store((char *)ly->kv_cache + (at + plane) * esize, row + (H + Hkv + kh) * hd, hd, f16);
+                kv_store((char *)ly->kv_cache + at * esize, key, hd, kv);
+                kv_store((char *)ly->kv_cache + (at + plane) * esize, row + (H + Hkv + kh) * hd, hd, kv);
             }
         }
         if (prefill)
             prefill_attention(q, kr, Hkv * hd, qkv + (H + Hkv) * hd, nqkv, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width,
-                              H, hd, block_tables, max_blocks, positions, R, md->scale, md->window, attn, nthreads, f16,
+                              H, hd, block_tables, max_blocks, positions, R, md->scale, md->window, attn, nthreads, kv,
                               (int)md->prefill_attn);
         else
             paged_decode_attention(q, ly->kv_cache, Hkv, md->num_blocks, md->block_size, md->width, H, hd, hd, block_tables, max_blocks,
-                                   positions, R, md->scale, md->window, attn, nthreads, f16);
+                                   positions, R, md->scale, md->window, attn, nthreads, kv);
         TICK(0);
         linear(&ly->o, attn, R, t, tmp, nthreads);
         TICK(2);

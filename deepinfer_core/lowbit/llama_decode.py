@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import AttentionMetadata
-from .attention import CACHE_DTYPES, PagedDecodeAttention
+from .attention import CACHE_DTYPES, PagedDecodeAttention, kv_kind
 from .formats import QuantWeight
 from .modules import LowBitEmbedding, LowBitLinear
 from .native import load
@@ -67,7 +67,7 @@ class _Model(ctypes.Structure):
         ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64), ("kv_heads", _i64),
         ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("window", _i64), ("num_blocks", _i64),
         ("block_size", _i64), ("width", _i64), ("cos", _p), ("sin", _p), ("final_norm", _p),
-        ("embed_kind", _i64), ("embed_qs", _p), ("embed_d", _p), ("embed_m", _p), ("kv_f16", _i64),
+        ("embed_kind", _i64), ("embed_qs", _p), ("embed_d", _p), ("embed_m", _p), ("kv_kind", _i64),
         ("prefill_attn", _i64),
     ]  # fmt: skip
 
@@ -180,7 +180,7 @@ class LlamaDecodePlan:
             tuple(c.shape) != want or c.dtype != first.dtype or c.dtype not in CACHE_DTYPES or not c.is_contiguous() for c in kv_caches
         ):
             return False
-        md.kv_f16 = int(first.dtype == torch.float16)
+        md.kv_kind = kv_kind(first.dtype)
         for layer, ptr in zip(self._layers, ptrs):
             layer.kv_cache = ptr
         self._caches = ptrs

@@ -9,7 +9,8 @@
  * matrix products (3 query vectors x 32 positions or 32 columns), no horizontal sums.
  *
  * Where the keys and values come from (`mode`):
- *   PA_CACHE: all from the cache (float32 or half), as the decode kernel reads them;
+ *   PA_CACHE: all from the cache (float32, half, or int8 codes times their row's scale), as the
+ *             decode kernel reads them;
  *   PA_CALL:  positions written by this call from the caller's float32 rows as computed, earlier
  *             positions (previous chunks, a prefix-cache hit) from the cache. With a half cache
  *             a prompt's queries then see its keys and values unrounded, as the float32 model
@@ -91,11 +92,11 @@ typedef struct {
     float scale;
     int64_t window;
     float *out;
-    int f16, mode;
+    int kv, mode;
 } pa_args;
 
 /* One work item: rows r0..r1 of the run starting at row a, KV head h. */
-static inline __attribute__((always_inline)) void attend_rows(const pa_args *A, int64_t a, int64_t r0, int64_t r1, int64_t h, int f16) {
+static inline __attribute__((always_inline)) void attend_rows(const pa_args *A, int64_t a, int64_t r0, int64_t r1, int64_t h, int kv) {
     const int64_t hd = A->hd, G = A->H / A->Hkv, nq = (r1 - r0) * G;
     const int64_t p0 = A->positions[a], plast = A->positions[r1 - 1];
     const int64_t klo = A->window > 0 && A->positions[r0] - A->window + 1 > 0 ? A->positions[r0] - A->window + 1 : 0;
@@ -113,10 +114,17 @@ static inline __attribute__((always_inline)) void attend_rows(const pa_args *A, 
             memcpy(Vb + t * hd, A->v + (a + p - p0) * A->vstride + h * hd, (size_t)hd * sizeof(float));
         } else {
             const int64_t at = keys + ((int64_t)table[p / A->block_size] * A->block_size + p % A->block_size) * A->width;
-            for (int64_t i = 0; i < hd; i += 8) {
-                _mm256_storeu_ps(Kr + t * hd + i, kv_load8(A->cache, at + i, f16));
-                _mm256_storeu_ps(Vb + t * hd + i, kv_load8(A->cache, at + plane + i, f16));
-            }
+            if (kv == KV_I8) {  /* codes times the row's scale: the float32 values the decode kernel attends over */
+                const __m256 ks = _mm256_set1_ps(kv_scale(A->cache, at, hd)), vs = _mm256_set1_ps(kv_scale(A->cache, at + plane, hd));
+                for (int64_t i = 0; i < hd; i += 8) {
+                    _mm256_storeu_ps(Kr + t * hd + i, _mm256_mul_ps(kv_load8(A->cache, at + i, kv), ks));
+                    _mm256_storeu_ps(Vb + t * hd + i, _mm256_mul_ps(kv_load8(A->cache, at + plane + i, kv), vs));
+                }
+            } else
+                for (int64_t i = 0; i < hd; i += 8) {
+                    _mm256_storeu_ps(Kr + t * hd + i, kv_load8(A->cache, at + i, kv));
+                    _mm256_storeu_ps(Vb + t * hd + i, kv_load8(A->cache, at + plane + i, kv));
+                }
         }
     }
     memset(Kr + n * hd, 0, (size_t)((npad - n) * hd) * sizeof(float));
@@ -188,9 +196,9 @@ static inline __attribute__((always_inline)) void attend_rows(const pa_args *A, 
 void prefill_attention(const float *q, const float *k, int64_t kstride, const float *v, int64_t vstride, const void *cache,
                        int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t width, int64_t num_heads,
                        int64_t head_dim, const int32_t *block_tables, int64_t max_blocks, const int64_t *positions, int64_t R,
-                       float scale, int64_t window, float *out, int nthreads, int f16, int mode) {
+                       float scale, int64_t window, float *out, int nthreads, int kv, int mode) {
     const pa_args A = {q, k, v, kstride, vstride, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim,
-                       block_tables, max_blocks, positions, scale, window, out, f16, mode};
+                       block_tables, max_blocks, positions, scale, window, out, kv, mode};
     int64_t *items = (int64_t *)malloc((size_t)(2 * R) * sizeof(int64_t)), count = 0, a = 0;  /* (run start, first row) */
     for (int64_t r = 0; r < R; r++) {
         if (!continues(positions, block_tables, max_blocks, r)) a = r;
@@ -202,8 +210,9 @@ void prefill_attention(const float *q, const float *k, int64_t kstride, const fl
         const int64_t start = items[2 * i], r0 = items[2 * i + 1];
         int64_t r1 = r0 + 1;
         while (r1 < R && r1 - r0 < QROWS && continues(positions, block_tables, max_blocks, r1)) r1++;
-        if (f16) attend_rows(&A, start, r0, r1, h, 1);
-        else attend_rows(&A, start, r0, r1, h, 0);
+        if (kv == KV_I8) attend_rows(&A, start, r0, r1, h, KV_I8);
+        else if (kv == KV_F16) attend_rows(&A, start, r0, r1, h, KV_F16);
+        else attend_rows(&A, start, r0, r1, h, KV_F32);
     }
     free(items);
 }

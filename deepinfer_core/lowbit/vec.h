@@ -2,6 +2,7 @@
 #ifndef DEEPINFER_LOWBIT_VEC_H
 #define DEEPINFER_LOWBIT_VEC_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float vec_hsum8(__m256 v) {
@@ -37,19 +38,54 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* KV cache elements: float32, or IEEE half (F16C converts 8 at a time; round to nearest even on
- * store, as torch's .to(torch.float16)). f16 is a compile-time constant after inlining. */
-static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, int f16) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+/* KV cache elements (kv, a compile-time constant after inlining): KV_F32 float32; KV_F16 IEEE
+ * half (F16C converts 8 at a time; round to nearest even on store, as torch's .to(torch.float16));
+ * KV_I8 int8 codes of a row of n values followed, at the row's byte n, by its float32 scale
+ * max|x| / 127 (symmetric: x ~ code * scale). kv_load8 / kv_load1 widen codes without the scale:
+ * the callers multiply by kv_scale once per row (a key's dot product, a value's weight). Offsets
+ * are in elements (bytes for KV_I8). The cache tensor of an int8 cache is int8 with a row width of
+ * max(head_dim, v_head_dim) + 4, so a block's codes and scales lie together. */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_I8 2
+
+static inline __attribute__((always_inline)) int64_t kv_esize(int kv) { return kv == KV_I8 ? 1 : kv == KV_F16 ? 2 : 4; }
+
+/* bytes of a row of n values (the int8 row's scale included) */
+static inline __attribute__((always_inline)) int64_t kv_row_bytes(int64_t n, int kv) { return kv == KV_I8 ? n + 4 : n * kv_esize(kv); }
+
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, int kv) {
+    if (kv == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    return kv ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) float kv_load1(const void *p, int64_t i, int f16) {
-    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+static inline __attribute__((always_inline)) float kv_load1(const void *p, int64_t i, int kv) {
+    if (kv == KV_I8) return (float)((const int8_t *)p)[i];
+    return kv ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* n floats into a cache row of either element type */
-static inline void kv_store(void *dst, const float *src, int64_t n, int f16) {
-    if (!f16) {
+/* the float32 scale of the int8 row whose codes start at element (byte) i and hold n values */
+static inline __attribute__((always_inline)) float kv_scale(const void *p, int64_t i, int64_t n) {
+    float s;
+    __builtin_memcpy(&s, (const char *)p + i + n, sizeof s);
+    return s;
+}
+
+/* n floats into a cache row of the element type kv (int8: codes, then the row's scale) */
+static inline void kv_store(void *dst, const float *src, int64_t n, int kv) {
+    if (kv == KV_I8) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < n; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *d = (int8_t *)dst;
+        for (int64_t i = 0; i < n; i++) {
+            const float c = nearbyintf(src[i] * inv);
+            d[i] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+        }
+        __builtin_memcpy(d + n, &scale, sizeof scale);
+        return;
+    }
+    if (!kv) {
         for (int64_t i = 0; i < n; i++) ((float *)dst)[i] = src[i];
         return;
     }

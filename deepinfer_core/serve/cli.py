@@ -31,6 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine options")
     engine.add_argument("--device", default="auto")
     engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_blocks=args.kv_cache_blocks,
             block_size=args.block_size, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
