@@ -67,7 +67,7 @@ def read_config(model: str) -> tuple[dict, str, object]:
     return files.config, path, files
 
 
-def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "auto", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None) -> Plan:
+def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "auto", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None, kv_cache_dtype: str = "auto") -> Plan:
     """Capacity of ``kv_gib`` GiB of KV cache for ``model``; ``device`` picks whose attention
     backends' cache shapes count (the platform the deployment will run on)."""
     import torch
@@ -82,11 +82,12 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
     host = host or default_host()
-    engine = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs)
+    engine = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_num_seqs=max_num_seqs)
     platform = host.platform(device)
     kv_dtype = engine.torch_dtype(platform.device_type)
     cache_dtype = None  # the KV cache's dtype where it is not kv_dtype (ModelContext.kv_dtype)
     config, source, files = read_config(model)
+    why_not = "not a GGUF"
     if files is not None:  # a block-quantized GGUF may run float32 (packed weights): the engine's rule
         from .engine.loading import resolve_dtype
 
@@ -94,7 +95,11 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
         if why_not is None:  # packed weights: float32 activations over the low-bit path's cache dtype
             from .lowbit.attention import kv_dtype as lowbit_kv_dtype
 
-            cache_dtype = lowbit_kv_dtype(files.quantized_types)
+            cache_dtype = lowbit_kv_dtype(files.quantized_types, kv_cache_dtype)
+    from .engine.loading import check_kv_cache_dtype
+    from .lowbit.attention import paged_decode
+
+    check_kv_cache_dtype(kv_cache_dtype, kv_dtype, why_not)
     archs = config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -103,7 +108,8 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     meta = torch.device("meta")
     ctx = ModelContext(
         device=meta, dtype=kv_dtype, kv_dtype=cache_dtype,
-        attention_backend=lambda spec: host.attention_backend(spec, platform),
+        # the low-bit path's backend: its cache shape (an int8 row carries its scale)
+        attention_backend=lambda spec: paged_decode(host.attention_backend(spec, platform), None) if cache_dtype is not None else host.attention_backend(spec, platform),
         moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
     )  # fmt: skip
     with meta:
@@ -153,6 +159,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)")
     p.add_argument("--dtype", default="auto", help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)")
     p.add_argument("--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)")
@@ -162,6 +169,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = plan(args.model, args.kv_gib, max_model_len=args.max_model_len, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device)
+    result = plan(args.model, args.kv_gib, max_model_len=args.max_model_len, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     print(json.dumps(asdict(result), indent=2) if args.json else format_plan(result))
     return 0

