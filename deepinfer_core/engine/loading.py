@@ -53,7 +53,7 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
         attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
         moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
     )
-    if lowbit:  # float32 activations over a float16 KV cache (8-bit files: float32); attention rows read it in C
+    if lowbit:  # float32 activations over a float16 KV cache (8-bit files: float32; kv_cache_dtype may say int8); attention rows read it in C
         resolve = ctx.attention_backend
         ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(files.quantized_types, kv_cache_dtype), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
         adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
