@@ -134,3 +134,23 @@ def test_the_loaded_build_and_deepinfer_plugins_name_the_chosen_instructions(mon
         monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "auto")
         assert native.load().isa == "avx512vnni" and native.load().lib.lowbit_isa() == 1
         assert "(kernels AVX512-VNNI (vpdpwssd))" in cpu_summary()
+
+
+@needs_both
+def test_an_engine_on_each_build_generates_the_same_tokens(monkeypatch):
+    """SmolLM2's Q4_1/Q8_0 file end to end (native prefill and decode steps, the fused head): the
+    engine built under each DEEPINFER_LOWBIT_ISA keeps that build for all its calls; 6 requests
+    (decode in the panel layout, prefill rows in it too), greedy, the same token ids."""
+    from deepinfer_core import LLM, SamplingParams
+
+    prompts = [f"Write {n} short facts about the number {n * 7}." for n in range(1, 7)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for isa in ("avx2", "avx512vnni"):
+        monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", isa)
+        llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=6, kv_cache_blocks=48)
+        tokens[isa] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.model._decode_plan._lib.lowbit_isa() == (0 if isa == "avx2" else 1)  # the steps ran on that build
+        del llm
+    assert all(len(t) == 24 for t in tokens["avx2"])
+    assert tokens["avx2"] == tokens["avx512vnni"]
