@@ -1,8 +1,10 @@
 """Reusable pinned host buffers for the engine's per-step copies to and from an accelerator.
 
-Why: a fresh pinned buffer per step (``tensor.pin_memory()``) cost ~4 ms of a 64 x 512-token
-prefill's 7 ms batch build on the H200 (benchmarks/README.md, hostpath). Here each device keeps a
-few pinned buffers and reuses them.
+Why: a fresh pinned buffer per step (``tensor.pin_memory()``) looked like ~4 ms of a 64 x 512-token
+prefill's 7 ms batch build in a cProfile on the H200 (hostpath); measured in the steady state it is
+~0.2 ms (torch's caching host allocator reuses pinned blocks), and keeping a few pinned buffers per
+device here made the build 1.18-1.22x faster at that prefill, 1.01-1.10x at a 256-request decode
+step (benchmarks/README.md, gpuhost).
 
 The rule that keeps this correct: an asynchronous host-to-device copy reads its pinned source
 when the device's queue reaches it, which with overlapped scheduling can be long after the host
