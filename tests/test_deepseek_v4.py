@@ -35,7 +35,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=64)
+    return LLM(str(checkpoint[0]), device="cpu", dtype="float32", kv_cache_blocks=64)
 
 
 def prompts(lens=PROMPT_LENS, seed=7):
@@ -77,7 +77,7 @@ def test_logits_match_transformers_at_every_prompt_position(llm, checkpoint):
 
 @pytest.mark.parametrize("budget", [64, 128, 1000])
 def test_chunked_prefill_gives_the_same_tokens(checkpoint, reference_tokens, budget):
-    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=64, max_num_batched_tokens=budget)
+    llm = LLM(str(checkpoint[0]), device="cpu", dtype="float32", kv_cache_blocks=64, max_num_batched_tokens=budget)
     assert tokens(llm.generate(prompts(), greedy())) == reference_tokens
 
 
@@ -91,14 +91,14 @@ def test_mixed_batch_equals_each_request_alone(llm):
 def test_preemption_under_a_small_pool_keeps_outputs(checkpoint, llm):
     ps = prompts([120, 250, 370, 120], seed=13)  # the first three fill 6 blocks; growing needs a 7th
     want = tokens(llm.generate(ps, greedy(40)))
-    tight = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=6)
+    tight = LLM(str(checkpoint[0]), device="cpu", dtype="float32", kv_cache_blocks=6)
     got = tokens(tight.generate(ps, greedy(40)))
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == want
 
 
 def test_repeated_prompt_reports_cached_tokens_and_same_output(checkpoint, reference_tokens):
-    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=96)
+    llm = LLM(str(checkpoint[0]), device="cpu", dtype="float32", kv_cache_blocks=96)
     first = llm.generate(prompts(), greedy())
     again = llm.generate(prompts(), greedy())
     assert [o.num_cached_tokens for o in again] == [(n - 1) // 128 * 128 for n in PROMPT_LENS]
@@ -110,7 +110,7 @@ def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
     # The hit covers 384 tokens; the state (windows, compressor tails) at 384 is rebuilt by
     # replay, then 150 new prompt tokens run on it.
     _, hf = checkpoint
-    llm = LLM(str(checkpoint[0]), device="cpu", kv_cache_blocks=32)
+    llm = LLM(str(checkpoint[0]), device="cpu", dtype="float32", kv_cache_blocks=32)
     base = prompts([400], seed=21)[0]
     llm.generate([base], greedy(2))
     branch = base[:384] + prompts([150], seed=22)[0]
@@ -161,7 +161,7 @@ def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, b
     # transformers' one-pass prefill does, whatever the chunking.
     hf = save_tiny_v4(tmp_path, seed=99, randomise_seed=6, config=tiny_v4_config(index_n_heads=2, index_topk=3))
     ps = prompts([130, 333, 517], seed=17)
-    llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=32, max_num_batched_tokens=budget)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=32, max_num_batched_tokens=budget)
     got = tokens(llm.generate(ps, greedy(8)))
     with torch.no_grad():
         want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in ps]

@@ -40,7 +40,7 @@ def prompts():
 
 def test_fp8_fp4_checkpoint_logits_match_transformers(quantized):
     path, hf = quantized
-    llm = LLM(path, device="cpu", kv_cache_blocks=16)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16)
     for p in prompts():
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].float()
@@ -50,7 +50,7 @@ def test_fp8_fp4_checkpoint_logits_match_transformers(quantized):
 
 def test_fp8_fp4_checkpoint_greedy_tokens_match_transformers(quantized):
     path, hf = quantized
-    llm = LLM(path, device="cpu", kv_cache_blocks=16)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16)
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     for p, out in zip(prompts(), outs):
         with torch.no_grad():

@@ -88,7 +88,7 @@ def test_config_matches_transformers(name, tmp_path):
     g = torch.Generator().manual_seed(41)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
     block = BLOCK_SIZES.get(name, 128)
-    llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=24, max_num_batched_tokens=budget, block_size=block)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=24, max_num_batched_tokens=budget, block_size=block)
     longest = prompts[-1]
     with torch.no_grad():
         ref = hf(torch.tensor([longest])).logits[0].float()

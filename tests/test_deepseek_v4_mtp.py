@@ -112,7 +112,7 @@ def setup(request, tmp_path_factory):
             raw |= {name[len("mtp.0."):]: fh.get_tensor(name) for name in fh.keys() if name.startswith("mtp.0.") and name.count(".") == 3}
     assert (weights == "fp8") == ("e_proj.scale" in raw)  # released FP8 e_proj / h_proj with tile scales
     extra = {f"{k}.weight": dequant(raw[f"{k}.weight"], raw.get(f"{k}.scale")) for k in ("e_proj", "h_proj", "enorm", "hnorm")}
-    llm = LLM(str(root / "ck"), device="cpu", kv_cache_blocks=4)
+    llm = LLM(str(root / "ck"), device="cpu", dtype="float32", kv_cache_blocks=4)
     return llm.engine.model, hf, hf_mtp, extra
 
 
@@ -199,7 +199,7 @@ def write_without(path, drop) -> None:
 
 def test_checkpoint_without_mtp_loads_and_drafting_says_why(tmp_path):
     write_without(tmp_path / "ck", lambda name: name.startswith("mtp."))
-    llm = LLM(str(tmp_path / "ck"), device="cpu", kv_cache_blocks=4)
+    llm = LLM(str(tmp_path / "ck"), device="cpu", dtype="float32", kv_cache_blocks=4)
     model = llm.engine.model
     assert model.mtp is None
     hc, d = TINY_V4_CONFIG["hc_mult"], TINY_V4_CONFIG["hidden_size"]
@@ -211,7 +211,7 @@ def test_checkpoint_without_mtp_loads_and_drafting_says_why(tmp_path):
 def test_partial_mtp_module_is_an_error_naming_the_missing_tensor(tmp_path):
     write_without(tmp_path / "ck", lambda name: name == "mtp.0.e_proj.weight")
     with pytest.raises(WeightsError, match=r"missing tensors: mtp\.0\.e_proj\.weight"):
-        LLM(str(tmp_path / "ck"), device="cpu", kv_cache_blocks=4)
+        LLM(str(tmp_path / "ck"), device="cpu", dtype="float32", kv_cache_blocks=4)
 
 
 def test_mtp_forward_refuses_bad_shapes_and_block_numbers(setup):
