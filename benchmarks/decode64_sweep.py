@@ -22,6 +22,7 @@ import triton
 from deepinfer_cuda_sm100.kernels import fused_moe as fm
 from deepinfer_cuda_sm100.kernels import paged_attention as pa
 from deepinfer_cuda_sm100.kernels import router as rt
+from moe_tiles import random_moe_case  # this folder is first on sys.path when run as a script
 
 
 def bench(fn) -> float:
@@ -31,12 +32,7 @@ def bench(fn) -> float:
 
 
 def sweep_moe(T=64, E=64, k=6, D=2048, I=1024) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    down = (torch.randn(E, D, I, device="cuda", generator=g) / I**0.5).bfloat16()
-    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
-    w = torch.rand(T, k, device="cuda", generator=g)
+    x, gate_up, down, ids, w = random_moe_case(T, E, k, D, I, torch.Generator(device="cuda").manual_seed(0))
     default = fm.choose_config(T * k, E)
     ref, _ = fm.fused_moe(x, gate_up, down, ids, w, None, default, down_config=default)
     base = bench(lambda: fm.fused_moe(x, gate_up, down, ids, w, None, default, down_config=default))

@@ -21,32 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import V3_MINI, copy_bandwidth, di, di_speed, free, log, make_fp8, make_v3mini  # noqa: E402
-
-
-def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
-    g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
-
-
-def kernel_table(g: torch.cuda.CUDAGraph, reps: int = 20) -> list[tuple[str, float, float]]:
-    """(kernel name, ms per replay, launches per replay), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    rows = [(ev.key, getattr(ev, key) / reps / 1e3, ev.count / reps) for ev in events if getattr(ev, key) > 0]
-    return sorted(rows, key=lambda r: -r[1])
+from gpu_throughput import V3_MINI, copy_bandwidth, di, di_speed, free, kernel_table, log, make_fp8, make_v3mini, replay_ms  # noqa: E402
 
 
 def measure(name: str, path: str, levels: list[int], out: dict) -> None:
@@ -57,7 +32,7 @@ def measure(name: str, path: str, levels: list[int], out: dict) -> None:
     for n in levels:
         g = graphs.graphs[n]
         t = min(replay_ms(g) for _ in range(3))
-        rows = kernel_table(g)
+        rows = kernel_table(g.replay)
         total = sum(r[1] for r in rows)
         launches = sum(r[2] for r in rows)
         log(f"KERNELS {name} N={n}: step {dec[n]:.3f} ms, replay {t:.3f} ms, {launches:.0f} kernels, {total:.3f} ms kernel time, gaps {t - total:.3f} ms")

@@ -326,6 +326,34 @@ def peak_mib() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def replay_ms(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    """GPU time of one replay of a captured graph (CUDA events around ``reps`` replays, after one)."""
+    g.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+def kernel_table(run, reps: int = 20) -> list[tuple[str, float, float]]:
+    """Every GPU kernel ``run()`` launches (a graph's ``replay``, a prefill): (name, ms per run,
+    launches per run), largest first (torch profiler over ``reps`` runs). Also used by
+    decode_kernels.py."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    rows = [(ev.key, getattr(ev, key) / reps / 1e3, ev.count / reps) for ev in events if getattr(ev, key) > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     """Measured bounds: GPU time of the captured decode graph alone (the rest of a step is host
     work: scheduling, batch building, sampling, output processing), and the top GPU kernels of
@@ -337,33 +365,16 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         g = graphs.graphs.get(n) if graphs is not None else None
         if g is None:
             continue
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g.replay()
-        s.record()
-        for _ in range(50):
-            g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        gpu = s.elapsed_time(e) / 50
+        gpu = replay_ms(g)
         log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     for n in (1, 64):  # what a replayed step's GPU time is made of (kernels inside the graph)
         g = graphs.graphs.get(n) if graphs is not None else None
         if g is None:
             continue
-        reps = 20
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                g.replay()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-        kernels = [ev for ev in events if getattr(ev, key) > 0]
-        total = sum(getattr(ev, key) for ev in kernels) / reps
-        log(f"PROFILE decode N={n} graph: {sum(ev.count for ev in kernels) / reps:.0f} kernels, {total / 1e3:.2f} ms of kernel time per step; top:")
-        for ev in sorted(kernels, key=lambda ev: -getattr(ev, key))[:60]:  # every kind of kernel a step launches
-            log(f"  {getattr(ev, key) / reps / 1e3:7.3f} ms  {ev.count / reps:5.0f}x  {ev.key[:110]}")
+        rows = kernel_table(g.replay)
+        log(f"PROFILE decode N={n} graph: {sum(r[2] for r in rows):.0f} kernels, {sum(r[1] for r in rows):.2f} ms of kernel time per step; top:")
+        for name, ms, launches in rows[:60]:  # every kind of kernel a step launches
+            log(f"  {ms:7.3f} ms  {launches:5.0f}x  {name[:110]}")
     import cProfile
     import io
     import pstats
@@ -383,15 +394,10 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = random_prompts(64, 512, vocab, 77)
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, one)
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    total = sum(getattr(ev, key) for ev in events)
-    log(f"PROFILE prefill 64 x 512: GPU kernel time {total / 1e3:.1f} ms, {sum(ev.count for ev in events if getattr(ev, key) > 0)} kernels; top kernels:")
-    for ev in sorted(events, key=lambda ev: -getattr(ev, key))[:16]:
-        log(f"  {getattr(ev, key) / 1e3:8.2f} ms  {ev.count:5d}x  {ev.key[:90]}")
+    rows = kernel_table(lambda: llm.generate(prompts, one), reps=1)
+    log(f"PROFILE prefill 64 x 512: GPU kernel time {sum(r[1] for r in rows):.1f} ms, {sum(r[2] for r in rows):.0f} kernels; top kernels:")
+    for name, ms, launches in rows[:16]:
+        log(f"  {ms:8.2f} ms  {launches:5.0f}x  {name[:90]}")
     prefill_timeline(llm, vocab)
 
 

@@ -16,6 +16,18 @@ import triton
 from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig, choose_config, choose_down_config, fused_moe
 
 
+def random_moe_case(T: int, E: int, k: int, D: int, I: int, g: torch.Generator):
+    """A random bf16 MoE call on the GPU, drawn from ``g`` in this order: T tokens of width D,
+    E experts' gate/up [2I, D] and down [D, I] weights, each token's top-k experts and weights.
+    Also used by decode64_sweep.py."""
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    down = (torch.randn(E, D, I, device="cuda", generator=g) / I**0.5).bfloat16()
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+    w = torch.rand(T, k, device="cuda", generator=g)
+    return x, gate_up, down, ids, w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
@@ -29,11 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     T, E, k, D, I = args.tokens, args.experts, args.top_k, args.hidden, args.inter
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    down = (torch.randn(E, D, I, device="cuda", generator=g) / I**0.5).bfloat16()
-    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
-    w = torch.rand(T, k, device="cuda", generator=g)
+    x, gate_up, down, ids, w = random_moe_case(T, E, k, D, I, g)
     scales = {}
     if args.fp8:  # random e4m3 values, positive tile scales
         gate_up, down = (gate_up * 64).to(torch.float8_e4m3fn), (down * 64).to(torch.float8_e4m3fn)
