@@ -91,49 +91,13 @@ def make_v4mini(folder: str) -> None:
     write_tiny_v4_checkpoint(folder, weights="bf16", experts="bf16", config=dict(TINY_V4_CONFIG) | V4_MINI, shards=1)
 
 
-def fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's released format: per 128 x 128 tile, scale = amax / 448 (float32)."""
-    rows, cols = w.shape
-    pad = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128))
-    tiles = pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
-    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-
-
 def make_fp8(folder: str, device: str = "cuda") -> None:
     """Rewrite the checkpoint in ``folder`` as DeepSeek ships V3: every projection (attention,
     dense MLP, shared and routed experts, per-expert layout) FP8 e4m3 + ``weight_scale_inv``;
-    embeddings, norms, router and head as they were."""
-    import glob
+    embeddings, norms, router and head as they were (deepinfer_core.testing.v3_checkpoint)."""
+    from deepinfer_core.testing.v3_checkpoint import rewrite_as_fp8_blocks
 
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = {}
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    for path in files:
-        with safe_open(path, framework="pt", device=device) as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):  # fused layout
-                    base, proj = name.rsplit(".", 1)
-                    for e in range(t.shape[0]):
-                        parts = t[e].chunk(2) if proj == "gate_up_proj" else (t[e],)
-                        for p, w in zip(("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",), parts):
-                            out[f"{base}.{e}.{p}.weight"] = w
-                else:
-                    out[name] = t
-    for name in [n for n in out if "_proj" in n and n.endswith(".weight") and out[n].dim() == 2]:
-        out[name], out[name[: -len("weight")] + "weight_scale_inv"] = fp8_tiles(out[name])
-    for path in files + glob.glob(os.path.join(folder, "*.index.json")):
-        os.remove(path)
-    save_file({k: v.cpu() for k, v in out.items()}, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
+    rewrite_as_fp8_blocks(folder, device=device)
 
 
 def load_hf(path: str, dtype):

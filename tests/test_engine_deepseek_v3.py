@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+from deepinfer_core.testing.v3_checkpoint import tiny_deepseek_v3  # noqa: E402
 
 PROMPT_LENS = [2, 5, 9, 17, 33, 60, 130, 200]
 NEW = 64
@@ -20,22 +21,15 @@ NEW = 64
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = transformers.DeepseekV3Config(
+    path = tmp_path_factory.mktemp("dsv3")
+    model = tiny_deepseek_v3(
+        path, seed=1234, router_gain=6.0,  # routing decisive and varied
         vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=4, first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
         n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
         routed_scaling_factor=2.0, max_position_embeddings=512, initializer_range=0.08,
-        bos_token_id=0, eos_token_id=1, pad_token_id=None,
     )  # fmt: skip
-    torch.manual_seed(1234)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # make routing decisive and varied
-        for layer in model.model.layers[cfg.first_k_dense_replace :]:
-            layer.mlp.gate.weight.mul_(6.0)
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.1)
-    path = tmp_path_factory.mktemp("dsv3")
-    model.save_pretrained(path)
     model.generation_config.eos_token_id = None  # compare full-length continuations
     return path, model
 

@@ -231,19 +231,12 @@ def test_namespace_keeps_dtypes_and_block_sizes_apart(copy):
 
 # -- DeepSeek-V3: MLA latent blocks ---------------------------------------------------------------
 def test_deepseek_v3_mla_blocks_through_the_store_match_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import torch
 
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        max_position_embeddings=512, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(99)
-    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "ckpt")
+    from deepinfer_core.testing.v3_checkpoint import SMALL_V3_CONFIG, tiny_deepseek_v3
+
+    hf = tiny_deepseek_v3(tmp_path / "ckpt", seed=99, **SMALL_V3_CONFIG)
     prompt = torch.randint(2, 384, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     url = f"local://{tmp_path / 'store'}"

@@ -161,18 +161,11 @@ def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved,
 
 
 def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_and_tokens(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.testing.v3_checkpoint import TINY_V3_CONFIG, tiny_deepseek_v3
 
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        max_position_embeddings=256, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path)
+    hf = tiny_deepseek_v3(tmp_path, seed=5, **TINY_V3_CONFIG)
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, max_num_seqs=2, enforce_eager=True)
     from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
 

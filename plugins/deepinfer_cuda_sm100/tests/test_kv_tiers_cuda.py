@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.testing.v3_checkpoint import SMALL_V3_CONFIG, tiny_deepseek_v3
 
 DEVICE = os.environ.get("DEEPINFER_KV_TIERS_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -39,16 +40,7 @@ def _llama(path) -> int:
 
 
 def _deepseek_v3(path) -> int:
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        max_position_embeddings=1024, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(99)
-    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
-    return cfg.vocab_size
+    return tiny_deepseek_v3(path, seed=99, **SMALL_V3_CONFIG).config.vocab_size
 
 
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])

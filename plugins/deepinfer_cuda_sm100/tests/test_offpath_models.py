@@ -25,6 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.testing.greedy_check import assert_same_or_near_tie  # noqa: E402
+from deepinfer_core.testing.v3_checkpoint import rewrite_as_fp8_blocks, tiny_deepseek_v3  # noqa: E402
 
 REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=False, enforce_eager=True)
 
@@ -46,78 +47,30 @@ def llama_like(path, **overrides):
 
 
 def deepseek_v3(path, experts=16, top_k=3, groups=4, topk_groups=2):
-    cfg = transformers.DeepseekV3Config(
+    return tiny_deepseek_v3(
+        path, seed=5, router_gain=6.0,
         vocab_size=517, hidden_size=72, intermediate_size=136, moe_intermediate_size=40,
         num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=6, num_key_value_heads=6,
         q_lora_rank=48, kv_lora_rank=40, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
         n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups, topk_group=topk_groups, n_shared_experts=1,
         routed_scaling_factor=2.0, max_position_embeddings=2048, initializer_range=0.1,
-        bos_token_id=0, eos_token_id=1, pad_token_id=None,
     )  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers[cfg.first_k_dense_replace :]:
-            layer.mlp.gate.weight.mul_(6.0)
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(experts) * 0.1)
-    model.save_pretrained(path)
-    return model
 
 
 def fp8_deepseek_v3(path):
     """A DeepSeek-V3 FP8 block checkpoint (e4m3 + a float32 scale per 128 x 128 tile, the released
     per-expert layout) whose hidden size (200) and dense width (328) are not multiples of 128:
-    the loader keeps FP8 what the kernels take (experts: 128 wide) and dequantizes the rest."""
-    import json
-
-    from safetensors import torch as safetensors_torch
-
-    cfg = transformers.DeepseekV3Config(
+    the loader keeps FP8 what the kernels take (experts: 128 wide) and dequantizes the rest.
+    Returns transformers' model holding the dequantized bytes (for the near-tie check)."""
+    hf = tiny_deepseek_v3(
+        path, seed=8,
         vocab_size=333, hidden_size=200, intermediate_size=328, moe_intermediate_size=128,
         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=3, num_key_value_heads=3,
         q_lora_rank=160, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=48,
         n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
         routed_scaling_factor=2.0, max_position_embeddings=1024, initializer_range=0.1,
-        bos_token_id=0, eos_token_id=1, pad_token_id=None,
     )  # fmt: skip
-    torch.manual_seed(8)
-    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    hf.save_pretrained(path)
-    (path / "model.safetensors").unlink()
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    gate_up, down = state.pop("model.layers.1.mlp.experts.gate_up_proj"), state.pop("model.layers.1.mlp.experts.down_proj")
-    for e in range(cfg.n_routed_experts):
-        gate, up = gate_up[e].chunk(2)
-        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
-            state[f"model.layers.1.mlp.experts.{e}.{proj}.weight"] = w.contiguous()
-    tensors = {}
-    for name, w in state.items():
-        if "_proj" in name and name.endswith(".weight") and w.dim() == 2:  # per tile: scale = amax / 448
-            rows, cols = w.shape
-            tiles = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
-            scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-            tensors[name] = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn)
-            tensors[name.replace(".weight", ".weight_scale_inv")] = scale.float()
-        else:
-            tensors[name] = w
-    safetensors_torch.save_file(tensors, str(path / "model.safetensors"))
-
-    def dequant(name):  # the FP8 bytes times their tile scales: the model the checkpoint now holds
-        q, scale = tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")]
-        return q.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: q.shape[0], : q.shape[1]]
-
-    with torch.no_grad():  # transformers' copy made equal to it, for the near-tie check
-        for name, p in hf.named_parameters():
-            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                base, kind = name.rsplit(".", 1)
-                for e in range(cfg.n_routed_experts):
-                    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-                    p[e].copy_(torch.cat([dequant(f"{base}.{e}.{part}.weight") for part in parts]))
-            elif name.replace(".weight", ".weight_scale_inv") in tensors and name.endswith(".weight"):
-                p.copy_(dequant(name))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
+    rewrite_as_fp8_blocks(path, hf)
     return hf
 
 
