@@ -12,11 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_enter, launch_kw
+
 CHUNK = 1024
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, vals_ptr, idx_ptr, V, stride_x, chunks, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(x_ptr, vals_ptr, idx_ptr, V, stride_x, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -28,7 +31,8 @@ def _chunk_argmax_kernel(x_ptr, vals_ptr, idx_ptr, V, stride_x, chunks, BLOCK: t
 
 
 @triton.jit
-def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
+def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     v = tl.load(vals_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"))
@@ -47,6 +51,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return out
     vals = torch.empty(N, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(N, chunks)](logits, vals, idx, V, logits.stride(0), chunks, BLOCK=CHUNK, num_warps=4)
-    _pick_chunk_kernel[(N,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=4)
+    _chunk_argmax_kernel[(N, chunks)](logits, vals, idx, V, logits.stride(0), chunks, BLOCK=CHUNK, **launch_kw(logits), num_warps=4)
+    _pick_chunk_kernel[(N,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), **launch_kw(logits), num_warps=4)
     return out

@@ -27,6 +27,7 @@ from .fp8_gemm import SplitCounters, _split_sum_kernel
 from .fp8_gemv import _gemv_epilogue
 from .fused_elementwise import _round
 from .paged_attention import _pow2, interpreting
+from .pdl import gdc_enter, launch_kw
 
 GEMV_ROWS = 1  # rows up to which the GEMV replaces cuBLAS (H200: at 2 rows it lost or tied per shape)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -64,17 +65,52 @@ def dense_config(N: int, K: int) -> Bf16GemvConfig:
 
 
 @triton.jit
+def _load_w(w_rows, rk, n_ok, k_end, stride_wk, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """One ``[BLOCK_N, BLOCK_K]`` weight slab at K offsets ``rk``, widened to float32."""
+    if EVEN_N and EVEN_K:
+        w = tl.load(w_rows + rk[None, :] * stride_wk).to(tl.float32)
+    elif EVEN_K:
+        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    else:
+        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < k_end)[None, :], other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gemv_step(acc, w, rk, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):
+    """acc[r] += slab w against x's row r at K offsets ``rk`` (normalised first with ``NORM``)."""
+    for r in tl.static_range(ROWS):
+        if r < M:
+            if EVEN_K:
+                a = tl.load(x_base + r * stride_xm + rk).to(tl.float32)
+            else:
+                a = tl.load(x_base + r * stride_xm + rk, mask=rk < k_end, other=0.0).to(tl.float32)
+            if NORM:
+                a = _round(a * tl.sum(tl.where(rows == r, inv, 0.0), axis=0), x_ty)
+                if EVEN_K:
+                    g = tl.load(nw_ptr + rk).to(tl.float32)
+                else:
+                    g = tl.load(nw_ptr + rk, mask=rk < k_end, other=0.0).to(tl.float32)
+                a = _round(g * a, x_ty)
+            part = tl.sum(w * a[None, :], axis=1)
+            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, nw_ptr, eps, M, N, K, K_PER,
     stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_ob, stride_om, stride_split,
     final_ptr, cnt_ptr, stride_fb, stride_fm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FIXUP: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (n, s, b): output columns n * BLOCK_N.. of stack entry b, K from s * K_PER (whole
     steps); ``out`` is the result (one split) or split s's float32 partial (``stride_split``
     apart). x is contiguous along K. ``NORM``: x's rows RMS-normalised first, as the plugin's
-    ``_rms_norm_kernel`` computes them (weight ``nw``, each program summing the whole row)."""
+    ``_rms_norm_kernel`` computes them (weight ``nw``, each program summing the whole row).
+    ``PDL``: the first weight slab is loaded before waiting for the previous kernel (the weight
+    is a module parameter, which no kernel of the step writes), the rest after."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -83,8 +119,11 @@ def _gemv_kernel(
     rk0 = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    k_first = pid_s * K_PER
     k_end = tl.minimum(K, (pid_s + 1) * K_PER)
     w_rows = w_ptr + pid_b * stride_wb + rn.to(tl.int64)[:, None] * stride_wn
+    w_first = _load_w(w_rows, k_first + rk0, n_ok, k_end, stride_wk, EVEN_N, EVEN_K)
+    gdc_enter(PDL)
     x_base = x_ptr + pid_b * stride_xb
     x_ty = x_ptr.dtype.element_ty
     inv = tl.zeros([ROWS], tl.float32)
@@ -96,29 +135,11 @@ def _gemv_kernel(
                     a = tl.load(x_base + r * stride_xm + k1 + rk0, mask=k1 + rk0 < K, other=0.0).to(tl.float32)
                     sq += a * a
                 inv = tl.where(rows == r, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv)
-    for k0 in range(pid_s * K_PER, k_end, BLOCK_K):
+    acc = _gemv_step(acc, w_first, k_first + rk0, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty, ROWS, EVEN_K, NORM)
+    for k0 in range(k_first + BLOCK_K, k_end, BLOCK_K):
         rk = k0 + rk0
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + rk[None, :] * stride_wk).to(tl.float32)
-        elif EVEN_K:
-            w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        else:
-            w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < k_end)[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            if r < M:
-                if EVEN_K:
-                    a = tl.load(x_base + r * stride_xm + rk).to(tl.float32)
-                else:
-                    a = tl.load(x_base + r * stride_xm + rk, mask=rk < k_end, other=0.0).to(tl.float32)
-                if NORM:
-                    a = _round(a * tl.sum(tl.where(rows == r, inv, 0.0), axis=0), x_ty)
-                    if EVEN_K:
-                        g = tl.load(nw_ptr + rk).to(tl.float32)
-                    else:
-                        g = tl.load(nw_ptr + rk, mask=rk < k_end, other=0.0).to(tl.float32)
-                    a = _round(g * a, x_ty)
-                part = tl.sum(w * a[None, :], axis=1)
-                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+        w = _load_w(w_rows, rk, n_ok, k_end, stride_wk, EVEN_N, EVEN_K)
+        acc = _gemv_step(acc, w, rk, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty, ROWS, EVEN_K, NORM)
     # FIXUP only with one stack entry (b == 0): the last split of each column tile sums them in split order
     _gemv_epilogue(acc, out_ptr + pid_b * stride_ob, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP)
 
@@ -135,7 +156,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, counters: Spl
     """``out[b] = x[b] @ weight[b]^T`` for ``x [B, M, K]`` (contiguous along K), ``weight
     [B, N, K]`` and ``out [B, M, N]`` (any other strides), ``1 <= M <= GEMV_ROWS``; with ``norm
     = (g [K], eps)`` x's rows RMS-normalised first (B == 1). K splits only for one stack entry
-    (B == 1); ``cfg`` None: :func:`dense_config`. Shapes and dtypes are checked by the callers."""
+    (B == 1); ``cfg`` None: :func:`dense_config`. Shapes and dtypes are checked by the callers.
+    With PDL (``kernels/pdl``) the first weight slab is read before the previous kernel of the
+    stream has finished: ``weight`` must not be written by the kernels just before (a module's
+    parameter)."""
     B, M, K = x.shape
     N = weight.shape[1]
     cfg = cfg or dense_config(N, K)
@@ -154,7 +178,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, counters: Spl
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *d_strides,
         out, cnt if cnt is not None else dest, out.stride(0), out.stride(1),
         ROWS=_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_N=N % cfg.block_n == 0, EVEN_K=K % cfg.block_k == 0,
-        FIXUP=cnt is not None, NORM=norm is not None, num_warps=cfg.warps, num_stages=2,
+        FIXUP=cnt is not None, NORM=norm is not None, **launch_kw(x), num_warps=cfg.warps, num_stages=2,
     )  # fmt: skip
     if split > 1 and cnt is None:  # out is [1, M, N]: contiguous in the partials' order when its rows are
         flat = out if out.stride(1) == N and out.stride(2) == 1 else torch.empty(1, M, N, dtype=out.dtype, device=out.device)

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from deepinfer_core.fused_ops import FusedOps
 
+from .pdl import gdc_enter, launch_kw
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -29,7 +31,8 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -42,9 +45,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: t
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, D, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The residual add (rounded to the residual's dtype, as torch adds) stored, then the norm of
     that sum as :func:`_rms_norm_kernel` computes it: one read of each input row, two writes."""
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -61,7 +65,8 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    gdc_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -76,11 +81,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
 def _rope_cat_kernel(
     lat_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
     s_lt, s_lh, s_pt, s_ph, s_ot, s_oh, s_cos, H, C, HALF,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One token's ``BLOCK_H`` heads: the token's cos/sin row is read once for all of them and
     each load is a [heads, channels] tile (a program per (token, head) ran 16 x more programs of
     one 384-byte row each: 4.6 ms of a V3-mini 64 x 512 prefill on the H200)."""
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -176,7 +182,7 @@ def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, co
             latent, pe, positions, cos, sin, out,
             latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), H, C, r // 2,
             INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
-            num_warps=4, enable_fp_fusion=False,
+            **launch_kw(latent), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -195,7 +201,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, **launch_kw(x2), num_warps=warps, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], D)
 
 
@@ -214,7 +220,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), D, eps,
-            BLOCK=block, num_warps=warps, enable_fp_fusion=False,
+            BLOCK=block, **launch_kw(x2), num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     return out.view(*x.shape[:-1], D), h.view(*x.shape[:-1], D)
 
@@ -225,7 +231,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, **launch_kw(x2), num_warps=4, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], I)
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from .fp8_gemm import PREQUANT_ROWS, _quant_rows, act_quant
 from .fused_elementwise import _round
 from .paged_attention import interpreting
+from .pdl import gdc_enter, launch_kw
 
 
 @triton.jit
@@ -168,11 +169,12 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_rows_kernel(rows_ptr, weights_ptr, add_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr):
+def _sum_rows_kernel(rows_ptr, weights_ptr, add_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = ((r0 + r1) + r2) + ... in float32, as the unfused loop added them; with
     ``HAS_W`` each row is first widened and times its routing weight (r_j = y_j w_j, the product
     rounded to float32 before the add: launched without FMA fusion); with ``HAS_ADD`` the row
     ``add[t]`` (the shared expert's output) is the last addend, before the one rounding."""
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < D
@@ -476,7 +478,7 @@ def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int, weights: tor
         w = weights.reshape(-1).float().contiguous() if weights is not None else rows_out
         add = addend.contiguous() if addend is not None else rows_out
         _sum_rows_kernel[(T, triton.cdiv(D, block))](
-            rows_out, w, add, out, D, K=k, BLOCK=block, HAS_W=weights is not None, HAS_ADD=addend is not None, num_warps=4, enable_fp_fusion=False,
+            rows_out, w, add, out, D, K=k, BLOCK=block, HAS_W=weights is not None, HAS_ADD=addend is not None, **launch_kw(rows_out), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from .fp8_gemm import _quant_rows
 from .fused_elementwise import _round
 from .paged_attention import interpreting
+from .pdl import gdc_enter, launch_kw
 
 MOE_GEMV_ROWS = 8  # (token, choice) rows up to which the GEMVs replace the grouped GEMMs
 BLOCK_N = 16  # weight rows per program (gate/up: 16 of each)
@@ -71,9 +72,10 @@ def _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we,
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at, limit,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (j, n): row j (``_expert_base``), act[j, n-slab] = silu(gate) * up."""
+    gdc_enter(PDL)
     j = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
@@ -116,10 +118,11 @@ def _gate_up_gemv_kernel(
 def _down_gemv_kernel(
     h_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
     stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (j, n): out[j, n-slab] = routing weight (1 for the shared expert) * act[j] @
     W_down[n-slab]^T, float32."""
+    gdc_enter(PDL)
     j = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < D
@@ -167,13 +170,13 @@ def moe_gemv(hidden, gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_u
         hidden, gate_up, gs, ids, act, sh_gu, sh_gs, k, D, inter,
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0, act.stride(0),
         float(swiglu_limit or 0.0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8, UPCAST=upcast, num_warps=4,
+        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8, UPCAST=upcast, **launch_kw(hidden), num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, D, dtype=torch.float32, device=hidden.device)
     _down_gemv_kernel[(rows, triton.cdiv(D, BLOCK_N))](
         act, down, ds, ids, topk_weights.reshape(-1).float().contiguous(), out, sh_d, sh_ds, k, D, inter,
         act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, num_warps=4,
+        BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, **launch_kw(hidden), num_warps=4,
     )  # fmt: skip
     return out
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_enter, launch_kw
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -39,8 +41,9 @@ def _paged_attention_kernel(
     G: tl.constexpr, TPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DA: tl.constexpr, DA_OK: tl.constexpr, BLOCK_DB: tl.constexpr, DB: tl.constexpr,
     BLOCK_DV: tl.constexpr, DV: tl.constexpr, V_PLANE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    gdc_enter(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -261,7 +264,7 @@ def paged_attention(
         V_PLANE=0 if kv_shared or planes == 1 else 1,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32 or interpreting(),
         UPCAST=interpreting() and q.dtype != torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_kw(q), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         merge_splits(part, lse, out)
@@ -272,10 +275,11 @@ def paged_attention(
 def _write_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr,
     s_kt, s_kh, s_vt, s_vh, s_cp, s_ch, s_cs,
-    D: tl.constexpr, DV: tl.constexpr, HAS_V: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, HAS_V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Token t, KV head h: K (and V, into the second plane) stored at the token's slot, cast to
     the cache dtype; one launch for both planes where the reference scatters each separately."""
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -304,19 +308,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, sl
         k.stride(0), k.stride(1), (v if v is not None else k).stride(0), (v if v is not None else k).stride(1),
         cs[0], cs[1], cs[3],
         D=head_dim, DV=v_head_dim, HAS_V=v is not None, BLOCK=_pow2(max(head_dim, v_head_dim if v is not None else 1)),
-        num_warps=1 if max(head_dim, v_head_dim) <= 256 else 4,
+        **launch_kw(k), num_warps=1 if max(head_dim, v_head_dim) <= 256 else 4,
     )  # fmt: skip
 
 
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits, stride_ps, stride_ls,
-    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One (token, head) row per program: the split weights ``softmax_s(lse_s)`` (empty splits
     carry -inf and weigh 0) and the weighted sum of the partial outputs, in float32, rounded
     once to the output dtype. Rows are contiguous: ``part [S, rows, DV]``, ``lse [S, rows]``,
     ``out [rows, DV]``."""
+    gdc_enter(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < num_splits
@@ -341,7 +346,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> No
         return
     _merge_splits_kernel[(T * H,)](
         part, lse, out, S, part.stride(0), lse.stride(0),
-        DV=DV, BLOCK_S=max(2, _pow2(S)), BLOCK_DV=max(16, _pow2(DV)), num_warps=4,
+        DV=DV, BLOCK_S=max(2, _pow2(S)), BLOCK_DV=max(16, _pow2(DV)), **launch_kw(part), num_warps=4,
     )  # fmt: skip
 
 

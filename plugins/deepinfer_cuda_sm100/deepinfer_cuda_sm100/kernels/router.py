@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention import interpreting
+from .pdl import gdc_enter, launch_kw
 
 ROUTER_ROWS = 64  # tokens up to which the kernel replaces the cast + float32 GEMM
 ROUTER_TILE_ROWS = 4096  # bf16 tokens from which the tiled tensor-core kernel replaces them
@@ -34,8 +35,9 @@ BLOCK_D = 1024
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (expert block, token): BLOCK_E logits of one token."""
+    gdc_enter(PDL)
     re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1).to(tl.int64)
     e_ok = re < E
@@ -114,5 +116,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # experts x 2048: 0.0039 ms vs 0.0057 for the 1-16 row launch and 0.0109 for the cast + cuBLAS's
     # float32 GEMM, which in the 64-request decode graph was 3 kernels of ~11 us a MoE layer)
     be, warps = (BLOCK_E, 4) if T <= 16 else (4, 2)
-    _router_logits_kernel[(triton.cdiv(E, be), T)](x, weight, out, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=be, BLOCK_D=BLOCK_D, num_warps=warps)
+    _router_logits_kernel[(triton.cdiv(E, be), T)](x, weight, out, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=be, BLOCK_D=BLOCK_D, **launch_kw(x), num_warps=warps)
     return out

@@ -14,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_enter, launch_kw
+
 
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
     E_P: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, SQRTSOFTPLUS: tl.constexpr = False,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, SQRTSOFTPLUS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     ok = e < E
@@ -93,6 +96,6 @@ def route(spec, router_logits: torch.Tensor, correction_bias: torch.Tensor | Non
             K=k, K_P=max(2, triton.next_power_of_2(k)),
             SOFTMAX=spec.scoring == "softmax", HAS_BIAS=correction_bias is not None, NORMALIZE=bool(spec.normalize_topk),
             SQRTSOFTPLUS=spec.scoring == "sqrtsoftplus",
-            num_warps=1 if E <= 256 else 4,
+            **launch_kw(logits), num_warps=1 if E <= 256 else 4,
         )  # fmt: skip
     return ids, weights
