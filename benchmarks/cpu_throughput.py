@@ -5,6 +5,11 @@
 Every request has a distinct prompt of exactly ``--prompt-tokens`` token ids and produces exactly
 ``--new-tokens`` tokens (greedy, EOS ignored). ``--prompt-tokens 16-1500`` gives prompts of mixed
 lengths instead (spread evenly over the range, shuffled; transformers needs one length).
+``--llamacpp-path DIR`` (or ``DEEPINFER_BENCH_LLAMACPP=DIR``) imports llama-cpp-python from DIR instead
+of the environment's, e.g. a build for another instruction set (``pip install --target DIR``): with
+``DEEPINFER_LOWBIT_ISA=avx2`` and an AVX2-only llama.cpp both engines run an AVX2 CPU's code on a
+newer CPU. The table's last lines say what each engine was built for (llama.cpp's system info,
+deepinfer's low-bit kernels' instruction set).
 ``--gguf Q8_0`` (or Q4_0, Q5_0, Q4_K_M, ..., or a path) serves another GGUF of the same weights:
 Q8_0/Q4_0/Q5_0 are written by the ``gguf`` library's quantizer (as benchmarks/lowbit_agreement.py
 does), K-quants by llama.cpp's own ``llama_model_quantize`` from a float32 file. All requests of a level are submitted at once and the
@@ -36,6 +41,7 @@ LABELS = {
 }  # fmt: skip
 OURS = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "deepinfer-kv8")
 RESULT_MARK = "RESULT "
+LLAMACPP_ENV = "DEEPINFER_BENCH_LLAMACPP"  # a directory holding the llama_cpp package to benchmark
 # Opening of "A Tale of Two Cities" (public domain); repeated and windowed into prompts.
 SOURCE_TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
@@ -59,6 +65,7 @@ class Result:
     peak_rss_mib: float = 0.0
     first_output: tuple[int, ...] = ()  # request 0's tokens, to compare greedy agreement
     ttft_ms: float = 0.0  # time to first token of one request (concurrency 1 only), best of repeats
+    build: str = ""  # what the engine's kernels were built for (llama.cpp's system info, deepinfer's low-bit ISA)
     error: str = ""
 
 
@@ -182,6 +189,8 @@ def load_llamacpp(prompts: Prompts, max_new_tokens: int, threads: int) -> Genera
     (The high-level ``Llama`` class serves one sequence at a time.) Greedy = numpy argmax."""
     import ctypes
 
+    if path := os.environ.get(LLAMACPP_ENV):  # another build of llama-cpp-python (--llamacpp-path)
+        sys.path.insert(0, path)
     import llama_cpp as lc
     import numpy as np
 
@@ -259,7 +268,22 @@ def run_child(engine: str, prompts: Prompts, new_tokens: int, threads: int, repe
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     total = new_tokens * len(prompts)
     ttft_ms = ttft * 1000 if ttft != float("inf") else 0.0
-    return Result(engine, len(prompts), total / seconds, seconds, peak_mib, tuple(outputs[0]), ttft_ms)
+    return Result(engine, len(prompts), total / seconds, seconds, peak_mib, tuple(outputs[0]), ttft_ms, build_of(engine))
+
+
+def build_of(engine: str) -> str:
+    """What the engine's kernels were built for, in its own words."""
+    if engine == "llamacpp":
+        import llama_cpp as lc
+
+        info = lc.llama_print_system_info().decode()
+        return f"llama-cpp-python {lc.__version__} from {os.path.dirname(os.path.dirname(lc.__file__))}: " + " ".join(
+            f for f in info.replace("|", " ").split() if "AVX" in f or "FMA" in f or "F16C" in f)
+    if engine.startswith("deepinfer"):
+        from deepinfer_core.lowbit import native
+
+        return f"low-bit kernels {native.describe_isa(native.isa_choice())}"
+    return ""
 
 
 def run_in_subprocess(engine: str, prompts_file: str, args: argparse.Namespace, n: int) -> Result:
@@ -326,6 +350,9 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         pairs = [f"{LABELS[a.engine]}~{LABELS[b.engine]} {agreement(a, b)}/{args.new_tokens}"
                  for i, a in enumerate(ok) for b in ok[i + 1 :]]
         print(f"- {n} concurrent: " + (", ".join(pairs) or "–"))
+    builds = {LABELS[r.engine]: r.build for r in results if r.build}
+    if builds:
+        print("\nBuilds: " + "; ".join(f"{name}: {build}" for name, build in builds.items()))
 
 
 def main() -> None:
@@ -338,6 +365,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and level; best counts")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per engine and level")
+    parser.add_argument("--llamacpp-path", default=os.environ.get(LLAMACPP_ENV, ""),
+                        help=f"import llama_cpp from this directory (default: ${LLAMACPP_ENV}, else the environment's)")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -348,6 +377,8 @@ def main() -> None:
         return
     if unknown := set(args.engines) - set(ENGINES):
         parser.error(f"unknown engines: {sorted(unknown)}")
+    if args.llamacpp_path:  # the children read it
+        os.environ[LLAMACPP_ENV] = os.path.abspath(args.llamacpp_path)
     if args.gguf:
         os.environ["DEEPINFER_BENCH_GGUF"] = args.gguf if os.path.exists(args.gguf) else make_gguf(args.gguf)
     load_before = os.getloadavg()[0]  # other work on the machine skews every engine's numbers
