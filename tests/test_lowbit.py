@@ -29,7 +29,7 @@ def _random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(seed).integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     scales = np.frombuffer(np.full(2, 0.01, np.float16).tobytes(), np.uint8)  # two f16 values
-    if type_name in ("Q4_K", "Q5_K"):  # d, dmin first
+    if type_name in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):  # d, dmin (or m) first
         raw[..., 0:4] = scales
     elif type_name == "Q6_K":  # d last
         raw[..., -2:] = scales[:2]
@@ -38,13 +38,24 @@ def _random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_gguf_quantized_tensors_pack_exactly(type_name):
     w = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
     packed = from_gguf(type_name, raw, (48, 256))
-    assert packed.kind == ("q8" if type_name == "Q8_0" else "q4")
+    assert packed.kind == {"Q8_0": "q8", "Q5_0": "q5", "Q5_1": "q5"}.get(type_name, "q4")
+    assert np.array_equal(packed.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_random_blocks_pack_exactly(type_name):
+    """Every high-bit pattern (random qh words, not a quantizer's), and the 5-bit values read
+    back as gguf dequantizes them."""
+    raw = _random_blocks(type_name, 8, 512, seed=11)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    packed = from_gguf(type_name, raw, (8, 512))
+    assert packed.kind == "q5" and packed.qs.shape == (8, 16, 20)
     assert np.array_equal(packed.dequantize().numpy(), expected)
 
 
@@ -55,7 +66,14 @@ def test_q4_k_super_blocks_pack_exactly():
     assert packed.kind == "q4" and np.array_equal(packed.dequantize().numpy(), expected)
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0"])
+def test_q5_k_super_blocks_pack_exactly():
+    raw = _random_blocks("Q5_K", 8, 512, seed=12)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)
+    packed = from_gguf("Q5_K", raw, (8, 512))
+    assert packed.kind == "q5" and np.array_equal(packed.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K"])
 def test_other_types_are_requantized_to_8_bits_within_half_a_step(type_name):
     raw = _random_blocks(type_name, 8, 512, seed=2)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(8, 512)
@@ -71,7 +89,7 @@ def test_width_not_a_multiple_of_32_is_refused_by_name():
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("M", [1, 5, 33])
 def test_kernel_equals_a_float_matmul_with_the_dequantized_weights(type_name, M):
     w = np.random.default_rng(3).standard_normal((96, 320)).astype(np.float32)
@@ -200,16 +218,16 @@ def test_activations_are_each_block_rounded_to_half_a_step(quantize, dtype, top,
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"])
 @pytest.mark.parametrize("M", [1, 3, 7, 17, 33])
 def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
     """Odd shapes (N = 37 rows: two 16-row panel tiles and a short one; K = 11 blocks or 2 Q4_K
     super-blocks; M = 1 and 3 on the rows layout, 7, 17 and 33 on the panel, none a multiple of
     its 3- or 4-token tile): the kernel's result against float64 sums of the same integers times
     the same scales, the q4 offsets applied to the float block sums."""
-    k = 512 if type_name == "Q4_K" else 352
-    if type_name == "Q4_K":  # the gguf library has no Q4_K quantizer: random super-blocks
-        raw = _random_blocks("Q4_K", 37, k, seed=7)
+    k = 512 if type_name.endswith("_K") else 352
+    if type_name.endswith("_K"):  # the gguf library has no K-quant quantizer: random super-blocks
+        raw = _random_blocks(type_name, 37, k, seed=7)
     else:
         w = np.random.default_rng(7).standard_normal((37, k)).astype(np.float32)
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
@@ -218,10 +236,13 @@ def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
     x[:, 7] *= 20
     v, s, sx = _act16(x)
     nb = k // 32
-    if packed.kind == "q4":
-        q = torch.cat([packed.qs & 0x0F, packed.qs >> 4], dim=-1).long()  # [N, nb, 32]
-    else:
+    if packed.kind == "q8":
         q = packed.qs.long()
+    else:  # the packed layout (formats.py; its dequantization equals gguf's: the tests above)
+        q = torch.cat([packed.qs[..., :16] & 0x0F, packed.qs[..., :16] >> 4], dim=-1).long()  # [N, nb, 32]
+        if packed.kind == "q5":
+            qh = sum(packed.qs[..., 16 + i].long() << (8 * i) for i in range(4))  # [N, nb]
+            q = q | (((qh[..., None] >> torch.arange(32)) & 1) << 4)
     ints = torch.einsum("nbj,mbj->mnb", q, v.long().reshape(M, nb, 32))  # exact integer block sums
     terms = ints.double() * packed.d.double()[None] * s.double()[:, None, :]
     if packed.m is not None:
@@ -239,7 +260,7 @@ def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize(("M", "K"), [(1, 352), (3, 352), (6, 352), (17, 352), (33, 352), (33, 1376)])
 def test_int16_kernel_integer_sums_are_exact(kind, M, K):
     """Bit for bit: weights with d = 1 (and m = 0) and activations whose every block holds
@@ -250,11 +271,19 @@ def test_int16_kernel_integer_sums_are_exact(kind, M, K):
     sums; int64 sums are the reference."""
     N = 37
     g = torch.Generator().manual_seed(M)
-    q = torch.randint(0, 16, (N, K // 32, 32), generator=g) if kind == "q4" else torch.randint(-128, 128, (N, K // 32, 32), generator=g)
+    lo, hi = {"q4": (0, 16), "q5": (0, 32), "q8": (-128, 128)}[kind]
+    q = torch.randint(lo, hi, (N, K // 32, 32), generator=g)
     q[:, :, 5] = 0  # the weight of each block's largest activation (below): every sum stays far below 2^24
     if kind == "q4":
         qs = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         packed = QuantWeight("q4", qs, torch.ones(N, K // 32), torch.zeros(N, K // 32), "Q4_1")
+    elif kind == "q5":  # ggml's Q5_1 block bytes (d, m, qh, qs) built here, packed by from_gguf
+        nib = ((q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)).to(torch.uint8)
+        qh = ((q >> 4) << torch.arange(32)).sum(-1).to(torch.int64)  # [N, nb] uint32 values
+        qh_bytes = torch.stack([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+        one_zero = torch.tensor([1.0, 0.0], dtype=torch.float16).view(torch.uint8).expand(N, K // 32, 4)
+        raw = torch.cat([one_zero, qh_bytes, nib], dim=-1).reshape(N, -1).numpy()
+        packed = from_gguf("Q5_1", raw, (N, K))
     else:
         packed = QuantWeight("q8", q.to(torch.int8), torch.ones(N, K // 32), None, "Q8_0")
     x = torch.randint(-40, 41, (M, K), generator=g).float()

@@ -5,7 +5,7 @@ The reference is the AVX2 build, the kernels as they were before VNNI (``vpmaddw
 the VNNI build's ``vpdpwssd`` sums the same integers, so every output must be bit-for-bit equal,
 on the shapes the kernel tests use (odd N with a short last tile, the rows layout at 1-4 rows,
 the panel from 5 with every token tail, K in one and in several slices of the panel, q4 with
-offsets and q8), through the fused head and a whole decode step. The choice of build is read
+offsets, q5 and q8), through the fused head and a whole decode step. The choice of build is read
 from /proc/cpuinfo (checked against the kernel flags there) and ``DEEPINFER_LOWBIT_ISA``.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepinfer_core.lowbit import native
-from deepinfer_core.lowbit.formats import QuantWeight, quantize_q8
+from deepinfer_core.lowbit.formats import KIND_CODE, QuantWeight, quantize_q8
 
 BASE = native.load_isa("avx2")
 HAS_VNNI = all(f in native.cpu_flags() for f in ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"))
@@ -62,21 +62,22 @@ def _weight(kind: str, n: int, k: int, seed: int) -> QuantWeight:
     if kind == "q8":
         return quantize_q8(torch.randn(n, k, generator=g))
     d = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
-    return QuantWeight("q4", torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g), d,
-                       -8 * d + 0.002 * torch.randn(n, k // 32, generator=g), "Q4_1")
+    width = 20 if kind == "q5" else 16  # q5: random high bits too
+    return QuantWeight(kind, torch.randint(0, 256, (n, k // 32, width), dtype=torch.uint8, generator=g), d,
+                       -8 * d + 0.002 * torch.randn(n, k // 32, generator=g), "Q5_1" if kind == "q5" else "Q4_1")
 
 
 def _gemm(lib: ctypes.CDLL, exact: bool, x: torch.Tensor, w: QuantWeight, threads: int) -> torch.Tensor:
     M, K = x.shape
     y = torch.full((M, w.qs.shape[0]), float("nan"))
     fn = lib.gemm_f32_act if exact else lib.gemm_i16_act
-    fn(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None,
+    fn(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None,
        w.qs.shape[0], y.data_ptr(), threads)
     return y
 
 
 @needs_both
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 @pytest.mark.parametrize("K", [352, 640, 1376, 1536])  # 11 blocks; one slice of 20; three of 15 and one short; three of 16
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
@@ -91,7 +92,7 @@ def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
 
 
 @needs_both
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 def test_exact_kernel_bits_equal_between_builds(kind):
     """The rest of the library is compiled with the wider flags too: the float32 kernel keeps its bits."""
     w = _weight(kind, 37, 640, 5)

@@ -44,11 +44,11 @@ static int64_t first_max(const float *y, int64_t n, int *nan) {
     return 0;
 }
 
-/* out[M]: the argmax of each row of x [M, K] @ W^T, W = N packed rows (kind 4 or 8, 32-blocks).
+/* out[M]: the argmax of each row of x [M, K] @ W^T, W = N packed rows (kind 4, 5 or 8, 32-blocks).
  * Returns 0, or -1 when a logit was NaN (out then undefined). */
 int lowbit_head_argmax(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                        int64_t N, int64_t int_rows, int64_t int8_rows, int nthreads, int64_t *out) {
-    const int64_t nb = K / 32, row_bytes = kind == 4 ? K / 2 : K;
+    const int64_t nb = K / 32, row_bytes = nb * lb_block_bytes(kind);
     int64_t chunk = HEAD_CHUNK_BYTES / (M * (int64_t)sizeof(float)) / 16 * 16;
     const int64_t even = (N + 8 * nthreads - 1) / (8 * nthreads);  /* >= 8 chunks a thread, so few rows still split evenly */
     if (chunk > even) chunk = (even + 15) / 16 * 16;

@@ -3,6 +3,7 @@
  * Weights stay in blocks of 32 along K, one scale (and for 4 bits one offset) per block:
  *
  *   q4: w = d * q + m,  q in 0..15, two per byte (element j low nibble, j+16 high nibble)
+ *   q5: w = d * q + m,  q in 0..31, q4's 16 bytes for the low 4 bits, then 4 bytes of high bits
  *   q8: w = d * q,      q in -128..127
  *
  * Two ways to multiply:
@@ -49,6 +50,20 @@ static inline void widen_q4(const uint8_t *qs, float d, float m, __m256 *w) {
     for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), vd, vm);
 }
 
+static inline void widen_q5(const uint8_t *qs, float d, float m, __m256 *w) {
+    __m256i lo, hi;
+    q5_widen_i16(qs, &lo, &hi);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1), _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(parts[j])), vd, vm);
+}
+
+static inline __attribute__((always_inline)) void widen_block(int kind, const void *qs, int64_t blk, float d, const float *m, int64_t b, __m256 *w) {
+    if (kind == 4) widen_q4((const uint8_t *)qs + blk * 16, d, m[b], w);
+    else if (kind == 5) widen_q5((const uint8_t *)qs + blk * 20, d, m[b], w);
+    else widen_q8((const int8_t *)qs + blk * QK, d, 0.0f, w);
+}
+
 /* Few tokens: widen each weight block in registers and use it at once (no buffer). */
 static void gemm_direct(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                         int64_t N, float *y, int nthreads) {
@@ -62,8 +77,7 @@ static void gemm_direct(const float *x, int64_t M, int64_t K, int kind, const vo
             for (int t = 0; t < FLOAT_TILE; t++) acc[t] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 __m256 w[4];
-                if (kind == 4) widen_q4((const uint8_t *)qs + (n * nb + b) * (QK / 2), wd[b], wm[b], w);
-                else widen_q8((const int8_t *)qs + (n * nb + b) * QK, wd[b], 0.0f, w);
+                widen_block(kind, qs, n * nb + b, wd[b], wm, b, w);
                 for (int t = 0; t < tm; t++) {
                     const float *xr = x + (i0 + t) * K + b * QK;
                     acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[t]);
@@ -91,8 +105,7 @@ static void widen_row(int kind, const void *qs, const float *d, const float *m, 
     const float *wd = d + n * nb, *wm = m ? m + n * nb : 0;
     for (int64_t b = 0; b < nb; b++) {
         __m256 w[4];
-        if (kind == 4) widen_q4((const uint8_t *)qs + (n * nb + b) * (QK / 2), wd[b], wm[b], w);
-        else widen_q8((const int8_t *)qs + (n * nb + b) * QK, wd[b], 0.0f, w);
+        widen_block(kind, qs, n * nb + b, wd[b], wm, b, w);
         for (int j = 0; j < 4; j++) _mm256_store_ps(dst + b * QK + 8 * j, w[j]);
     }
 }

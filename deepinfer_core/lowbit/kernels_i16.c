@@ -104,6 +104,8 @@ static inline __attribute__((always_inline)) void widen_block_i16(int kind, cons
         const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)qs + blk * (QK / 2))));
         *w0 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
         *w1 = _mm256_srli_epi16(both, 4);
+    } else if (kind == 5) {
+        q5_widen_i16((const uint8_t *)qs + blk * 20, w0, w1);
     } else {
         const int8_t *q = (const int8_t *)qs + blk * QK;
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
@@ -148,7 +150,7 @@ static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int6
     }
     for (int t = 0; t < T; t++) {
         float r = vec_hsum8(_mm256_add_ps(acc0[t], acc1[t]));
-        if (kind == 4) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
+        if (kind != 8) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
         y[(i0 + t) * N + n] = r;
     }
 }
@@ -219,7 +221,7 @@ static inline void transpose8_epi16(__m128i *r) {
  * The panel's contents are the same integers either way, so every result keeps its bits. */
 static void build_panel16(int kind, const void *qs, const float *d, const float *m, int64_t n0, int nr, int64_t nb,
                           __m256i *panel) {
-    const int64_t row_bytes = nb * (kind == 4 ? QK / 2 : QK);
+    const int64_t row_bytes = nb * lb_block_bytes(kind);
     const uint8_t *base = (const uint8_t *)qs;
     const uint8_t *rp[P16_COLS];
     for (int c = 0; c < P16_COLS; c++) rp[c] = base + (n0 + (c < nr ? c : 0)) * row_bytes;
@@ -235,6 +237,27 @@ static void build_panel16(int kind, const void *qs, const float *d, const float 
                     const __m256i both = _mm256_cvtepu8_epi16(u[p]);
                     _mm256_store_si256(pb + 2 * p + h, _mm256_and_si256(both, low));
                     _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_srli_epi16(both, 4));
+                }
+            } else if (kind == 5) {
+                /* q4's nibbles, then each pair's two high bits from the rows' uint32s (one
+                 * 32-bit lane per row): element 2p's bit to bit 4 of the lane's low int16,
+                 * element 2p + 1's to bit 4 of its high int16 (elements 2p + 16, 2p + 17 alike) */
+                __m128i u[8];
+                uint32_t hb[8];
+                for (int c = 0; c < 8; c++) {
+                    u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * 20));
+                    __builtin_memcpy(&hb[c], rp[8 * h + c] + b * 20 + 16, sizeof hb[c]);
+                }
+                transpose8_epi16(u);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)hb);
+                const __m256i lo4 = _mm256_set1_epi32(0x10), hi4 = _mm256_set1_epi32(0x100000);
+                for (int p = 0; p < 8; p++) {
+                    const __m256i both = _mm256_cvtepu8_epi16(u[p]);
+                    const __m256i e0 = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p)), e1 = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p + 16));
+                    const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e0, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e0, 19), hi4));
+                    const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e1, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e1, 19), hi4));
+                    _mm256_store_si256(pb + 2 * p + h, _mm256_or_si256(_mm256_and_si256(both, low), h0));
+                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_or_si256(_mm256_srli_epi16(both, 4), h1));
                 }
             } else {
                 __m128i u[8], v[8];
@@ -273,7 +296,7 @@ typedef struct {
 static ahead_t next_tile(int kind, const void *qs, const float *d, const float *m, int64_t n1, int64_t N, int64_t nb, int64_t passes) {
     ahead_t pf = {{0, 0, 0}, {0, 0, 0}, 0};
     if (n1 >= N) return pf;
-    const int64_t rows = N - n1 < P16_COLS ? N - n1 : P16_COLS, row_bytes = nb * (kind == 4 ? QK / 2 : QK);
+    const int64_t rows = N - n1 < P16_COLS ? N - n1 : P16_COLS, row_bytes = nb * lb_block_bytes(kind);
     pf.p[0] = (const char *)qs + n1 * row_bytes;
     pf.left[0] = rows * row_bytes;
     pf.p[1] = (const char *)(d + n1 * nb);
@@ -385,7 +408,7 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
     const int64_t nb = K / QK, tiles = (N + P16_COLS - 1) / P16_COLS;
     int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / P16_T * P16_T;
     if (chunk < P16_T) chunk = P16_T;
-    const int offs = kind == 4;
+    const int offs = kind != 8;
     const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + P16_T - 1) / P16_T;
 #pragma omp parallel num_threads(nthreads)
     {

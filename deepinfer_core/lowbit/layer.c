@@ -48,7 +48,7 @@ void prefill_attention(const float *q, const float *k, int64_t kstride, const fl
 #define MAX_SEGMENTS 4
 
 typedef struct {        /* one packed weight segment: rows [n, k] in 32-blocks (kinds as kernels.c's) */
-    int64_t kind;       /* 4 or 8 */
+    int64_t kind;       /* 4, 5 or 8 */
     const void *qs;
     const float *d, *m; /* m: NULL for 8 bits */
     int64_t n;
@@ -75,7 +75,7 @@ typedef struct {
     int64_t num_blocks, block_size, width;         /* the paged cache's geometry */
     const float *cos, *sin;                        /* [max_positions, head_dim] */
     const float *final_norm;                       /* [D] */
-    /* token embedding: dense float rows (embed_kind 0) or a packed weight (4 / 8) */
+    /* token embedding: dense float rows (embed_kind 0) or a packed weight (4 / 5 / 8) */
     int64_t embed_kind;
     const void *embed_qs;
     const float *embed_d, *embed_m;
@@ -104,6 +104,15 @@ static void embed_row(const lb_model *md, int64_t id, float *out) {
         if (md->embed_kind == 8) {
             const int8_t *q = (const int8_t *)md->embed_qs + (id * nb + b) * 32;
             for (int j = 0; j < 32; j++) out[b * 32 + j] = (float)q[j] * d;
+        } else if (md->embed_kind == 5) {
+            const uint8_t *q = (const uint8_t *)md->embed_qs + (id * nb + b) * 20;
+            const float m = md->embed_m[id * nb + b];
+            uint32_t qh;
+            memcpy(&qh, q + 16, sizeof qh);
+            for (int j = 0; j < 16; j++) {
+                out[b * 32 + j] = (float)((q[j] & 0x0F) | (((qh >> j) & 1) << 4)) * d + m;
+                out[b * 32 + 16 + j] = (float)((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) * d + m;
+            }
         } else {
             const uint8_t *q = (const uint8_t *)md->embed_qs + (id * nb + b) * 16;
             const float m = md->embed_m[id * nb + b];

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..attention import AttentionMetadata
 from .attention import CACHE_DTYPES, PagedDecodeAttention, kv_kind
-from .formats import QuantWeight
+from .formats import KIND_CODE, QuantWeight
 from .modules import LowBitEmbedding, LowBitLinear
 from .native import load
 from .threads import ThreadChooser, adaptive_enabled
@@ -116,9 +116,9 @@ def _linear(module: nn.Module, k: int, n: int) -> _Linear | None:
         return None
     lin = _Linear(nseg=len(module.segments), k=k, n=n, int_rows=module.int_rows, int8_rows=module.int8_rows)
     for i, w in enumerate(module.segments):
-        if w.kind not in ("q4", "q8") or not _packed_ok(w):
+        if w.kind not in KIND_CODE or not _packed_ok(w):
             return None
-        lin.seg[i] = _Segment(4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.qs.shape[0])
+        lin.seg[i] = _Segment(KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.qs.shape[0])
     if module.bias is not None:
         if (bias := _float_vector(module.bias.data, n)) is None:
             return None
@@ -269,11 +269,11 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
     md = _Model(num_layers=len(layers), hidden=D, intermediate=I, heads=H, kv_heads=Hkv, head_dim=hd, eps=eps,
                 scale=spec0.scale, window=spec0.window or 0, cos=cos.data_ptr(), sin=sin.data_ptr(), final_norm=final_ptr)  # fmt: skip
     embed = model.model.embed_tokens
-    if type(embed) is LowBitEmbedding and isinstance(embed.weight_q, QuantWeight) and embed.weight_q.kind in ("q4", "q8"):
+    if type(embed) is LowBitEmbedding and isinstance(embed.weight_q, QuantWeight) and embed.weight_q.kind in KIND_CODE:
         w = embed.weight_q
         if w.shape[1] != D or not _packed_ok(w):
             return None
-        md.embed_kind, md.embed_qs, md.embed_d = (4 if w.kind == "q4" else 8), w.qs.data_ptr(), w.d.data_ptr()
+        md.embed_kind, md.embed_qs, md.embed_d = KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr()
         md.embed_m = None if w.m is None else w.m.data_ptr()
     elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
         md.embed_kind, md.embed_qs = 0, embed.weight.data_ptr()

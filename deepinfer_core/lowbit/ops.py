@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .formats import QuantWeight
+from .formats import KIND_CODE, QuantWeight
 from .native import load
 
 DEFAULT_INT_ROWS = 1 << 62  # every call: the integer kernel is as fast or faster at every row count (benchmarks/README.md)
@@ -88,7 +88,7 @@ def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows
         kernels.lib.gemm_i8_act(x.data_ptr(), M, K, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
         return y
     kernel = kernels.lib.gemm_i16_act if which == "i16" else kernels.lib.gemm_f32_act
-    kernel(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
+    kernel(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -98,7 +98,7 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
     same kernel on vocabulary chunks, so every logit has the full head's bits; ties to the lowest
     index). None when a logit is NaN or the kernels are not built: the caller takes the full head."""
     kernels = load()
-    if kernels.lib is None or w.kind not in ("q4", "q8"):
+    if kernels.lib is None or w.kind not in KIND_CODE:
         return None
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
@@ -109,6 +109,6 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
     if M == 0:
         return out
     m_ptr = w.m.data_ptr() if w.m is not None else None
-    failed = kernels.lib.lowbit_head_argmax(x.data_ptr(), M, K, 4 if w.kind == "q4" else 8, w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
+    failed = kernels.lib.lowbit_head_argmax(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
                                             w.qs.shape[0], max_int_rows, min_int8_rows, threads or torch.get_num_threads(), out.data_ptr())
     return None if failed else out

@@ -38,6 +38,31 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* Packed weight kinds (formats.py): 32-value blocks of q4 (16 bytes: element j in the low nibble
+ * of byte j, element j + 16 in its high nibble), q5 (q4's 16 bytes, then a little-endian uint32
+ * whose bit j is bit 4 of element j: ggml's Q5_0/Q5_1 bits) or q8 (32 int8). */
+static inline __attribute__((always_inline)) int64_t lb_block_bytes(int kind) { return kind == 4 ? 16 : kind == 5 ? 20 : 32; }
+
+/* A q5 block's 32 values (0..31) as int16: elements 0-15 in *lo, 16-31 in *hi. With AVX512-BW +
+ * VL (the avx512vnni build) each half of the uint32 is a lane mask and one masked add puts 16 on the low bits;
+ * in the AVX2 build each lane's bit is tested against a broadcast half (a compare gives all ones),
+ * about 3x the instructions. The same integers either way. */
+static inline __attribute__((always_inline)) void q5_widen_i16(const uint8_t *blk, __m256i *lo, __m256i *hi) {
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk));
+    uint32_t qh;
+    __builtin_memcpy(&qh, blk + 16, sizeof qh);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i s16 = _mm256_set1_epi16(16), l4 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F)), h4 = _mm256_srli_epi16(both, 4);
+    *lo = _mm256_mask_add_epi16(l4, (__mmask16)(qh & 0xFFFF), l4, s16);
+    *hi = _mm256_mask_add_epi16(h4, (__mmask16)(qh >> 16), h4, s16);
+#else
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)0x8000);
+    const __m256i h0 = _mm256_set1_epi16((short)(qh & 0xFFFF)), h1 = _mm256_set1_epi16((short)(qh >> 16)), s16 = _mm256_set1_epi16(16);
+    *lo = _mm256_or_si256(_mm256_and_si256(both, _mm256_set1_epi16(0x0F)), _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h0, bit), bit), s16));
+    *hi = _mm256_or_si256(_mm256_srli_epi16(both, 4), _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h1, bit), bit), s16));
+#endif
+}
+
 /* KV cache elements (kv, a compile-time constant after inlining): KV_F32 float32; KV_F16 IEEE
  * half (F16C converts 8 at a time; round to nearest even on store, as torch's .to(torch.float16));
  * KV_I8 int8 codes of a row of n values followed, at the row's byte n, by its float32 scale
