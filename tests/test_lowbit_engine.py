@@ -57,6 +57,19 @@ def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
     assert identical >= 14, f"only {identical}/16 prompts identical over 64 tokens"
 
 
+def test_q5_0_weights_stay_at_5_bits_and_greedy_tokens_equal_the_dequantized_float32_model(tmp_path):
+    """Every tensor Q5_0 (the gguf library's quantizer), the tied head too: packed as q5, run by
+    the one-call decode step (layer.c: q5 GEMMs and embedding rows) and the fused head."""
+    path = requantize_gguf(GGUF, str(tmp_path / "smollm2-q5_0.gguf"), "Q5_0")
+    lowbit, llm = _greedy(path, "auto", 64)
+    assert describe_weights(llm.engine.model) == "low-bit: 121 q5<Q5_0>"
+    assert llm.engine.model._decode_plan is not None
+    dense, _ = _greedy(path, "float32", 64)
+    identical = sum(a == b for a, b in zip(lowbit, dense))
+    print(f"Q5_0 default vs float32: {identical}/16 identical over 64 tokens")
+    assert identical >= 14, f"only {identical}/16 prompts identical over 64 tokens"
+
+
 def test_the_default_keeps_the_file_s_q4_1_and_q8_0_weights_packed_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.llm_engine"):
         llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=8)

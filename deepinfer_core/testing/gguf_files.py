@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "F32": 0}
+_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "F32": 0}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
 def requantize_gguf(src: str, dst: str, type_name: str = "Q8_0") -> str:
