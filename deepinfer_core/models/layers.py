@@ -116,15 +116,23 @@ class GatedMLP(nn.Module):
         return project(self.linear, self.down_proj, F.silu(gate) * up)
 
 
-def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None, max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the attention scaling factor for a rope config.
 
-    Supports the "default" and "llama3" rope types; other types raise so a model never runs
-    with silently wrong positions (architectures with their own scaling extend this)."""
+    Supports the "default", "linear" (positions divided by ``factor``), "llama3" and "yarn"
+    (:func:`yarn_rope_inv_freq`; needs ``max_position_embeddings`` where the config gives no
+    ``factor``) rope types; other types (e.g. "dynamic", whose frequencies change with the
+    sequence length) raise so a model never runs with silently wrong positions."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq.float(), 1.0
+    if rope_type == "linear":  # transformers: the float32 frequencies divided by the factor
+        return inv_freq.float() / float(scaling["factor"]), 1.0
+    if rope_type == "yarn":
+        if scaling.get("factor") is None and max_position_embeddings is None:
+            raise ValueError("yarn rope scaling without a factor needs max_position_embeddings")
+        return yarn_rope_inv_freq(dim, theta, scaling, max_position_embeddings or 0)
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         backends = [ctx.attention_backend(spec) for spec in self.attention_specs]
         theta, scaling = rope_settings(config)
-        inv_freq, attn_scaling = rope_inv_freq(head_dim, theta, scaling)  # fails early on unknown rope types
+        inv_freq, attn_scaling = rope_inv_freq(head_dim, theta, scaling, self.max_position_embeddings)  # fails early on unknown rope types
 
         # Parameters are created without memory and then allocated uninitialised on the target
         # device: load_weights overwrites every one of them (and fails if any is missing).
