@@ -58,6 +58,10 @@ CONFIGS = {
     "llama-hd64-h10kv5-hidden640": ("llama", dict(
         vocab_size=3001, hidden_size=640, intermediate_size=1728, num_hidden_layers=2, num_attention_heads=10, num_key_value_heads=5,
         head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0)),
+    "llama-hd48-h9kv3-yarn": ("llama", dict(  # added after the 21:54 run (yarn loads since 1fb576d)
+        vocab_size=4099, hidden_size=432, intermediate_size=800, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=48, tie_word_embeddings=False, max_position_embeddings=8192,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
     "v3-v2lite-nolora-e72-top6": ("v3", dict(
         vocab_size=1100, hidden_size=512, intermediate_size=1000, moe_intermediate_size=176, num_hidden_layers=3, first_k_dense_replace=1,
         num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
@@ -310,9 +314,9 @@ def invariant_cell(path, kw, config, limit) -> str:
     return "pass (3 requests alone = in the batch)"
 
 
-def plugin_in_place(llm, arch: str, device: str) -> str | None:
+def plugin_in_place(llm, arch: str, device: str, interpret: bool = False) -> str | None:
     """None when the plugin's kernels run this model, else what fell back."""
-    if device != "cuda":
+    if device != "cuda" and not interpret:
         return None
     mods = list(llm.engine.model.modules())
     backends = {type(getattr(m, "backend", None)).__name__ for m in mods}
@@ -322,9 +326,37 @@ def plugin_in_place(llm, arch: str, device: str) -> str | None:
         return f"attention {sorted(backends - {'NoneType'})}"
     if arch != "llama" and "TritonMoEDispatcher" not in dispatchers:
         return f"moe {sorted(dispatchers - {'NoneType'})}"
-    if getattr(llm.engine.runner, "graphs", None) is None:
+    if device == "cuda" and getattr(llm.engine.runner, "graphs", None) is None:
         return "no decode graphs"
     return None
+
+
+def plugin_on_the_cpu() -> None:
+    """The host answers with the plugin's Triton attention, MoE dispatcher and fused ops (its
+    hooks answer for CUDA platforms only) unless a backend is named, as the reference names
+    "builtin"; the kernels then run in Triton's interpreter (TRITON_INTERPRET=1, set before
+    Triton is imported)."""
+    from dataclasses import replace
+
+    from deepinfer_core.plugin_host import PluginHost
+    from deepinfer_cuda_sm100.attention import TritonAttention, TritonV4Attention
+    from deepinfer_cuda_sm100.kernels import fused_elementwise
+    from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
+    from deepinfer_cuda_sm100.kernels.logits import lm_logits
+    from deepinfer_cuda_sm100.moe import TritonMoEDispatcher
+
+    attention, moe, fused = PluginHost.attention_backend, PluginHost.moe_dispatcher, PluginHost.fused_ops
+
+    def pick_attention(self, layer, platform, name=None):
+        if name is not None:
+            return attention(self, layer, platform, name)
+        return TritonV4Attention() if layer.state_kv else TritonAttention()
+
+    PluginHost.attention_backend = pick_attention
+    PluginHost.moe_dispatcher = lambda self, m, platform, parallel=None, name=None: TritonMoEDispatcher() if name is None else moe(self, m, platform, parallel, name)
+    PluginHost.fused_ops = lambda self, platform: replace(FUSED_OPS, logits=lm_logits)
+    fused_elementwise.ROPE_CAT_TILE_TOKENS = 0  # rope_cat's per-token form: the interpreter's cost is per program
+    del fused
 
 
 def check_config(name: str, shapes: list[str], args) -> dict:
@@ -339,7 +371,7 @@ def check_config(name: str, shapes: list[str], args) -> dict:
             config, hf = build(path, name, args.tiny)
         except Exception as exc:  # noqa: BLE001
             return {"build": f"CRASH {type(exc).__name__}: {exc}"}
-        limit = min(config.get("max_position_embeddings", 8192) - 30, 5000 if not args.tiny else 300)
+        limit = min(config.get("max_position_embeddings", 8192) - 30, 5000 if not args.tiny else 300, args.max_prompt)
         maxn = max(SHAPES[s][1] for s in shapes)
         kw = dict(device=args.device, dtype="float32", max_num_seqs=maxn, max_num_batched_tokens=1024,
                   kv_cache_blocks=args.blocks if not args.tiny else None, block_size=128 if not args.tiny else 16)  # fmt: skip
@@ -351,7 +383,7 @@ def check_config(name: str, shapes: list[str], args) -> dict:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             return {"build": f"CRASH {type(exc).__name__}: {str(exc)[:200]}"}
-        fallback = plugin_in_place(ours, arch, args.device)
+        fallback = plugin_in_place(ours, arch, args.device, args.interpret)
         row["plugin"] = ("FAIL " + fallback) if fallback else "ok"
         print(f"[{name}] engines ready in {time.time() - t0:.1f}s; plugin: {row['plugin']}", flush=True)
         for k, shape in enumerate(shapes):
@@ -395,6 +427,8 @@ def check_config(name: str, shapes: list[str], args) -> dict:
                 row["hf-f32"] = f"CRASH {type(exc).__name__}: {str(exc)[:160]}"
             print(f"[{name}] hf-f32: {row['hf-f32']}", flush=True)
         del ours
+        if args.no_bf16:
+            return row
         # bf16: the plugin's prompt logits finite and near the float32 reference's
         signal.alarm(args.cell_timeout)
         try:
@@ -435,10 +469,18 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=1500)
     ap.add_argument("--cell-timeout", type=int, default=240)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-prompt", type=int, default=5000, help="cap on prompt lengths")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 engines")
+    ap.add_argument("--interpret", action="store_true", help="CPU: the plugin's kernels in Triton's interpreter instead of the builtin path")
     ap.add_argument("--jobs", type=int, default=1, help="configs in this many processes at once (Triton compiles on the CPU)")
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)  # a worker's first config's place (rotation)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the parent prints the table
     args = ap.parse_args(argv)
+    if args.interpret:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        plugin_on_the_cpu()
     signal.signal(signal.SIGALRM, _alarm)
     names = args.configs.split(",")
     table = {}
