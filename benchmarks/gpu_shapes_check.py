@@ -58,7 +58,7 @@ CONFIGS = {
     "llama-hd64-h10kv5-hidden640": ("llama", dict(
         vocab_size=3001, hidden_size=640, intermediate_size=1728, num_hidden_layers=2, num_attention_heads=10, num_key_value_heads=5,
         head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0)),
-    "llama-hd48-h9kv3-yarn": ("llama", dict(  # added after the 21:54 run (yarn loads since 1fb576d)
+    "llama-hd48-h9kv3-yarn": ("llama", dict(  # added after the 21:54 run (Llama yarn rope loads since 2264fa8)
         vocab_size=4099, hidden_size=432, intermediate_size=800, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
         head_dim=48, tie_word_embeddings=False, max_position_embeddings=8192,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
