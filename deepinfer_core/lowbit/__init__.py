@@ -1,4 +1,4 @@
-"""Low-bit weights on CPU: GGUF block-quantized tensors served packed (4 or 8 bits per value, a
+"""Low-bit weights on CPU: GGUF block-quantized tensors served packed (4, 5 or 8 bits per value, a
 scale per 32 values) and multiplied by AVX2 kernels that widen each block in registers, so a
 step reads 4-8x fewer weight bytes than float32. Every call rounds the activations to int16
 per 32-block and uses exact integer dot products (``kernels_i16.c``; ``ops`` says why,

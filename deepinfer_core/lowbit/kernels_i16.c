@@ -1,8 +1,8 @@
-/* 16-bit-integer-activation GEMMs for the packed 4/8-bit weights of kernels.c.
+/* 16-bit-integer-activation GEMMs for the packed 4/5/8-bit weights of kernels.c.
  *
  * Why: on this AVX2 CPU without VNNI a float32 GEMM does 8 multiply-adds per FMA, and the exact
  * kernels of kernels.c already run near that rate. `vpmaddwd` multiplies 16 int16 pairs per
- * instruction and sums each pair exactly into int32: weights' 4/8-bit integers widen to int16
+ * instruction and sums each pair exactly into int32: weights' 4/5/8-bit integers widen to int16
  * exactly, and activations rounded to int16 per 32-value block (scale = max|x| / 32767) keep
  * ~15 bits, so the products are much closer to float32 than llama.cpp's int8 activations
  * (kernels_i8.c), whose rounding changes SmolLM2's greedy outputs (benchmarks/README.md).
