@@ -71,6 +71,8 @@ def load_hf_weights(
                 pieces.setdefault(prefix, set()).add((index, proj))
             continue
         target = targets.get(name)
+        if target is None and tensor.numel() == 0:
+            continue  # holds no weights: transformers writes zero-width shared experts for n_shared_experts 0
         if target is None:
             unexpected.append(name)
         elif target.shape != tensor.shape:
