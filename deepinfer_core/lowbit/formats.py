@@ -18,8 +18,9 @@ f32)::
 
 Q5_* kept at 5 bits (20 + 8 bytes a block) rather than re-quantized to q8 (32 + 4, before
 2026-12-01 22:00): SmolLM2's Q4_K_M (mostly Q5_0) reads 126.5 MB a decode step instead of 146.0,
-one request on one thread decodes 1.07-1.13x faster, 32 requests the same, and greedy tokens stay
-closer to the float32 model's (benchmarks/README.md, cpuq5). Q6_K's 16-value sub-blocks with
+one request on one thread decodes 1.07-1.13x faster with the AVX512 build (0.88-0.92x with the
+AVX2 build: more instructions per block), 32 requests the same, and greedy tokens stay closer to
+the float32 model's (benchmarks/README.md, cpuq5). Q6_K's 16-value sub-blocks with
 int8 scales do not fit one scale per 32 values (folded into the weights, the int32 block sums
 could overflow), so it stays re-quantized; scales stay float32.
 """
