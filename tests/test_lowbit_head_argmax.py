@@ -36,6 +36,19 @@ def _q4(w: torch.Tensor) -> QuantWeight:
     return QuantWeight("q4", qs.contiguous(), d.float().contiguous(), lo.float().contiguous(), "test")
 
 
+def _q5(w: torch.Tensor) -> QuantWeight:
+    """Q5_1-style packing (min + scale per 32-block, 32 levels): the low nibbles as _q4's, then
+    the 32 fifth bits as a little-endian uint32 (bit j: value j), written out here."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = (hi - lo) / 31
+    q = torch.clamp(torch.round((blocks - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]), 0, 31).long()
+    nib = ((q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)).to(torch.uint8)
+    qh = ((q >> 4) << torch.arange(32)).sum(-1)
+    qh_bytes = torch.stack([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    return QuantWeight("q5", torch.cat([nib, qh_bytes], dim=-1).contiguous(), d.float().contiguous(), lo.float().contiguous(), "test")
+
+
 def _weights(kind: str, g: torch.Generator) -> tuple[QuantWeight, torch.Tensor]:
     """Random rows, one large row duplicated at TIED, and near-ties of it (one value moved by
     about one quantum) just after each copy; returns the weight and the winning direction."""
@@ -45,10 +58,10 @@ def _weights(kind: str, g: torch.Generator) -> tuple[QuantWeight, torch.Tensor]:
     for at in TIED:
         w[at + 1] = win
         w[at + 1, at % K] += 0.02 * (1 if at % 2 else -1)
-    return (quantize_q8(w) if kind == "q8" else _q4(w)), win
+    return {"q8": quantize_q8, "q4": _q4, "q5": _q5}[kind](w), win
 
 
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q5"])
 @pytest.mark.parametrize("int_rows", [ops.DEFAULT_INT_ROWS, 0], ids=["int16", "exact"])
 @pytest.mark.parametrize("M", [1, 3, 5, 32, 37])
 def test_the_fused_head_picks_the_full_heads_argmax(kind, int_rows, M):
