@@ -101,10 +101,10 @@ class GatedMLP(nn.Module):
     """SwiGLU MLP; gate and up projections fused, loaded from Hugging Face's separate
     ``gate_proj`` / ``up_proj`` tensors (see :func:`fused_targets`)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:  # bias: Llama's mlp_bias
         super().__init__()
-        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     fused_act = None  # a platform's one-kernel silu(gate) * up (deepinfer_core.fused_ops)
     linear = None  # a platform's FusedOps.dense_linear for the two projections (fused_ops.install)

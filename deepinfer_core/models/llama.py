@@ -73,7 +73,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = LlamaAttention(config, spec, backend)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, config["intermediate_size"])
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)))
 
 
 class LlamaModel(nn.Module):
