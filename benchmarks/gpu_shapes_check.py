@@ -62,6 +62,13 @@ CONFIGS = {
         vocab_size=4099, hidden_size=432, intermediate_size=800, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
         head_dim=48, tie_word_embeddings=False, max_position_embeddings=8192,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
+    "llama-hd112-mlpbias-h5kv1": ("llama", dict(  # added after the 21:54 run (mlp_bias loads since 9aba604)
+        vocab_size=1531, hidden_size=560, intermediate_size=900, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+        head_dim=112, mlp_bias=True, attention_bias=True, tie_word_embeddings=False, max_position_embeddings=8192)),
+    "v3-noshared-e12-top2": ("v3", dict(  # added after the 21:54 run (n_shared_experts 0 loads since 2189b18)
+        vocab_size=700, hidden_size=384, intermediate_size=640, moe_intermediate_size=136, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=6, num_key_value_heads=6, q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=12, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=0, routed_scaling_factor=1.0)),
     "v3-v2lite-nolora-e72-top6": ("v3", dict(
         vocab_size=1100, hidden_size=512, intermediate_size=1000, moe_intermediate_size=176, num_hidden_layers=3, first_k_dense_replace=1,
         num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
@@ -199,7 +206,7 @@ def build(path: Path, name: str, tiny: bool):
             if k in cfg:
                 cfg[k] = v
         if arch == "llama":
-            cfg["hidden_size"] = cfg["num_attention_heads"] * cfg["head_dim"] // 4 * 4 if cfg["head_dim"] < 100 else 128
+            cfg["hidden_size"] = cfg["num_attention_heads"] * (cfg["head_dim"] // 4 * 4 if cfg["head_dim"] < 100 else 16)
         for k in ("n_routed_experts",):
             if k in cfg and cfg[k] > 16:
                 cfg[k], cfg["n_group"], cfg["topk_group"] = 16, 1, 1
