@@ -141,47 +141,20 @@ def llama_checkpoint(path, cfg):
 
 
 def v3_checkpoint(path, cfg):
-    import transformers
+    from deepinfer_core.testing.v3_checkpoint import tiny_deepseek_v3
 
-    c = transformers.DeepseekV3Config(**cfg, max_position_embeddings=8192, initializer_range=0.1, bos_token_id=0, eos_token_id=1, pad_token_id=None)
-    torch.manual_seed(5)
-    model = transformers.DeepseekV3ForCausalLM(c).eval()
-    with torch.no_grad():  # routing that matters: sharp gates, a correction bias
-        for layer in model.model.layers[c.first_k_dense_replace :]:
-            layer.mlp.gate.weight.mul_(6.0)
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(c.n_routed_experts) * 0.1)
-    model.save_pretrained(path)
-    return model, c
+    # routing that matters: sharp gates, a correction bias
+    model = tiny_deepseek_v3(path, seed=5, router_gain=6.0, **cfg, max_position_embeddings=8192, initializer_range=0.1)
+    return model, model.config
 
 
 def v3_fp8_checkpoint(path, cfg):
     """The V3 checkpoint rewritten in DeepSeek's FP8 block format (e4m3 + a float32 scale per
     128 x 128 tile; experts per expert, the released layout)."""
-    from safetensors import torch as st
+    from deepinfer_core.testing.v3_checkpoint import rewrite_as_fp8_blocks
 
-    hf, c = v3_checkpoint(path, cfg)
-    (path / "model.safetensors").unlink()
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    for i in range(c.first_k_dense_replace, c.num_hidden_layers):
-        gate_up, down = state.pop(f"model.layers.{i}.mlp.experts.gate_up_proj"), state.pop(f"model.layers.{i}.mlp.experts.down_proj")
-        for e in range(c.n_routed_experts):
-            gate, up = gate_up[e].chunk(2)
-            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
-                state[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = w.contiguous()
-    tensors = {}
-    for name, w in state.items():
-        if "_proj" in name and name.endswith(".weight") and w.dim() == 2:
-            rows, cols = w.shape
-            tiles = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
-            scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-            tensors[name] = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn)
-            tensors[name.replace(".weight", ".weight_scale_inv")] = scale.float()
-        else:
-            tensors[name] = w
-    st.save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
+    v3_checkpoint(path, cfg)
+    rewrite_as_fp8_blocks(path)
     return None, None
 
 

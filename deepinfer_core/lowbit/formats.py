@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 QK = 32
-_EXACT = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"}
 KIND_CODE = {"q4": 4, "q5": 5, "q8": 8}  # the C kernels' kind argument
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.plugin_host import PluginHost  # noqa: E402
 from deepinfer_core.testing.greedy_check import assert_same_or_near_tie  # noqa: E402
+from deepinfer_core.testing.v3_checkpoint import tiny_deepseek_v3  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=False, enforce_eager=True)
@@ -40,15 +41,9 @@ CONFIGS = {
 
 
 def checkpoint(path, name):
-    cfg = transformers.DeepseekV3Config(**CONFIGS[name], max_position_embeddings=1024, initializer_range=0.1, bos_token_id=0, eos_token_id=1, pad_token_id=None)
-    torch.manual_seed(7)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # routing that matters: sharp gates, a correction bias
-        for layer in model.model.layers[cfg.first_k_dense_replace :]:
-            layer.mlp.gate.weight.mul_(6.0)
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.1)
-    model.save_pretrained(path)
-    return model, cfg
+    # routing that matters: sharp gates, a correction bias
+    model = tiny_deepseek_v3(path, seed=7, router_gain=6.0, **CONFIGS[name], max_position_embeddings=1024, initializer_range=0.1)
+    return model, model.config
 
 
 @pytest.fixture
