@@ -97,7 +97,7 @@ class PagedDecodeAttention(TorchAttentionBackend):
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         _, heads, blocks, bs, width = kv_cache.shape
         self._lib.paged_write_kv(k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.head_dim,
-                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0], kv_cache.dtype == torch.float16)
+                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0], kv_kind(kv_cache.dtype))
         return self._forward_decode(spec, q, kv_cache, meta)
 
     def _forward_int8(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
