@@ -136,6 +136,18 @@ def build_prompts(n: int, length: int | list[int], windows: int | None = None) -
 # --- engines: each loads its model, sized for prompts like these, and returns generate() -------
 
 
+def start_decoding(llm, prompts: list[list[int]], params, prefix: str):
+    """Add ``prompts`` to ``llm``'s engine (request ids ``prefix-i``) and step it until every one
+    has its first token, so that its next steps are decode steps (the step A/B scripts time
+    those); returns the engine."""
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, params, request_id=f"{prefix}-{i}")
+    while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
 def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> Generate:
     """auto is the default (no flag): the GGUF's Q4_1/Q8_0 weights kept packed, int8 dot
     products; fp32 dequantizes them (exactly transformers' arithmetic); bf16 runs the matmuls on

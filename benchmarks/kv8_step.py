@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
-    from cpu_throughput import build_prompts
+    from cpu_throughput import build_prompts, start_decoding
 
     from deepinfer_core import LLM, SamplingParams
 
@@ -36,11 +36,7 @@ def main() -> None:
     engines = {}
     for name in ("float16", "int8"):
         llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_dtype=name, max_num_seqs=args.requests, kv_cache_blocks=2 * args.requests + 2)
-        for i, ids in enumerate(prompts):
-            llm.engine.add_request(ids, params, request_id=f"{name}-{i}")
-        while any(len(r.output_token_ids) == 0 for r in llm.engine.scheduler.running) or llm.engine.scheduler.waiting:
-            llm.engine.step()
-        engines[name] = llm.engine
+        engines[name] = start_decoding(llm, prompts, params, name)
     cpu, phases = {n: [] for n in engines}, {n: [] for n in engines}
     for _ in range(args.steps):
         for name, engine in engines.items():

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
-    from cpu_throughput import build_prompts, make_gguf
+    from cpu_throughput import build_prompts, make_gguf, start_decoding
 
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.lowbit import formats
@@ -73,11 +73,7 @@ def main() -> None:
             finally:
                 gguf_loader.from_gguf = exact
             sizes[name] = packed_bytes(llm.engine.model)
-            for i, ids in enumerate(prompts):
-                llm.engine.add_request(ids, params, request_id=f"{name}-{i}")
-            while any(len(r.output_token_ids) == 0 for r in llm.engine.scheduler.running) or llm.engine.scheduler.waiting:
-                llm.engine.step()
-            engines[name] = llm.engine
+            engines[name] = start_decoding(llm, prompts, params, name)
         cpu, wall = {n: [] for n in engines}, {n: [] for n in engines}
         for _ in range(args.steps):
             for name, engine in engines.items():
