@@ -324,7 +324,7 @@ void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_he
                            max_blocks, positions, scale, window, out, item, KV_F16);
                 else
                     attend(q, cache, num_kv_heads, num_blocks, block_size, width, num_heads, head_dim, v_head_dim, block_tables,
-                           max_blocks, positions, scale, window, out, item, 0);
+                           max_blocks, positions, scale, window, out, item, KV_F32);
         }
     }
 }
