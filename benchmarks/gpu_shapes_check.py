@@ -251,7 +251,7 @@ def compare(got, want, prompts, params, reference) -> tuple[bool, str]:
         j = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
         if j is None:
             return False, f"request {i}: {len(a)} tokens vs the reference's {len(b)}"
-        logits = reference.engine.prompt_logits(p + a[:j + 1])[-1].double()
+        logits = reference.engine.prompt_logits(p + a[:j])[-1].double()  # the shared prefix: what chose token j
         gap = abs(float(logits[a[j]] - logits[b[j]]))
         if not torch.isfinite(logits).all():
             return False, f"request {i}: non-finite reference logits"
