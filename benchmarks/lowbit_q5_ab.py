@@ -45,20 +45,13 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
     from cpu_throughput import build_prompts, make_gguf, start_decoding
+    from lowbit_agreement import q5_as_q8
 
     from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.lowbit import formats
-    from deepinfer_core.models import gguf_loader
 
     path = args.gguf if os.path.exists(args.gguf) else make_gguf(args.gguf)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("DEEPINFER_ADAPTIVE_THREADS", "0")  # both engines on --threads (the chooser's probes differ per engine)
-    exact = gguf_loader.from_gguf
-
-    def as_q8(type_name, raw, shape):  # the loader before q5: dequantize, re-quantize per 32-block
-        w = exact(type_name, raw, shape)
-        return formats.quantize_q8(w.dequantize(), type_name) if w.kind == "q5" else w
-
     print(f"{os.path.basename(path)}, {args.threads} threads, {args.steps} decode steps per engine, alternating; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| requests | weights | MB read per step | step CPU ms (median) | step wall ms (median) |\n|---:|---|---:|---:|---:|")
@@ -66,12 +59,11 @@ def main() -> None:
         prompts = build_prompts(requests, 128)
         params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
         engines, sizes = {}, {}
-        for name, loader in (("q8", as_q8), ("q5", exact)):
-            gguf_loader.from_gguf = loader
-            try:
-                llm = LLM(path, device="cpu", max_num_seqs=requests, kv_cache_blocks=2 * requests + 2)
-            finally:
-                gguf_loader.from_gguf = exact
+        def build():
+            return LLM(path, device="cpu", max_num_seqs=requests, kv_cache_blocks=2 * requests + 2)
+
+        for name in ("q8", "q5"):
+            llm = q5_as_q8(build) if name == "q8" else build()  # q8: the loader before q5
             sizes[name] = packed_bytes(llm.engine.model)
             engines[name] = start_decoding(llm, prompts, params, name)
         cpu, wall = {n: [] for n in engines}, {n: [] for n in engines}
