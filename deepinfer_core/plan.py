@@ -18,6 +18,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from .engine.kv_dtype_names import KV_CACHE_DTYPES
+
 GIB = 2**30
 
 
@@ -159,7 +161,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
     p.add_argument("--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)")
     p.add_argument("--dtype", default="auto", help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)")
     p.add_argument("--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)")

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from .kv_dtype_names import KV_CACHE_DTYPES
 from ..kv_store.url import add_kv_store_arguments
 
 
@@ -22,7 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", help="a text file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (the first usable installed platform)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="the KV cache's element type on the low-bit CPU path: auto (float16; float32 for an all-8-bit GGUF), float16, float32, or int8 (opt-in: half float16's bytes, a scale per token and head; changes the numbers). Dense weights accept only auto or their dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the KV cache's element type on the low-bit CPU path: auto (float16; float32 for an all-8-bit GGUF), float16, float32, or int8 (opt-in: half float16's bytes, a scale per token and head; changes the numbers). Dense weights accept only auto or their dtype")
     p.add_argument("--dtype", default="auto", help="auto (CPU: a quantized GGUF's weights kept packed, low-bit kernels; dense weights bfloat16 with AVX512-BF16/AMX, else float32; bfloat16 elsewhere), lowbit (the same), or float32 / bfloat16 / float16 (dense; float32 is the exact reference)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice, one per core; on a busy machine fewer is faster)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most (the Python API's SamplingParams defaults to 16)")

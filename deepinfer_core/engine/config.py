@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_dtype_names import KV_CACHE_DTYPES
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -59,8 +61,6 @@ class EngineConfig:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
         if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
-        from ..lowbit.attention import KV_CACHE_DTYPES
-
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
 

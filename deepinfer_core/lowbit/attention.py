@@ -28,12 +28,13 @@ import torch
 from dataclasses import replace
 
 from ..attention import AttentionLayerSpec, AttentionMetadata
+from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 from ..attention.torch_ref import TorchAttentionBackend
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # what attention.c reads
 KV_ENV = "DEEPINFER_LOWBIT_KV_DTYPE"
 _KV_NAMES = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
-KV_CACHE_DTYPES = ("auto", *_KV_NAMES)  # the user-facing kv_cache_dtype values
+assert KV_CACHE_DTYPES == ("auto", *_KV_NAMES)  # the user-facing values (engine/kv_dtype_names.py) and their dtypes
 SCALE_BYTES = 4  # an int8 row's float32 scale, after its codes
 
 

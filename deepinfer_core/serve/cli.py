@@ -11,6 +11,7 @@ import argparse
 import signal
 import sys
 
+from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 from ..kv_store.url import add_kv_store_arguments
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -31,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine options")
     engine.add_argument("--device", default="auto")
     engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16", "float32", "int8"), help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
