@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deepinfer.gguf_cache")
 
 #: Bump when the cached form changes meaning (names, layouts, tokenizer construction, files).
-FORMAT = 2
+FORMAT = 3  # 3: a rope_freqs tensor read into the config (rope_type freq_factors)
 _SAMPLE = 1 << 20
 _WEIGHTS = "model.safetensors"
 

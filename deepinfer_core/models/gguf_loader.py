@@ -45,6 +45,7 @@ _BLOCK_NAMES = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _SAMPLE_BYTES = 1 << 20
+ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors of the rotary frequencies, read into the config
 SAMPLING_PREFIX = "general.sampling."  # the model's recommended sampling (temp, top_p, top_k...)
 
 
@@ -76,6 +77,14 @@ def parse_gguf(path: str) -> GGUFParts:
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
         )
     config = llama_config(meta, arch, {t.name for t in index.tensors})
+    factors = next((t for t in index.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:  # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as this tensor
+        if config["rope_scaling"] is not None:
+            raise NotImplementedError(f"{path}: a {ROPE_FREQS} tensor together with rope scaling {config['rope_scaling']['rope_type']!r} is not supported")
+        import gguf
+
+        values = gguf.quants.dequantize(factors.data(index.map()), gguf.GGMLQuantizationType[factors.type_name])
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [float(v) for v in np.asarray(values).reshape(-1)]}
     tokenizer = Tokenizer.from_gguf(meta) if meta.get("tokenizer.ggml.model") == "gpt2" else None
     sampling = {k: v for k, v in meta.items() if k.startswith(SAMPLING_PREFIX)}
     return GGUFParts(config, tokenizer, gguf_fingerprint(path, index.data_offset), sampling, index.tensors)
@@ -91,6 +100,8 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         file = np.memmap(path, dtype=np.uint8, mode="r")
         for t in parts.tensors:
+            if t.name == ROPE_FREQS:
+                continue
             name = hf_name(t.name)
             data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
             tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape))
@@ -105,6 +116,8 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
         float copy); float tensors (norms) as in ``weights``."""
         file = np.memmap(path, dtype=np.uint8, mode="r")
         for t in parts.tensors:
+            if t.name == ROPE_FREQS:
+                continue
             name = hf_name(t.name)
             if t.type_name in FLOAT_TYPES or len(t.shape) != 2:
                 data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])

@@ -119,7 +119,8 @@ class GatedMLP(nn.Module):
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None, max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the attention scaling factor for a rope config.
 
-    Supports the "default", "linear" (positions divided by ``factor``), "llama3" and "yarn"
+    Supports the "default", "linear" (positions divided by ``factor``), "llama3", "freq_factors"
+    (a GGUF's ``rope_freqs`` divisors, as llama.cpp's converter writes llama3 scaling) and "yarn"
     (:func:`yarn_rope_inv_freq`; needs ``max_position_embeddings`` where the config gives no
     ``factor``) rope types; other types (e.g. "dynamic", whose frequencies change with the
     sequence length) raise so a model never runs with silently wrong positions."""
@@ -133,6 +134,11 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None, max_posit
         if scaling.get("factor") is None and max_position_embeddings is None:
             raise ValueError("yarn rope scaling without a factor needs max_position_embeddings")
         return yarn_rope_inv_freq(dim, theta, scaling, max_position_embeddings or 0)
+    if rope_type == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp): each frequency divided by its factor
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} rotary frequencies")
+        return (inv_freq / factors).float(), 1.0
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -61,3 +61,129 @@ def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+# -- random Llama GGUFs of any shape and tensor type (benchmarks/cpu_gguf_check.py) -------------
+# Where each type keeps its f16 super-scales inside a block (byte offsets; llama.cpp's ggml-common.h):
+# the K-quants and IQ4 have no quantizer in the gguf library, so their blocks are random bytes with
+# these fields set to a scale that gives the wanted spread (every code pattern is a valid block).
+_RAW_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+_BLOCK_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
+    """(data, raw_dtype) of a [N, K] tensor of ``type_name`` whose values have about ``std``
+    spread: float types and the gguf library's quantizers from normal values, the others from
+    random blocks (:data:`_RAW_SCALES`)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    n, k = shape
+    if type_name in _RAW_SCALES:
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+        one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+        for offset in _RAW_SCALES[type_name]:
+            raw[..., offset : offset + 2] = one
+        spread = float(np.asarray(gguf.quants.dequantize(raw.reshape(n, -1), qtype)).std()) or 1.0
+        scale = np.frombuffer(np.float16(std / spread).tobytes(), dtype=np.uint8)
+        for offset in _RAW_SCALES[type_name]:
+            raw[..., offset : offset + 2] = scale
+        return raw.reshape(n, -1), qtype
+    values = (rng.standard_normal((n, k)) * std).astype(np.float32)
+    if type_name == "F32":
+        return values, None
+    if type_name == "F16":
+        return values.astype(np.float16), None
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, layers: int,
+                            vocab: int, tied: bool, types: dict[str, str], rope_theta: float = 10000.0,
+                            rope_scaling: dict | None = None, tokenizer_from: str | None = None, seed: int = 0) -> str:
+    """A random-weight Llama GGUF written by the ``gguf`` library's writer. ``types`` maps a role
+    (``token_embd``, ``output``, ``attn_q`` ... ``ffn_down``, or ``"*"`` for the rest) to a GGUF type
+    name; ``rope_scaling`` a llama3 dict (factor, low_freq_factor, high_freq_factor,
+    original_context_length) written as llama.cpp does (a ``rope_freqs`` tensor). ``tokenizer_from``:
+    a GGUF whose ``tokenizer.*`` keys are copied (then ``vocab`` must be at least its token count;
+    extra tokens are appended as ``<extra_i>``); without it the file has no tokenizer."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    kind = lambda role: types.get(role, types.get("*", "Q8_0"))  # noqa: E731
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, tokenizer_from, vocab)
+    tensors: list[tuple[str, str, tuple[int, ...], float]] = [("token_embd.weight", kind("token_embd"), (vocab, hidden), 3.0 / hidden**0.5)]
+    if not tied:
+        tensors.append(("output.weight", kind("output"), (vocab, hidden), 3.0 / hidden**0.5))
+    tensors.append(("output_norm.weight", "F32", (hidden,), 0.0))
+    if rope_scaling is not None:
+        tensors.append(("rope_freqs.weight", "F32", (head_dim // 2,), 0.0))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
+              "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+    for i in range(layers):
+        tensors += [(f"blk.{i}.attn_norm.weight", "F32", (hidden,), 0.0), (f"blk.{i}.ffn_norm.weight", "F32", (hidden,), 0.0)]
+        # o and down 3x wider than 1/sqrt(K): the layers outweigh the token's own embedding in the
+        # residual, so a tied head does not just repeat the last token
+        tensors += [(f"blk.{i}.{role}.weight", kind(role), shapes[role], (3.0 if role in ("attn_output", "ffn_down") else 1.0) / shapes[role][1] ** 0.5)
+                    for role in _BLOCK_ROLES]
+    for name, type_name, shape, std in tensors:
+        if len(shape) == 1:
+            if name == "rope_freqs.weight":
+                values = _llama3_rope_factors(rope_scaling, head_dim, rope_theta)
+            else:
+                values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            writer.add_tensor(name, values)
+            continue
+        data, raw_dtype = random_tensor(rng, type_name, shape, std)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _llama3_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for llama3 scaling: the divisor of each rotary frequency
+    (1 for high frequencies, ``factor`` for low ones, a blend between), as its converter writes it."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_context_length"]
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
+def _copy_tokenizer(writer, src: str, vocab: int) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            extra = vocab - len(value)
+            if extra < 0:
+                raise ValueError(f"vocab {vocab} is smaller than {src}'s {len(value)} tokens")
+            fill = {"tokenizer.ggml.tokens": [f"<extra_{i}>" for i in range(extra)], "tokenizer.ggml.token_type": [4] * extra,
+                    "tokenizer.ggml.scores": [0.0] * extra}[key]
+            value = list(value) + fill
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
