@@ -91,6 +91,25 @@ def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
         assert torch.equal(base.view(torch.int32), vnni.view(torch.int32)), (M, K, kind)
 
 
+@pytest.mark.skipif(BASE.lib is None, reason=f"the AVX2 build failed: {BASE.reason}")
+@pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
+def test_int16_kernel_on_rows_rounded_beforehand_keeps_its_bits(kind):
+    """gemm_i16_pre (the fused head's entry: rows rounded once by quantize_act16, then the GEMM)
+    against gemm_i16_act rounding them itself, in each build: the same bits, rows layout and panel."""
+    w = _weight(kind, 37, 640, 11)
+    n, nb = w.qs.shape[0], 640 // 32
+    for lib in (BASE.lib,) + ((VNNI.lib,) if VNNI is not None and VNNI.lib is not None else ()):
+        for M in (1, 3, 4, 5, 7, 32):
+            x = torch.randn(M, 640, generator=torch.Generator().manual_seed(M)) * 3
+            v, s, sx = torch.empty(M, 640, dtype=torch.int16), torch.empty(M, nb), torch.empty(M, nb)
+            lib.quantize_act16(x.data_ptr(), M, 640, v.data_ptr(), s.data_ptr(), sx.data_ptr())
+            got = torch.full((M, n), float("nan"))
+            lib.gemm_i16_pre(v.data_ptr(), s.data_ptr(), sx.data_ptr(), M, 640, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(),
+                             w.m.data_ptr() if w.m is not None else None, n, got.data_ptr(), 2)
+            want = _gemm(lib, False, x, w, 2)
+            assert not want.isnan().any() and torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, M)
+
+
 @needs_both
 @pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
 def test_exact_kernel_bits_equal_between_builds(kind):

@@ -20,6 +20,9 @@
 
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                  int64_t N, float *y, int nthreads, int64_t int_rows, int64_t int8_rows);  /* kernels.c */
+void quantize_act16(const float *x, int64_t M, int64_t K, int16_t *v, float *s, float *sx);  /* kernels_i16.c */
+void gemm_i16_pre(const int16_t *v, const float *s, const float *sx, int64_t M, int64_t K, int kind, const void *qs, const float *d,
+                  const float *m, int64_t N, float *y, int nthreads);  /* kernels_i16.c */
 
 #define HEAD_CHUNK_BYTES (128 * 1024)  /* a chunk's logits [M, n] stay within a quarter of L2 */
 
@@ -57,14 +60,26 @@ int lowbit_head_argmax(const float *x, int64_t M, int64_t K, int kind, const voi
     float *best = (float *)malloc((size_t)(chunks * M) * sizeof(float));
     int64_t *where = (int64_t *)malloc((size_t)(chunks * M) * sizeof(int64_t));
     int nan = 0;
+    /* The int16 kernel (lowbit_gemm's choice for these M, kind and thresholds) rounds the rows
+     * once here, not in each chunk's call (48 roundings of 32 rows a step at 32 requests):
+     * gemm_i16_pre then multiplies the very integers gemm_i16_act would have made. */
+    const int i16 = !(kind == 4 && int8_rows > 0 && M >= int8_rows) && M <= int_rows;
+    int16_t *v = i16 ? (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t)) : 0;
+    float *s = i16 ? (float *)malloc((size_t)(2 * M * nb) * sizeof(float)) : 0, *sx = i16 ? s + M * nb : 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : nan)
     {
+        if (i16) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) quantize_act16(x + r * K, 1, K, v + r * K, s + r * nb, sx + r * nb);
+        }
         float *y = (float *)malloc((size_t)(M * chunk) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t n0 = c * chunk, n = N - n0 < chunk ? N - n0 : chunk;
-            lowbit_gemm(x, M, K, kind, (const char *)qs + n0 * row_bytes, d + n0 * nb, m ? m + n0 * nb : 0, n, y, 1, int_rows,
-                        int8_rows);
+            const void *wq = (const char *)qs + n0 * row_bytes;
+            const float *wd = d + n0 * nb, *wm = m ? m + n0 * nb : 0;
+            if (i16) gemm_i16_pre(v, s, sx, M, K, kind, wq, wd, wm, n, y, 1);
+            else lowbit_gemm(x, M, K, kind, wq, wd, wm, n, y, 1, int_rows, int8_rows);
             for (int64_t r = 0; r < M; r++) {
                 const int64_t at = first_max(y + r * n, n, &nan);
                 best[c * M + r] = y[r * n + at];
@@ -82,5 +97,7 @@ int lowbit_head_argmax(const float *x, int64_t M, int64_t K, int kind, const voi
     }
     free(best);
     free(where);
+    free(v);
+    free(s);
     return nan ? -1 : 0;
 }

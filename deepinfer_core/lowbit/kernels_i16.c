@@ -412,8 +412,10 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
     const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + P16_T - 1) / P16_T;
 #pragma omp parallel num_threads(nthreads)
     {
+        if (x) {  /* x NULL: a already holds the rounded rows (gemm_i16_pre) */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
+            for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
+        }
         __m256i *panel = (__m256i *)aligned_alloc(32, (size_t)(nb * P16_BLOCK));
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
@@ -443,4 +445,14 @@ void gemm_i16_act(const float *x, int64_t M, int64_t K, int kind, const void *qs
         gemm_i16_act_panel(x, &a, M, K, kind, qs, d, m, N, y, nthreads);
     }
     free(a.v); free(a.s); free(a.sx);
+}
+
+/* The same GEMM on rows quantize_act16 already rounded (v [M, K], s and sx [M, K/32]): the fused
+ * LM head (head.c) rounds its rows once per call instead of once per vocabulary chunk. The same
+ * integers and scales reach the same code, so every output keeps gemm_i16_act's bits. */
+void gemm_i16_pre(const int16_t *v, const float *s, const float *sx, int64_t M, int64_t K, int kind, const void *qs, const float *d,
+                  const float *m, int64_t N, float *y, int nthreads) {
+    act16_t a = {(int16_t *)v, (float *)s, (float *)sx};
+    if (M < P16_MIN_M) gemm_i16_rows(&a, M, K, kind, qs, d, m, N, y, nthreads);
+    else gemm_i16_act_panel(0, &a, M, K, kind, qs, d, m, N, y, nthreads);
 }
