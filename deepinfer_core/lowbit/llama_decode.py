@@ -26,6 +26,7 @@ chunk's keys rounded to half. Contexts beyond :data:`PREFILL_MAX_CONTEXT` keep t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 
@@ -39,6 +40,7 @@ from .modules import LowBitEmbedding, LowBitLinear
 from .native import load
 from .threads import ThreadChooser, adaptive_enabled
 
+log = logging.getLogger(__name__)
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
 PREFILL_SWITCH = "DEEPINFER_NATIVE_PREFILL"
 PREFILL_ATTENTION_SWITCH = "DEEPINFER_PREFILL_ATTENTION"
@@ -258,6 +260,12 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
         lins = [_linear(attn.qkv_proj, D, (H + 2 * Hkv) * hd), _linear(attn.o_proj, H * hd, D),
                 _linear(mlp.gate_up_proj, D, 2 * I), _linear(mlp.down_proj, I, D)]  # fmt: skip
         if None in ptrs or None in lins:
+            names = ["input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+            modules = [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            bad = ", ".join(f"{n} ({m.extra_repr() if isinstance(m, LowBitLinear) else type(m).__name__ + ' ' + m.extra_repr()})"
+                            for n, m, v in zip(names, modules, ptrs + lins) if v is None)
+            log.warning("decode steps take the per-op torch path, not the one-call native plan: layer %d's %s cannot be run by it "
+                        "(a dense tensor in a block-quantized file, e.g. an input width that is not a multiple of 32)", i, bad)
             return None
         descs[i] = _Layer(ptrs[0], ptrs[1], *lins, None)
     final = model.model.norm

@@ -112,7 +112,8 @@ def _merge_same_kind(weights: list[QuantWeight]) -> list[QuantWeight]:
         if merged and merged[-1].kind == w.kind:
             last = merged[-1]
             m = None if w.m is None else torch.cat([last.m, w.m])
-            merged[-1] = QuantWeight(w.kind, torch.cat([last.qs, w.qs]), torch.cat([last.d, w.d]), m, last.source)
+            source = last.source if w.source in last.source.split("+") else f"{last.source}+{w.source}"  # e.g. q5<Q5_0+Q5_1>
+            merged[-1] = QuantWeight(w.kind, torch.cat([last.qs, w.qs]), torch.cat([last.d, w.d]), m, source)
         else:
             merged.append(w)
     return [QuantWeight(w.kind, w.qs.contiguous(), w.d.contiguous(), None if w.m is None else w.m.contiguous(), w.source) for w in merged]

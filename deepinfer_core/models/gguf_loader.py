@@ -94,6 +94,7 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
     """The weight streams over ``path``'s tensors as ``parts`` indexes them (one memmap)."""
     import gguf
 
+    check_tensor_types(path, parts.tensors)  # also for a start-up cache entry
     config = parts.config
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
@@ -137,6 +138,25 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
         quantized_weights=quantized_weights if quantized else None, quantized_names=quantized, sampling=dict(parts.sampling),
         quantized_types=frozenset(t.type_name for t in packed),
     )
+
+
+def check_tensor_types(path: str, tensors) -> None:
+    """Refuse, before anything is allocated, a file with a tensor type that neither the packed
+    formats nor the ``gguf`` library's dequantizer can read (it names the type and a tensor),
+    instead of failing halfway through the weight stream."""
+    import gguf
+
+    seen: dict[str, str] = {}
+    for t in tensors:
+        seen.setdefault(t.type_name, t.name)
+    for type_name, name in seen.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, nbytes), dtype=np.uint8), qtype)
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"{path}: tensor {name} is {type_name}, a type this deepinfer cannot read ({exc}); "
+                                      "re-quantize the file to a common type (Q4_K_M, Q5_K_M, Q8_0, ...)") from None
 
 
 def hf_name(gguf_name: str) -> str:

@@ -67,7 +67,8 @@ def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0
 # Where each type keeps its f16 super-scales inside a block (byte offsets; llama.cpp's ggml-common.h):
 # the K-quants and IQ4 have no quantizer in the gguf library, so their blocks are random bytes with
 # these fields set to a scale that gives the wanted spread (every code pattern is a valid block).
-_RAW_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+_RAW_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+               "IQ2_XXS": (0,), "TQ2_0": (64,)}
 _BLOCK_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -91,6 +92,9 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
             raw[..., offset : offset + 2] = scale
         return raw.reshape(n, -1), qtype
     values = (rng.standard_normal((n, k)) * std).astype(np.float32)
+    if type_name not in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # no quantizer, no known layout: zero blocks
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((n, k // block * nbytes), dtype=np.uint8), qtype
     if type_name == "F32":
         return values, None
     if type_name == "F16":
