@@ -165,8 +165,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_i16_act.restype = None
     lib.quantize_act16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_act16.restype = None
-    lib.gemm_i16_pre.argtypes = [p, p, p, i64, i64, i32, p, p, p, i64, p, i32]
-    lib.gemm_i16_pre.restype = None
+    if hasattr(lib, "gemm_i16_pre"):  # absent from libraries built from sources before 2026-12-02 (benchmarks' A/B of old revisions)
+        lib.gemm_i16_pre.argtypes = [p, p, p, i64, i64, i32, p, p, p, i64, p, i32]
+        lib.gemm_i16_pre.restype = None
     lib.gemm_i8_act.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
     lib.gemm_i8_act.restype = None
     lib.quantize_act8.argtypes = [p, i64, i64, p, p, p]
