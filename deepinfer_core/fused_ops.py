@@ -30,6 +30,10 @@ class FusedOps:
     # (latent [T, H, C], pe [T, H, r], positions [T], cos [P, r], sin [P, r], interleaved)
     # -> [T, H, C + r]: like rope_cat_reference (MLA's query / key assembly)
     rope_cat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+    # (latent [T, C], weight [C] latent's dtype, eps, pe [T, 1, r], positions [T], cos, sin,
+    # interleaved) -> [T, 1, C + r]: like norm_rope_cat_reference (MLA's key: kv_a's RMSNorm
+    # inside the key's rope_cat, one launch a layer less); used where rms_norm and rope_cat are
+    norm_rope_cat: Callable[..., torch.Tensor] | None = None
     # (x [..., K], weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/128), ceil(K/128)])
     # -> [..., N] in x's dtype: x @ (weight * tile scales)^T (models.fp8.Fp8Linear). Offering it
     # also makes the engine keep FP8 block checkpoints FP8 (engine.loading.keep_fp8).
@@ -117,6 +121,11 @@ def rope_cat_reference(latent: torch.Tensor, pe: torch.Tensor, positions: torch.
     return torch.cat([latent, pe * c + rotated * s], dim=-1)
 
 
+def norm_rope_cat_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """MLA's cache entry: ``rope_cat_reference(rms_norm_reference(latent)[:, None], pe, ...)``."""
+    return rope_cat_reference(rms_norm_reference(latent, weight, eps)[:, None, :], pe, positions, cos, sin, interleaved)
+
+
 def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
@@ -140,6 +149,7 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             n += 1
         elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
             module.rope_cat = ops.rope_cat
+            module.norm_rope_cat = ops.norm_rope_cat if ops.rms_norm is not None else None  # only where the norm is fused anyway
             n += 1
         elif isinstance(module, Rotary) and ops.rotary is not None:
             module.fused = ops.rotary

@@ -107,6 +107,7 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
     rope_cat = None  # a platform's fused rotary + concatenation (deepinfer_core.fused_ops)
+    norm_rope_cat = None  # FusedOps.norm_rope_cat: the key's kv_a norm + rope + concatenation in one kernel
     linear = None  # a platform's FusedOps.dense_linear for the plain projections (fused_ops.install)
     head_linear = None  # FusedOps.head_linear for the absorbed W_UK / W_UV products
     qkv_a_weight = None  # q_a's and kv_a's weights as one tensor (fused_ops.install, with linear)
@@ -125,6 +126,18 @@ class MLAAttention(nn.Module):
         if self.rope_cat is not None:
             return self.rope_cat(head, pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
         return torch.cat([head, self._rope(pe, positions, rotary)], dim=-1)
+
+    def _key(self, kv_a: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The cache entry ``cat([norm(kv_a[:, :C]), rope(kv_a[:, C:])])`` [T, 1, C + r]: one
+        kernel where the platform fuses the norm into the key's rope (a 1-request decode step is
+        bound by its ~150 small launches), else the norm and :meth:`_assemble`."""
+        T, C = kv_a.shape[0], self.latent_dim
+        k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
+        norm = self.kv_a_layernorm
+        fused = self.norm_rope_cat
+        if fused is not None and type(norm) is RMSNorm and norm.fused is not None and norm.weight.dtype == kv_a.dtype and self.rope_cat is not None:
+            return fused(kv_a[:, :C], norm.weight, norm.eps, k_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
+        return self._assemble(norm(kv_a[:, :C])[:, None, :], k_pe, positions, rotary)
 
     def forward(
         self,
@@ -150,15 +163,12 @@ class MLAAttention(nn.Module):
                 q = project(lin, self.q_b_proj, self.q_a_layernorm(q_a))
         q = q.view(T, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, n], [T, H, r]
-        # kv_a: [T, C + r]
-        c_kv = self.kv_a_layernorm(kv_a[:, :C])  # [T, C]
-        k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
+        key = self._key(kv_a, positions, rotary)  # kv_a [T, C + r] -> [T, 1, C + r]
 
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
         expand = getattr(self.backend, "expand_mla", None)
         if expand is not None and expand(self.spec, meta):  # the backend's non-absorbed form (prefill)
-            out = self.backend.forward_mla_expanded(self.spec, self._assemble(q_nope, q_pe, positions, rotary),
-                                                    self._assemble(c_kv[:, None, :], k_pe, positions, rotary), w_kv, kv_cache, meta)  # fmt: skip
+            out = self.backend.forward_mla_expanded(self.spec, self._assemble(q_nope, q_pe, positions, rotary), key, w_kv, kv_cache, meta)
             return project(lin, self.o_proj, out.reshape(T, H * self.v_dim))
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
         if self.head_linear is not None:
@@ -166,7 +176,6 @@ class MLAAttention(nn.Module):
         else:
             q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
         query = self._assemble(q_latent, q_pe, positions, rotary)  # [T, H, C + r]
-        key = self._assemble(c_kv[:, None, :], k_pe, positions, rotary)  # [T, 1, C + r]
 
         out_latent = self.backend.forward(self.spec, query, key, None, kv_cache, meta)  # [T, H, C]
         if self.head_linear is not None:

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.fused_ops import FusedOps, add_rms_norm_reference, install, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.fused_ops import FusedOps, add_rms_norm_reference, install, norm_rope_cat_reference, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, rope_cat, rotary, silu_and_mul  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, norm_rope_cat, rms_norm, rope_cat, rotary, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -160,6 +160,30 @@ def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved,
     _close(rope_cat(latent, q_pe, positions, cos, sin, interleaved), rope_cat_reference(latent, q_pe, positions, cos, sin, interleaved), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("C", [40, 512])
+def test_norm_rope_cat_is_the_norm_then_rope_cat_bit_for_bit(dtype, interleaved, C):
+    """MLA's key in one launch (kv_a's norm inside the key's rope_cat): the same bits as the two
+    kernels it replaces, on a strided kv_a as the fused q_a + kv_a GEMV leaves it, and close to
+    the core's references."""
+    g = torch.Generator().manual_seed(C + interleaved)
+    T, r, P = 7, 16, 300
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    freqs = torch.outer(torch.arange(P).float(), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().to(DEVICE), torch.cat([freqs, freqs], -1).sin().to(DEVICE)
+    positions = torch.randint(0, P, (T,), generator=g).to(DEVICE)
+    qkv_a = (torch.randn(T, 24 + C + r, generator=g) * 3).to(DEVICE, dtype)
+    kv_a = qkv_a[:, 24:]
+    latent, k_pe = kv_a[:, :C], kv_a[:, C:].view(T, 1, r)
+    w = (torch.rand(C, generator=g) + 0.5).to(DEVICE, dtype)
+    for c, s in ((cos, sin), (cos.to(dtype), sin.to(dtype))):
+        got = norm_rope_cat(latent, w, 1e-6, k_pe, positions, c, s, interleaved)
+        two = rope_cat(rms_norm(latent, w, 1e-6)[:, None, :], k_pe, positions, c, s, interleaved)
+        assert got.shape == (T, 1, C + r) and torch.equal(got, two)
+        _close(got, norm_rope_cat_reference(latent, w, 1e-6, k_pe, positions, c, s, interleaved), dtype)
+
+
 def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_and_tokens(tmp_path):
     pytest.importorskip("transformers")
     from deepinfer_core import LLM, SamplingParams
@@ -170,6 +194,8 @@ def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_a
     from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
 
     assert install(llm.engine.model, FUSED_OPS) >= 2 * 2 + 1 + 2  # norms, the dense and shared MLPs, both MLA layers
+    mla = [m for m in llm.engine.model.modules() if type(m).__name__ == "MLAAttention"]
+    assert len(mla) == 2 and all(m.norm_rope_cat is FUSED_OPS.norm_rope_cat for m in mla)  # the key's norm inside its rope_cat
     prompt = [5, 9, 33, 7, 81, 2, 64, 17, 3, 99, 12]
     hf = hf.to(DEVICE)
     ids = torch.tensor([prompt], device=DEVICE)

@@ -121,6 +121,45 @@ def _rope_cat_kernel(
 
 
 @triton.jit
+def _norm_rope_cat_kernel(
+    lat_ptr, w_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, s_lt, s_pt, s_ot, s_cos, C, HALF, eps,
+    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """One token's MLA cache entry: :func:`_rms_norm_kernel`'s row (the same loads, float32
+    reduction and rounding points) stored as the latent part, then :func:`_rope_cat_kernel`'s
+    rotary of the one rope head: both kernels' arithmetic in one launch."""
+    gdc_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < C
+    x = tl.load(lat_ptr + t * s_lt + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / C
+    y = _round(x * (1.0 / tl.sqrt(var + eps)), lat_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    od = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * s_ot + offs, _round(w * y, od).to(od), mask=mask)
+    j = tl.arange(0, BLOCK_R)
+    jm = j < HALF
+    pe_row = pe_ptr + t * s_pt
+    if INTERLEAVED:  # channel pairs (2j, 2j+1) become (j, j + half)
+        a = tl.load(pe_row + 2 * j, mask=jm, other=0.0).to(tl.float32)
+        b = tl.load(pe_row + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(pe_row + j, mask=jm, other=0.0).to(tl.float32)
+        b = tl.load(pe_row + HALF + j, mask=jm, other=0.0).to(tl.float32)
+    dt = pe_ptr.dtype.element_ty
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    c1 = _round(tl.load(cos_ptr + p * s_cos + j, mask=jm, other=0.0).to(tl.float32), dt)
+    c2 = _round(tl.load(cos_ptr + p * s_cos + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)
+    s1 = _round(tl.load(sin_ptr + p * s_cos + j, mask=jm, other=0.0).to(tl.float32), dt)
+    s2 = _round(tl.load(sin_ptr + p * s_cos + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)
+    first = _round(_round(a * c1, dt) + _round(-b * s1, dt), dt)  # x * cos + rotate_half(x) * sin
+    second = _round(_round(b * c2, dt) + _round(a * s2, dt), dt)
+    tl.store(out_ptr + t * s_ot + C + j, first.to(od), mask=jm)
+    tl.store(out_ptr + t * s_ot + C + HALF + j, second.to(od), mask=jm)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, s_xt, s_xh, s_ct, s_st, s_ot, s_oh, HALF, BLOCK_R: tl.constexpr):
     """One (token, head) row: rotate-half rotary with the token's cos/sin row (already in x's
     dtype), each product and the sum rounded to that dtype as the torch ops round."""
@@ -187,6 +226,28 @@ def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, co
     return out
 
 
+def norm_rope_cat(latent: torch.Tensor, weight: torch.Tensor, eps: float, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``rope_cat(rms_norm(latent, weight, eps)[:, None], pe, ...)`` (MLA's key: ``latent [T, C]``,
+    ``pe [T, 1, r]``) in one launch instead of two, the same values (FusedOps.norm_rope_cat)."""
+    T, C, r = latent.shape[0], latent.shape[-1], pe.shape[-1]
+    if weight.dtype != latent.dtype or pe.dtype != latent.dtype or pe.shape[1] != 1:
+        return rope_cat(rms_norm(latent, weight, eps)[:, None, :], pe, positions, cos, sin, interleaved)
+    if latent.stride(-1) != 1:
+        latent = latent.contiguous()
+    if pe.stride(-1) != 1:
+        pe = pe.contiguous()
+    out = torch.empty(T, 1, C + r, dtype=latent.dtype, device=latent.device)
+    if T:
+        block = triton.next_power_of_2(C)
+        warps = 1 if block <= 256 else 4 if block <= 2048 else 8  # rms_norm's: the same reduction
+        _norm_rope_cat_kernel[(T,)](
+            latent, weight, pe, positions, cos, sin, out, latent.stride(0), pe.stride(0), out.stride(0), cos.stride(0), C, r // 2, eps,
+            INTERLEAVED=interleaved, BLOCK=block, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
+            **launch_kw(latent), num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, D] with unit stride along D (a view where possible)."""
     if x.stride(-1) != 1:
@@ -235,4 +296,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], I)
 
 
-FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat, add_rms_norm=add_rms_norm, rotary=rotary)
+FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat, norm_rope_cat=norm_rope_cat, add_rms_norm=add_rms_norm, rotary=rotary)
