@@ -563,7 +563,9 @@ def main() -> int:
             report.setdefault("di_repeats", []).append({"decode": again, "prefill": pre})
         di_peak = peak_mib()
         serial_dec = {}
-        if "serial" not in skip:
+        if "serial" not in skip and not llm.engine.overlap:  # e.g. DeepSeek-V4 (per-request state KV): the engine steps serially anyway
+            log("  overlapped scheduling does not apply to this model (engine.overlap is off: per-request state KV); its decode steps above are serial, no second measure")
+        elif "serial" not in skip:
             llm.engine.overlap = False  # the same engine with serial steps (host work between device steps)
             log("  deepinfer with overlapped scheduling off:")
             serial_dec = di_speed(llm, vocab, levels, args.steps, 128)
