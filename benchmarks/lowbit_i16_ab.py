@@ -7,6 +7,7 @@ outputs compared bit for bit (a kernel change must keep every output element's b
 
 With ``--isa``, both sides are this checkout's sources: "before" built for AVX2 (native.py's
 baseline flags), "after" for the named instruction set (its extra flags, native._ISA_FLAGS).
+``--build-isa`` builds both sides of a ``--rev`` comparison for one instruction set (default AVX2).
 
 Why a second library and not two settings: the kernel has no switch for its old code; building
 the other revision's kernels_i16.c beside this checkout's other sources gives the exact "before"
@@ -70,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rev", default="main", help="git revision whose kernels_i16.c is the 'before' side")
     parser.add_argument("--isa", default="", help="compare this checkout built for AVX2 (before) and for this ISA (after) instead of --rev")
+    parser.add_argument("--build-isa", default="avx2", help="with --rev: build both sides for this instruction set (native._ISA_FLAGS)")
     parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 512])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
@@ -90,12 +92,14 @@ def main() -> None:
                                  capture_output=True, text=True).stdout
     only = set(filter(None, args.only.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"before": build(old_src, tmp, "before"), "after": build(new_src, tmp, "after", args.isa or "avx2")}
+        libs = {"before": build(old_src, tmp, "before", "avx2" if args.isa else args.build_isa),
+                "after": build(new_src, tmp, "after", args.isa or args.build_isa)}
         if args.run_ab:
             torch.set_num_threads(args.threads)
             run_ab(libs, args.requests, args.run_ab, args.rev)
             return
-        print(f"kernels_i16.c of {args.rev} (before) vs this checkout{' for ' + args.isa if args.isa else ''} (after); {args.threads} thread(s), "
+        built = f" for {args.isa}" if args.isa else f", both built for {args.build_isa}"
+        print(f"kernels_i16.c of {args.rev} (before) vs this checkout{built} (after); {args.threads} thread(s), "
               f"{'thread CPU' if args.threads == 1 else 'wall'} clock, best of {args.repeats}, load average {os.getloadavg()[0]:.1f}\n")
         print("| matrix (N x K, kind) | M | before ms | before GFLOP/s | after ms | after GFLOP/s | after / before | bits equal |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")

@@ -24,7 +24,7 @@
  *   8 rows side by side, so one broadcast of a token's activation pair and one vpmaddwd give 8
  *   columns x 2 products into an int32 lane per column: no horizontal reductions, and each
  *   weight vector loaded serves 3 tokens (5 in the VNNI build: P16_T), each broadcast 2 vectors.
- *   Per block: 16 vpmaddwd and 16 adds per token and 8 columns (16 vpdpwssd with VNNI), then
+ *   Per block: 16 vpmaddwd and 15 adds per token and 8 columns (16 vpdpwssd with VNNI), then
  *   one conversion and two FMAs (the scales, the offset).
  *
  * Where the CPU has AVX512-VNNI + VL (or AVX-VNNI), native.py builds this file with those flags
@@ -191,95 +191,147 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
 #endif
 #endif
 
-/* 8 x 8 transpose of 16-bit units: r[c] = units 0-7 of row c -> r[u] = unit u of rows 0-7 */
-static inline void transpose8_epi16(__m128i *r) {
-    const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
-    const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
-    const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
-    const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
-    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-    r[0] = _mm_unpacklo_epi64(b0, b4); r[1] = _mm_unpackhi_epi64(b0, b4);
-    r[2] = _mm_unpacklo_epi64(b1, b5); r[3] = _mm_unpackhi_epi64(b1, b5);
-    r[4] = _mm_unpacklo_epi64(b2, b6); r[5] = _mm_unpackhi_epi64(b2, b6);
-    r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
+/* 8 x 8 transposes of 16-bit units, one per 128-bit lane: r[c] = units 0-7 of row c -> r[u] =
+ * unit u of rows 0-7 (each lane its own 8 rows) */
+static inline void transpose8x2_epi16(__m256i *r) {
+    const __m256i a0 = _mm256_unpacklo_epi16(r[0], r[1]), a1 = _mm256_unpackhi_epi16(r[0], r[1]);
+    const __m256i a2 = _mm256_unpacklo_epi16(r[2], r[3]), a3 = _mm256_unpackhi_epi16(r[2], r[3]);
+    const __m256i a4 = _mm256_unpacklo_epi16(r[4], r[5]), a5 = _mm256_unpackhi_epi16(r[4], r[5]);
+    const __m256i a6 = _mm256_unpacklo_epi16(r[6], r[7]), a7 = _mm256_unpackhi_epi16(r[6], r[7]);
+    const __m256i b0 = _mm256_unpacklo_epi32(a0, a2), b1 = _mm256_unpackhi_epi32(a0, a2);
+    const __m256i b2 = _mm256_unpacklo_epi32(a1, a3), b3 = _mm256_unpackhi_epi32(a1, a3);
+    const __m256i b4 = _mm256_unpacklo_epi32(a4, a6), b5 = _mm256_unpackhi_epi32(a4, a6);
+    const __m256i b6 = _mm256_unpacklo_epi32(a5, a7), b7 = _mm256_unpackhi_epi32(a5, a7);
+    r[0] = _mm256_unpacklo_epi64(b0, b4); r[1] = _mm256_unpackhi_epi64(b0, b4);
+    r[2] = _mm256_unpacklo_epi64(b1, b5); r[3] = _mm256_unpackhi_epi64(b1, b5);
+    r[4] = _mm256_unpacklo_epi64(b2, b6); r[5] = _mm256_unpackhi_epi64(b2, b6);
+    r[6] = _mm256_unpacklo_epi64(b3, b7); r[7] = _mm256_unpackhi_epi64(b3, b7);
+}
+
+/* 8 x 8 transpose of floats: r[c] = elements 0-7 of row c -> r[j] = element j of rows 0-7 */
+static inline void transpose8_ps(__m256 *r) {
+    const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(b0, b4, 0x20); r[1] = _mm256_permute2f128_ps(b1, b5, 0x20);
+    r[2] = _mm256_permute2f128_ps(b2, b6, 0x20); r[3] = _mm256_permute2f128_ps(b3, b7, 0x20);
+    r[4] = _mm256_permute2f128_ps(b0, b4, 0x31); r[5] = _mm256_permute2f128_ps(b1, b5, 0x31);
+    r[6] = _mm256_permute2f128_ps(b2, b6, 0x31); r[7] = _mm256_permute2f128_ps(b3, b7, 0x31);
+}
+
+/* The tile's per-block scales (src = d, at 0) or offsets (src = m, at P16_COLS; NULL: zeros)
+ * into each block's slot of the panel: src is [N, nb] by rows, so 8 blocks of 8 rows go through
+ * one 8 x 8 transpose, 4 vector loads and stores a block where copying each value took 32
+ * scalar loads and 32 stores. The same floats either way. */
+static void panel_scales(const float *src, int64_t n0, int nr, int64_t nb, __m256i *panel, int at) {
+    float *sc0 = (float *)(panel + 2 * P16_PAIRS) + at;  /* block b's: sc0 + b * P16_BLOCK / 4 */
+    if (!src) {
+        for (int64_t b = 0; b < nb; b++) {
+            _mm256_store_ps(sc0 + b * (P16_BLOCK / 4), _mm256_setzero_ps());
+            _mm256_store_ps(sc0 + b * (P16_BLOCK / 4) + 8, _mm256_setzero_ps());
+        }
+        return;
+    }
+    const float *rows[P16_COLS];
+    for (int c = 0; c < P16_COLS; c++) rows[c] = src + (n0 + (c < nr ? c : 0)) * nb;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        for (int h = 0; h < 2; h++) {
+            __m256 r[8];
+            for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(rows[8 * h + c] + b);
+            transpose8_ps(r);
+            for (int j = 0; j < 8; j++) _mm256_store_ps(sc0 + (b + j) * (P16_BLOCK / 4) + 8 * h, r[j]);
+        }
+    for (; b < nb; b++)
+        for (int c = 0; c < P16_COLS; c++) sc0[b * (P16_BLOCK / 4) + c] = rows[c][b];
 }
 
 /* The panel of weight rows n0.. (nr of them; a short tile repeats its first row), per block:
  * pair p of rows 0-7 at vector 2p, of rows 8-15 at 2p + 1; then d of the 16 rows, then m.
  * Built from the packed bytes: a k-pair is one 16-bit unit of the packed block (q4: unit p's
  * low nibbles are elements 2p, 2p + 1, its high nibbles 2p + 16, 2p + 17; q8: unit p is
- * elements 2p, 2p + 1), so an 8 x 8 transpose of 16-bit units gives each unit of 8 rows side by
- * side, and one widening to int16 puts each row's pair in its own 32-bit lane (q4: a mask and
- * a shift then split the two pairs). Half the shuffles of widening row by row into an int16
- * scratch and transposing 32-bit pairs (the build before 2026-12-01 16:00), no scratch: 1.15x
- * for a whole 8-row call, 1.03-1.07x at 32 (benchmarks/README.md, cpu12). The 16 rows are one
- * contiguous span of the packed weight read a block of each row at a time, which the hardware
- * prefetcher does not follow: the span is prefetched while the tile before runs (ahead_t).
- * The panel's contents are the same integers either way, so every result keeps its bits. */
+ * elements 2p, 2p + 1), so 8 x 8 transposes of 16-bit units give each unit of 8 rows side by
+ * side, and widening to int16 puts each row's pair in its own 32-bit lane (q4: a mask and a
+ * shift then split the two pairs). The 16 rows go through one transpose in 256-bit registers,
+ * rows 0-3 and 8-11 in the low lane, 4-7 and 12-15 in the high one, so that widening each
+ * lane's low 8 bytes (unpacklo with zero, in-lane) gives rows 0-7 in order and its high 8
+ * bytes rows 8-15: half the transposes' shuffles of two 128-bit transposes, no lane-crossing
+ * widening; with the scales copied by transposes (panel_scales), a tile's build from L1 took
+ * 0.77x (q4) to 0.8x (q5, q8) the time of the 128-bit build (cpu12's, which had half the
+ * shuffles of widening row by row into an int16 scratch; benchmarks/README.md, avx2gemm). The 16 rows
+ * are one contiguous span of the packed weight read a block of each row at a time, which the
+ * hardware prefetcher does not follow: the span is prefetched while the tile before runs
+ * (ahead_t). The panel's contents are the same integers either way, so every result keeps its
+ * bits. */
 static void build_panel16(int kind, const void *qs, const float *d, const float *m, int64_t n0, int nr, int64_t nb,
                           __m256i *panel) {
+    static const int lane_rows[2][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}};
     const int64_t row_bytes = nb * lb_block_bytes(kind);
     const uint8_t *base = (const uint8_t *)qs;
-    const uint8_t *rp[P16_COLS];
+    const uint8_t *lo[8], *hi[8], *rp[P16_COLS];  /* lo / hi: the rows of lane 0 / 1 of transpose input c */
     for (int c = 0; c < P16_COLS; c++) rp[c] = base + (n0 + (c < nr ? c : 0)) * row_bytes;
-    const __m256i low = _mm256_set1_epi16(0x0F);
+    for (int c = 0; c < 8; c++) {
+        lo[c] = rp[lane_rows[0][c]];
+        hi[c] = rp[lane_rows[1][c]];
+    }
+    const __m256i low = _mm256_set1_epi16(0x0F), zero = _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
         __m256i *pb = panel + b * (P16_BLOCK / 32);
-        for (int h = 0; h < 2; h++) {
+        if (kind == 4 || kind == 5) {
+            const int64_t off = b * (kind == 4 ? QK / 2 : 20);
+            __m256i u[8];
+            for (int c = 0; c < 8; c++) u[c] = _mm256_loadu2_m128i((const __m128i *)(hi[c] + off), (const __m128i *)(lo[c] + off));
+            transpose8x2_epi16(u);
             if (kind == 4) {
-                __m128i u[8];
-                for (int c = 0; c < 8; c++) u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * (QK / 2)));
-                transpose8_epi16(u);
                 for (int p = 0; p < 8; p++) {
-                    const __m256i both = _mm256_cvtepu8_epi16(u[p]);
-                    _mm256_store_si256(pb + 2 * p + h, _mm256_and_si256(both, low));
-                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_srli_epi16(both, 4));
-                }
-            } else if (kind == 5) {
-                /* q4's nibbles, then each pair's two high bits from the rows' uint32s (one
-                 * 32-bit lane per row): element 2p's bit to bit 4 of the lane's low int16,
-                 * element 2p + 1's to bit 4 of its high int16 (elements 2p + 16, 2p + 17 alike) */
-                __m128i u[8];
-                uint32_t hb[8];
-                for (int c = 0; c < 8; c++) {
-                    u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * 20));
-                    __builtin_memcpy(&hb[c], rp[8 * h + c] + b * 20 + 16, sizeof hb[c]);
-                }
-                transpose8_epi16(u);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)hb);
-                const __m256i lo4 = _mm256_set1_epi32(0x10), hi4 = _mm256_set1_epi32(0x100000);
-                for (int p = 0; p < 8; p++) {
-                    const __m256i both = _mm256_cvtepu8_epi16(u[p]);
-                    const __m256i e0 = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p)), e1 = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * p + 16));
-                    const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e0, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e0, 19), hi4));
-                    const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e1, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e1, 19), hi4));
-                    _mm256_store_si256(pb + 2 * p + h, _mm256_or_si256(_mm256_and_si256(both, low), h0));
-                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_or_si256(_mm256_srli_epi16(both, 4), h1));
+                    const __m256i r0 = _mm256_unpacklo_epi8(u[p], zero), r1 = _mm256_unpackhi_epi8(u[p], zero);
+                    _mm256_store_si256(pb + 2 * p, _mm256_and_si256(r0, low));
+                    _mm256_store_si256(pb + 2 * p + 1, _mm256_and_si256(r1, low));
+                    _mm256_store_si256(pb + 2 * (p + 8), _mm256_srli_epi16(r0, 4));
+                    _mm256_store_si256(pb + 2 * (p + 8) + 1, _mm256_srli_epi16(r1, 4));
                 }
             } else {
-                __m128i u[8], v[8];
-                for (int c = 0; c < 8; c++) {
-                    u[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * QK));
-                    v[c] = _mm_loadu_si128((const __m128i *)(rp[8 * h + c] + b * QK + 16));
-                }
-                transpose8_epi16(u);
-                transpose8_epi16(v);
+                /* q4's nibbles, then each pair's two high bits from the rows' uint32s (one
+                 * 32-bit lane per row, rows 0-7 and 8-15): element 2p's bit to bit 4 of the
+                 * lane's low int16, element 2p + 1's to bit 4 of its high int16 (elements
+                 * 2p + 16, 2p + 17 alike) */
+                uint32_t hb[P16_COLS];
+                for (int c = 0; c < P16_COLS; c++) __builtin_memcpy(&hb[c], rp[c] + off + 16, sizeof hb[c]);
+                const __m256i qh[2] = {_mm256_loadu_si256((const __m256i *)hb), _mm256_loadu_si256((const __m256i *)(hb + 8))};
+                const __m256i lo4 = _mm256_set1_epi32(0x10), hi4 = _mm256_set1_epi32(0x100000);
                 for (int p = 0; p < 8; p++) {
-                    _mm256_store_si256(pb + 2 * p + h, _mm256_cvtepi8_epi16(u[p]));
-                    _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_cvtepi8_epi16(v[p]));
+                    const __m256i r[2] = {_mm256_unpacklo_epi8(u[p], zero), _mm256_unpackhi_epi8(u[p], zero)};
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i e0 = _mm256_srl_epi32(qh[h], _mm_cvtsi32_si128(2 * p)), e1 = _mm256_srl_epi32(qh[h], _mm_cvtsi32_si128(2 * p + 16));
+                        const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e0, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e0, 19), hi4));
+                        const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(e1, 4), lo4), _mm256_and_si256(_mm256_slli_epi32(e1, 19), hi4));
+                        _mm256_store_si256(pb + 2 * p + h, _mm256_or_si256(_mm256_and_si256(r[h], low), h0));
+                        _mm256_store_si256(pb + 2 * (p + 8) + h, _mm256_or_si256(_mm256_srli_epi16(r[h], 4), h1));
+                    }
+                }
+            }
+        } else {
+            /* q8: the block's two 16-byte halves (elements 0-15, 16-31), each transposed; a
+             * byte widened with its sign by unpacking it into the high half and shifting back */
+            for (int half = 0; half < 2; half++) {
+                const int64_t off = b * QK + 16 * half;
+                __m256i u[8];
+                for (int c = 0; c < 8; c++) u[c] = _mm256_loadu2_m128i((const __m128i *)(hi[c] + off), (const __m128i *)(lo[c] + off));
+                transpose8x2_epi16(u);
+                for (int p = 0; p < 8; p++) {
+                    _mm256_store_si256(pb + 2 * (p + 8 * half), _mm256_srai_epi16(_mm256_unpacklo_epi8(zero, u[p]), 8));
+                    _mm256_store_si256(pb + 2 * (p + 8 * half) + 1, _mm256_srai_epi16(_mm256_unpackhi_epi8(zero, u[p]), 8));
                 }
             }
         }
-        float *sc = (float *)(pb + 2 * P16_PAIRS);
-        for (int c = 0; c < P16_COLS; c++) {
-            const int64_t n = n0 + (c < nr ? c : 0);
-            sc[c] = d[n * nb + b];
-            sc[P16_COLS + c] = m ? m[n * nb + b] : 0.0f;
-        }
     }
+    panel_scales(d, n0, nr, nb, panel, 0);
+    panel_scales(m, n0, nr, nb, panel, P16_COLS);
 }
 
 /* The next tile's packed rows, scales and offsets, prefetched a few lines before each pass of
@@ -344,9 +396,16 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
         const __m256i *pb = panel + b * (P16_BLOCK / 32);
         const int32_t *x0 = (const int32_t *)(a->v + i0 * K + b * QK);  /* token t's pair p: x0[t * K / 2 + p] */
         __m256i s0[P16_T], s1[P16_T];
-        for (int t = 0; t < T; t++) s0[t] = s1[t] = _mm256_setzero_si256();
+        {   /* pair 0 starts the sums: no add into zero */
+            const __m256i w0 = _mm256_load_si256(pb), w1 = _mm256_load_si256(pb + 1);
+            for (int t = 0; t < T; t++) {
+                const __m256i u = _mm256_set1_epi32(x0[t * (K / 2)]);
+                s0[t] = _mm256_madd_epi16(w0, u);
+                s1[t] = _mm256_madd_epi16(w1, u);
+            }
+        }
 #pragma GCC unroll 4
-        for (int p = 0; p < P16_PAIRS; p++) {
+        for (int p = 1; p < P16_PAIRS; p++) {
             const __m256i w0 = _mm256_load_si256(pb + 2 * p), w1 = _mm256_load_si256(pb + 2 * p + 1);
             for (int t = 0; t < T; t++) {
                 const __m256i u = _mm256_set1_epi32(x0[t * (K / 2) + p]);
