@@ -33,7 +33,7 @@ from .state_kv_manager import StateKVSlots
 from .state_replay import replays_needed
 from .output_processor import OutputProcessor
 from .request import Request
-from .sampler import SamplingRow
+from .sampler import SamplingRow, sampling_row
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from .outputs import RequestOutput
@@ -277,7 +277,7 @@ class LLMEngine:
             if s.sample:
                 req = self.scheduler.requests[s.request_id]
                 suppressed = req.eos_token_ids + tuple(req.params.stop_token_ids) if len(req.output_token_ids) < req.params.min_tokens else ()
-                rows[s.request_id] = SamplingRow(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
+                rows[s.request_id] = sampling_row(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
         return rows
 
     def _process(self, req: Request) -> RequestOutput | None:

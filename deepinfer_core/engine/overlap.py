@@ -30,8 +30,8 @@ import torch
 from .batch_build import PENDING
 from .model_runner import Launched
 from .request import Request
-from .sampler import SamplingRow
-from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from .sampler import SamplingRow, sampling_row
+from .scheduler import Scheduler, SchedulerOutput, scheduled_request
 
 
 class OverlapGuardError(RuntimeError):
@@ -85,8 +85,8 @@ def continuation(scheduler: Scheduler, flight: InFlight) -> tuple[SchedulerOutpu
         p, rid, out_ids = req.params, req.request_id, req.output_token_ids
         position = req.num_computed_tokens + 1  # = req.num_tokens (checked above)
         suppressed = req.eos_token_ids + tuple(p.stop_token_ids) if len(out_ids) + 1 < p.min_tokens else ()  # counting the token in flight
-        scheduled.append(ScheduledRequest(rid, (PENDING,), position, tuple(req.block_ids), True, req.seed, len(req.prompt_token_ids)))
-        rows[rid] = SamplingRow(p, req.seed, position + 1, req.prompt_token_ids, out_ids, suppressed)
+        scheduled.append(scheduled_request(rid, (PENDING,), position, tuple(req.block_ids), True, req.seed, len(req.prompt_token_ids)))
+        rows[rid] = sampling_row(p, req.seed, position + 1, req.prompt_token_ids, out_ids, suppressed)
     return SchedulerOutput(tuple(scheduled), len(scheduled)), rows, launched.tokens
 
 

@@ -47,6 +47,15 @@ class SamplingRow:
     suppressed: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
 
 
+def sampling_row(params: SamplingParams, seed: int, position: int, prompt_token_ids: list[int], output_token_ids: list[int], suppressed: tuple[int, ...] = ()) -> SamplingRow:
+    """``SamplingRow(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (see
+    :func:`.scheduler.scheduled_request`: one of these per sampled request every step)."""
+    obj = object.__new__(SamplingRow)
+    d = obj.__dict__
+    d["params"], d["seed"], d["position"], d["prompt_token_ids"], d["output_token_ids"], d["suppressed"] = params, seed, position, prompt_token_ids, output_token_ids, suppressed
+    return obj
+
+
 def row_seed(seed: int, position: int) -> int:
     """Mix (seed, position) into a 63-bit generator seed (splitmix64 finaliser)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64

@@ -30,6 +30,22 @@ class ScheduledRequest:
     token_array: Any = field(default=None, compare=False, repr=False)
 
 
+def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_position: int, block_ids: tuple[int, ...], sample: bool, seed: int,
+                      prompt_len: int = 0, token_array: Any = None) -> ScheduledRequest:  # fmt: skip
+    """``ScheduledRequest(...)`` for the per-request paths of every step: the frozen dataclass's
+    generated ``__init__`` sets each field through ``object.__setattr__`` (1.9 us here, 512 of
+    these and :func:`.sampler.sampling_row` a 256-request step); filling the instance dict is
+    0.5 us. Same object (equality, hash, repr); test_fast_dataclass_constructors checks the fields."""
+    obj = _new(ScheduledRequest)
+    d = obj.__dict__
+    d["request_id"], d["token_ids"], d["start_position"], d["block_ids"] = request_id, token_ids, start_position, block_ids
+    d["sample"], d["seed"], d["prompt_len"], d["token_array"] = sample, seed, prompt_len, token_array
+    return obj
+
+
+_new = object.__new__
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     requests: tuple[ScheduledRequest, ...]
@@ -113,15 +129,15 @@ class Scheduler:
             budget -= num_new
 
         scheduled = tuple(
-            ScheduledRequest(
-                request_id=req.request_id,
-                token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
-                start_position=req.num_computed_tokens,
-                block_ids=tuple(req.block_ids),
-                sample=req.num_computed_tokens + n == req.num_tokens,
-                seed=req.seed,
-                prompt_len=len(req.prompt_token_ids),
-                token_array=_prompt_view(req, req.num_computed_tokens, n),
+            scheduled_request(
+                req.request_id,
+                tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
+                req.num_computed_tokens,
+                tuple(req.block_ids),
+                req.num_computed_tokens + n == req.num_tokens,
+                req.seed,
+                len(req.prompt_token_ids),
+                _prompt_view(req, req.num_computed_tokens, n),
             )
             for req, n in chosen
         )
