@@ -86,7 +86,10 @@ def capture_buckets(buckets: list[int], step: Callable[[int], torch.Tensor], hea
         for n in sorted(buckets, reverse=True):
             head(n, step(n))  # compile / warm up
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: CUDA calls other threads make meanwhile (another engine's KV-store
+            # copies, a server's host work) neither break this capture nor fail themselves; the
+            # default ("global") lets any thread's synchronising call invalidate it
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 outputs[n] = step(n)
                 pair = head(n, outputs[n])
                 if pair is not None:
