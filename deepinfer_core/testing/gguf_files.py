@@ -80,6 +80,8 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
 
     qtype = gguf.GGMLQuantizationType[type_name]
     n, k = shape
+    if k % gguf.GGML_QUANT_SIZES[qtype][0]:
+        raise ValueError(f"{type_name} packs blocks of {gguf.GGML_QUANT_SIZES[qtype][0]} values; a row of {k} does not divide")
     if type_name in _RAW_SCALES:
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
