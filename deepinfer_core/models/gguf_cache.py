@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deepinfer.gguf_cache")
 
 #: Bump when the cached form changes meaning (names, layouts, tokenizer construction, files).
-FORMAT = 3  # 3: a rope_freqs tensor read into the config (rope_type freq_factors)
+FORMAT = 4  # 3: a rope_freqs tensor read into the config; 4: q/k biases in rotate-half order
 _SAMPLE = 1 << 20
 _WEIGHTS = "model.safetensors"
 

@@ -105,12 +105,16 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
                 continue
             name = hf_name(t.name)
             data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
-            tensor = torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape))
-            if name.endswith("self_attn.q_proj.weight"):
-                tensor = unpermute_rotary_rows(tensor, heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                tensor = unpermute_rotary_rows(tensor, kv_heads)
-            yield name, tensor
+            yield name, rotary_order(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape)))
+
+    def rotary_order(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Q and K rows (weights and biases: llama.cpp's converter permutes both) back in
+        Hugging Face's rotate-half order."""
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return unpermute_rotary_rows(tensor, heads)
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            return unpermute_rotary_rows(tensor, kv_heads)
+        return tensor
 
     def quantized_weights() -> Iterator[tuple[str, Any]]:
         """Block-quantized tensors packed for the low-bit kernels (never dequantized to a
@@ -122,7 +126,7 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
             name = hf_name(t.name)
             if t.type_name in FLOAT_TYPES or len(t.shape) != 2:
                 data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
-                yield name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape))
+                yield name, rotary_order(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape)))
                 continue
             packed = from_gguf(t.type_name, t.data(file), t.shape)
             if name.endswith("self_attn.q_proj.weight"):

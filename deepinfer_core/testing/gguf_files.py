@@ -106,13 +106,15 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
 
 def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, layers: int,
                             vocab: int, tied: bool, types: dict[str, str], rope_theta: float = 10000.0,
-                            rope_scaling: dict | None = None, tokenizer_from: str | None = None, seed: int = 0) -> str:
+                            rope_scaling: dict | None = None, tokenizer_from: str | None = None, attention_bias: bool = False,
+                            seed: int = 0) -> str:
     """A random-weight Llama GGUF written by the ``gguf`` library's writer. ``types`` maps a role
     (``token_embd``, ``output``, ``attn_q`` ... ``ffn_down``, or ``"*"`` for the rest) to a GGUF type
     name; ``rope_scaling`` a llama3 dict (factor, low_freq_factor, high_freq_factor,
     original_context_length) written as llama.cpp does (a ``rope_freqs`` tensor). ``tokenizer_from``:
     a GGUF whose ``tokenizer.*`` keys are copied (then ``vocab`` must be at least its token count;
-    extra tokens are appended as ``<extra_i>``); without it the file has no tokenizer."""
+    extra tokens are appended as ``<extra_i>``); without it the file has no tokenizer.
+    ``attention_bias``: q/k/v/o biases too."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -143,6 +145,8 @@ def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int
               "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
     for i in range(layers):
         tensors += [(f"blk.{i}.attn_norm.weight", "F32", (hidden,), 0.0), (f"blk.{i}.ffn_norm.weight", "F32", (hidden,), 0.0)]
+        if attention_bias:  # in llama.cpp's row order, like the weights
+            tensors += [(f"blk.{i}.{role}.bias", "F32", (shapes[role][0],), 0.5) for role in ("attn_q", "attn_k", "attn_v", "attn_output")]
         # o and down 3x wider than 1/sqrt(K): the layers outweigh the token's own embedding in the
         # residual, so a tied head does not just repeat the last token
         tensors += [(f"blk.{i}.{role}.weight", kind(role), shapes[role], (3.0 if role in ("attn_output", "ffn_down") else 1.0) / shapes[role][1] ** 0.5)
@@ -151,6 +155,8 @@ def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int
         if len(shape) == 1:
             if name == "rope_freqs.weight":
                 values = _llama3_rope_factors(rope_scaling, head_dim, rope_theta)
+            elif name.endswith(".bias"):
+                values = (std * rng.standard_normal(shape)).astype(np.float32)
             else:
                 values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             writer.add_tensor(name, values)
