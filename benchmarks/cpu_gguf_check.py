@@ -67,6 +67,9 @@ FILES: dict[str, dict] = {
                       types={"*": "Q5_K", "ffn_down": "Q5_0"}),  # 1,408 is not a multiple of 256: llama.cpp falls back to Q5_0 there
     "vocab128k_h256": dict(H, layers=1, hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=768, vocab=128259,
                            types={"*": "Q4_K", "output": "Q6_K"}),
+    # q/k/v/o biases, F16 q/k among Q8_0 tensors (both had to be un-permuted: 5a8e4a8)
+    "bias_f16qk_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=1000, attention_bias=True,
+                            types={"*": "Q8_0", "attn_q": "F16", "attn_k": "F16"}),
     "f16_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "F16"}),
     "bf16_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "BF16"}),
     "f32_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "F32"}),
