@@ -32,7 +32,8 @@ class FusedOps:
     rope_cat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
     # (latent [T, C], weight [C] latent's dtype, eps, pe [T, 1, r], positions [T], cos, sin,
     # interleaved) -> [T, 1, C + r]: like norm_rope_cat_reference (MLA's key: kv_a's RMSNorm
-    # inside the key's rope_cat, one launch a layer less); used where rms_norm and rope_cat are
+    # inside the key's rope_cat, one launch a layer less); used only where rms_norm and rope_cat are
+    # fused too (fused_ops.install)
     norm_rope_cat: Callable[..., torch.Tensor] | None = None
     # (x [..., K], weight float8_e4m3fn [N, K], scale_inv float32 [ceil(N/128), ceil(K/128)])
     # -> [..., N] in x's dtype: x @ (weight * tile scales)^T (models.fp8.Fp8Linear). Offering it
