@@ -43,6 +43,26 @@ def test_an_idle_machine_keeps_all_threads_and_probes_rarely():
     assert _steps(ThreadChooser(), {1: 1.0, 2: 9.0}, 64, max_threads=1) == [1] * 64  # one thread: nothing to choose
 
 
+def test_one_lucky_probe_does_not_switch_a_second_in_a_row_does():
+    """A quiet but noisy machine (its speed swings 1.5x within a second): two threads take 100 ms
+    a step and one thread 170 ms, but a probe step can land in a fast moment. One probe that wins
+    alone is not trusted; the step after it probes again, and only two wins in a row switch."""
+    def run(chooser: ThreadChooser, probe_ms: list[float], n: int) -> list[int]:
+        picked, probes = [], iter(probe_ms)
+        for _ in range(n):
+            t = chooser.pick(2, 32)
+            chooser.record(t, 32, next(probes, 60.0) if t == 1 else 100.0)  # past the list: one thread stays fast
+            picked.append(t)
+        return picked
+
+    chooser = ThreadChooser(probe_every=8)
+    picked = run(chooser, [60.0, 170.0, 170.0, 170.0], 24)  # the 8th step lucky, its second probe not
+    assert [i + 1 for i, t in enumerate(picked) if t == 1] == [8, 9, 16, 24]  # a second probe only after a win
+    assert chooser.current == 2 and chooser.switches == 0
+    picked = run(chooser, [], 12)  # steps 25..36, one thread now fast: the probe at 32 and its second both win
+    assert picked[7:] == [1] * 5 and chooser.current == 1 and chooser.switches == 1
+
+
 def test_probes_wait_for_a_batch_size_seen_on_the_current_count():
     chooser = ThreadChooser(probe_every=4)
     picked = []
