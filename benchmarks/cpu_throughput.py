@@ -375,7 +375,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--engines", type=lambda s: s.split(","), default=list(DEFAULT_ENGINES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and level; best counts")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and level; best counts (default 3: a shared "
+                        "2-vCPU VM's speed swings ~1.5x within seconds with nothing else running, benchmarks/README.md cpuvar; the "
+                        "best of 3 takes every engine at its best moment alike)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per engine and level")
     parser.add_argument("--llamacpp-path", default=os.environ.get(LLAMACPP_ENV, ""),
                         help=f"import llama_cpp from this directory (default: ${LLAMACPP_ENV}, else the environment's)")
