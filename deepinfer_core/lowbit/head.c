@@ -63,7 +63,7 @@ int lowbit_head_argmax(const float *x, int64_t M, int64_t K, int kind, const voi
     /* The int16 kernel (lowbit_gemm's choice for these M, kind and thresholds) rounds the rows
      * once here, not in each chunk's call (48 roundings of 32 rows a step at 32 requests):
      * gemm_i16_pre then multiplies the very integers gemm_i16_act would have made. */
-    const int i16 = !(kind == 4 && int8_rows > 0 && M >= int8_rows) && M <= int_rows;
+    const int i16 = lb_act_kernel(kind, M, int_rows, int8_rows) == 16;
     int16_t *v = i16 ? (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t)) : 0;
     float *s = i16 ? (float *)malloc((size_t)(2 * M * nb) * sizeof(float)) : 0, *sx = i16 ? s + M * nb : 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : nan)

@@ -201,8 +201,9 @@ int lowbit_isa(void) {
  * float32-activation kernel otherwise (ops.kernel_for chooses the same way). */
 void lowbit_gemm(const float *x, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                  int64_t N, float *y, int nthreads, int64_t int_rows, int64_t int8_rows) {
-    if (kind == 4 && int8_rows > 0 && M >= int8_rows) gemm_i8_act(x, M, K, (const uint8_t *)qs, d, m, N, y, nthreads);
-    else if (M <= int_rows) gemm_i16_act(x, M, K, kind, qs, d, m, N, y, nthreads);
+    const int act = lb_act_kernel(kind, M, int_rows, int8_rows);
+    if (act == 8) gemm_i8_act(x, M, K, (const uint8_t *)qs, d, m, N, y, nthreads);
+    else if (act == 16) gemm_i16_act(x, M, K, kind, qs, d, m, N, y, nthreads);
     else gemm_f32_act(x, M, K, kind, qs, d, m, N, y, nthreads);
 }
 

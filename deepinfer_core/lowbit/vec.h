@@ -63,6 +63,14 @@ static inline __attribute__((always_inline)) void q5_widen_i16(const uint8_t *bl
 #endif
 }
 
+/* Which activation kernel lowbit_gemm (kernels.c) runs for M rows: 8 (int8, opt-in for 4-bit
+ * weights from int8_rows rows on; 0: never), 16 (int16, M <= int_rows) or 32 (exact float32).
+ * head.c reads it too, to round its rows to int16 once when that is the choice. */
+static inline int lb_act_kernel(int kind, int64_t M, int64_t int_rows, int64_t int8_rows) {
+    if (kind == 4 && int8_rows > 0 && M >= int8_rows) return 8;
+    return M <= int_rows ? 16 : 32;
+}
+
 /* KV cache elements (kv, a compile-time constant after inlining): KV_F32 float32; KV_F16 IEEE
  * half (F16C converts 8 at a time; round to nearest even on store, as torch's .to(torch.float16));
  * KV_I8 int8 codes of a row of n values followed, at the row's byte n, by its float32 scale
