@@ -22,7 +22,8 @@
  * keeps a slice of the output in registers across all positions. Each request is computed
  * alone: the result never depends on the rest of the batch.
  *
- * Common shapes (G = 1-4, head width 64 or 128) run attend_fixed, the same arithmetic with the
+ * Common shapes (G = 1-4, head width 64 or 128) run attend_fixed (attend_fixed512 in the AVX512 builds: the
+ * same operations in 512-bit registers, the same bits), the same arithmetic with the
  * shape known at compile time so no accumulator leaves the registers. At 32 requests its time is
  * mostly the cache's bytes coming from memory (benchmarks/README.md, cpu13's section), so while
  * an item's weighted sum runs from L1/L2 the thread fetches the keys and values of the next item
@@ -203,6 +204,139 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
     free(scores);
 }
 
+#if defined(__AVX512F__)
+/* 16 elements of a cache row from element (byte) i, widened to float32 (no int8 scale) */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t i, int kv) {
+    if (kv == KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    return kv ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* 8 elements of row a (low half) and 8 of row b (high half), widened to float32 */
+static inline __attribute__((always_inline)) __m512 kv_load8x2(const void *p, int64_t a, int64_t b, int kv) {
+    if (kv == KV_I8) {
+        const __m128i x = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + a)), _mm_loadl_epi64((const __m128i *)((const int8_t *)p + b)));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+    }
+    if (kv == KV_F16)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + a))),
+                                                       _mm_loadu_si128((const __m128i *)((const uint16_t *)p + b)), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)p + a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps((const float *)p + b)), 1));
+}
+
+static inline __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
+static inline __m256 hi8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+#define PAIRS(G) ((G) <= 2 ? 4 : 2)  /* position pairs per score step: 2 positions per 512-bit accumulator */
+#define VZ(G, D) ((G) * (D) / 16 <= 24 ? (D) / 16 : 4)  /* 16-wide output vectors per head in one pass of the weighted sum */
+
+/* attend_fixed with 512-bit vectors (the avx512 builds): the same operations in the same order
+ * for every output, so the same bits as the 256-bit code. A score accumulator holds two positions'
+ * 8 lanes (low half, high half), each lane the same chain of FMAs over the head's columns i, i + 8,
+ * ... as one 256-bit accumulator; its halves go to hsum4x8 as before. The query is held twice
+ * ([q | q], 16 lanes per 8 columns) so one FMA serves both positions. The weighted sum keeps up to
+ * 24 16-wide output vectors in the 32 registers: one pass over the positions (two for 4 heads of
+ * width 128), each column's sum taken over the positions in order as before. */
+static inline __attribute__((always_inline)) void attend_fixed512(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
+                                                                  int64_t block_size, int64_t width, const int64_t G, const int64_t D,
+                                                                  const int32_t *block_tables, int64_t max_blocks, const int64_t *positions,
+                                                                  float scale, int64_t window, float *out, int64_t item, int64_t next, int kv) {
+    const int64_t plane = num_kv_heads * num_blocks * block_size * width, r = item / num_kv_heads, h = item % num_kv_heads;
+    const int64_t last = positions[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+    const int64_t n = last - first + 1, stride = n + 8, n4 = n / 4 * 4;
+    float *scores = (float *)malloc((size_t)(G * stride) * sizeof(float) + (size_t)(n + PREFETCH_PAD) * sizeof(int64_t));
+    int64_t *rows = (int64_t *)(scores + G * stride);
+    const int64_t ahead = kv == KV_I8 ? PREFETCH_AHEAD_I8 : PREFETCH_AHEAD;
+    const int64_t keys = h * num_blocks * block_size * width, values = keys + plane;
+    item_rows(rows, block_tables + r * max_blocks, first, n, block_size, width);
+    const float *qh = q + (r * num_kv_heads * G + h * G) * D;
+    __m512 q2[4][128 / 8];  /* [q | q] per head and 8 columns */
+    for (int g = 0; g < G; g++)
+        for (int64_t c = 0; c < D / 8; c++) {
+            const __m256 x = _mm256_loadu_ps(qh + g * D + 8 * c);
+            q2[g][c] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(x)), _mm256_castps_pd(x), 1));
+        }
+    int64_t s = 0;
+#define SCORE_STEP(P)                                                                                                               \
+    for (; s + 2 * (P) <= n4; s += 2 * (P)) {                                                                                      \
+        for (int j = 0; j < 2 * (P); j++) {                                                                                         \
+            prefetch_row(cache, keys + rows[s + ahead + j], D, kv);                                                                 \
+            prefetch_row(cache, values + rows[s + ahead + j], D, kv);                                                               \
+        }                                                                                                                           \
+        __m512 acc[4][P];                                                                                                           \
+        for (int g = 0; g < G; g++)                                                                                                 \
+            for (int j = 0; j < (P); j++) acc[g][j] = _mm512_setzero_ps();                                                          \
+        for (int64_t c = 0; c < D / 8; c++) {                                                                                       \
+            __m512 k[P];                                                                                                            \
+            for (int j = 0; j < (P); j++) k[j] = kv_load8x2(cache, keys + rows[s + 2 * j] + 8 * c, keys + rows[s + 2 * j + 1] + 8 * c, kv); \
+            for (int g = 0; g < G; g++)                                                                                             \
+                for (int j = 0; j < (P); j++) acc[g][j] = _mm512_fmadd_ps(q2[g][c], k[j], acc[g][j]);                               \
+        }                                                                                                                           \
+        for (int j = 0; j < (P); j += 2) {                                                                                          \
+            __m128 sc4 = _mm_set1_ps(scale);                                                                                        \
+            if (kv == KV_I8)                                                                                                        \
+                sc4 = _mm_mul_ps(sc4, _mm_setr_ps(kv_scale(cache, keys + rows[s + 2 * j], D), kv_scale(cache, keys + rows[s + 2 * j + 1], D), \
+                                                  kv_scale(cache, keys + rows[s + 2 * j + 2], D), kv_scale(cache, keys + rows[s + 2 * j + 3], D))); \
+            for (int g = 0; g < G; g++)                                                                                             \
+                _mm_storeu_ps(scores + g * stride + s + 2 * j,                                                                      \
+                              _mm_mul_ps(hsum4x8(lo8(acc[g][j]), hi8(acc[g][j]), lo8(acc[g][j + 1]), hi8(acc[g][j + 1])), sc4));    \
+        }                                                                                                                           \
+    }
+    if (PAIRS(G) == 4) SCORE_STEP(4)
+    SCORE_STEP(2)
+#undef SCORE_STEP
+    for (; s < n; s++) {  /* fewer than 4 positions, all at or past n4 */
+        prefetch_row(cache, values + rows[s + ahead], D, kv);
+        const float sk = kv == KV_I8 ? scale * kv_scale(cache, keys + rows[s], D) : scale;
+        for (int g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + i), kv_load8(cache, keys + rows[s] + i, kv), acc);
+            scores[g * stride + s] = vec_hsum8(acc) * sk;
+        }
+    }
+    for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
+    /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
+     * keys and values fetched, a position per iteration of the first column pass */
+    const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
+    const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
+    const int32_t *table2 = block_tables + r2 * max_blocks;
+    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * kv_esize(kv);
+    const int64_t vplane = plane * kv_esize(kv);
+    int64_t b2 = first2 / block_size, o2 = first2 % block_size;
+    for (int64_t c0 = 0; c0 < D; c0 += 16 * VZ(G, D)) {
+        __m512 a[4][8];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < VZ(G, D); j++) a[g][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            if (c0 == 0 && t < n2) {
+                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
+                for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
+                    _mm_prefetch(p + b, _MM_HINT_T0);
+                    _mm_prefetch(p + vplane + b, _MM_HINT_T0);
+                }
+                if (++o2 == block_size) o2 = 0, b2++;
+            }
+            __m512 w[4];
+            if (kv == KV_I8) {  /* the weight times the value row's scale */
+                const float vs = kv_scale(cache, values + rows[t], D);
+                for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(scores[g * stride + t] * vs);
+            } else
+                for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(scores[g * stride + t]);
+            for (int j = 0; j < VZ(G, D); j++) {
+                const __m512 v = kv_load16(cache, values + rows[t] + c0 + 16 * j, kv);
+                for (int g = 0; g < G; g++) a[g][j] = _mm512_fmadd_ps(w[g], v, a[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < VZ(G, D); j++) _mm512_storeu_ps(out + ((r * num_kv_heads + h) * G + g) * D + c0 + 16 * j, a[g][j]);
+    }
+    free(scores);
+}
+#define ATTEND_FIXED attend_fixed512
+#else
+#define ATTEND_FIXED attend_fixed
+#endif
+
 static inline __attribute__((always_inline)) void attend(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
                                                          int64_t block_size, int64_t width, int64_t num_heads, int64_t head_dim,
                                                          int64_t v_head_dim, const int32_t *block_tables, int64_t max_blocks,
@@ -294,7 +428,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
 }
 
 /* attend_fixed for one (G, D, kv) of the shapes it is instantiated for: G = 1-4 query heads per KV head, D = 64 or 128 */
-#define FIXED(G, D, KV) attend_fixed(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
+#define FIXED(G, D, KV) ATTEND_FIXED(q, cache, num_kv_heads, num_blocks, block_size, width, G, D, block_tables, max_blocks, positions, \
                                      scale, window, out, item, next, KV)
 #define FIXED_CASES(G) \
     case 6 * (G) - 6: FIXED(G, 64, KV_F32); break; case 6 * (G) - 5: FIXED(G, 64, KV_F16); break; \
