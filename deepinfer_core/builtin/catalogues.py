@@ -26,6 +26,7 @@ def deepinfer_register_models(register, register_source):
     from ..models.sources import smollm2_gguf
 
     register("LlamaForCausalLM", llama.build)
+    register("Qwen2ForCausalLM", llama.build)
     register("DeepseekV3ForCausalLM", deepseek_v3.build)
     register("DeepseekV4ForCausalLM", deepseek_v4.build)
     register_source("smollm2-135m-instruct", smollm2_gguf)

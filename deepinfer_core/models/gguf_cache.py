@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deepinfer.gguf_cache")
 
 #: Bump when the cached form changes meaning (names, layouts, tokenizer construction, files).
-FORMAT = 4  # 3: a rope_freqs tensor read into the config; 4: q/k biases in rotate-half order
+FORMAT = 5  # 3: a rope_freqs tensor read into the config; 4: q/k biases in rotate-half order; 5: qwen2, o_proj_bias
 _SAMPLE = 1 << 20
 _WEIGHTS = "model.safetensors"
 

@@ -2,12 +2,16 @@
 
 A GGUF carries its config and tokenizer as metadata and its tensors in llama.cpp's naming,
 often block-quantized (Q4_1, Q8_0...). We dequantize to float32 (the reference path computes in
-float32) and undo the one layout change llama.cpp's converter makes: it reorders the rows of the
-Q and K projections of every head from the rotate-half pairing (i, i + d/2) to interleaved pairs
-(2i, 2i + 1)::
+float32) and undo the one layout change llama.cpp's converter makes for the ``llama``
+architecture: it reorders the rows of the Q and K projections (weights and biases) of every
+head from the rotate-half pairing (i, i + d/2) to interleaved pairs (2i, 2i + 1)::
 
     HF rows of one head   [x0 x1 .. x(d/2-1) | y0 y1 .. y(d/2-1)]
     GGUF rows             [x0 y0 x1 y1 .. x(d/2-1) y(d/2-1)]
+
+``qwen2`` files (Qwen2, Qwen2.5) keep Hugging Face's order (llama.cpp rotates them with the
+rotate-half "NEOX" pairing) and carry q/k/v biases without an o bias: the same model, read as
+``Qwen2ForCausalLM``, rows as stored.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from .files import ModelFiles
 from .gguf_cache import GGUFParts
 from .gguf_index import read_index
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+PERMUTED_QK = frozenset({"llama"})  # architectures whose q/k rows llama.cpp's converter interleaves
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,7 +81,7 @@ def parse_gguf(path: str) -> GGUFParts:
         raise NotImplementedError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
         )
-    config = llama_config(meta, arch, {t.name for t in index.tensors})
+    config = llama_config(meta, arch, {t.name: t.shape for t in index.tensors})
     factors = next((t for t in index.tensors if t.name == ROPE_FREQS), None)
     if factors is not None:  # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as this tensor
         if config["rope_scaling"] is not None:
@@ -97,6 +102,7 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
     check_tensor_types(path, parts.tensors)  # also for a start-up cache entry
     config = parts.config
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = config.get("model_type", "llama") in PERMUTED_QK
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -110,6 +116,8 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
     def rotary_order(name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Q and K rows (weights and biases: llama.cpp's converter permutes both) back in
         Hugging Face's rotate-half order."""
+        if not permuted:
+            return tensor
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             return unpermute_rotary_rows(tensor, heads)
         if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
@@ -129,7 +137,9 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
                 yield name, rotary_order(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape)))
                 continue
             packed = from_gguf(t.type_name, t.data(file), t.shape)
-            if name.endswith("self_attn.q_proj.weight"):
+            if not permuted:
+                pass
+            elif name.endswith("self_attn.q_proj.weight"):
                 packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads))
             elif name.endswith("self_attn.k_proj.weight"):
                 packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), kv_heads))
@@ -181,12 +191,17 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def llama_config(meta: Mapping[str, Any], arch: str, tensor_names: set[str]) -> dict:
-    """Hugging Face ``LlamaConfig``-style dict from ``{arch}.*`` metadata keys."""
+def llama_config(meta: Mapping[str, Any], arch: str, tensors: Mapping[str, tuple[int, ...]]) -> dict:
+    """Hugging Face ``LlamaConfig``-style dict from ``{arch}.*`` metadata keys; ``tensors``: the
+    file's tensor names (and shapes, [rows, cols], where known)."""
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    tensor_names = set(tensors)
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     vocab = key("vocab_size")
+    embed = tensors.get("token_embd.weight")
+    if vocab is None and embed:  # llama.cpp's converters write no vocab_size key for most architectures (qwen2)
+        vocab = embed[0]
     if vocab is None:  # older files only list the tokens
         vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     config: dict[str, Any] = {
@@ -210,6 +225,7 @@ def llama_config(meta: Mapping[str, Any], arch: str, tensor_names: set[str]) -> 
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "o_proj_bias": "blk.0.attn_output.bias" in tensor_names,  # Qwen2 and some Llama fine-tunes: q/k/v biases only
         "torch_dtype": "float32",
     }
     rope_dims = key("rope.dimension_count", head_dim)

@@ -1,4 +1,4 @@
-"""Llama-architecture causal LM (Llama 2/3, Mistral-style GQA, SmolLM2) on a flat token batch.
+"""Llama-architecture causal LM (Llama 2/3, Mistral-style GQA, SmolLM2, Qwen2/Qwen2.5) on a flat token batch.
 
 Parameter names equal Hugging Face's (``model.layers.N.self_attn.q_proj.weight`` ...), so the
 GGUF and safetensors loaders feed the same ``load_weights``. Attention goes through the backend
@@ -42,14 +42,23 @@ def rope_settings(config: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def attention_biases(config: dict) -> tuple[bool, bool]:
+    """(q/k/v projections have a bias, o_proj has one). Llama's ``attention_bias`` sets both;
+    Qwen2 (``model_type`` qwen2) has q/k/v biases and no o bias, and its configs carry no key for
+    it. ``o_proj_bias`` (written by the GGUF loader, from the file's tensors) overrides the o part."""
+    qwen2 = config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (config.get("architectures") or ())
+    qkv = bool(config.get("attention_bias", qwen2))
+    return qkv, bool(config.get("o_proj_bias", False if qwen2 else qkv))
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: dict, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
         super().__init__()
-        hidden, bias = config["hidden_size"], bool(config.get("attention_bias", False))
+        hidden, (qkv_bias, o_bias) = config["hidden_size"], attention_biases(config)
         self.spec, self.backend = spec, backend
         q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = FusedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias=bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=bias)
+        self.qkv_proj = FusedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias=qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=o_bias)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary | RotaryAt, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -95,6 +104,8 @@ class LlamaForCausalLM(nn.Module):
             raise NotImplementedError(f"Llama with hidden_act={config['hidden_act']!r} is not supported")
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("Llama with partial rotary embeddings is not supported")
+        if config.get("use_sliding_window"):  # Qwen2 configs: off in every released Qwen2/2.5 model
+            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported")
         self.config = config
         self.vocab_size = int(config["vocab_size"])
         self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
@@ -214,5 +225,6 @@ def _names(items: list[str], limit: int = 12) -> str:
 
 
 def build(config: dict, ctx: ModelContext) -> LlamaForCausalLM:
-    """ModelFactory registered for ``LlamaForCausalLM``."""
+    """ModelFactory registered for ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (the Llama
+    layout with q/k/v biases: :func:`attention_biases`)."""
     return LlamaForCausalLM(config, ctx)
