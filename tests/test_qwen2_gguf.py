@@ -221,3 +221,23 @@ def test_hugging_face_qwen2_directory(tmp_path, files):
     want = _hf_logits(models[True], ids)
     ours = _engine(str(tmp_path), dtype="float32").engine.prompt_logits(ids)
     assert (ours - want).abs().max().item() < 1e-3 * want.std().item()
+
+
+def test_cli_generate_chat_on_a_qwen2_gguf(files, capsys):
+    """``deepinfer generate --chat`` (in-process) on a Q8_0 qwen2 file: the file's ChatML prompt,
+    as many prompt tokens as transformers' GGUF tokenizer gives, the offline chat's greedy text."""
+    import json
+
+    from deepinfer_core.cli import main
+
+    paths, _ = files
+    path = paths[(True, "Q8_0")]
+    status = main(["generate", "--model", path, "--device", "cpu", "--kv-cache-blocks", "8", "--max-tokens", "6",
+                   "--chat", "--json", "hello world 12"])
+    assert status == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    chat = [{"role": "user", "content": "hello world 12"}]
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    want = _engine(path).chat(chat, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    assert got["text"] == want, got
+    assert got["prompt_tokens"] == len(hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
