@@ -11,7 +11,9 @@ not multiples of 32, tied and untied heads, rope theta and llama3 scaling, and m
 llama.cpp's quantize makes them. Eight more are quantized by llama.cpp itself (Q4_K_M, Q2_K,
 Q3_K_M, Q5_K_M, Q6_K, Q4_0, Q8_0, IQ4_XS through llama-cpp-python, each with llama.cpp's own mix
 of types per tensor) from one float file carrying SmolLM2's tokenizer and llama3 rope scaling
-(a ``rope_freqs`` tensor), and also run by llama.cpp.
+(a ``rope_freqs`` tensor), and also run by llama.cpp. Two more are qwen2 files (Qwen2.5-0.5B's
+widths, q/k/v biases, tied head; ``llamacpp_qwen2_q4_k_m``, ``llamacpp_qwen2_q8_0``) quantized the
+same way, and three ``qwen2_*`` files are written by the ``gguf`` library like the others.
 
 Checks per file (PASS / FAIL / "-" not applicable), every one on the engine's default
 (``dtype="auto"``, CPU):
@@ -82,6 +84,17 @@ FILES: dict[str, dict] = {
     # down's input (intermediate 1000) is not a multiple of 32: no block type fits, F16 there
     "f16_down_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=1000, vocab=1000,
                           types={"*": "Q4_0", "ffn_down": "F16", "token_embd": "F16"}),
+    # qwen2 files (Qwen2 / Qwen2.5): q/k/v biases, no o bias, q/k rows not permuted, rope theta 1e6, tied heads
+    "qwen2_q8_0_h256": dict(H, arch="qwen2", attention_bias=True, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704,
+                            vocab=1000, tied=True, rope_theta=1000000.0, types={"*": "Q8_0"}),
+    # Qwen2.5-0.5B's widths (896: not a multiple of 256, llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 there; down keeps Q6_K)
+    "qwen2_mixed_h896": dict(H, arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
+                             vocab=1537, tied=True, rope_theta=1000000.0,
+                             types={"*": "Q5_0", "attn_v": "Q8_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}),
+    # Qwen2.5-1.5B's widths: head_dim 128, 12 heads over 2 KV heads, K-quants throughout
+    "qwen2_q4_k_h1536": dict(H, arch="qwen2", attention_bias=True, layers=1, hidden=1536, heads=12, kv_heads=2, head_dim=128,
+                             intermediate=8960, vocab=2001, tied=True, rope_theta=1000000.0,
+                             types={"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
 }
 LENGTHS = (1, 9, 63, 200, 5, 130, 33, 2100)  # 2,100: past the native prefill's 2,048-token context
 
@@ -244,7 +257,7 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
         res["isa"] = res["kv"] = ("-", "dense weights")
     if name.startswith("llamacpp_"):
         res["llama.cpp"] = llama_cpp_check(path, ref, prompts, n, args.tolerance, res["f32"][1])
-        if name == "llamacpp_q4_k_m" and not args.no_serve:
+        if name in ("llamacpp_q4_k_m", "llamacpp_qwen2_q4_k_m") and not args.no_serve:
             res["serve"] = serve_check(path)
     return res
 
@@ -278,11 +291,17 @@ def llama_cpp_check(path, ref, prompts, n, tolerance, ours: str) -> tuple[str, s
 
 
 LLAMACPP_TYPES = ("Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS")
+LLAMACPP_QWEN2_TYPES = ("QWEN2_Q4_K_M", "QWEN2_Q8_0")  # the two types most Qwen2.5 GGUFs come in
 
 
 def write_llamacpp_file(folder: str, ftype: str) -> str | None:
     """A float32 GGUF with SmolLM2's tokenizer and llama3 rope scaling (a rope_freqs tensor),
-    quantized to ``ftype`` by llama.cpp's own quantizer (its mix of types per tensor)."""
+    quantized to ``ftype`` by llama.cpp's own quantizer (its mix of types per tensor).
+    ``QWEN2_<type>``: a qwen2 file instead, Qwen2.5-0.5B's widths (hidden 896, 14 heads over 2 KV
+    heads, intermediate 4,864), q/k/v biases, a tied head, rope theta 1e6, SmolLM2's vocabulary
+    with Qwen2's split (``tokenizer.ggml.pre = qwen2``)."""
+    if ftype.startswith("QWEN2_"):
+        return _write_llamacpp_qwen2_file(folder, ftype.removeprefix("QWEN2_"))
     from deepinfer_core.models.sources import smollm2_gguf
     from deepinfer_core.testing.gguf_files import write_random_llama_gguf
 
@@ -298,6 +317,33 @@ def write_llamacpp_file(folder: str, ftype: str) -> str | None:
     if not os.path.exists(f32):
         write_random_llama_gguf(f32, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, layers=2, vocab=49152 + 7,
                                 tied=False, types={"*": "F32"}, tokenizer_from=src, rope_theta=500000.0, rope_scaling=LLAMA3)
+    if not os.path.exists(dst):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.nthread = 1
+        rc = llama_cpp.llama_model_quantize(f32.encode(), dst.encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return dst
+
+
+def _write_llamacpp_qwen2_file(folder: str, ftype: str) -> str | None:
+    from deepinfer_core.models.sources import smollm2_gguf
+    from deepinfer_core.testing.gguf_files import write_random_llama_gguf
+
+    src = smollm2_gguf()
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    if src is None:
+        return None
+    f32 = os.path.join(folder, "llamacpp_qwen2_f32.gguf")
+    dst = os.path.join(folder, f"llamacpp_qwen2_{ftype.lower()}.gguf")
+    if not os.path.exists(f32):
+        write_random_llama_gguf(f32, arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
+                                layers=2, vocab=49152 + 7, tied=True, types={"*": "F32"}, tokenizer_from=src, tokenizer_pre="qwen2",
+                                rope_theta=1000000.0)
     if not os.path.exists(dst):
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
@@ -441,7 +487,7 @@ def main() -> None:
     torch.set_num_threads(1)
     folder = args.folder or tempfile.mkdtemp(prefix="cpu_gguf_check-")
     os.makedirs(folder, exist_ok=True)
-    names = args.only or list(FILES) + ([] if args.no_llamacpp else [f"llamacpp_{t.lower()}" for t in LLAMACPP_TYPES])
+    names = args.only or list(FILES) + ([] if args.no_llamacpp else [f"llamacpp_{t.lower()}" for t in LLAMACPP_TYPES + LLAMACPP_QWEN2_TYPES])
     checks = ("load", "packed", "plan", "f32", "batch", "threads", "isa", "kv", "llama.cpp", "serve")
     rows = []
     for name in names:
