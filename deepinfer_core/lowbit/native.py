@@ -32,7 +32,7 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "prefill_attention.c", "layer.c", "head.c"))  # one shared object
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "prefill_attention.c", "layer.c", "head.c", "head_screen.c"))  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ISA_ENV = "DEEPINFER_LOWBIT_ISA"
@@ -186,3 +186,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.llama_decode_step.restype = None
     lib.lowbit_head_argmax.argtypes = [p, i64, i64, i32, p, p, p, i64, i64, i64, i32, p]
     lib.lowbit_head_argmax.restype = i32
+    if hasattr(lib, "lowbit_head_screen_argmax"):  # head_screen.c (absent from builds of older sources)
+        lib.head_screen_panel_bytes.argtypes = [i64, i64]
+        lib.head_screen_panel_bytes.restype = i64
+        lib.head_screen_prepare.argtypes = [p, p, i64, i64, p, p]
+        lib.head_screen_prepare.restype = i32
+        lib.lowbit_head_screen_argmax.argtypes = [p, i64, i64, i32, p, p, p, i64, i64, i64, i32, p, ctypes.c_float, p, p]
+        lib.lowbit_head_screen_argmax.restype = i32

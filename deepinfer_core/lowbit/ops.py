@@ -19,7 +19,9 @@ never take it.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -92,11 +94,15 @@ def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows
     return y
 
 
-def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0, threads: int | None = None) -> torch.Tensor | None:
+def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0, threads: int | None = None,
+                screen: "HeadScreen | None" = None) -> torch.Tensor | None:
     """The index of the largest logit of each row of ``x @ W^T`` ([M] int64), as
     ``torch.argmax(matmul(x, w, ...), -1)`` gives it, without the [M, N] logits (head.c: the
     same kernel on vocabulary chunks, so every logit has the full head's bits; ties to the lowest
-    index). None when a logit is NaN or the kernels are not built: the caller takes the full head."""
+    index). None when a logit is NaN or the kernels are not built: the caller takes the full head.
+    ``screen`` (:func:`prepare_screen`): from ``screen.min_rows`` rows on, head_screen.c answers,
+    the same indices (int8 logits with a proven error bound pick the candidates, the head's own
+    kernel decides among them)."""
     kernels = load()
     if kernels.lib is None or w.kind not in KIND_CODE:
         return None
@@ -109,6 +115,70 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
     if M == 0:
         return out
     m_ptr = w.m.data_ptr() if w.m is not None else None
+    threads = threads or torch.get_num_threads()
+    if screen is not None and M >= screen.min_rows and screen.isa == kernels.isa:
+        return screened_head_argmax(x, w, screen, max_int_rows, min_int8_rows, threads)[0]
     failed = kernels.lib.lowbit_head_argmax(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
-                                            w.qs.shape[0], max_int_rows, min_int8_rows, threads or torch.get_num_threads(), out.data_ptr())
+                                            w.qs.shape[0], max_int_rows, min_int8_rows, threads, out.data_ptr())
     return None if failed else out
+
+
+# The int8-screened head (head_screen.c) wins from this many rows on (benchmarks/README.md, head5);
+# fewer rows keep head.c's, whose int16 pass over the weights costs about as much as the screen's.
+SCREEN_MIN_ROWS = 8
+
+
+@dataclass(frozen=True)
+class HeadScreen:
+    """A q8 head repacked for the int8 screen (head_screen.c): ``panel`` [bytes] uint8, 32-byte
+    aligned inside; ``arow`` max_j sum_b |d_jb| sum_k |q_jbk| (the overflow guard)."""
+
+    panel: torch.Tensor
+    offset: int  # bytes from panel's start to the aligned panel
+    arow: float
+    isa: str  # the build that checked the weights (the AVX2 one refuses -128)
+    min_rows: int = SCREEN_MIN_ROWS
+
+    @property
+    def pointer(self) -> int:
+        return self.panel.data_ptr() + self.offset
+
+
+def prepare_screen(w: QuantWeight, min_rows: int = SCREEN_MIN_ROWS) -> HeadScreen | None:
+    """The screen's panel for ``w`` (~1.4x its packed bytes, built once), or None where it does
+    not apply: not q8, K not a multiple of 32, no kernels, or weights the screen cannot bound
+    (a non-finite scale; a -128 weight in the AVX2 build)."""
+    kernels = load()
+    if kernels.lib is None or not hasattr(kernels.lib, "lowbit_head_screen_argmax") or w.kind != "q8":
+        return None
+    N, K = w.shape
+    size = kernels.lib.head_screen_panel_bytes(N, K)
+    raw = torch.empty(size + 32, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % 32
+    arow = ctypes.c_float()
+    failed = kernels.lib.head_screen_prepare(w.qs.contiguous().data_ptr(), w.d.contiguous().data_ptr(), N, K,
+                                             raw.data_ptr() + offset, ctypes.byref(arow))
+    return None if failed else HeadScreen(raw, offset, arow.value, kernels.isa, min_rows)
+
+
+def screened_head_argmax(x: torch.Tensor, w: QuantWeight, screen: HeadScreen, max_int_rows: int = 0, min_int8_rows: int = 0,
+                         threads: int | None = None) -> tuple[torch.Tensor | None, int]:
+    """head_screen.c at any row count (head_argmax's choice skipped; tests, benchmarks): the
+    indices (None for a NaN logit) and how many vocabulary rows it recomputed exactly (-1 where
+    it refused the screen and took head.c's whole head)."""
+    kernels = load()
+    if screen.isa != kernels.isa:
+        raise ValueError(f"the screen was prepared by the {screen.isa} build, the kernels are {kernels.isa}")
+    x = x.float().contiguous()
+    M, K = x.shape
+    if w.shape[1] != K:
+        raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")
+    out = torch.empty(M, dtype=torch.int64)
+    if M == 0:
+        return out, 0
+    stats = torch.zeros(1, dtype=torch.int64)
+    m_ptr = w.m.data_ptr() if w.m is not None else None
+    failed = kernels.lib.lowbit_head_screen_argmax(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
+                                                   w.qs.shape[0], max_int_rows, min_int8_rows, threads or torch.get_num_threads(),
+                                                   screen.pointer, screen.arow, out.data_ptr(), stats.data_ptr())
+    return (None if failed else out), int(stats[0])

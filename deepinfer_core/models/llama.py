@@ -185,8 +185,21 @@ class LlamaForCausalLM(nn.Module):
         chooser = getattr(plan, "threads", None) if plan is not _UNPLANNED else None
         most = torch.get_num_threads()
         threads = min(chooser.current or most, most) if chooser is not None else most  # the native step's count
-        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads)
+        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, self._head_screen(head, w))
         return None if tokens is None else (tokens, w.qs.shape[0])
+
+    screened_head = True  # greedy_tokens may screen a q8 head in int8 (lowbit/head_screen.c; benchmarks turn it off)
+
+    def _head_screen(self, head: nn.Module, w) -> "lowbit_ops.HeadScreen | None":
+        """The head's int8 screen (same indices, less work from ops.SCREEN_MIN_ROWS rows on),
+        built on first use and kept on the head module with the packed weight it was built from."""
+        if not self.screened_head:
+            return None
+        cached = head.__dict__.get("_head_screen")
+        if cached is None or cached[0] is not w.qs:
+            cached = (w.qs, lowbit_ops.prepare_screen(w))
+            head.__dict__["_head_screen"] = cached
+        return cached[1]
 
     # -- weights -----------------------------------------------------------------------------
     @torch.no_grad()
