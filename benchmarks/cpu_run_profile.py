@@ -109,8 +109,8 @@ def main() -> None:
     parser.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
                         help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)")
     parser.add_argument("--head-ab", type=int, default=0, metavar="ROUNDS",
-                        help="then ROUNDS whole runs with the LM head fused with greedy sampling (lowbit/head.c) and the full head + "
-                             "torch.argmax, alternating; wall and CPU seconds")
+                        help="then ROUNDS whole runs with the LM head fused with greedy sampling, int8-screened (lowbit/head_screen.c) "
+                             "and not (lowbit/head.c), and the full head + torch.argmax, alternating; wall and CPU seconds")
     args = parser.parse_args()
     prompts = build_prompts(args.concurrency, args.prompt_tokens)
     import inspect
@@ -187,29 +187,33 @@ def main() -> None:
 
 
 def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: int, tokens: int) -> None:
-    """Whole runs alternating the fused greedy head and the full head + torch.argmax on one
-    engine (the instance attribute ``fused_greedy`` switches it); the outputs must agree."""
+    """Whole runs alternating the LM heads on one engine: the fused greedy head screened in int8
+    (lowbit/head_screen.c, the default), the fused head without the screen (lowbit/head.c alone)
+    and the full head + torch.argmax (instance attributes ``screened_head`` and ``fused_greedy``
+    switch them); the outputs must agree."""
     model = llm.engine.model
     for name in ("greedy_tokens", "compute_logits"):  # the timers of the profiled run off
         model.__dict__.pop(name, None)
     if getattr(model, "_decode_plan", None) is not None and hasattr(model._decode_plan, "phase_ms"):
         model._decode_plan.phase_ms = None
-    walls: dict[bool, list[tuple[float, float]]] = defaultdict(list)
-    outputs: dict[bool, list[list[int]]] = {}
+    heads = {"fused, int8-screened (head_screen.c, default)": (True, True), "fused, int16 only (head.c)": (True, False),
+             "full logits + torch.argmax": (False, False)}
+    walls: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    outputs: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
-        for fused in (True, False):
-            model.fused_greedy = fused
+        for label, (fused, screened) in heads.items():
+            model.fused_greedy, model.screened_head = fused, screened
             start, cpu = time.perf_counter(), time.process_time()
-            outputs[fused] = generate(prompts, new_tokens)
-            walls[fused].append((time.perf_counter() - start, time.process_time() - cpu))
-    del model.fused_greedy
-    print(f"\nwhole runs alternating, load average after {os.getloadavg()[0]:.1f}; outputs identical: {outputs[True] == outputs[False]}")
+            outputs[label] = generate(prompts, new_tokens)
+            walls[label].append((time.perf_counter() - start, time.process_time() - cpu))
+    del model.fused_greedy, model.screened_head
+    same = all(o == outputs[next(iter(heads))] for o in outputs.values())
+    print(f"\nwhole runs alternating, load average after {os.getloadavg()[0]:.1f}; outputs identical: {same}")
     print("| LM head | runs | best wall s | median wall s | best CPU s | median CPU s | tok/s (best wall) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for fused in (True, False):
-        w = sorted(x for x, _ in walls[fused])
-        c = sorted(y for _, y in walls[fused])
-        label = "fused with greedy sampling (default)" if fused else "full logits + torch.argmax"
+    for label in heads:
+        w = sorted(x for x, _ in walls[label])
+        c = sorted(y for _, y in walls[label])
         print(f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | {tokens / w[0]:.1f} |")
 
 

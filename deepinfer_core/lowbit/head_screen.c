@@ -354,7 +354,7 @@ int lowbit_head_screen_argmax(const float *x, int64_t M, int64_t K, int kind, co
     float *s = (float *)malloc((size_t)(2 * M * nb) * sizeof(float)), *sx = s + M * nb;
     float *y = (float *)malloc((size_t)(M * U) * sizeof(float));
     quantize_act16(x, M, K, v, s, sx);
-    gemm_i16_pre(v, s, sx, M, K, kind, gq, gd, 0, U, y, nthreads);
+    gemm_i16_pre(v, s, sx, M, K, kind, gq, gd, 0, U, y, U * M < (1 << 16) ? 1 : nthreads);  /* a few rows: no second fork and join */
     int nan = 0;
     for (int64_t r = 0; r < M; r++) {  /* rows ascending: the first maximum wins */
         const float *yr = y + r * U;
