@@ -262,7 +262,7 @@ int lowbit_head_screen_argmax(const float *x, int64_t M, int64_t K, int kind, co
     if (stats) stats[0] = -1;
     if (kind != 8 || !panel || M < 1 || lb_act_kernel(kind, M, int_rows, int8_rows) != 16 || N >= INT32_MAX)
         return lowbit_head_argmax(x, M, K, kind, qs, d, m, N, int_rows, int8_rows, nthreads, out);
-    int8_t *a8 = (int8_t *)aligned_alloc(32, (size_t)(M * K + 32));
+    int8_t *a8 = (int8_t *)aligned_alloc(32, (size_t)((M * K + 63) / 32 * 32));
     float *s8 = (float *)malloc((size_t)(2 * M * nb) * sizeof(float)), *e = s8 + M * nb;
     float amax_top = 0.0f;
     int bad = 0;

@@ -146,8 +146,8 @@ class HeadScreen:
 
 def prepare_screen(w: QuantWeight, min_rows: int = SCREEN_MIN_ROWS) -> HeadScreen | None:
     """The screen's panel for ``w`` (~1.4x its packed bytes, built once), or None where it does
-    not apply: not q8, K not a multiple of 32, no kernels, or weights the screen cannot bound
-    (a non-finite scale; a -128 weight in the AVX2 build)."""
+    not apply: not q8, no kernels, or weights the screen cannot bound (a non-finite scale; a
+    -128 weight in the AVX2 build)."""
     kernels = load()
     if kernels.lib is None or not hasattr(kernels.lib, "lowbit_head_screen_argmax") or w.kind != "q8":
         return None
