@@ -2,7 +2,8 @@
 where the CPU has it) give the same bits.
 
 The reference is the AVX2 build, the kernels as they were before VNNI (``vpmaddwd`` + ``vpaddd``):
-the VNNI build's ``vpdpwssd`` sums the same integers, so every output must be bit-for-bit equal,
+the VNNI build's ``vpdpwssd`` sums the same integers (its panel in 512-bit vectors, 8 tokens a
+pass, each lane the 256-bit pass's operations in the same order), so every output must be bit-for-bit equal,
 on the shapes the kernel tests use (odd N with a short last tile, the rows layout at 1-4 rows,
 the panel from 5 with every token tail, K in one and in several slices of the panel, q4 with
 offsets, q5 and q8), through the fused head and a whole decode step. The choice of build is read
@@ -82,7 +83,7 @@ def _gemm(lib: ctypes.CDLL, exact: bool, x: torch.Tensor, w: QuantWeight, thread
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
     w = _weight(kind, 37, K, K)
-    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 301):
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 23, 32, 301):  # the panel's token tails of 5 (ymm) and 8 (zmm) passes
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M * K)) * 3
         x[:, 7] = 0.0  # a block of zeros among them: scale 0
         x[0, :32] = 0.0

@@ -29,6 +29,10 @@
  *
  * Where the CPU has AVX512-VNNI + VL (or AVX-VNNI), native.py builds this file with those flags
  * and DPWSSD below is one vpdpwssd: the same int32 sums, so the same bits as the AVX2 build.
+ * With AVX512-F/BW + VNNI (the avx512vnni build) the panel pass is 512 bits wide (P16_ZMM): a
+ * pair's 16 columns in one zmm, 8 tokens a pass read from a token-interleaved copy of the rounded
+ * rows, the next tile prefetched a few lines a block; each lane does the 256-bit pass's
+ * operations in the same order, so again the same bits (benchmarks/README.md, gemm4).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -67,6 +71,14 @@ typedef struct {
     int16_t *v;  /* [M, K] */
     float *s;    /* [M, K/32] scale per block */
     float *sx;   /* [M, K/32] float sum of the block's x (for the q4 offset) */
+    /* The zmm panel pass's copy (P16_ZMM; else NULL): tokens in groups of P16_T, per group and
+     * block the 16 pairs of each token side by side (pair p of token t at [p][t], int32), then
+     * per group and block the tokens' s and sx: one pointer and constant offsets address a
+     * block's every operand (the [M, K] rows needed a register per token and spilled them). A
+     * short last group holds zeros after its tokens. */
+    int32_t *xz; /* [groups, K/32, 16, P16_T] */
+    float *sz;   /* [groups, K/32, P16_T] */
+    float *sxz;  /* [groups, K/32, P16_T] */
 } act16_t;
 
 /* Round x [M, K] to act16 (exported for the tests: the kernel's own rounding, so a float64
@@ -183,8 +195,16 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
  * takes 8; benchmarks/lowbit_i16_ceiling.c); AVX512-VL's 32 ymm registers hold more tokens:
  * T = 4 and 5 ran 1.1-1.25x the AVX2 build per matrix, 5 a little ahead at 512 rows, 6 and 8
  * no faster than AVX2 (registers spill) (benchmarks/README.md, cpuvnni). -DP16_T=n overrides. */
+/* With AVX512-F/BW + VNNI (the avx512vnni build) the pass is 512 bits wide (P16_ZMM): the 16
+ * columns of a pair are one zmm (the panel's vectors 2p and 2p + 1 lie side by side), so a token
+ * takes one int32 sum and one float accumulator and P16_T tokens share each weight load. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(P16_NO_ZMM)
+#define P16_ZMM 1
+#endif
 #ifndef P16_T
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(P16_ZMM)
+#define P16_T 8
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define P16_T 5
 #else
 #define P16_T 3
@@ -429,13 +449,76 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
     for (int t = 0; t < T; t++) store16(y + (i0 + t) * N + n0, nr, f0[t], f1[t], b0 == 0);
 }
 
+#if defined(P16_ZMM)
+/* panel16_tokens in 512-bit vectors: lane c of a zmm is column c, and each lane takes the same
+ * operations in the same order as the 256-bit pass's (int32 sums are exact; then per block
+ * fma(float(sum), d * s, acc) and fma(m, sx, acc)), so every output keeps its bits. i0 is a
+ * multiple of P16_T (chunks are): the tokens are group i0 / P16_T of the act16_t copy. */
+static inline __attribute__((always_inline)) void panel16_tokens_z(const __m256i *panel, int64_t b0, int64_t b1, int64_t nb, int64_t K, const act16_t *a,
+                                                                  int64_t i0, const int T, const int offs, int64_t n0, int nr,
+                                                                  int64_t N, float *y, ahead_t *pf) {
+    (void)K;
+    __m512 f[P16_T];
+    for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
+    const int64_t g = i0 / P16_T;
+    const int32_t *xg = a->xz + (g * nb + b0) * (P16_PAIRS * P16_T);
+    const float *sg = a->sz + (g * nb + b0) * P16_T, *sxg = a->sxz + (g * nb + b0) * P16_T;
+    for (int64_t b = b0; b < b1; b++, xg += P16_PAIRS * P16_T, sg += P16_T, sxg += P16_T) {
+        const __m512i *pb = (const __m512i *)(panel + b * (P16_BLOCK / 32));
+        ahead_some(pf);  /* a few lines a block: a pass of 8 tokens is long, and its ~30 lines at once stalled the loads */
+        __m512i s[P16_T];
+        {
+            const __m512i w = _mm512_load_si512(pb);
+            for (int t = 0; t < T; t++) s[t] = _mm512_madd_epi16(w, _mm512_set1_epi32(xg[t]));
+        }
+#pragma GCC unroll 15
+        for (int p = 1; p < P16_PAIRS; p++) {
+            const __m512i w = _mm512_load_si512(pb + p);
+            for (int t = 0; t < T; t++) s[t] = _mm512_dpwssd_epi32(s[t], w, _mm512_set1_epi32(xg[p * P16_T + t]));
+        }
+        const float *sc = (const float *)(pb + P16_PAIRS);
+        const __m512 dd = _mm512_load_ps(sc);
+        for (int t = 0; t < T; t++) {
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(dd, _mm512_set1_ps(sg[t])), f[t]);
+            if (offs) f[t] = _mm512_fmadd_ps(_mm512_load_ps(sc + 16), _mm512_set1_ps(sxg[t]), f[t]);
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    for (int t = 0; t < T; t++) {
+        float *yt = y + (i0 + t) * N + n0;
+        __m512 r = f[t];
+        if (b0 != 0) r = _mm512_add_ps(_mm512_maskz_loadu_ps(k, yt), r);
+        _mm512_mask_storeu_ps(yt, k, r);
+    }
+}
+
+/* Group g's tokens of a into the copy (act16_t.xz, sz, sxz). */
+static void act16_group(act16_t *a, int64_t M, int64_t K, int64_t g) {
+    const int64_t nb = K / QK;
+    for (int t = 0; t < P16_T; t++) {
+        const int64_t i = g * P16_T + t;
+        for (int64_t b = 0; b < nb; b++) {
+            const int32_t *src = (const int32_t *)(a->v + i * K + b * QK);
+            int32_t *dst = a->xz + (g * nb + b) * (P16_PAIRS * P16_T) + t;
+            for (int p = 0; p < P16_PAIRS; p++) dst[p * P16_T] = i < M ? src[p] : 0;
+            a->sz[(g * nb + b) * P16_T + t] = i < M ? a->s[i * nb + b] : 0.0f;
+            a->sxz[(g * nb + b) * P16_T + t] = i < M ? a->sx[i * nb + b] : 0.0f;
+        }
+    }
+}
+#define P16_PASS(T, OFFS) panel16_tokens_z(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y, pf)
+#define P16_PF_UNITS(slices, step) ((slices) * (step))  /* prefetch portions per token pass: one a block */
+#else
+#define P16_PASS(T, OFFS) (ahead_some(pf), panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y))
+#define P16_PF_UNITS(slices, step) (slices)
+#endif
+
 /* Tokens c0..c1 against the tile, K in equal slices of at most P16_SLICE blocks: a slice of the
  * panel (<= 22 KiB) stays in L1 while every token of the chunk passes over it (a whole panel of
  * K = 1,536, 54 KiB, was read from L2 for each 3 tokens: the down projection at 4,096 rows ran
  * at 0.94x the exact kernel, 1.23x sliced). Slice boundaries depend on K only, so a row's result
  * still does not depend on M. */
 #define P16_SLICE 20
-#define P16_PASS(T, OFFS) (ahead_some(pf), panel16_tokens(panel, b0, b1, nb, K, a, i0, T, OFFS, n0, nr, N, y))
 
 #define P16_CASE(n, OFFS) \
     case n:                \
@@ -444,7 +527,9 @@ static inline __attribute__((always_inline)) void panel16_tokens(const __m256i *
 #define P16_TOKENS(OFFS)                                                      \
     do {                                                                      \
         for (; i0 + P16_T <= c1; i0 += P16_T) P16_PASS(P16_T, OFFS);          \
-        switch (c1 - i0) { P16_CASE(7, OFFS) P16_CASE(6, OFFS) P16_CASE(5, OFFS) P16_CASE(4, OFFS) \
+        switch (c1 - i0) { P16_CASE(15, OFFS) P16_CASE(14, OFFS) P16_CASE(13, OFFS) P16_CASE(12, OFFS) \
+                           P16_CASE(11, OFFS) P16_CASE(10, OFFS) P16_CASE(9, OFFS) P16_CASE(8, OFFS) \
+                           P16_CASE(7, OFFS) P16_CASE(6, OFFS) P16_CASE(5, OFFS) P16_CASE(4, OFFS) \
                            P16_CASE(3, OFFS) P16_CASE(2, OFFS) P16_CASE(1, OFFS) default: break; } \
     } while (0)
 
@@ -468,14 +553,27 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
     int64_t chunk = (int64_t)(256 * 1024 / ((size_t)K * sizeof(int16_t))) / P16_T * P16_T;
     if (chunk < P16_T) chunk = P16_T;
     const int offs = kind != 8;
-    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, passes = slices * ((chunk < M ? chunk : M) + P16_T - 1) / P16_T;
+    const int64_t slices = (nb + P16_SLICE - 1) / P16_SLICE, step = (nb + slices - 1) / slices;
+    const int64_t passes = P16_PF_UNITS(slices, step) * ((chunk < M ? chunk : M) + P16_T - 1) / P16_T;
+#if defined(P16_ZMM)
+    const int64_t groups = (M + P16_T - 1) / P16_T;
+    act16_t az = *a;
+    az.xz = (int32_t *)malloc((size_t)(groups * nb * P16_PAIRS * P16_T) * sizeof(int32_t));
+    az.sz = (float *)malloc((size_t)(2 * groups * nb * P16_T) * sizeof(float));
+    az.sxz = az.sz + groups * nb * P16_T;
+    a = &az;
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         if (x) {  /* x NULL: a already holds the rounded rows (gemm_i16_pre) */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < M; i++) quantize_act16(x + i * K, 1, K, a->v + i * K, a->s + i * nb, a->sx + i * nb);
         }
-        __m256i *panel = (__m256i *)aligned_alloc(32, (size_t)(nb * P16_BLOCK));
+#if defined(P16_ZMM)
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) act16_group(&az, M, K, g);
+#endif
+        __m256i *panel = (__m256i *)aligned_alloc(64, (size_t)(nb * P16_BLOCK));  /* 64: the zmm pass loads a pair's 16 columns aligned */
         for (int64_t c0 = 0; c0 < M; c0 += chunk) {
             const int64_t c1 = c0 + chunk < M ? c0 + chunk : M;
 #pragma omp for schedule(static) nowait
@@ -489,6 +587,10 @@ static void gemm_i16_act_panel(const float *x, act16_t *a, int64_t M, int64_t K,
         }
         free(panel);
     }
+#if defined(P16_ZMM)
+    free(az.xz);
+    free(az.sz);
+#endif
 }
 
 /* x [M, K] float32 -> y [M, N]: activations rounded to int16 per block, integer dot products. */
