@@ -167,7 +167,9 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
     /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
-     * keys and values fetched, a position per iteration of the first column pass */
+     * keys and values fetched, a position per iteration of the first column pass, into L2 (T1): into
+     * L1 (T0) they evicted the values being summed (an item's keys and values are 48 KB at 192
+     * tokens of width 64 in float16, L1 is 32 KB); 1.4x on a 32-request step from DRAM, Zen 4 */
     const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
     const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
     const int32_t *table2 = block_tables + r2 * max_blocks;
@@ -182,8 +184,8 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
             if (c0 == 0 && t < n2) {
                 const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
                 for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
-                    _mm_prefetch(p + b, _MM_HINT_T0);
-                    _mm_prefetch(p + vplane + b, _MM_HINT_T0);
+                    _mm_prefetch(p + b, _MM_HINT_T1);
+                    _mm_prefetch(p + vplane + b, _MM_HINT_T1);
                 }
                 if (++o2 == block_size) o2 = 0, b2++;
             }
@@ -296,7 +298,9 @@ static inline __attribute__((always_inline)) void attend_fixed512(const float *q
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
     /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
-     * keys and values fetched, a position per iteration of the first column pass */
+     * keys and values fetched, a position per iteration of the first column pass, into L2 (T1): into
+     * L1 (T0) they evicted the values being summed (an item's keys and values are 48 KB at 192
+     * tokens of width 64 in float16, L1 is 32 KB); 1.4x on a 32-request step from DRAM, Zen 4 */
     const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
     const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
     const int32_t *table2 = block_tables + r2 * max_blocks;
@@ -311,8 +315,8 @@ static inline __attribute__((always_inline)) void attend_fixed512(const float *q
             if (c0 == 0 && t < n2) {
                 const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
                 for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
-                    _mm_prefetch(p + b, _MM_HINT_T0);
-                    _mm_prefetch(p + vplane + b, _MM_HINT_T0);
+                    _mm_prefetch(p + b, _MM_HINT_T1);
+                    _mm_prefetch(p + vplane + b, _MM_HINT_T1);
                 }
                 if (++o2 == block_size) o2 = 0, b2++;
             }
