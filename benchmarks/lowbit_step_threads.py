@@ -35,7 +35,7 @@ from cpu_throughput import build_prompts  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c") -> ctypes.CDLL:
+def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c", isa: str = "avx2") -> ctypes.CDLL:
     from deepinfer_core.lowbit import native
 
     path = os.path.join(out_dir, f"{name}.c")
@@ -43,7 +43,7 @@ def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c") -> 
         f.write(layer_source)
     sources = [p for p in native._SOURCES if os.path.basename(p) != file] + [path]
     so = os.path.join(out_dir, f"{name}.so")
-    subprocess.run([native.compiler_path(), *native._FLAGS, f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
+    subprocess.run([native.compiler_path(), *native._FLAGS, *native._ISA_FLAGS[isa], f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
     lib = ctypes.CDLL(so)
     native._declare(lib)
     return lib
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--file", default="layer.c", help="the lowbit C file taken from --rev (the rest from this checkout)")
     parser.add_argument("--at-step", type=int, default=1, help="capture the n-th decode step of --requests rows")
+    parser.add_argument("--isa", default=None, help="instruction set both sides are built for (native._ISA_FLAGS; default: the engine's choice)")
     args = parser.parse_args()
     os.environ["DEEPINFER_ADAPTIVE_THREADS"] = "0"
     from deepinfer_core import LLM, SamplingParams
@@ -100,8 +101,11 @@ def main() -> None:
 
             plan._call, plan._captures = capture, True
     ids, positions, slots, tables = seen["args"]
+    from deepinfer_core.lowbit import native
+
+    isa = args.isa or native.isa_choice()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {f"{args.file} of {args.rev}": build(old, tmp, "old", args.file), f"{args.file} of this checkout": build(new, tmp, "new", args.file)}
+        libs = {f"{args.file} of {args.rev}": build(old, tmp, "old", args.file, isa), f"{args.file} of this checkout": build(new, tmp, "new", args.file, isa)}
     outs = {k: torch.empty(R, plan._md.hidden) for k in libs}
     scratch = torch.empty(R * plan._per_row)
     busy: dict[str, list[list[float]]] = {k: [] for k in libs}
@@ -119,7 +123,7 @@ def main() -> None:
             busy[name].append(sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)[:T])
             phases[name].append(list(phase_ms))
     a, b = outs.values()
-    print(f"{R} rows, {T} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}, "
+    print(f"{isa} build, {R} rows, {T} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}, "
           f"{args.rounds} steps each, alternating, contexts {int(positions.min()) + 1}-{int(positions.max()) + 1} tokens; "
           f"hidden states identical: {torch.equal(a, b)}\n")
     print("| library | busiest thread CPU ms (median) | other threads (median) | wall ms (median) | phases CPU ms: GEMMs / attention / rest (median) |")
