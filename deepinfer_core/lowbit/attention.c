@@ -66,6 +66,25 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *cache
     for (int64_t b = 0; b < kv_row_bytes(n, kv); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+#if defined(__AVX512F__)
+/* vec.h's exp8 on 16 lanes: the same operations per lane, so the same bits */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* softmax of n scores in place: max-subtracted, exponentials 8 at a time */
 static inline void softmax_row(float *sc, int64_t n) {
     float mx = sc[0], total = 0.0f;
@@ -78,6 +97,13 @@ static inline void softmax_row(float *sc, int64_t n) {
     for (t = t > 0 ? t : 1; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
     t = 0;
     __m256 vt = _mm256_setzero_ps();
+#if defined(__AVX512F__)
+    for (; t + 16 <= n; t += 16) {  /* 16 exponentials per instruction sequence; the sums as 8-lane steps, in order */
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(sc + t, e);
+        vt = _mm256_add_ps(_mm256_add_ps(vt, _mm512_castps512_ps256(e)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
     for (; t + 8 <= n; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(mx)));
         _mm256_storeu_ps(sc + t, e);
@@ -111,7 +137,6 @@ static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4x8(a, a, a, a
  * lanes as the generic path does at that position (hsum4x8's pattern below n / 4 * 4, vec_hsum8's
  * above), and each output column sums its positions in order. Keys and values of the position
  * PREFETCH_AHEAD further are prefetched during the scores, so the weighted sum reads L1/L2. */
-#define CHUNK 3  /* items a thread takes at a time: it warms the next item of its chunk (see next) */
 #define KP(G) ((G) >= 4 ? 2 : (G) == 3 ? 3 : 4)      /* positions per score step: G x KP accumulators + KP keys + 1 query <= 16 */
 #define VJ(G) ((G) >= 3 ? 2 : 4)      /* 8-wide output vectors per head in the weighted sum */
 static inline __attribute__((always_inline)) void attend_fixed(const float *q, const void *cache, int64_t num_kv_heads, int64_t num_blocks,
@@ -447,10 +472,11 @@ void paged_decode_attention(const float *q, const void *cache, int64_t num_kv_he
     const int fixed = G >= 1 && G <= 4 && G * num_kv_heads == num_heads && head_dim == v_head_dim && (head_dim == 64 || head_dim == 128);
     const int shape = fixed ? (int)(6 * G - 6 + 3 * (head_dim == 128) + kv) : -1;
     const int64_t items = num_requests * num_kv_heads;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, CHUNK)
-    for (int64_t item = 0; item < items; item++) {
-        /* the item this thread takes next: the rest of its chunk of CHUNK, or any item on one thread */
-        const int64_t next = item + 1 < items && (nthreads == 1 || (item + 1) % CHUNK != 0) ? item + 1 : -1;
+    int64_t claimed = 0;  /* items handed out so far: a thread claims its next item before it computes this one */
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t item = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), claim; item < items; item = claim) {
+        claim = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        const int64_t next = claim < items ? claim : -1;  /* warmed during this item's weighted sum */
         switch (shape) {
             FIXED_CASES(1) FIXED_CASES(2) FIXED_CASES(3) FIXED_CASES(4)
             default:
