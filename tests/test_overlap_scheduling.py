@@ -131,7 +131,7 @@ def test_the_guard_fails_loudly_when_a_step_reads_the_wrong_token(model_dir, mon
 
     def stale(scheduler, flight):
         cont = continuation(scheduler, flight)
-        return None if cont is None else (cont[0], cont[1], (cont[2] + 1) % llm.engine.model.vocab_size)
+        return None if cont is None else cont._replace(fed=(cont.fed + 1) % llm.engine.model.vocab_size)
 
     monkeypatch.setattr(overlap, "continuation", stale)
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -24,6 +24,19 @@ PENDING = -1  # a token id placeholder: sampled by the step in flight, still on 
 
 
 @dataclass(frozen=True)
+class BatchColumns:
+    """A decode step's layout (one token per request, every row sampled) as arrays, for
+    :func:`build` to take instead of reading each :class:`ScheduledRequest` (overlap.Chain keeps
+    them from step to step). Equal to what the records say: test_overlap_chain builds both ways."""
+
+    starts: np.ndarray  # [R] int64, each request's position
+    tables: np.ndarray  # [R, width] int64 block tables, zero-padded as build lays them out (read only)
+    nblocks: np.ndarray  # [R] int64 blocks per request
+    prompt_lens: tuple[int, ...]
+    ids: tuple[str, ...]  # the request ids, in order
+
+
+@dataclass(frozen=True)
 class Batch:
     input_ids: torch.Tensor  # [T] int64 on the device
     meta: AttentionMetadata
@@ -64,21 +77,26 @@ def build(
     reqs = out.requests
     R = len(reqs)
     bs = block_size
-    lens = np.fromiter((len(s.token_ids) for s in reqs), np.int64, R)
-    starts = np.fromiter((s.start_position for s in reqs), np.int64, R)
-    nblocks = np.fromiter((len(s.block_ids) for s in reqs), np.int64, R)
-    sample = np.fromiter((s.sample for s in reqs), np.bool_, R)
+    columns = out.columns
+    rows = np.arange(R)
+    if columns is not None:  # a continuation: one token per request, every row sampled
+        lens, starts, nblocks, sample, tables = np.ones(R, np.int64), columns.starts, columns.nblocks, np.ones(R, np.bool_), columns.tables
+        width = tables.shape[1]
+    else:
+        lens = np.fromiter((len(s.token_ids) for s in reqs), np.int64, R)
+        starts = np.fromiter((s.start_position for s in reqs), np.int64, R)
+        nblocks = np.fromiter((len(s.block_ids) for s in reqs), np.int64, R)
+        sample = np.fromiter((s.sample for s in reqs), np.bool_, R)
+        width = max(1, int(nblocks.max()))
+        tables = np.zeros((R, width), np.int64)
+        flat_blocks = np.fromiter(chain.from_iterable(s.block_ids for s in reqs), np.int64, int(nblocks.sum()))
+        bcu = np.concatenate(([0], np.cumsum(nblocks)))
+        tables[np.repeat(rows, nblocks), np.arange(flat_blocks.size) - np.repeat(bcu[:-1], nblocks)] = flat_blocks
     T = int(lens.sum())
     cu = np.zeros(R + 1, np.int64)
     np.cumsum(lens, out=cu[1:])
-    rows = np.arange(R)
     row_of = np.repeat(rows, lens)
     positions = np.arange(T, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
-    width = max(1, int(nblocks.max()))
-    tables = np.zeros((R, width), np.int64)
-    flat_blocks = np.fromiter(chain.from_iterable(s.block_ids for s in reqs), np.int64, int(nblocks.sum()))
-    bcu = np.concatenate(([0], np.cumsum(nblocks)))
-    tables[np.repeat(rows, nblocks), np.arange(flat_blocks.size) - np.repeat(bcu[:-1], nblocks)] = flat_blocks
     block_of = positions // bs
     if T and not (block_of < nblocks[row_of]).all():
         bad = int(row_of[np.argmax(block_of >= nblocks[row_of])])
@@ -117,7 +135,7 @@ def build(
         batch_invariant=batch_invariant,
         state_slots=pieces[-1] if state_slots is not None else None,
         replay=replay,
-        prompt_lens=tuple(s.prompt_len for s in reqs),
+        prompt_lens=columns.prompt_lens if columns is not None else tuple(s.prompt_len for s in reqs),
         num_context_tokens=int(seq_lens.sum()),
         num_attention_pairs=int(positions.sum()) + T,  # query at position p sees keys 0..p
         **(_host_layout(cu, seq_lens, state_slots) if state_slots is not None else {}),

@@ -247,13 +247,14 @@ class LLMEngine:
                 outputs += self._commit(flight)
                 flight = None
             if cont is not None:
-                sched, rows, fed = cont
+                sched, rows, fed, chain = cont
+                reqs = flight.requests  # the same requests, each still under its id (continuation checked)
             else:
-                sched, fed = self.scheduler.schedule(), None
+                sched, fed, chain = self.scheduler.schedule(), None, None
                 rows = self._sampling_rows(sched)
-            if sched.requests:
                 reqs = tuple(self.scheduler.requests[s.request_id] for s in sched.requests)
-                self._in_flight = overlap.InFlight(self.runner.launch(sched, rows, None, fed), reqs)
+            if sched.requests:
+                self._in_flight = overlap.InFlight(self.runner.launch(sched, rows, None, fed), reqs, chain)
             if flight is not None:
                 outputs += self._commit(flight)
         except Exception as exc:  # no single request is at fault: fail them all

@@ -98,9 +98,12 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not batch.sample_rows:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
-        ids = tuple(s.request_id for s in out.requests if s.sample)
-        row_list = [rows[i] for i in ids]
-        plain = type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list)  # the sampler would return the argmax
+        ids = out.columns.ids if out.columns is not None else tuple(s.request_id for s in out.requests if s.sample)  # columns: every row samples
+        if type(self.sampler) is Sampler and getattr(rows, "plain_greedy", False):  # a continuation that knows, without reading the rows
+            row_list, plain = None, True
+        else:
+            row_list = [rows[i] for i in ids]
+            plain = type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list)  # the sampler would return the argmax
         if logits is None:
             sample_hidden = hidden if batch.sample_index is None else hidden[batch.sample_index]
             fused = getattr(self.model, "greedy_tokens", None)  # the head's argmax without the logits (greedy rows only)
@@ -118,7 +121,7 @@ class ModelRunner:
             else:
                 tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
-            sampled, failed = sample_isolated(self.sampler, logits, ids, row_list)
+            sampled, failed = sample_isolated(self.sampler, logits, ids, row_list if row_list is not None else [rows[i] for i in ids])
             return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
         host, ready, buf = _copy_back(tokens)
         return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1], buf)

@@ -51,6 +51,9 @@ class SchedulerOutput:
     requests: tuple[ScheduledRequest, ...]
     num_tokens: int
     preempted: tuple[str, ...] = ()
+    # the decode rows' layout as arrays, already known to whoever built ``requests``
+    # (batch_build.BatchColumns; None: read it from ``requests``)
+    columns: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -165,10 +168,12 @@ class Scheduler:
         """Commit a step: advance computed counts, append sampled tokens, publish full blocks,
         finish requests. Returns the requests that changed (for output processing)."""
         changed = []
+        publish = self.kv.cache_computed_blocks if self.kv.enabled else None  # prefix caching off: nothing to publish
         for sched in out.requests:
             req = self.requests[sched.request_id]
             req.num_computed_tokens += len(sched.token_ids)
-            self.kv.cache_computed_blocks(req)
+            if publish is not None:
+                publish(req)
             if sched.request_id in sampled:
                 req.output_token_ids.append(sampled[sched.request_id])
                 changed.append(req)
