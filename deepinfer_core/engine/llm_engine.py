@@ -267,9 +267,14 @@ class LLMEngine:
         """Wait for a launched step's ids; account them to the requests still running it."""
         result = self.runner.collect(flight.launched)
         sched = overlap.alive(self.scheduler, flight, self.overlap_debug)
-        kept = {s.request_id for s in sched.requests}
-        changed = self.scheduler.update(sched, {i: t for i, t in result.sampled.items() if i in kept})
-        outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items() if i in kept]
+        if sched.requests is flight.launched.sched.requests:  # every row kept (the usual case): nothing to filter
+            sampled, failed = result.sampled, result.failed
+        else:
+            kept = {s.request_id for s in sched.requests}
+            sampled = {i: t for i, t in result.sampled.items() if i in kept}
+            failed = {i: msg for i, msg in result.failed.items() if i in kept}
+        changed = self.scheduler.update(sched, sampled)
+        outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in failed.items()]
         return outputs + [out for req in changed if (out := self._process(req)) is not None]
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
