@@ -142,6 +142,8 @@ def test_the_engine_screens_greedy_steps_and_keeps_its_tokens(monkeypatch):
     monkeypatch.setattr(ops, "screened_head_argmax", lambda *a, **k: screened.append(a[0].shape[0]) or real(*a, **k))
     prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(12)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.chat(prompts[:3], greedy)
+    assert not screened and "_head_screen" not in model.model.embed_tokens.__dict__  # 3 rows: no screen, none built
     on = [o.outputs[0].token_ids for o in llm.chat(prompts, greedy)]
     assert screened and min(screened) >= ops.SCREEN_MIN_ROWS  # 12-row decode steps took the screen
     model.screened_head = False

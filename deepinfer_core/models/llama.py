@@ -185,14 +185,16 @@ class LlamaForCausalLM(nn.Module):
         chooser = getattr(plan, "threads", None) if plan is not _UNPLANNED else None
         most = torch.get_num_threads()
         threads = min(chooser.current or most, most) if chooser is not None else most  # the native step's count
-        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, self._head_screen(head, w))
+        screen = self._head_screen(head, w) if hidden.shape[0] >= lowbit_ops.SCREEN_MIN_ROWS else None  # built when it pays
+        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, screen)
         return None if tokens is None else (tokens, w.qs.shape[0])
 
     screened_head = True  # greedy_tokens may screen a q8 head in int8 (lowbit/head_screen.c; benchmarks turn it off)
 
     def _head_screen(self, head: nn.Module, w) -> "lowbit_ops.HeadScreen | None":
         """The head's int8 screen (same indices, less work from ops.SCREEN_MIN_ROWS rows on),
-        built on first use and kept on the head module with the packed weight it was built from."""
+        built on first use (an engine that never steps that many rows never holds its 37 MiB
+        for SmolLM2) and kept on the head module with the packed weight it was built from."""
         if not self.screened_head:
             return None
         cached = head.__dict__.get("_head_screen")
