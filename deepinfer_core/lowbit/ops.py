@@ -126,6 +126,15 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
 # The int8-screened head (head_screen.c) wins from this many rows on (benchmarks/README.md, head5);
 # fewer rows keep head.c's, whose int16 pass over the weights costs about as much as the screen's.
 SCREEN_MIN_ROWS = 8
+# Builds where it wins: vpdpbusd halves the dot-product instructions. The AVX2 build's exact int8
+# products (vpsignb, vpmaddubsw, vpmaddwd, vpaddd) take as many as its int16 ones: 0.77x head.c at
+# 32 rows. AVX-VNNI (ymm, 16 registers) is not measured: it keeps head.c.
+SCREEN_ISAS = ("avx512vnni",)
+
+
+def screen_pays() -> bool:
+    """Whether the engine should screen its q8 greedy head with this build (SCREEN_ISAS)."""
+    return load().isa in SCREEN_ISAS
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         """The head's int8 screen (same indices, less work from ops.SCREEN_MIN_ROWS rows on),
         built on first use (an engine that never steps that many rows never holds its 37 MiB
         for SmolLM2) and kept on the head module with the packed weight it was built from."""
-        if not self.screened_head:
+        if not self.screened_head or not lowbit_ops.screen_pays():
             return None
         cached = head.__dict__.get("_head_screen")
         if cached is None or cached[0] is not w.qs:
