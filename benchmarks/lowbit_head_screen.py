@@ -19,7 +19,9 @@ The figures (benchmarks/README.md, cpu10) say why no screen was built: with L = 
 finest level count for which `vpmaddubsw` of unsigned (offset) 8-bit weights cannot saturate,
 the screen leaves few rows but needs one `vpmaddwd` per `vpmaddubsw` to widen its int16 pair
 sums, as many multiplies as the int16 head itself; coarser levels (L <= 31, two or more
-`vpmaddubsw` summed in int16 first) leave hundreds to thousands of rows per token.
+`vpmaddubsw` summed in int16 first) leave hundreds to thousands of rows per token. With
+AVX512-VNNI's `vpdpbusd` (L = 127, no saturation) the screen was built: lowbit/head_screen.c,
+benchmarks/README.md, head5 (its AVX2 form, exact through `vpsignb`, does not pay).
 """
 from __future__ import annotations
 
