@@ -24,8 +24,9 @@
  *
  * Common shapes (G = 1-4, head width 64 or 128) run attend_fixed (attend_fixed512 in the AVX512 builds: the
  * same operations in 512-bit registers, the same bits), the same arithmetic with the
- * shape known at compile time so no accumulator leaves the registers. At 32 requests its time is
- * mostly the cache's bytes coming from memory (benchmarks/README.md, cpu13's section), so while
+ * shape known at compile time so no accumulator leaves the registers. At 32 requests its time was
+ * mostly the cache's bytes coming from memory on a Zen 3 (benchmarks/README.md, cpu13's section; on
+ * the faster memory of a Zen 4 the arithmetic and L1 misses too: attn4's section), so while
  * an item's weighted sum runs from L1/L2 the thread fetches the keys and values of the next item
  * it will take (the memory would otherwise idle there).
  */
