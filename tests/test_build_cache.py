@@ -94,3 +94,20 @@ def test_a_new_build_prunes_older_versions_but_not_one_in_use(tmp_path):
     assert len(built) == 1 and built[0].startswith("lowbit-")
     # kept: the new build and the two most recently used before it; the held one survives
     assert left == sorted([built[0], "lowbit-0000000000000001.so", "lowbit-0000000000000002.so", "lowbit-0000000000000004.so"])
+
+
+def test_a_failed_build_is_reported_and_leaves_no_files(tmp_path, monkeypatch):
+    """A source that does not compile: load_isa answers with the compiler's message (callers fall
+    back to float weights) and the cache directory holds no half-built library or object files."""
+    from deepinfer_core.lowbit import native
+
+    if native.compiler_path() is None or not native.cpu_supports_kernels()[0]:
+        pytest.skip("no C compiler or no AVX2: nothing is built")
+    broken = tmp_path / "broken.c"
+    broken.write_text("int lowbit_isa(void) { return undeclared_name; }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_SOURCES", (native._SOURCES[0], str(broken)))
+    kernels = native.load_isa.__wrapped__("avx2")
+    assert kernels.lib is None
+    assert "failed" in kernels.reason and "undeclared_name" in kernels.reason
+    assert list((tmp_path / "cache" / "deepinfer").iterdir()) == []

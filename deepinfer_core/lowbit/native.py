@@ -2,8 +2,8 @@
 over the paged KV cache, float32 or half) and ``layer.c`` (a whole Llama decode step around them)
 once per machine, through ctypes.
 
-Why ctypes and not a torch C++ extension: the C file needs no torch headers, so it compiles in
-about a second with any C compiler and needs no ninja. Linked with ``-fopenmp``, it resolves
+Why ctypes and not a torch C++ extension: the C files need no torch headers, so they compile with
+any C compiler (one process per file, ~20 s of CPU in all) and need no ninja. Linked with ``-fopenmp``, it resolves
 ``libgomp.so.1`` to the runtime torch already loaded, so it shares torch's threads. The shared
 object is cached under ``$XDG_CACHE_HOME/deepinfer`` (or ``~/.cache``) keyed by the hash of the
 source and flags (builds of other versions pruned: ``deepinfer_core.build_cache``); a failed build is reported, never raised: callers fall back to float weights.
@@ -26,6 +26,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -136,14 +137,44 @@ def load_isa(isa: str) -> NativeKernels:
             os.makedirs(cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
-            subprocess.run([compiler, *flags, "-o", tmp, *_SOURCES], check=True, capture_output=True, text=True, timeout=300)
-            os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
+            try:
+                _build(compiler, flags, tmp)
+                os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
+            finally:
+                if os.path.exists(tmp):  # a failed build leaves nothing behind
+                    os.unlink(tmp)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             return NativeKernels(None, f"building the low-bit kernels ({isa}) with {compiler} failed: {detail.strip()[:300]}", isa)
         build_cache.prune(cache_dir(), "lowbit-*.so")  # other source versions' builds, least recently used first
     with build_cache.loading(target):
         return _open(target, isa)
+
+
+BUILD_TIMEOUT_S = 900  # a whole build; ~20 s on an idle 2-core machine, minutes under heavy load
+
+
+def _build(compiler: str, flags: tuple[str, ...], output: str) -> None:
+    """Compile every source to an object file, as many at once as there are cores (each file is
+    its own translation unit either way, so the code is the same as one compiler call over all of
+    them), then link ``output``. Raises OSError / SubprocessError with the compiler's message."""
+    import concurrent.futures
+
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    compile_flags = tuple(f for f in flags if f != "-shared")
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(output)) as objects:
+        def compile_one(index_source: tuple[int, str]) -> str:
+            index, source = index_source
+            obj = os.path.join(objects, f"{index}.o")
+            subprocess.run([compiler, *compile_flags, "-c", "-o", obj, source], check=True, capture_output=True, text=True,
+                           timeout=max(1.0, deadline - time.monotonic()))
+            return obj
+
+        workers = max(1, min(len(_SOURCES), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            built = list(pool.map(compile_one, enumerate(_SOURCES)))
+        subprocess.run([compiler, *flags, "-o", output, *built], check=True, capture_output=True, text=True,
+                       timeout=max(1.0, deadline - time.monotonic()))
 
 
 def _open(target: str, isa: str) -> NativeKernels:
