@@ -301,7 +301,17 @@ def write_llamacpp_file(folder: str, ftype: str) -> str | None:
     heads, intermediate 4,864), q/k/v biases, a tied head, rope theta 1e6, SmolLM2's vocabulary
     with Qwen2's split (``tokenizer.ggml.pre = qwen2``)."""
     if ftype.startswith("QWEN2_"):
-        return _write_llamacpp_qwen2_file(folder, ftype.removeprefix("QWEN2_"))
+        shape = dict(arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
+                     tied=True, tokenizer_pre="qwen2", rope_theta=1000000.0)
+        return _quantized_by_llamacpp(folder, "llamacpp_qwen2", ftype.removeprefix("QWEN2_"), shape)
+    shape = dict(hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, tied=False, rope_theta=500000.0,
+                 rope_scaling=LLAMA3)
+    return _quantized_by_llamacpp(folder, "llamacpp", ftype, shape)
+
+
+def _quantized_by_llamacpp(folder: str, prefix: str, ftype: str, shape: dict) -> str | None:
+    """``<prefix>_f32.gguf`` (2 random layers of ``shape``, SmolLM2's tokenizer) written once, then
+    ``<prefix>_<ftype>.gguf`` by llama.cpp's quantizer; None without llama.cpp or SmolLM2."""
     from deepinfer_core.models.sources import smollm2_gguf
     from deepinfer_core.testing.gguf_files import write_random_llama_gguf
 
@@ -312,38 +322,10 @@ def write_llamacpp_file(folder: str, ftype: str) -> str | None:
         return None
     if src is None:
         return None
-    f32 = os.path.join(folder, "llamacpp_f32.gguf")
-    dst = os.path.join(folder, f"llamacpp_{ftype.lower()}.gguf")
+    f32 = os.path.join(folder, f"{prefix}_f32.gguf")
+    dst = os.path.join(folder, f"{prefix}_{ftype.lower()}.gguf")
     if not os.path.exists(f32):
-        write_random_llama_gguf(f32, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, layers=2, vocab=49152 + 7,
-                                tied=False, types={"*": "F32"}, tokenizer_from=src, rope_theta=500000.0, rope_scaling=LLAMA3)
-    if not os.path.exists(dst):
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-        params.nthread = 1
-        rc = llama_cpp.llama_model_quantize(f32.encode(), dst.encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize returned {rc}")
-    return dst
-
-
-def _write_llamacpp_qwen2_file(folder: str, ftype: str) -> str | None:
-    from deepinfer_core.models.sources import smollm2_gguf
-    from deepinfer_core.testing.gguf_files import write_random_llama_gguf
-
-    src = smollm2_gguf()
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    if src is None:
-        return None
-    f32 = os.path.join(folder, "llamacpp_qwen2_f32.gguf")
-    dst = os.path.join(folder, f"llamacpp_qwen2_{ftype.lower()}.gguf")
-    if not os.path.exists(f32):
-        write_random_llama_gguf(f32, arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
-                                layers=2, vocab=49152 + 7, tied=True, types={"*": "F32"}, tokenizer_from=src, tokenizer_pre="qwen2",
-                                rope_theta=1000000.0)
+        write_random_llama_gguf(f32, layers=2, vocab=49152 + 7, types={"*": "F32"}, tokenizer_from=src, **shape)
     if not os.path.exists(dst):
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")

@@ -128,6 +128,43 @@ static inline void item_rows(int64_t *rows, const int32_t *table, int64_t first,
     for (int64_t s = n; s < n + PREFETCH_PAD; s++) rows[s] = rows[n - 1];
 }
 
+/* A thread's next item (next >= 0; none: next < 0), its keys and values fetched into L2 (T1) one
+ * position per next_fetch_one call while the current item's weighted sum runs from L1/L2: into L1
+ * (T0) they evicted the values being summed (an item's keys and values are 48 KB at 192 tokens of
+ * width 64 in float16, L1 is 32 KB); 1.4x on a 32-request step from DRAM, Zen 4. */
+typedef struct {
+    const char *keys;       /* the next item's KV head in the key plane (values: + vplane bytes) */
+    const int32_t *table;   /* its request's block table */
+    int64_t n, b, o;        /* positions left to fetch; block index and offset of the next one */
+    int64_t block_size, row_stride, row_bytes, vplane;
+} next_fetch;
+
+static inline __attribute__((always_inline)) next_fetch next_fetch_at(const void *cache, int64_t num_kv_heads, int64_t num_blocks,
+                                                                      int64_t block_size, int64_t width, int64_t D,
+                                                                      const int32_t *block_tables, int64_t max_blocks,
+                                                                      const int64_t *positions, int64_t window, int64_t next,
+                                                                      int64_t plane, int kv) {
+    next_fetch f = {0};
+    if (next < 0) return f;
+    const int64_t r = next / num_kv_heads, last = positions[r];
+    const int64_t first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+    f.keys = (const char *)cache + (next % num_kv_heads) * num_blocks * block_size * width * kv_esize(kv);
+    f.table = block_tables + r * max_blocks;
+    f.n = last - first + 1, f.b = first / block_size, f.o = first % block_size;
+    f.block_size = block_size, f.row_stride = width * kv_esize(kv), f.row_bytes = kv_row_bytes(D, kv), f.vplane = plane * kv_esize(kv);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void next_fetch_one(next_fetch *f, int64_t t) {
+    if (t >= f->n) return;
+    const char *p = f->keys + ((int64_t)f->table[f->b] * f->block_size + f->o) * f->row_stride;
+    for (int64_t b = 0; b < f->row_bytes; b += 64) {
+        _mm_prefetch(p + b, _MM_HINT_T1);
+        _mm_prefetch(p + f->vplane + b, _MM_HINT_T1);
+    }
+    if (++f->o == f->block_size) f->o = 0, f->b++;
+}
+
 /* A position's score with the lane sums in the order the 4-position path reduces (hsum4x8's pattern) */
 static inline float hsum_as4(__m256 a) { return _mm_cvtss_f32(hsum4x8(a, a, a, a)); }
 
@@ -192,29 +229,16 @@ static inline __attribute__((always_inline)) void attend_fixed(const float *q, c
         }
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
-    /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
-     * keys and values fetched, a position per iteration of the first column pass, into L2 (T1): into
-     * L1 (T0) they evicted the values being summed (an item's keys and values are 48 KB at 192
-     * tokens of width 64 in float16, L1 is 32 KB); 1.4x on a 32-request step from DRAM, Zen 4 */
-    const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
-    const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
-    const int32_t *table2 = block_tables + r2 * max_blocks;
-    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * kv_esize(kv);
-    const int64_t vplane = plane * kv_esize(kv);
-    int64_t b2 = first2 / block_size, o2 = first2 % block_size;
+    /* the weighted sum reads L1/L2 only: meanwhile the next item's keys and values come into L2, a
+     * position per iteration of the first column pass (next_fetch) */
+    next_fetch nf = next_fetch_at(cache, num_kv_heads, num_blocks, block_size, width, D, block_tables, max_blocks, positions, window,
+                                  next, plane, kv);
     for (int64_t c0 = 0; c0 < D; c0 += 8 * VJ(G)) {
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < VJ(G); j++) a[g][j] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            if (c0 == 0 && t < n2) {
-                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
-                for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
-                    _mm_prefetch(p + b, _MM_HINT_T1);
-                    _mm_prefetch(p + vplane + b, _MM_HINT_T1);
-                }
-                if (++o2 == block_size) o2 = 0, b2++;
-            }
+            if (c0 == 0) next_fetch_one(&nf, t);
             __m256 w[4];
             if (kv == KV_I8) {  /* the weight times the value row's scale */
                 const float vs = kv_scale(cache, values + rows[t], D);
@@ -323,29 +347,16 @@ static inline __attribute__((always_inline)) void attend_fixed512(const float *q
         }
     }
     for (int g = 0; g < G; g++) softmax_row(scores + g * stride, n);
-    /* the weighted sum reads L1/L2 only: meanwhile the next item of this thread (next >= 0) has its
-     * keys and values fetched, a position per iteration of the first column pass, into L2 (T1): into
-     * L1 (T0) they evicted the values being summed (an item's keys and values are 48 KB at 192
-     * tokens of width 64 in float16, L1 is 32 KB); 1.4x on a 32-request step from DRAM, Zen 4 */
-    const int64_t nx = next >= 0 ? next : item, r2 = nx / num_kv_heads, last2 = next >= 0 ? positions[r2] : -1;
-    const int64_t first2 = window > 0 && last2 - window + 1 > 0 ? last2 - window + 1 : 0, n2 = next >= 0 ? last2 - first2 + 1 : 0;
-    const int32_t *table2 = block_tables + r2 * max_blocks;
-    const char *keys2 = (const char *)cache + (nx % num_kv_heads) * num_blocks * block_size * width * kv_esize(kv);
-    const int64_t vplane = plane * kv_esize(kv);
-    int64_t b2 = first2 / block_size, o2 = first2 % block_size;
+    /* the weighted sum reads L1/L2 only: meanwhile the next item's keys and values come into L2, a
+     * position per iteration of the first column pass (next_fetch) */
+    next_fetch nf = next_fetch_at(cache, num_kv_heads, num_blocks, block_size, width, D, block_tables, max_blocks, positions, window,
+                                  next, plane, kv);
     for (int64_t c0 = 0; c0 < D; c0 += 16 * VZ(G, D)) {
         __m512 a[4][8];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < VZ(G, D); j++) a[g][j] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            if (c0 == 0 && t < n2) {
-                const char *p = keys2 + ((int64_t)table2[b2] * block_size + o2) * width * kv_esize(kv);
-                for (int64_t b = 0; b < kv_row_bytes(D, kv); b += 64) {
-                    _mm_prefetch(p + b, _MM_HINT_T1);
-                    _mm_prefetch(p + vplane + b, _MM_HINT_T1);
-                }
-                if (++o2 == block_size) o2 = 0, b2++;
-            }
+            if (c0 == 0) next_fetch_one(&nf, t);
             __m512 w[4];
             if (kv == KV_I8) {  /* the weight times the value row's scale */
                 const float vs = kv_scale(cache, values + rows[t], D);

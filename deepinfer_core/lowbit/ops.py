@@ -73,15 +73,21 @@ def kernel_for(M: int, kind: str, max_int_rows: int, min_int8_rows: int) -> str:
     return "exact"
 
 
-def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
-    kernels = load()
-    if kernels.lib is None:
-        raise RuntimeError(f"low-bit kernels unavailable: {kernels.reason}")
+def _rows(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int, int]:
+    """``x`` as the kernels read it (float32, contiguous) with its M and K, checked against ``w``."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     M, K = x.shape
     if w.shape[1] != K:
         raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")
+    return x, M, K
+
+
+def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
+    kernels = load()
+    if kernels.lib is None:
+        raise RuntimeError(f"low-bit kernels unavailable: {kernels.reason}")
+    x, M, K = _rows(x, w)
     N = w.qs.shape[0]
     y = torch.empty(M, N)
     m_ptr = w.m.data_ptr() if w.m is not None else None
@@ -106,11 +112,7 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
     kernels = load()
     if kernels.lib is None or w.kind not in KIND_CODE:
         return None
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    M, K = x.shape
-    if w.shape[1] != K:
-        raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")
+    x, M, K = _rows(x, w)
     out = torch.empty(M, dtype=torch.int64)
     if M == 0:
         return out
@@ -178,10 +180,7 @@ def screened_head_argmax(x: torch.Tensor, w: QuantWeight, screen: HeadScreen, ma
     kernels = load()
     if screen.isa != kernels.isa:
         raise ValueError(f"the screen was prepared by the {screen.isa} build, the kernels are {kernels.isa}")
-    x = x.float().contiguous()
-    M, K = x.shape
-    if w.shape[1] != K:
-        raise ValueError(f"weight has K={w.shape[1]}, activations K={K}")
+    x, M, K = _rows(x, w)
     out = torch.empty(M, dtype=torch.int64)
     if M == 0:
         return out, 0
