@@ -137,12 +137,10 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
                 yield name, rotary_order(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape)))
                 continue
             packed = from_gguf(t.type_name, t.data(file), t.shape)
-            if not permuted:
-                pass
-            elif name.endswith("self_attn.q_proj.weight"):
-                packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), heads))
-            elif name.endswith("self_attn.k_proj.weight"):
-                packed = packed.rows(unpermute_rotary_rows(torch.arange(t.shape[0]), kv_heads))
+            rows = torch.arange(t.shape[0])
+            order = rotary_order(name, rows)
+            if order is not rows:  # q/k rows of a permuted architecture, moved as whole packed rows
+                packed = packed.rows(order)
             yield name, packed
 
     packed = [t for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2]
