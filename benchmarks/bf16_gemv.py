@@ -10,17 +10,18 @@ bandwidth of the same run (1 GiB device-to-device, read + write) is the peer for
 
     python benchmarks/bf16_gemv.py [--rows 1,2] [--sweep] [--dry]
 """
+
 from __future__ import annotations
 
 import argparse
 
+import graph_timing  # this folder (run as a script)
 import torch
 import torch.nn.functional as F
 import triton
 
-import graph_timing  # this folder (run as a script)
-from deepinfer_cuda_sm100.kernels import bf16_gemv as gm
 from deepinfer_core.fused_ops import rms_norm_reference
+from deepinfer_cuda_sm100.kernels import bf16_gemv as gm
 from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters
 from deepinfer_cuda_sm100.kernels.fused_elementwise import rms_norm
 
@@ -52,11 +53,18 @@ def main() -> None:
         DENSE[:] = [(name, max(N // 32, 24), max(K // 32, 64), 1) for name, N, K, _ in DENSE]
         H, n, v, C, hl = 2, 16, 16, 64, 1
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    ws = {name: [torch.randn(N, K, device=DEVICE, generator=g).bfloat16() / K**0.5 for _ in range(layers)] for name, N, K, layers in DENSE}
+    ws = {
+        name: [torch.randn(N, K, device=DEVICE, generator=g).bfloat16() / K**0.5 for _ in range(layers)]
+        for name, N, K, layers in DENSE
+    }
     kvb = [torch.randn(H, n + v, C, device=DEVICE, generator=g).bfloat16() / C**0.5 for _ in range(hl)]
     buf = torch.empty(1 << (20 if args.dry else 30), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(buf)
-    copy_ms = float("nan") if args.dry else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")
+    copy_ms = (
+        float("nan")
+        if args.dry
+        else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")  # noqa: F821 (names deleted after the timing; the lambda runs first)
+    )
     bw = 2 * buf.numel() / copy_ms / 1e9
     del buf, dst
     print(f"copy bandwidth (read + write) {bw:.2f} TB/s")
@@ -87,21 +95,33 @@ def main() -> None:
             err = max(rel(o, xs[K].double() @ w.double().t()) for o, w in zip(got, ws[name]))
             t = graph_ms(lambda: dense(name, xs[K], cublas=True))
             e = graph_ms(lambda: dense(name, xs[K]))
-            print(f"| {name} | {N} x {K} | {layers} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {N * K * 2 * layers / e / 1e9:.2f} | {err:.1e} |", flush=True)
+            print(
+                f"| {name} | {N} x {K} | {layers} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {N * K * 2 * layers / e / 1e9:.2f} | {err:.1e} |",
+                flush=True,
+            )
         qn = (torch.rand(_k("q_b"), device=DEVICE, generator=g) + 0.5).bfloat16()
         qa = torch.randn(m, _k("q_b"), device=DEVICE, generator=g).bfloat16() * 3
         got = [gm.dense_linear(qa, w, counters, norm=(qn, 1e-6)) for w in ws["q_b"]]
         err = max(rel(o, rms_norm_reference(qa, qn, 1e-6).double() @ w.double().t()) for o, w in zip(got, ws["q_b"]))
         t = graph_ms(lambda: [F.linear(rms_norm(qa, qn, 1e-6), w) for w in ws["q_b"]])
         e = graph_ms(lambda: [gm.dense_linear(qa, w, counters, norm=(qn, 1e-6)) for w in ws["q_b"]])
-        print(f"| q_b with q_a's norm (norm kernel + cuBLAS vs one GEMV) | 3072 x 1536 | 8 | {t:.4f} | {e:.4f} | {t / e:.2f}x | | {err:.1e} |", flush=True)
-        for label, fn, x, nbytes in (("W_UK (heads, N contiguous)", uk, xq, H * n * C * 2), ("W_UV (heads)", uv, xl, H * v * C * 2)):
+        print(
+            f"| q_b with q_a's norm (norm kernel + cuBLAS vs one GEMV) | 3072 x 1536 | 8 | {t:.4f} | {e:.4f} | {t / e:.2f}x | | {err:.1e} |",
+            flush=True,
+        )
+        for label, fn, x, nbytes in (
+            ("W_UK (heads, N contiguous)", uk, xq, H * n * C * 2),
+            ("W_UV (heads)", uv, xl, H * v * C * 2),
+        ):
             got = fn(x)
             ref = [torch.einsum(*_eq(fn), x.double(), w.double()) for w in _views(fn, kvb, n)]
             err = max(rel(o, r) for o, r in zip(got, ref))
             t = graph_ms(lambda: fn(x, cublas=True))
             e = graph_ms(lambda: fn(x))
-            print(f"| {label} | {H} x {'C x n' if fn is uk else 'v x C'} | {hl} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {nbytes * hl / e / 1e9:.2f} | {err:.1e} |", flush=True)
+            print(
+                f"| {label} | {H} x {'C x n' if fn is uk else 'v x C'} | {hl} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {nbytes * hl / e / 1e9:.2f} | {err:.1e} |",
+                flush=True,
+            )
 
         def step(cublas):  # the model's order: q_a + kv_a, q_b, W_UK, W_UV, o per layer; the dense MLP
             lin = F.linear if cublas else (lambda x, w: gm.dense_linear(x, w, counters))
@@ -123,9 +143,13 @@ def main() -> None:
             for name in ("dense gate_up", "dense down"):
                 lin(xs[_k(name)], ws[name][0])
 
-        step_bytes = sum(w.numel() * 2 for name in ("q_a+kv_a", "q_b", "o", "dense gate_up", "dense down") for w in ws[name]) + sum(w.numel() * 2 for w in kvb)
+        step_bytes = sum(
+            w.numel() * 2 for name in ("q_a+kv_a", "q_b", "o", "dense gate_up", "dense down") for w in ws[name]
+        ) + sum(w.numel() * 2 for w in kvb)
         t, e = graph_ms(lambda: step(True)), graph_ms(lambda: step(False))
-        print(f"| whole step ({m} row) | {step_bytes / 1e6:.1f} MB | | {t:.4f} | {e:.4f} | {t / e:.2f}x | {step_bytes / e / 1e9:.2f} | |")
+        print(
+            f"| whole step ({m} row) | {step_bytes / 1e6:.1f} MB | | {t:.4f} | {e:.4f} | {t / e:.2f}x | {step_bytes / e / 1e9:.2f} | |"
+        )
         print(f"read floor at the copy rate: {step_bytes / bw / 1e9:.4f} ms")
         if args.sweep and m == 1:
             sweep(dense, uk, uv, xs, xq, xl)
@@ -161,7 +185,11 @@ def sweep(dense, uk, uv, xs, xq, xl) -> None:
         (4, 512, 4, 1056, 1), (8, 512, 8, 1056, 1), (16, 1024, 8, 1056, 1), (1, 2048, 8, 1056, 1), (2, 1024, 4, 1056, 1), (2, 1024, 8, 1056, 2),
     ]]  # fmt: skip
     print("\n1 row, GEMV configs per shape (block_n x block_k, warps, target programs), ms:")
-    print("| shape | auto | " + " | ".join(f"{c.block_n}x{c.block_k} w{c.warps} s{c.split or 't' + str(c.target_programs)}" for c in cfgs) + " | best |")
+    print(
+        "| shape | auto | "
+        + " | ".join(f"{c.block_n}x{c.block_k} w{c.warps} s{c.split or 't' + str(c.target_programs)}" for c in cfgs)
+        + " | best |"
+    )
     print("|---|" + "---:|" * (len(cfgs) + 2))
     for name, _, K, _ in DENSE:
         cells = []
@@ -174,7 +202,12 @@ def sweep(dense, uk, uv, xs, xq, xl) -> None:
         best = min(range(len(cfgs)), key=lambda i: cells[i])
         auto = graph_ms(lambda: dense(name, xs[K]))
         c = gm.dense_config(next(N for nm, N, _, _ in DENSE if nm == name), K)
-        print(f"| {name} | {auto:.4f} ({c.block_n}x{c.block_k} w{c.warps}) | " + " | ".join(f"{v:.4f}" for v in cells) + f" | {cfgs[best]} |", flush=True)
+        print(
+            f"| {name} | {auto:.4f} ({c.block_n}x{c.block_k} w{c.warps}) | "
+            + " | ".join(f"{v:.4f}" for v in cells)
+            + f" | {cfgs[best]} |",
+            flush=True,
+        )
     hcfgs = [gm.Bf16GemvConfig(bn, bk, w, 528, s) for bn, bk, w, s in [
         (64, 128, 4, 1), (32, 128, 4, 1), (128, 128, 8, 1), (64, 128, 8, 1), (16, 128, 2, 1), (32, 128, 2, 1),
         (16, 512, 4, 1), (8, 512, 4, 1), (4, 512, 4, 1), (2, 512, 4, 1), (4, 512, 2, 1), (8, 512, 2, 1),

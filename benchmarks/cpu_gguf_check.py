@@ -38,6 +38,7 @@ Checks per file (PASS / FAIL / "-" not applicable), every one on the engine's de
 * ``serve``: ``deepinfer serve`` on the llama.cpp-quantized file, 40 concurrent openai-SDK
   requests, mixed stream / non-stream, completions / chat, 8 of them bad (:func:`serve_check`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,50 +52,200 @@ H = dict(layers=2, tied=False, rope_theta=10000.0)
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context_length": 1024}
 # name -> write_random_llama_gguf arguments (types: role -> GGUF type, "*" the rest)
 FILES: dict[str, dict] = {
-    "q4_0_h256": dict(H, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=704, vocab=1000, tied=True, types={"*": "Q4_0"}),
-    "q4_1_h640": dict(H, hidden=640, heads=8, kv_heads=1, head_dim=80, intermediate=1728, vocab=1999, types={"*": "Q4_1"}),
-    "q5_0_h896": dict(H, hidden=896, heads=9, kv_heads=3, head_dim=96, intermediate=2432, vocab=3001, tied=True, types={"*": "Q5_0"}),
-    "q5_1_h1024_llama3": dict(H, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816, vocab=4097, rope_theta=500000.0,
-                              rope_scaling=LLAMA3, types={"*": "Q5_1"}),
-    "q8_0_h256_kv1": dict(H, hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=640, vocab=997, types={"*": "Q8_0"}),
-    **{f"{t.lower()}_h512": dict(H, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1280, vocab=1000,
-                                 types={"*": t, "output": "Q6_K"}) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
-    "iq4_nl_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "IQ4_NL"}),
-    "iq2_xxs_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=1000, types={"*": "IQ2_XXS", "output": "Q8_0"}),
-    "tq2_0_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=1000, types={"*": "TQ2_0", "output": "Q8_0"}),
+    "q4_0_h256": dict(
+        H, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=704, vocab=1000, tied=True, types={"*": "Q4_0"}
+    ),
+    "q4_1_h640": dict(
+        H, hidden=640, heads=8, kv_heads=1, head_dim=80, intermediate=1728, vocab=1999, types={"*": "Q4_1"}
+    ),
+    "q5_0_h896": dict(
+        H, hidden=896, heads=9, kv_heads=3, head_dim=96, intermediate=2432, vocab=3001, tied=True, types={"*": "Q5_0"}
+    ),
+    "q5_1_h1024_llama3": dict(
+        H,
+        hidden=1024,
+        heads=8,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=2816,
+        vocab=4097,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3,
+        types={"*": "Q5_1"},
+    ),
+    "q8_0_h256_kv1": dict(
+        H, hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=640, vocab=997, types={"*": "Q8_0"}
+    ),
+    **{
+        f"{t.lower()}_h512": dict(
+            H,
+            hidden=512,
+            heads=8,
+            kv_heads=2,
+            head_dim=64,
+            intermediate=1280,
+            vocab=1000,
+            types={"*": t, "output": "Q6_K"},
+        )
+        for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    },
+    "iq4_nl_h256": dict(
+        H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "IQ4_NL"}
+    ),
+    "iq2_xxs_h256": dict(
+        H,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        vocab=1000,
+        types={"*": "IQ2_XXS", "output": "Q8_0"},
+    ),
+    "tq2_0_h256": dict(
+        H,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        vocab=1000,
+        types={"*": "TQ2_0", "output": "Q8_0"},
+    ),
     # a type neither deepinfer nor the gguf library can read: must be refused naming it
-    "q1_0_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=1000, types={"*": "Q8_0", "ffn_up": "Q1_0"}),
-    "hd256_h2048": dict(H, layers=1, hidden=2048, heads=8, kv_heads=2, head_dim=256, intermediate=5632, vocab=2001, types={"*": "Q4_0"}),
-    "hd32_h512": dict(H, hidden=512, heads=16, kv_heads=4, head_dim=32, intermediate=1408, vocab=2001, tied=True,
-                      types={"*": "Q5_K", "ffn_down": "Q5_0"}),  # 1,408 is not a multiple of 256: llama.cpp falls back to Q5_0 there
-    "vocab128k_h256": dict(H, layers=1, hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=768, vocab=128259,
-                           types={"*": "Q4_K", "output": "Q6_K"}),
+    "q1_0_h256": dict(
+        H,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        vocab=1000,
+        types={"*": "Q8_0", "ffn_up": "Q1_0"},
+    ),
+    "hd256_h2048": dict(
+        H, layers=1, hidden=2048, heads=8, kv_heads=2, head_dim=256, intermediate=5632, vocab=2001, types={"*": "Q4_0"}
+    ),
+    "hd32_h512": dict(
+        H,
+        hidden=512,
+        heads=16,
+        kv_heads=4,
+        head_dim=32,
+        intermediate=1408,
+        vocab=2001,
+        tied=True,
+        types={"*": "Q5_K", "ffn_down": "Q5_0"},
+    ),  # 1,408 is not a multiple of 256: llama.cpp falls back to Q5_0 there
+    "vocab128k_h256": dict(
+        H,
+        layers=1,
+        hidden=256,
+        heads=4,
+        kv_heads=1,
+        head_dim=64,
+        intermediate=768,
+        vocab=128259,
+        types={"*": "Q4_K", "output": "Q6_K"},
+    ),
     # q/k/v/o biases, F16 q/k among Q8_0 tensors (both had to be un-permuted: 5a8e4a8)
-    "bias_f16qk_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=1000, attention_bias=True,
-                            types={"*": "Q8_0", "attn_q": "F16", "attn_k": "F16"}),
+    "bias_f16qk_h256": dict(
+        H,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=768,
+        vocab=1000,
+        attention_bias=True,
+        types={"*": "Q8_0", "attn_q": "F16", "attn_k": "F16"},
+    ),
     "f16_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "F16"}),
-    "bf16_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "BF16"}),
+    "bf16_h256": dict(
+        H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "BF16"}
+    ),
     "f32_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, vocab=1000, types={"*": "F32"}),
     # llama.cpp's Q4_K_M recipe on a 2048-wide model: Q4_K layers, Q6_K V / down / output
-    "q4_k_m_h2048": dict(H, layers=1, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632, vocab=3000,
-                         types={"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}),
+    "q4_k_m_h2048": dict(
+        H,
+        layers=1,
+        hidden=2048,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        intermediate=5632,
+        vocab=3000,
+        types={"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},
+    ),
     # widths that are not multiples of 256: llama.cpp falls back to Q5_0 / Q8_0 there, K-quants elsewhere
-    "mixed_h896": dict(H, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, vocab=1537, tied=True,
-                       types={"*": "Q5_0", "ffn_down": "Q8_0", "token_embd": "Q8_0", "attn_v": "Q5_1"}),
+    "mixed_h896": dict(
+        H,
+        hidden=896,
+        heads=14,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=4864,
+        vocab=1537,
+        tied=True,
+        types={"*": "Q5_0", "ffn_down": "Q8_0", "token_embd": "Q8_0", "attn_v": "Q5_1"},
+    ),
     # down's input (intermediate 1000) is not a multiple of 32: no block type fits, F16 there
-    "f16_down_h256": dict(H, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=1000, vocab=1000,
-                          types={"*": "Q4_0", "ffn_down": "F16", "token_embd": "F16"}),
+    "f16_down_h256": dict(
+        H,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=1000,
+        vocab=1000,
+        types={"*": "Q4_0", "ffn_down": "F16", "token_embd": "F16"},
+    ),
     # qwen2 files (Qwen2 / Qwen2.5): q/k/v biases, no o bias, q/k rows not permuted, rope theta 1e6, tied heads
-    "qwen2_q8_0_h256": dict(H, arch="qwen2", attention_bias=True, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704,
-                            vocab=1000, tied=True, rope_theta=1000000.0, types={"*": "Q8_0"}),
+    "qwen2_q8_0_h256": dict(
+        H,
+        arch="qwen2",
+        attention_bias=True,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=704,
+        vocab=1000,
+        tied=True,
+        rope_theta=1000000.0,
+        types={"*": "Q8_0"},
+    ),
     # Qwen2.5-0.5B's widths (896: not a multiple of 256, llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 there; down keeps Q6_K)
-    "qwen2_mixed_h896": dict(H, arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
-                             vocab=1537, tied=True, rope_theta=1000000.0,
-                             types={"*": "Q5_0", "attn_v": "Q8_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}),
+    "qwen2_mixed_h896": dict(
+        H,
+        arch="qwen2",
+        attention_bias=True,
+        hidden=896,
+        heads=14,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=4864,
+        vocab=1537,
+        tied=True,
+        rope_theta=1000000.0,
+        types={"*": "Q5_0", "attn_v": "Q8_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"},
+    ),
     # Qwen2.5-1.5B's widths: head_dim 128, 12 heads over 2 KV heads, K-quants throughout
-    "qwen2_q4_k_h1536": dict(H, arch="qwen2", attention_bias=True, layers=1, hidden=1536, heads=12, kv_heads=2, head_dim=128,
-                             intermediate=8960, vocab=2001, tied=True, rope_theta=1000000.0,
-                             types={"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}),
+    "qwen2_q4_k_h1536": dict(
+        H,
+        arch="qwen2",
+        attention_bias=True,
+        layers=1,
+        hidden=1536,
+        heads=12,
+        kv_heads=2,
+        head_dim=128,
+        intermediate=8960,
+        vocab=2001,
+        tied=True,
+        rope_theta=1000000.0,
+        types={"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"},
+    ),
 }
 LENGTHS = (1, 9, 63, 200, 5, 130, 33, 2100)  # 2,100: past the native prefill's 2,048-token context
 
@@ -130,7 +281,10 @@ def teacher_forced(reference, prompts, outputs, tolerance: float) -> tuple[bool,
 
     r = check_greedy(reference, prompts, outputs, tolerance)
     short = sum(len(o) == 0 for o in outputs)
-    return not r.misses and not short, f"{r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f}, {len(r.misses)} misses"
+    return (
+        not r.misses and not short,
+        f"{r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f}, {len(r.misses)} misses",
+    )
 
 
 def first_split_is_near_tie(reference, prompt, a, b, tolerance) -> tuple[bool, str]:
@@ -182,7 +336,10 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
     weights = describe_weights(engine.model)
     choice = getattr(engine, "weights_choice", "")
     quantized = any(t not in ("F32", "F16", "BF16") for t in cfg.get("types", {"*": "Q"}).values())
-    res["packed"] = (("PASS" if weights != "dense" else "FAIL") if quantized else ("PASS" if weights == "dense" else "FAIL"), f"{weights}; {choice}")
+    res["packed"] = (
+        ("PASS" if weights != "dense" else "FAIL") if quantized else ("PASS" if weights == "dense" else "FAIL"),
+        f"{weights}; {choice}",
+    )
     prompts = prompts_for(vocab, 8)
     out = greedy(llm, prompts, n)
     plan = getattr(engine.model, "_decode_plan", None)
@@ -190,8 +347,13 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
     if plan is not None:
         res["plan"] = ("PASS", "native decode plan")
     else:  # the torch path must not be taken silently
-        res["plan"] = ("-" if weights == "dense" else ("PASS" if warned else "FAIL"), "torch path" + (f", warned: {warned[0]}" if warned else ""))
-    ref = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=20, max_num_seqs=1, enable_prefix_caching=False).engine
+        res["plan"] = (
+            "-" if weights == "dense" else ("PASS" if warned else "FAIL"),
+            "torch path" + (f", warned: {warned[0]}" if warned else ""),
+        )
+    ref = LLM(
+        path, device="cpu", dtype="float32", kv_cache_blocks=20, max_num_seqs=1, enable_prefix_caching=False
+    ).engine
     ok, why = teacher_forced(ref, prompts, out, args.tolerance)
     res["f32"] = ("PASS" if ok else "FAIL", why)
 
@@ -225,9 +387,19 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
     torch.set_num_threads(before)
     same = runs[1] == runs[2] == runs[3]
     bits = torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
-    res["threads"] = ("PASS" if same else "FAIL", ("identical tokens" if same else
-                      f"tokens differ: {sum(a != b for a, b in zip(runs[1], runs[2]))} (1v2), {sum(a != b for a, b in zip(runs[1], runs[3]))} (1v3) of 8")
-                      + ("; prompt logits bit-identical" if bits else f"; prompt logits differ by up to {max((logits[1] - logits[t]).abs().max().item() for t in (2, 3)):.2e}"))
+    res["threads"] = (
+        "PASS" if same else "FAIL",
+        (
+            "identical tokens"
+            if same
+            else f"tokens differ: {sum(a != b for a, b in zip(runs[1], runs[2]))} (1v2), {sum(a != b for a, b in zip(runs[1], runs[3]))} (1v3) of 8"
+        )
+        + (
+            "; prompt logits bit-identical"
+            if bits
+            else f"; prompt logits differ by up to {max((logits[1] - logits[t]).abs().max().item() for t in (2, 3)):.2e}"
+        ),
+    )
 
     # instruction set
     if weights != "dense":
@@ -239,8 +411,11 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
         finally:
             del os.environ["DEEPINFER_LOWBIT_ISA"]
         bits = torch.equal(avx2_logits, engine.prompt_logits(prompts[3] + out[3]))
-        res["isa"] = ("PASS" if avx2 == out and bits else "FAIL", ("identical tokens" if avx2 == out else f"{sum(a != b for a, b in zip(avx2, out))}/8 differ")
-                      + ("; prompt logits bit-identical" if bits else "; prompt logits differ"))
+        res["isa"] = (
+            "PASS" if avx2 == out and bits else "FAIL",
+            ("identical tokens" if avx2 == out else f"{sum(a != b for a, b in zip(avx2, out))}/8 differ")
+            + ("; prompt logits bit-identical" if bits else "; prompt logits differ"),
+        )
         notes, good = [], True
         for kv in ("float16", "float32", "int8"):
             try:
@@ -287,7 +462,10 @@ def llama_cpp_check(path, ref, prompts, n, tolerance, ours: str) -> tuple[str, s
 
     r = check_greedy(ref, prompts, outs, tolerance)
     ok = r.exact >= 0.8 * r.tokens
-    return ("PASS" if ok else "FAIL"), f"llama.cpp's tokens vs our float32 reference: {r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f} (ours: {ours})"
+    return (
+        ("PASS" if ok else "FAIL"),
+        f"llama.cpp's tokens vs our float32 reference: {r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f} (ours: {ours})",
+    )
 
 
 LLAMACPP_TYPES = ("Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS")
@@ -301,11 +479,29 @@ def write_llamacpp_file(folder: str, ftype: str) -> str | None:
     heads, intermediate 4,864), q/k/v biases, a tied head, rope theta 1e6, SmolLM2's vocabulary
     with Qwen2's split (``tokenizer.ggml.pre = qwen2``)."""
     if ftype.startswith("QWEN2_"):
-        shape = dict(arch="qwen2", attention_bias=True, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
-                     tied=True, tokenizer_pre="qwen2", rope_theta=1000000.0)
+        shape = dict(
+            arch="qwen2",
+            attention_bias=True,
+            hidden=896,
+            heads=14,
+            kv_heads=2,
+            head_dim=64,
+            intermediate=4864,
+            tied=True,
+            tokenizer_pre="qwen2",
+            rope_theta=1000000.0,
+        )
         return _quantized_by_llamacpp(folder, "llamacpp_qwen2", ftype.removeprefix("QWEN2_"), shape)
-    shape = dict(hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, tied=False, rope_theta=500000.0,
-                 rope_scaling=LLAMA3)
+    shape = dict(
+        hidden=512,
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=1536,
+        tied=False,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3,
+    )
     return _quantized_by_llamacpp(folder, "llamacpp", ftype, shape)
 
 
@@ -336,8 +532,10 @@ def _quantized_by_llamacpp(folder: str, prefix: str, ftype: str, shape: dict) ->
     return dst
 
 
-SERVE_TEXT = ("The harbour was quiet that morning; only the gulls and a single trawler moved, and the light on the water "
-              "changed from grey to silver as the fog lifted over the breakwater and the town behind it. ")
+SERVE_TEXT = (
+    "The harbour was quiet that morning; only the gulls and a single trawler moved, and the light on the water "
+    "changed from grey to silver as the fog lifted over the breakwater and the town behind it. "
+)
 
 
 def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str, str]:
@@ -358,10 +556,30 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
     from serve_load import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--model", path, "--served-model-name", "m", "--port", str(port),
-           "--max-num-seqs", "16", "--max-model-len", "1024", "--kv-cache-blocks", "64", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepinfer_core.cli",
+        "serve",
+        "--model",
+        path,
+        "--served-model-name",
+        "m",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-blocks",
+        "64",
+        "--log-level",
+        "warning",
+    ]
     log = _tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=log, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -385,16 +603,30 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
         def good(i: int) -> tuple[str, int, str]:
             text, stream, chat = texts[i // 2], i % 2 == 1, i % 4 >= 2
             if chat:
-                kw = dict(model="m", messages=[{"role": "user", "content": text}], max_tokens=new_tokens, temperature=0, extra_body=extra)
+                kw = dict(
+                    model="m",
+                    messages=[{"role": "user", "content": text}],
+                    max_tokens=new_tokens,
+                    temperature=0,
+                    extra_body=extra,
+                )
                 if stream:
-                    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+                    parts = [
+                        c.choices[0].delta.content or ""
+                        for c in client.chat.completions.create(stream=True, **kw)
+                        if c.choices
+                    ]
                     return "chat", i // 2, "".join(parts)
                 r = client.chat.completions.create(**kw)
                 assert r.usage.completion_tokens == new_tokens, r.usage
                 return "chat", i // 2, r.choices[0].message.content
             kw = dict(model="m", prompt=text, max_tokens=new_tokens, temperature=0, extra_body=extra)
             if stream:
-                return "text", i // 2, "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+                return (
+                    "text",
+                    i // 2,
+                    "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices),
+                )
             r = client.completions.create(**kw)
             assert r.usage.completion_tokens == new_tokens, r.usage
             return "text", i // 2, r.choices[0].text
@@ -403,7 +635,9 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
             lambda: client.completions.create(model="m", prompt="x", max_tokens=-3),
             lambda: client.completions.create(model="nope", prompt="x", max_tokens=3),
             lambda: client.completions.create(model="m", prompt="word " * 3000, max_tokens=3),
-            lambda: client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=-1.0, max_tokens=3),
+            lambda: client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], temperature=-1.0, max_tokens=3
+            ),
             lambda: client.chat.completions.create(model="m", messages=[], max_tokens=3, stream=True),
         ]
 
@@ -444,13 +678,23 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
     llm = LLM(path, device="cpu", max_num_seqs=16, max_model_len=1024, kv_cache_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for (kind, i), v in got.items():
-        want = (llm.chat([{"role": "user", "content": texts[i]}], params) if kind == "chat" else llm.generate([texts[i]], params))[0].outputs[0].text
+        want = (
+            (
+                llm.chat([{"role": "user", "content": texts[i]}], params)
+                if kind == "chat"
+                else llm.generate([texts[i]], params)
+            )[0]
+            .outputs[0]
+            .text
+        )
         if want not in v:
             problems.append(f"{kind} {i}: server {sorted(v)[0]!r} != offline {want!r}")
     if not alive:
         problems.append("no /health after the load")
-    detail = (f"{sum(k == 'good' for k, _ in results)} good ({len(got)} distinct, stream == non-stream == offline), "
-              f"{len(bad_codes)} bad -> {' '.join(sorted(set(bad_codes)))}")
+    detail = (
+        f"{sum(k == 'good' for k, _ in results)} good ({len(got)} distinct, stream == non-stream == offline), "
+        f"{len(bad_codes)} bad -> {' '.join(sorted(set(bad_codes)))}"
+    )
     return ("FAIL" if problems else "PASS"), detail + ("; " + "; ".join(problems[:4]) if problems else "")
 
 
@@ -458,8 +702,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", type=lambda s: s.split(","), default=None)
     parser.add_argument("--new-tokens", type=int, default=12)
-    parser.add_argument("--tolerance", type=float, default=0.3, help="teacher-forced: logit gap to the reference's argmax allowed")
-    parser.add_argument("--tie", type=float, default=0.05, help="batch: the default engine may part from the alone run at a gap this small")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.3, help="teacher-forced: logit gap to the reference's argmax allowed"
+    )
+    parser.add_argument(
+        "--tie",
+        type=float,
+        default=0.05,
+        help="batch: the default engine may part from the alone run at a gap this small",
+    )
     parser.add_argument("--folder", default=None, help="where the files go (default: a temporary folder)")
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--no-serve", action="store_true")
@@ -469,14 +720,24 @@ def main() -> None:
     torch.set_num_threads(1)
     folder = args.folder or tempfile.mkdtemp(prefix="cpu_gguf_check-")
     os.makedirs(folder, exist_ok=True)
-    names = args.only or list(FILES) + ([] if args.no_llamacpp else [f"llamacpp_{t.lower()}" for t in LLAMACPP_TYPES + LLAMACPP_QWEN2_TYPES])
+    names = args.only or list(FILES) + (
+        [] if args.no_llamacpp else [f"llamacpp_{t.lower()}" for t in LLAMACPP_TYPES + LLAMACPP_QWEN2_TYPES]
+    )
     checks = ("load", "packed", "plan", "f32", "batch", "threads", "isa", "kv", "llama.cpp", "serve")
     rows = []
     for name in names:
         start = time.perf_counter()
         try:
-            path = write_llamacpp_file(folder, name.removeprefix("llamacpp_").upper()) if name.startswith("llamacpp_") else write_file(name, folder)
-            res = {"load": ("PASS", "")} | check_file(name, path, args) if path else {"load": ("-", "llama.cpp or SmolLM2 missing")}
+            path = (
+                write_llamacpp_file(folder, name.removeprefix("llamacpp_").upper())
+                if name.startswith("llamacpp_")
+                else write_file(name, folder)
+            )
+            res = (
+                {"load": ("PASS", "")} | check_file(name, path, args)
+                if path
+                else {"load": ("-", "llama.cpp or SmolLM2 missing")}
+            )
             if "load" in res and res["load"][0] != "PASS":
                 res = {"load": res["load"]}
         except Exception as exc:

@@ -10,6 +10,7 @@ same machine load. Per mode: the best round's process CPU seconds and wall secon
 native call's own CPU split (``LlamaDecodePlan.phase_ms``: GEMMs, attention incl. rotary and the
 KV write, the rest); speed-up of each against mode 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prompts = build_prompts(args.requests, args.prompt_tokens)
     blocks = args.requests * -(-(args.prompt_tokens + 8) // 128) + 2
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=args.requests, kv_cache_blocks=blocks, enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        max_num_seqs=args.requests,
+        kv_cache_blocks=blocks,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([p[::-1] for p in prompts], params, use_tqdm=False)  # warm-up; builds the plan
     plan = llm.engine.model._decode_plan
@@ -59,15 +66,21 @@ def main() -> None:
             if mode not in best or cpu < best[mode][0]:
                 best[mode] = (cpu, wall, (plan.phase_ms / 1e3).tolist())
     plan.phase_ms = None
-    print(f"{args.requests} x {args.prompt_tokens}-token prompts prefilled, {args.threads} thread(s), best of {args.rounds} "
-          f"(modes alternating), load average {load:.1f} -> {os.getloadavg()[0]:.1f}\n")
-    print("| mode | prefill CPU s | wall s | native GEMMs CPU s | native attention CPU s | native rest CPU s | CPU vs mode 0 | attention vs mode 0 |")
+    print(
+        f"{args.requests} x {args.prompt_tokens}-token prompts prefilled, {args.threads} thread(s), best of {args.rounds} "
+        f"(modes alternating), load average {load:.1f} -> {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| mode | prefill CPU s | wall s | native GEMMs CPU s | native attention CPU s | native rest CPU s | CPU vs mode 0 | attention vs mode 0 |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = best.get(args.modes[0])
     for mode in args.modes:
         cpu, wall, (gemm, attn, rest) = best[mode]
-        print(f"| {mode}: {MODES[mode]} | {cpu:.2f} | {wall:.2f} | {gemm:.2f} | {attn:.2f} | {rest:.2f} | "
-              f"{base[0] / cpu:.2f}x | {base[2][1] / attn:.2f}x |")
+        print(
+            f"| {mode}: {MODES[mode]} | {cpu:.2f} | {wall:.2f} | {gemm:.2f} | {attn:.2f} | {rest:.2f} | "
+            f"{base[0] / cpu:.2f}x | {base[2][1] / attn:.2f}x |"
+        )
     same = sum(a == b for a, b in zip(firsts[args.modes[0]], firsts[args.modes[-1]]))
     print(f"\nfirst tokens equal between mode {args.modes[0]} and mode {args.modes[-1]}: {same}/{len(prompts)}")
 

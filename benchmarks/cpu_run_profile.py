@@ -11,6 +11,7 @@ timed apart), the LM head, sampling, and what is left (scheduling, batch buildin
 the native call's own CPU split (GEMMs, attention, the rest) per step kind. Timers wrap the engine's own methods on this one engine (nothing changes in the engine);
 each adds ~1 us per call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from cpu_throughput import build_prompts  # noqa: E402
 
-
-NATIVE_PHASES = ("layer GEMMs", "attention (rotary, KV write, attention)", "the rest (embedding, norms, residuals, SiLU-mul)")
+NATIVE_PHASES = (
+    "layer GEMMs",
+    "attention (rotary, KV write, attention)",
+    "the rest (embedding, norms, residuals, SiLU-mul)",
+)
 
 
 class Timers:
@@ -94,10 +98,23 @@ def instrument(llm, timers: Timers) -> None:
         with timers.part("low-bit GEMM calls (torch path, LM head incl.)"):
             return matmul(*a, **k)
 
-    engine.step, model.forward, model.compute_logits, sampler.sample_device = timed_step, timed_forward, timed_logits, timed_sample
+    engine.step, model.forward, model.compute_logits, sampler.sample_device = (
+        timed_step,
+        timed_forward,
+        timed_logits,
+        timed_sample,
+    )
     if greedy is not None:
         model.greedy_tokens = timed_greedy
-    modules.ops = type("ops", (), {"matmul": staticmethod(timed_matmul), "int_rows": staticmethod(ops.int_rows), "int8_rows": staticmethod(ops.int8_rows)})
+    modules.ops = type(
+        "ops",
+        (),
+        {
+            "matmul": staticmethod(timed_matmul),
+            "int_rows": staticmethod(ops.int_rows),
+            "int8_rows": staticmethod(ops.int8_rows),
+        },
+    )
 
 
 def main() -> None:
@@ -106,11 +123,21 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefill-ab", type=int, default=0, metavar="ROUNDS",
-                        help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)")
-    parser.add_argument("--head-ab", type=int, default=0, metavar="ROUNDS",
-                        help="then ROUNDS whole runs with the LM head fused with greedy sampling, int8-screened (lowbit/head_screen.c) "
-                             "and not (lowbit/head.c), and the full head + torch.argmax, alternating; wall and CPU seconds")
+    parser.add_argument(
+        "--prefill-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)",
+    )
+    parser.add_argument(
+        "--head-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="then ROUNDS whole runs with the LM head fused with greedy sampling, int8-screened (lowbit/head_screen.c) "
+        "and not (lowbit/head.c), and the full head + torch.argmax, alternating; wall and CPU seconds",
+    )
     args = parser.parse_args()
     prompts = build_prompts(args.concurrency, args.prompt_tokens)
     import inspect
@@ -121,8 +148,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     block_size = inspect.signature(LLM).parameters["block_size"].default  # sized as cpu_throughput.py's
     blocks = len(prompts) * -(-(len(prompts[0]) + args.new_tokens) // block_size)
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=len(prompts), kv_cache_blocks=blocks,
-              enable_prefix_caching=not (args.prefill_ab or args.head_ab))
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        max_num_seqs=len(prompts),
+        kv_cache_blocks=blocks,
+        enable_prefix_caching=not (args.prefill_ab or args.head_ab),
+    )
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -141,8 +173,10 @@ def main() -> None:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     modules.ops = saved_ops
     tokens = sum(len(o) for o in outputs)
-    print(f"{args.concurrency} requests x {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
-          f"load average before {load:.1f}: {wall:.2f} s wall ({tokens / wall:.1f} tok/s), {cpu:.2f} s CPU")
+    print(
+        f"{args.concurrency} requests x {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
+        f"load average before {load:.1f}: {wall:.2f} s wall ({tokens / wall:.1f} tok/s), {cpu:.2f} s CPU"
+    )
     print("\n| step kind | part | wall s | share of the run |")
     print("|---|---|---:|---:|")
     s = timers.s
@@ -180,7 +214,9 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|")
         for native in (True, False):
             w = sorted(walls[native])
-            print(f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |")
+            print(
+                f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |"
+            )
 
     if args.head_ab:
         head_ab(llm, generate, prompts, args.new_tokens, args.head_ab, tokens)
@@ -196,8 +232,11 @@ def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: in
         model.__dict__.pop(name, None)
     if getattr(model, "_decode_plan", None) is not None and hasattr(model._decode_plan, "phase_ms"):
         model._decode_plan.phase_ms = None
-    heads = {"fused, int8-screened (head_screen.c, default)": (True, True), "fused, int16 only (head.c)": (True, False),
-             "full logits + torch.argmax": (False, False)}
+    heads = {
+        "fused, int8-screened (head_screen.c, default)": (True, True),
+        "fused, int16 only (head.c)": (True, False),
+        "full logits + torch.argmax": (False, False),
+    }
     walls: dict[str, list[tuple[float, float]]] = defaultdict(list)
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
@@ -214,7 +253,9 @@ def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: in
     for label in heads:
         w = sorted(x for x, _ in walls[label])
         c = sorted(y for _, y in walls[label])
-        print(f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | {tokens / w[0]:.1f} |")
+        print(
+            f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | {tokens / w[0]:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ wall-clock tok/s on two threads mostly measures how each engine copes with the l
 two threads wait at every barrier for a descheduled one; deepinfer picks its thread count by
 measured step time, lowbit/threads.py). It says nothing about two threads on an idle machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,13 @@ def main() -> None:
         same = sum(a == b for a, b in zip(outputs["deepinfer"], outputs["llamacpp"]))
         rows.append((spec, cpu["deepinfer"], cpu["llamacpp"], same, n, os.getloadavg()[0]))
         print(f"done: {spec}", file=sys.stderr, flush=True)
-    print(f"SmolLM2-135M-Instruct, 1 thread, CPU seconds of one generate() per engine (prefill included), best of {args.rounds}; "
-          f"deepinfer at {ct.revision()}\n")
-    print("| requests:prompt:new[:file] | deepinfer CPU s | llama.cpp CPU s | llama.cpp / deepinfer | requests identical | load |")
+    print(
+        f"SmolLM2-135M-Instruct, 1 thread, CPU seconds of one generate() per engine (prefill included), best of {args.rounds}; "
+        f"deepinfer at {ct.revision()}\n"
+    )
+    print(
+        "| requests:prompt:new[:file] | deepinfer CPU s | llama.cpp CPU s | llama.cpp / deepinfer | requests identical | load |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for spec, ours, theirs, same, n, load in rows:
         print(f"| {spec} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x | {same}/{n} | {load:.1f} |")

@@ -7,6 +7,7 @@ cpuvar)::
 
     for i in 1 2 3 4 5 6; do python benchmarks/cpu_step_log.py; done
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,16 @@ def logged_call(self, ids, positions, slots, tables, out, decode):
     chooser, start = self.threads, time.perf_counter()
     switches = chooser.switches if chooser else 0
     _call(self, ids, positions, slots, tables, out, decode)
-    LOG.append({"decode": decode, "rows": ids.shape[0], "wall": (time.perf_counter() - start) * 1e3,
-                "probe": chooser is not None and decode and chooser._probing is not None,
-                "threads": chooser.current if chooser else None, "switched": chooser.switches - switches if chooser else 0})
+    LOG.append(
+        {
+            "decode": decode,
+            "rows": ids.shape[0],
+            "wall": (time.perf_counter() - start) * 1e3,
+            "probe": chooser is not None and decode and chooser._probing is not None,
+            "threads": chooser.current if chooser else None,
+            "switched": chooser.switches - switches if chooser else 0,
+        }
+    )
 
 
 def main() -> None:
@@ -44,17 +52,25 @@ def main() -> None:
     outputs = generate(prompts, new_tokens)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     decode, prefill = [e for e in LOG if e["decode"]], [e for e in LOG if not e["decode"]]
-    print(json.dumps({
-        "tok_s": round(n * new_tokens / seconds, 1), "seconds": round(seconds, 3), "cpu_s": round(cpu, 2),
-        "prefill_ms": round(sum(e["wall"] for e in prefill)), "prefill_calls": len(prefill),
-        "decode_ms": round(sum(e["wall"] for e in decode)), "decode_steps": len(decode),
-        "decode_median_ms": round(statistics.median(e["wall"] for e in decode), 1),
-        "outside_calls_ms": round(seconds * 1e3 - sum(e["wall"] for e in LOG)),
-        "switches": sum(e["switched"] for e in decode),
-        "probes": [[i, round(e["wall"], 1)] for i, e in enumerate(decode) if e["probe"]],
-        "threads_per_step": "".join("p" if e["probe"] else str(e["threads"]) for e in decode),
-        "first_tokens": outputs[0][:8],
-    }))
+    print(
+        json.dumps(
+            {
+                "tok_s": round(n * new_tokens / seconds, 1),
+                "seconds": round(seconds, 3),
+                "cpu_s": round(cpu, 2),
+                "prefill_ms": round(sum(e["wall"] for e in prefill)),
+                "prefill_calls": len(prefill),
+                "decode_ms": round(sum(e["wall"] for e in decode)),
+                "decode_steps": len(decode),
+                "decode_median_ms": round(statistics.median(e["wall"] for e in decode), 1),
+                "outside_calls_ms": round(seconds * 1e3 - sum(e["wall"] for e in LOG)),
+                "switches": sum(e["switched"] for e in decode),
+                "probes": [[i, round(e["wall"], 1)] for i, e in enumerate(decode) if e["probe"]],
+                "threads_per_step": "".join("p" if e["probe"] else str(e["threads"]) for e in decode),
+                "first_tokens": outputs[0][:8],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

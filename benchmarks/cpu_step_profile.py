@@ -11,6 +11,7 @@ step's wall time; "host" is what no operator accounts for (Python, scheduling, d
 the torch ops around the same kernels (what ``DEEPINFER_FUSED_DECODE=0`` gives); both run on the
 same engine and requests, alternating step by step, so that both see the same machine load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,18 @@ def instrument() -> None:
         def wrapped(*args, **kwargs):
             with torch.profiler.record_function(label):
                 return fn(*args, **kwargs)
+
         return wrapped
 
-    modules.ops = type("ops", (), {"matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul")), "int_rows": staticmethod(ops.int_rows), "int8_rows": staticmethod(ops.int8_rows)})
+    modules.ops = type(
+        "ops",
+        (),
+        {
+            "matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul")),
+            "int_rows": staticmethod(ops.int_rows),
+            "int8_rows": staticmethod(ops.int8_rows),
+        },
+    )
     run = llama_decode.LlamaDecodePlan.run
     llama_decode.LlamaDecodePlan.run = lambda self, *a: wrap(run, "lowbit::decode_step")(self, *a)
 
@@ -56,11 +66,15 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.lowbit import describe_weights
 
-    llm = LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, max_num_seqs=requests, kv_cache_blocks=2 * requests + 2)
+    llm = LLM(
+        "smollm2-135m-instruct", device="cpu", dtype=dtype, max_num_seqs=requests, kv_cache_blocks=2 * requests + 2
+    )
     vocab = llm.get_tokenizer().encode("It was the best of times, it was the worst of times, " * 20)
     engine, model = llm.engine, llm.engine.model
     for r in range(requests):
-        engine.add_request(vocab[r : r + 128], SamplingParams(temperature=0, max_tokens=4 * steps * len(paths) + 16, ignore_eos=True))
+        engine.add_request(
+            vocab[r : r + 128], SamplingParams(temperature=0, max_tokens=4 * steps * len(paths) + 16, ignore_eos=True)
+        )
     prefill_steps = -(-requests * 128 // engine.config.max_num_batched_tokens)
     for _ in range(prefill_steps + 2):  # prefill, then two decode steps to warm up (and plan)
         engine.step()
@@ -82,7 +96,9 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
             engine.step()
             wall[path] += (time.perf_counter() - w) * 1000 / (2 * steps)
             cpu[path] += (time.process_time() - c) * 1000 / (2 * steps)
-    print(f"\n{requests} request(s), {describe_weights(engine.model)}, {torch.get_num_threads()} threads, paths alternating step by step:")
+    print(
+        f"\n{requests} request(s), {describe_weights(engine.model)}, {torch.get_num_threads()} threads, paths alternating step by step:"
+    )
     print("| path | CPU ms / step | wall ms / step | tok/s (wall) | CPU vs torch path |")
     print("|---|---:|---:|---:|---:|")
     for path in paths:
@@ -91,9 +107,11 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
     if plan is not None and "fused" in paths:
         gemm, attn, rest = (plan.phase_ms / (2 * steps)).tolist()
         plan.phase_ms = None
-        print(f"\nfused path, CPU ms per step: native call {gemm + attn + rest:.1f} = layer GEMMs {gemm:.1f} + attention "
-              f"(rotary, KV write, paged attention) {attn:.1f} + the rest (embedding, norms, residuals, SiLU-mul) {rest:.1f}; "
-              f"outside it (LM head, sampling, scheduler, Python) {cpu['fused'] - gemm - attn - rest:.1f}")
+        print(
+            f"\nfused path, CPU ms per step: native call {gemm + attn + rest:.1f} = layer GEMMs {gemm:.1f} + attention "
+            f"(rotary, KV write, paged attention) {attn:.1f} + the rest (embedding, norms, residuals, SiLU-mul) {rest:.1f}; "
+            f"outside it (LM head, sampling, scheduler, Python) {cpu['fused'] - gemm - attn - rest:.1f}"
+        )
     for path in paths:
         use(path)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -124,11 +142,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--paths", type=lambda s: s.split(","), default=["fused", "torch"], help="fused (one native call per decode step), torch (DEEPINFER_FUSED_DECODE=0)")
+    parser.add_argument(
+        "--paths",
+        type=lambda s: s.split(","),
+        default=["fused", "torch"],
+        help="fused (one native call per decode step), torch (DEEPINFER_FUSED_DECODE=0)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     instrument()
-    print(f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    )
     for r in args.requests:
         profile(r, args.steps, args.dtype, args.paths)
 

@@ -17,6 +17,7 @@ score is total output tokens / wall time of the whole batch (prefill included). 
 concurrency) pair runs in its own subprocess, so peak RSS (``ru_maxrss``) is that engine's alone.
 Not part of the test suite: tests never time things.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-ENGINES = ("deepinfer", "deepinfer-fp32", "deepinfer-bf16", "deepinfer-lowbit", "deepinfer-kv8", "transformers", "llamacpp")
+ENGINES = (
+    "deepinfer",
+    "deepinfer-fp32",
+    "deepinfer-bf16",
+    "deepinfer-lowbit",
+    "deepinfer-kv8",
+    "transformers",
+    "llamacpp",
+)
 DEFAULT_ENGINES = ("deepinfer", "deepinfer-fp32", "transformers", "llamacpp")  # bf16: --engines
 LABELS = {
     "deepinfer": "deepinfer default", "deepinfer-fp32": "deepinfer fp32", "deepinfer-bf16": "deepinfer bf16",
@@ -148,12 +157,15 @@ def start_decoding(llm, prompts: list[list[int]], params, prefix: str):
     return engine
 
 
-def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> Generate:
+def load_deepinfer(
+    prompts: Prompts, max_new_tokens: int, threads: int, dtype: str = "auto", kv_cache_dtype: str = "auto"
+) -> Generate:
     """auto is the default (no flag): the GGUF's Q4_1/Q8_0 weights kept packed, int8 dot
     products; fp32 dequantizes them (exactly transformers' arithmetic); bf16 runs the matmuls on
     the CPU's bf16 dot-product units where it has them (AVX512-BF16, AMX). kv8: the default with
     kv_cache_dtype="int8" (the opt-in int8 KV cache)."""
     import torch
+
     from deepinfer_core import LLM, SamplingParams
 
     torch.set_num_threads(threads)
@@ -161,7 +173,14 @@ def load_deepinfer(prompts: Prompts, max_new_tokens: int, threads: int, dtype: s
     block_size = inspect.signature(LLM).parameters["block_size"].default
     blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
     model = os.environ.get("DEEPINFER_BENCH_GGUF") or "smollm2-135m-instruct"
-    llm = LLM(model, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(prompts), kv_cache_blocks=blocks)
+    llm = LLM(
+        model,
+        device="cpu",
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=len(prompts),
+        kv_cache_blocks=blocks,
+    )
 
     def generate(prompts: Prompts, new_tokens: int) -> Prompts:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -186,8 +205,12 @@ def load_transformers(prompts: Prompts, max_new_tokens: int, threads: int) -> Ge
         input_ids = torch.tensor(prompts)  # [N, P]
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
             )  # [N, P + T]
         return out[:, input_ids.shape[1] :].tolist()
 
@@ -280,7 +303,9 @@ def run_child(engine: str, prompts: Prompts, new_tokens: int, threads: int, repe
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     total = new_tokens * len(prompts)
     ttft_ms = ttft * 1000 if ttft != float("inf") else 0.0
-    return Result(engine, len(prompts), total / seconds, seconds, peak_mib, tuple(outputs[0]), ttft_ms, build_of(engine))
+    return Result(
+        engine, len(prompts), total / seconds, seconds, peak_mib, tuple(outputs[0]), ttft_ms, build_of(engine)
+    )
 
 
 def build_of(engine: str) -> str:
@@ -290,7 +315,8 @@ def build_of(engine: str) -> str:
 
         info = lc.llama_print_system_info().decode()
         return f"llama-cpp-python {lc.__version__} from {os.path.dirname(os.path.dirname(lc.__file__))}: " + " ".join(
-            f for f in info.replace("|", " ").split() if "AVX" in f or "FMA" in f or "F16C" in f)
+            f for f in info.replace("|", " ").split() if "AVX" in f or "FMA" in f or "F16C" in f
+        )
     if engine.startswith("deepinfer"):
         from deepinfer_core.lowbit import native
 
@@ -299,9 +325,22 @@ def build_of(engine: str) -> str:
 
 
 def run_in_subprocess(engine: str, prompts_file: str, args: argparse.Namespace, n: int) -> Result:
-    cmd = [sys.executable, __file__, "--child", engine, "--prompts-file", prompts_file,
-           "--concurrency", str(n), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-           "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        engine,
+        "--prompts-file",
+        prompts_file,
+        "--concurrency",
+        str(n),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--threads",
+        str(args.threads),
+        "--repeats",
+        str(args.repeats),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -326,12 +365,15 @@ def ratio(a: Result, b: Result | None) -> str:
 
 def agreement(a: Result, b: Result) -> int:
     """Length of the common greedy prefix of request 0 between two engines."""
-    return next((i for i, (x, y) in enumerate(zip(a.first_output, b.first_output)) if x != y),
-                min(len(a.first_output), len(b.first_output)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a.first_output, b.first_output)) if x != y),
+        min(len(a.first_output), len(b.first_output)),
+    )
 
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     """Ratios are for deepinfer's default (no dtype flag) where it ran, else its fastest row."""
+
     def ours_at(level: dict[str, Result]) -> Result | None:
         if "deepinfer" in level and not level["deepinfer"].error:  # the default is what the goal is about
             return level["deepinfer"]
@@ -344,9 +386,14 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         level = {r.engine: r for r in results if r.concurrency == n}
         ours = ours_at(level)
         for r in level.values():
-            cells = (f"unavailable: {r.error}", "–", "–") if r.error else (
-                f"{r.tokens_per_s:.1f}", f"{r.peak_rss_mib:.0f}", f"{r.ttft_ms:.0f}" if r.ttft_ms else "–")
-            print(f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {cells[2]} | {ratio(ours, r) if ours else '–'} |")
+            cells = (
+                (f"unavailable: {r.error}", "–", "–")
+                if r.error
+                else (f"{r.tokens_per_s:.1f}", f"{r.peak_rss_mib:.0f}", f"{r.ttft_ms:.0f}" if r.ttft_ms else "–")
+            )
+            print(
+                f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {cells[2]} | {ratio(ours, r) if ours else '–'} |"
+            )
     print("\n| concurrency | deepinfer | / transformers | / llama.cpp | / best peer |")
     print("|---:|---|---:|---:|---:|")
     for n in args.concurrency:
@@ -355,12 +402,17 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         best = max(peers, key=lambda r: r.tokens_per_s, default=None)
         if ours is None:
             continue
-        print(f"| {n} | {LABELS[ours.engine]} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |")
+        print(
+            f"| {n} | {LABELS[ours.engine]} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |"
+        )
     print("\nGreedy agreement, request 0, common prefix in tokens:")
     for n in args.concurrency:
         ok = [r for r in results if r.concurrency == n and not r.error]
-        pairs = [f"{LABELS[a.engine]}~{LABELS[b.engine]} {agreement(a, b)}/{args.new_tokens}"
-                 for i, a in enumerate(ok) for b in ok[i + 1 :]]
+        pairs = [
+            f"{LABELS[a.engine]}~{LABELS[b.engine]} {agreement(a, b)}/{args.new_tokens}"
+            for i, a in enumerate(ok)
+            for b in ok[i + 1 :]
+        ]
         print(f"- {n} concurrent: " + (", ".join(pairs) or "–"))
     builds = {LABELS[r.engine]: r.build for r in results if r.build}
     if builds:
@@ -371,23 +423,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", default="128", help="tokens per prompt, or LOW-HIGH for mixed lengths")
-    parser.add_argument("--gguf", default="", help="Q8_0, Q4_0, Q5_0, Q4_K_M, ... (written from the Q4_1's weights) or a GGUF path")
+    parser.add_argument(
+        "--gguf", default="", help="Q8_0, Q4_0, Q5_0, Q4_K_M, ... (written from the Q4_1's weights) or a GGUF path"
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--engines", type=lambda s: s.split(","), default=list(DEFAULT_ENGINES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine and level; best counts (default 3: a shared "
-                        "2-vCPU VM's speed swings ~1.5x within seconds with nothing else running, benchmarks/README.md cpuvar; the "
-                        "best of 3 takes every engine at its best moment alike)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per engine and level; best counts (default 3: a shared "
+        "2-vCPU VM's speed swings ~1.5x within seconds with nothing else running, benchmarks/README.md cpuvar; the "
+        "best of 3 takes every engine at its best moment alike)",
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per engine and level")
-    parser.add_argument("--llamacpp-path", default=os.environ.get(LLAMACPP_ENV, ""),
-                        help=f"import llama_cpp from this directory (default: ${LLAMACPP_ENV}, else the environment's)")
+    parser.add_argument(
+        "--llamacpp-path",
+        default=os.environ.get(LLAMACPP_ENV, ""),
+        help=f"import llama_cpp from this directory (default: ${LLAMACPP_ENV}, else the environment's)",
+    )
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         with open(args.prompts_file) as f:
             prompts = json.load(f)[: args.concurrency[0]]
-        print(RESULT_MARK + json.dumps(asdict(run_child(args.child, prompts, args.new_tokens, args.threads, args.repeats))))
+        print(
+            RESULT_MARK
+            + json.dumps(asdict(run_child(args.child, prompts, args.new_tokens, args.threads, args.repeats)))
+        )
         return
     if unknown := set(args.engines) - set(ENGINES):
         parser.error(f"unknown engines: {sorted(unknown)}")
@@ -406,13 +471,20 @@ def main() -> None:
         for engine in args.engines:
             results.append(run_in_subprocess(engine, prompts_file, args, n))
             r = results[-1]
-            print(f"done: {engine} x{n}: " + (r.error or f"{r.tokens_per_s:.1f} tok/s, {r.peak_rss_mib:.0f} MiB, TTFT {r.ttft_ms:.0f} ms"), file=sys.stderr, flush=True)
+            print(
+                f"done: {engine} x{n}: "
+                + (r.error or f"{r.tokens_per_s:.1f} tok/s, {r.peak_rss_mib:.0f} MiB, TTFT {r.ttft_ms:.0f} ms"),
+                file=sys.stderr,
+                flush=True,
+            )
     os.unlink(prompts_file)
     weights = os.path.basename(os.environ["DEEPINFER_BENCH_GGUF"]) if args.gguf else "Q4_1 GGUF"
-    print(f"SmolLM2-135M-Instruct {weights}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
-          f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, 1-min load average before the run {load_before:.1f}; "
-          f"deepinfer at {revision()}\n")
+    print(
+        f"SmolLM2-135M-Instruct {weights}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
+        f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, 1-min load average before the run {load_before:.1f}; "
+        f"deepinfer at {revision()}\n"
+    )
     print_table(results, args)
 
 

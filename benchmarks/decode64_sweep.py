@@ -11,6 +11,7 @@ timed as a CUDA graph replays them (``triton.testing.do_bench_cudagraph``, media
 
     python benchmarks/decode64_sweep.py [--only moe,attn,router,align]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,11 @@ import itertools
 
 import torch
 import triton
+from moe_tiles import random_moe_case  # this folder is first on sys.path when run as a script
 
 from deepinfer_cuda_sm100.kernels import fused_moe as fm
 from deepinfer_cuda_sm100.kernels import paged_attention as pa
 from deepinfer_cuda_sm100.kernels import router as rt
-from moe_tiles import random_moe_case  # this folder is first on sys.path when run as a script
 
 
 def bench(fn) -> float:
@@ -38,13 +39,35 @@ def sweep_moe(T=64, E=64, k=6, D=2048, I=1024) -> None:
     base = bench(lambda: fm.fused_moe(x, gate_up, down, ids, w, None, default, down_config=default))
     align = bench(lambda: fm.moe_align(ids, E, 16))
     touched = ids.unique().numel()
-    print(f"MOE default {default}: {base:.4f} ms whole fused_moe (align alone {align:.4f} ms); experts touched {touched}; expert bytes {touched * 3 * I * D * 2 / 1e6:.0f} MB", flush=True)
+    print(
+        f"MOE default {default}: {base:.4f} ms whole fused_moe (align alone {align:.4f} ms); experts touched {touched}; expert bytes {touched * 3 * I * D * 2 / 1e6:.0f} MB",
+        flush=True,
+    )
     grid = [
-        (64, 64, 4, 3, False), (64, 64, 4, 4, False), (64, 64, 4, 5, False), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (64, 64, 4, 6, True),
-        (64, 128, 4, 3, False), (64, 128, 4, 4, False), (64, 128, 4, 3, True), (64, 128, 4, 4, True),
-        (32, 128, 4, 4, False), (32, 128, 4, 4, True), (32, 64, 4, 4, True), (32, 64, 2, 4, False), (32, 128, 2, 4, True),
-        (128, 64, 4, 3, True), (128, 64, 8, 4, True), (64, 64, 8, 4, True), (64, 128, 8, 4, True), (64, 256, 8, 3, True),
-        (64, 64, 2, 4, False), (64, 64, 2, 4, True), (32, 256, 4, 3, True), (16, 128, 2, 4, True),
+        (64, 64, 4, 3, False),
+        (64, 64, 4, 4, False),
+        (64, 64, 4, 5, False),
+        (64, 64, 4, 3, True),
+        (64, 64, 4, 4, True),
+        (64, 64, 4, 6, True),
+        (64, 128, 4, 3, False),
+        (64, 128, 4, 4, False),
+        (64, 128, 4, 3, True),
+        (64, 128, 4, 4, True),
+        (32, 128, 4, 4, False),
+        (32, 128, 4, 4, True),
+        (32, 64, 4, 4, True),
+        (32, 64, 2, 4, False),
+        (32, 128, 2, 4, True),
+        (128, 64, 4, 3, True),
+        (128, 64, 8, 4, True),
+        (64, 64, 8, 4, True),
+        (64, 128, 8, 4, True),
+        (64, 256, 8, 3, True),
+        (64, 64, 2, 4, False),
+        (64, 64, 2, 4, True),
+        (32, 256, 4, 3, True),
+        (16, 128, 2, 4, True),
     ]
     for name in ("gate/up", "down"):
         rows = []
@@ -63,7 +86,9 @@ def sweep_moe(T=64, E=64, k=6, D=2048, I=1024) -> None:
         rows.sort(key=lambda r: r[0])
         print(f"MOE {name} sweep (other GEMM default), whole fused_moe ms; default {base:.4f}")
         for ms, c, same, err in rows:
-            print(f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} bk={c.block_k} w={c.num_warps} s={c.num_stages} tma={c.tma}  equal={same} err={err:.1e}")
+            print(
+                f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} bk={c.block_k} w={c.num_warps} s={c.num_stages} tma={c.tma}  equal={same} err={err:.1e}"
+            )
 
 
 def sweep_attn(R=64, ctx=161, H=16, D=576, DV=512) -> None:
@@ -95,25 +120,34 @@ def sweep_attn(R=64, ctx=161, H=16, D=576, DV=512) -> None:
             rows.append((ms, cfg, err))
     rows.sort(key=lambda r: r[0])
     for ms, c, err in rows[:20]:
-        print(f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} splits={c.num_splits} w={c.num_warps} s={c.num_stages} maxerr={err:.1e}")
+        print(
+            f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} splits={c.num_splits} w={c.num_warps} s={c.num_stages} maxerr={err:.1e}"
+        )
 
 
 def sweep_router(T=64, E=64, D=2048) -> None:
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     wt = torch.randn(E, D, device="cuda", generator=g) / D**0.5
-    exact = (x.double() @ wt.double().t())
+    exact = x.double() @ wt.double().t()
     ref = torch.nn.functional.linear(x.float(), wt)
     base = bench(lambda: torch.nn.functional.linear(x.float(), wt))
-    print(f"ROUTER T={T}: torch cast + float32 GEMM {base:.4f} ms, max err vs float64 {(ref.double() - exact).abs().max().item():.1e}", flush=True)
+    print(
+        f"ROUTER T={T}: torch cast + float32 GEMM {base:.4f} ms, max err vs float64 {(ref.double() - exact).abs().max().item():.1e}",
+        flush=True,
+    )
     for be, bd, warps in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8)):
         out = torch.empty(T, E, dtype=torch.float32, device="cuda")
 
         def gemv():
-            rt._router_logits_kernel[(triton.cdiv(E, be), T)](x, wt, out, E, D, x.stride(0), wt.stride(0), out.stride(0), BLOCK_E=be, BLOCK_D=bd, num_warps=warps)
+            rt._router_logits_kernel[(triton.cdiv(E, be), T)](
+                x, wt, out, E, D, x.stride(0), wt.stride(0), out.stride(0), BLOCK_E=be, BLOCK_D=bd, num_warps=warps
+            )
 
         ms = bench(gemv)
-        print(f"  gemv be={be} bd={bd} w={warps}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}")
+        print(
+            f"  gemv be={be} bd={bd} w={warps}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}"
+        )
     for bt_, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (2, 3, 4)):
         try:
             out = rt.router_gemm(x, wt, block_t=bt_, num_warps=warps, num_stages=stages)
@@ -121,7 +155,9 @@ def sweep_router(T=64, E=64, D=2048) -> None:
         except Exception as exc:
             print(f"  tiled bt={bt_} w={warps} s={stages}: {type(exc).__name__}")
             continue
-        print(f"  tiled bt={bt_} w={warps} s={stages}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}")
+        print(
+            f"  tiled bt={bt_} w={warps} s={stages}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}"
+        )
 
 
 def sweep_align(T=64, E=64, k=6) -> None:
@@ -140,7 +176,9 @@ def sweep_align(T=64, E=64, k=6) -> None:
         cnt = torch.empty(E, dtype=torch.long, device="cuda")
 
         def run():
-            fm._align_kernel[(1,)](flat, s, be, tot, cnt, n, cap, E, BLOCK_M=bm, E_P=64, CHUNK=chunk, FILL=fill, num_warps=warps)
+            fm._align_kernel[(1,)](
+                flat, s, be, tot, cnt, n, cap, E, BLOCK_M=bm, E_P=64, CHUNK=chunk, FILL=fill, num_warps=warps
+            )
 
         try:
             ms = bench(run)

@@ -12,6 +12,7 @@ CPU time with ``--clock cpu``, for a busy machine). Prints ms per step and each 
 the first one's. An int8 cache holds rows of 64 codes + a float32 scale (68 bytes), written by
 the engine's own quantizer (``paged_write_kv``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,7 +66,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "float16"], help="cache dtypes: float32, float16, int8")
+    parser.add_argument(
+        "--dtypes",
+        type=lambda s: s.split(","),
+        default=["float32", "float16"],
+        help="cache dtypes: float32, float16, int8",
+    )
     args = parser.parse_args()
     from deepinfer_core.lowbit import native
 
@@ -73,9 +79,13 @@ def main() -> None:
     if lib is None:
         raise SystemExit(f"low-bit kernels unavailable: {native.load().reason}")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    print(f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, context {args.context} tokens")
+    print(
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, context {args.context} tokens"
+    )
     names = args.dtypes
-    print(f"| requests | KV bytes read / step | {' | '.join(f'{n} ms' for n in names)} | {' | '.join(f'{names[0]} / {n}' for n in names[1:])} |")
+    print(
+        f"| requests | KV bytes read / step | {' | '.join(f'{n} ms' for n in names)} | {' | '.join(f'{names[0]} / {n}' for n in names[1:])} |"
+    )
     print("|---:|---:|" + "---:|" * (2 * len(names) - 1))
     for R in args.requests:
         inputs = {DTYPES[n]: step_inputs(lib, R, args.context, DTYPES[n]) for n in names}
@@ -90,7 +100,9 @@ def main() -> None:
         row_bytes = {"float32": HEAD_DIM * 4, "float16": HEAD_DIM * 2, "int8": HEAD_DIM + 4}
         mb = " / ".join(f"{rows * row_bytes[n] / 1e6:.0f} MB ({n})" for n in names)
         times = [best[DTYPES[n]] for n in names]
-        print(f"| {R} | {mb} | {' | '.join(f'{t:.2f}' for t in times)} | {' | '.join(f'{times[0] / t:.2f}x' for t in times[1:])} |")
+        print(
+            f"| {R} | {mb} | {' | '.join(f'{t:.2f}' for t in times)} | {' | '.join(f'{times[0] / t:.2f}x' for t in times[1:])} |"
+        )
 
 
 if __name__ == "__main__":

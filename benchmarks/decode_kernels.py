@@ -9,6 +9,7 @@ hold a real batch: 128-token prompts + 33 tokens), then per level: the replay's 
 events over 50 replays) and every kernel of one replay (torch profiler over 20 replays: ms per
 step, launches per step), and the sum of kernel time against the replay (the rest is the gaps
 between kernels). With ``--json`` the tables are written for the README."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import V3_MINI, copy_bandwidth, di, di_speed, free, kernel_table, log, make_fp8, make_v3mini, replay_ms  # noqa: E402
+from gpu_throughput import (
+    V3_MINI,
+    copy_bandwidth,
+    di,
+    di_speed,
+    free,
+    kernel_table,
+    log,
+    make_fp8,
+    make_v3mini,
+    replay_ms,
+)  # noqa: E402
 
 
 def measure(name: str, path: str, levels: list[int], out: dict) -> None:
-    llm = di(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=8192, kv_cache_blocks=max(levels) * 2 + 64)
+    llm = di(
+        path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=8192, kv_cache_blocks=max(levels) * 2 + 64
+    )
     vocab = V3_MINI["vocab_size"]
     dec = di_speed(llm, vocab, levels, 32, 128)
     graphs = llm.engine.runner.graphs
@@ -35,7 +49,9 @@ def measure(name: str, path: str, levels: list[int], out: dict) -> None:
         rows = kernel_table(g.replay)
         total = sum(r[1] for r in rows)
         launches = sum(r[2] for r in rows)
-        log(f"KERNELS {name} N={n}: step {dec[n]:.3f} ms, replay {t:.3f} ms, {launches:.0f} kernels, {total:.3f} ms kernel time, gaps {t - total:.3f} ms")
+        log(
+            f"KERNELS {name} N={n}: step {dec[n]:.3f} ms, replay {t:.3f} ms, {launches:.0f} kernels, {total:.3f} ms kernel time, gaps {t - total:.3f} ms"
+        )
         for k, ms, c in rows:
             log(f"  {ms:7.4f} ms {c:5.0f}x  {k[:150]}")
         out[f"{name}-{n}"] = {"step_ms": dec[n], "replay_ms": t, "kernels": rows}
@@ -46,7 +62,9 @@ def measure(name: str, path: str, levels: list[int], out: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="16,64")
-    ap.add_argument("--fp8", action="store_true", help="also the same checkpoint in DeepSeek's FP8 block format (after bf16)")
+    ap.add_argument(
+        "--fp8", action="store_true", help="also the same checkpoint in DeepSeek's FP8 block format (after bf16)"
+    )
     ap.add_argument("--fp8-levels", default="64")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

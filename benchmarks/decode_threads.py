@@ -9,6 +9,7 @@ in alternating blocks of ``--steps``: fixed (``--threads`` for every native call
 steps). Then the same with ``--busy`` processes spinning on the CPU (started by this script).
 Prints the median and mean wall ms per decode step of each (load, mode) and fixed / adaptive.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,9 @@ def main() -> None:
     from deepinfer_core.lowbit.threads import ThreadChooser
 
     R, total = args.requests, 2 * 2 * args.blocks * args.steps + 8
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=R, kv_cache_blocks=R * (-(-(128 + total + 8) // 16)) + 2)
+    llm = LLM(
+        "smollm2-135m-instruct", device="cpu", max_num_seqs=R, kv_cache_blocks=R * (-(-(128 + total + 8) // 16)) + 2
+    )
     vocab = llm.get_tokenizer().encode("It was the best of times, it was the worst of times, " * 20)
     engine, model = llm.engine, llm.engine.model
     for r in range(R):
@@ -50,7 +53,10 @@ def main() -> None:
     assert plan is not None, "no one-call decode plan (DEEPINFER_FUSED_DECODE=0?)"
     print(f"{R} requests, {args.threads} threads, {os.cpu_count()} CPUs, load average before {os.getloadavg()[0]:.1f}, "
           f"probe every {args.probe_every} steps")  # fmt: skip
-    print("| load | mode | median ms / step | mean ms / step | fixed / adaptive (mean) |\n|---|---|---:|---:|---:|", flush=True)
+    print(
+        "| load | mode | median ms / step | mean ms / step | fixed / adaptive (mean) |\n|---|---|---:|---:|---:|",
+        flush=True,
+    )
     results: dict[tuple[str, str], list[float]] = {}
     for load in ("idle", f"{args.busy} busy"):
         busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy if load != "idle" else 0)]
@@ -71,8 +77,14 @@ def main() -> None:
         fixed = statistics.mean(results[(load, "fixed")])
         for mode in ("fixed", "adaptive"):
             xs = results[(load, mode)]
-            print(f"| {load} | {mode} | {statistics.median(xs):.1f} | {statistics.mean(xs):.1f} | {fixed / statistics.mean(xs):.2f}x |", flush=True)
-        print(f"({load}: adaptive ended on {chooser.current} thread(s) after {chooser.switches} switch(es); load average now {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"| {load} | {mode} | {statistics.median(xs):.1f} | {statistics.mean(xs):.1f} | {fixed / statistics.mean(xs):.2f}x |",
+                flush=True,
+            )
+        print(
+            f"({load}: adaptive ended on {chooser.current} thread(s) after {chooser.switches} switch(es); load average now {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

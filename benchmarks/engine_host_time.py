@@ -23,6 +23,7 @@ is the median over ``--rounds`` processes.
     .venv/bin/python benchmarks/engine_host_time.py --before 9bbfe2d --rounds 5
     .venv/bin/python benchmarks/engine_host_time.py --gc-freeze-ab --rounds 5   # gc.freeze() after start-up or not
 """
+
 from __future__ import annotations
 
 import argparse
@@ -141,7 +142,9 @@ def child(path: str, repeats: int, frozen: bool = True) -> dict:
     run(prefill_prompts[-1], one)
     run(decode_prompts[-1], many)
     prefill = [run(prefill_prompts[i], one) for i in range(repeats)]
-    step = [(run(decode_prompts[2 * i], many)[1] - run(decode_prompts[2 * i + 1], one)[1]) / steps for i in range(repeats)]
+    step = [
+        (run(decode_prompts[2 * i], many)[1] - run(decode_prompts[2 * i + 1], one)[1]) / steps for i in range(repeats)
+    ]
 
     clock = StageClock()
     from deepinfer_core import LLM as LLMClass
@@ -210,8 +213,13 @@ def spawn(path: str, repeats: int, pythonpath: str | None, frozen: bool = True) 
 
 def table(title: str, key: str, runs: dict[str, list[dict]], totals: dict[str, str]) -> None:
     names = list(runs)
-    med = {n: {k: statistics.median(r[key].get(k, 0.0) for r in runs[n]) for k in set().union(*(r[key] for r in runs[n]))} for n in names}
-    stages = sorted(set().union(*(m.keys() for m in med.values())), key=lambda k: -max(m.get(k, 0.0) for m in med.values()))
+    med = {
+        n: {k: statistics.median(r[key].get(k, 0.0) for r in runs[n]) for k in set().union(*(r[key] for r in runs[n]))}
+        for n in names
+    }
+    stages = sorted(
+        set().union(*(m.keys() for m in med.values())), key=lambda k: -max(m.get(k, 0.0) for m in med.values())
+    )
     print(f"\n{title} (CPU ms, median of {len(runs[names[0]])} processes)\n")
     print("| stage | " + " | ".join(names) + (" | before / now |" if len(names) == 2 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
@@ -222,7 +230,9 @@ def table(title: str, key: str, runs: dict[str, list[dict]], totals: dict[str, s
             vals = [statistics.median(r[k] for r in runs[n]) for n in names]
         else:
             vals = [med[n].get(k, 0.0) for n in names]
-        ratio = f" | {vals[0] / vals[1]:.2f}x" if len(names) == 2 and vals[1] > 0 else (" | " if len(names) == 2 else "")
+        ratio = (
+            f" | {vals[0] / vals[1]:.2f}x" if len(names) == 2 and vals[1] > 0 else (" | " if len(names) == 2 else "")
+        )
         print(f"| {totals.get(k, k)} | " + " | ".join(f"{v:.2f}" for v in vals) + ratio + " |")
 
 
@@ -231,7 +241,11 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="git revision whose engine is the peer")
     ap.add_argument("--rounds", type=int, default=3, help="child processes per revision (alternating)")
     ap.add_argument("--repeats", type=int, default=3, help="timed prefills / decode runs per process")
-    ap.add_argument("--gc-freeze-ab", action="store_true", help="this checkout only: nothing frozen vs everything frozen (gc.freeze) after start-up")
+    ap.add_argument(
+        "--gc-freeze-ab",
+        action="store_true",
+        help="this checkout only: nothing frozen vs everything frozen (gc.freeze) after start-up",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--not-frozen", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -241,12 +255,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine_host_time") as tmp:
         ckpt = os.path.join(tmp, "v3")
         make_checkpoint(ckpt)
-        now = os.path.join(tmp, "now")  # this checkout's engine as it is at the start (edits during the run do not count)
-        shutil.copytree(Path(__file__).resolve().parent.parent / "deepinfer_core", os.path.join(now, "deepinfer_core"), ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        now = os.path.join(
+            tmp, "now"
+        )  # this checkout's engine as it is at the start (edits during the run do not count)
+        shutil.copytree(
+            Path(__file__).resolve().parent.parent / "deepinfer_core",
+            os.path.join(now, "deepinfer_core"),
+            ignore=shutil.ignore_patterns("__pycache__", "*.so"),
+        )
         variants: dict[str, str | None] = {"now": now}
         frozen = {"now": True}
         if args.gc_freeze_ab:
-            variants, frozen = {"no gc.freeze": now, "frozen after start-up": now}, {"no gc.freeze": False, "frozen after start-up": True}
+            variants, frozen = (
+                {"no gc.freeze": now, "frozen after start-up": now},
+                {"no gc.freeze": False, "frozen after start-up": True},
+            )
         elif args.before:
             os.makedirs(os.path.join(tmp, "before"))
             variants = {f"before ({args.before})": export(args.before, os.path.join(tmp, "before")), "now": now}
@@ -255,11 +278,24 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, pythonpath in variants.items():
                 runs[name].append(spawn(ckpt, args.repeats, pythonpath, frozen[name]))
-        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}, torch on one thread")
-        table(f"{PREFILL[0]} x {PREFILL[1]} prefill, generate(max_tokens=1)", "prefill_stages", runs,
-              {"prefill_before_forward_ms": "**host before the forward, no stage clocks**", "prefill_generate_ms": "**whole generate, no stage clocks**"})
-        table(f"one {DECODE[0]}-request decode step ({DECODE[1]}-token prompts, mean of {DECODE[2]} steps)", "decode_stages", runs,
-              {"decode_step_ms": "**the step, no stage clocks**"})
+        print(
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}, torch on one thread"
+        )
+        table(
+            f"{PREFILL[0]} x {PREFILL[1]} prefill, generate(max_tokens=1)",
+            "prefill_stages",
+            runs,
+            {
+                "prefill_before_forward_ms": "**host before the forward, no stage clocks**",
+                "prefill_generate_ms": "**whole generate, no stage clocks**",
+            },
+        )
+        table(
+            f"one {DECODE[0]}-request decode step ({DECODE[1]}-token prompts, mean of {DECODE[2]} steps)",
+            "decode_stages",
+            runs,
+            {"decode_step_ms": "**the step, no stage clocks**"},
+        )
         print("\nper process (the spread):")
         for name, rs in runs.items():
             for key in ("prefill_before_forward_ms", "prefill_generate_ms", "decode_step_ms"):

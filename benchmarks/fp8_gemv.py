@@ -11,14 +11,15 @@ peer: a 1 GiB device-to-device copy (bytes read + written).
 
     python benchmarks/fp8_gemv.py [--rows 1,2,4,8,16] [--sweep]
 """
+
 from __future__ import annotations
 
 import argparse
 
+import graph_timing  # this folder (run as a script)
 import torch
 import triton
 
-import graph_timing  # this folder (run as a script)
 from deepinfer_cuda_sm100.kernels import fp8_gemv as gemv_module
 from deepinfer_cuda_sm100.kernels.fp8_gemm import SplitCounters, fp8_linear
 from deepinfer_cuda_sm100.kernels.fp8_gemv import GemvConfig
@@ -26,8 +27,14 @@ from deepinfer_cuda_sm100.kernels.fp8_gemv import GemvConfig
 # V3-mini (hidden 2048, MLA q_lora 1536 / kv_lora 512 + rope 64 / 16 heads x (128 + 64) / v 128,
 # shared expert 1024, dense layer 9216): (name, N, K, layers)
 SHAPES = [
-    ("q_a", 1536, 2048, 8), ("kv_a", 576, 2048, 8), ("q_b", 3072, 1536, 8), ("o", 2048, 2048, 8),
-    ("shared gate_up", 2048, 2048, 7), ("shared down", 2048, 1024, 7), ("dense gate_up", 18432, 2048, 1), ("dense down", 2048, 9216, 1),
+    ("q_a", 1536, 2048, 8),
+    ("kv_a", 576, 2048, 8),
+    ("q_b", 3072, 1536, 8),
+    ("o", 2048, 2048, 8),
+    ("shared gate_up", 2048, 2048, 7),
+    ("shared down", 2048, 1024, 7),
+    ("dense gate_up", 18432, 2048, 1),
+    ("dense down", 2048, 9216, 1),
 ]
 
 
@@ -86,8 +93,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true", help="GEMV configs at one row")
-    ap.add_argument("--shape-sweep", action="store_true", help="GEMV configs per shape at one row (slab shape, warps, K splits)")
-    ap.add_argument("--dry", action="store_true", help="CPU, Triton's interpreter, shapes / 16, one layer each: checks the script")
+    ap.add_argument(
+        "--shape-sweep", action="store_true", help="GEMV configs per shape at one row (slab shape, warps, K splits)"
+    )
+    ap.add_argument(
+        "--dry", action="store_true", help="CPU, Triton's interpreter, shapes / 16, one layer each: checks the script"
+    )
     args = ap.parse_args()
     if args.dry:
         global DEVICE
@@ -98,10 +109,16 @@ def main() -> None:
     step_bytes = sum(w.numel() + s.numel() * 4 for v in ws.values() for w, s in v)
     buf = torch.empty(1 << (20 if args.dry else 30), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(buf)
-    copy_ms = float("nan") if args.dry else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")
+    copy_ms = (
+        float("nan")
+        if args.dry
+        else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")  # noqa: F821 (names deleted after the timing; the lambda runs first)
+    )
     bw = 2 * buf.numel() / copy_ms / 1e9
     del buf, dst
-    print(f"copy bandwidth (read + write) {bw:.2f} TB/s; step weights {step_bytes / 1e6:.1f} MB, read floor {step_bytes / bw / 1e9:.4f} ms")
+    print(
+        f"copy bandwidth (read + write) {bw:.2f} TB/s; step weights {step_bytes / 1e6:.1f} MB, read floor {step_bytes / bw / 1e9:.4f} ms"
+    )
     counters = SplitCounters()
     print("\n| rows | variant | step graph ms | TB/s | max rel err |")
     print("|---:|---|---:|---:|---:|")
@@ -121,7 +138,9 @@ def main() -> None:
         nbytes = sum(w.numel() + s.numel() * 4 for w, s in ws[name])
         t = graph_ms(lambda: run("tiled", ws, xs, counters, names={name}))
         v = graph_ms(lambda: run("gemv", ws, xs, counters, names={name}))
-        print(f"| {name} | {n} x {k} | {layers} | {t:.4f} | {v:.4f} | {t / v:.2f}x | {nbytes / v / 1e9:.2f} |", flush=True)
+        print(
+            f"| {name} | {n} x {k} | {layers} | {t:.4f} | {v:.4f} | {t / v:.2f}x | {nbytes / v / 1e9:.2f} |", flush=True
+        )
     moe(g, bw)
     if args.shape_sweep:
         shape_sweep(ws, xs, counters)
@@ -144,7 +163,10 @@ def main() -> None:
                 print(f"| {bn} | {grp} | {warps} | {target} | failed: {type(exc).__name__} | | |")
                 continue
             rows.append((ms, cfg, err))
-            print(f"| {bn} | {grp} | {warps} | {target} | {ms:.4f} | {step_bytes / ms / 1e9:.2f} | {err:.1e} |", flush=True)
+            print(
+                f"| {bn} | {grp} | {warps} | {target} | {ms:.4f} | {step_bytes / ms / 1e9:.2f} | {err:.1e} |",
+                flush=True,
+            )
         best = min(rows, key=lambda r: r[0])
         print(f"fastest: {best[1]} {best[0]:.4f} ms")
 
@@ -189,18 +211,24 @@ def moe(g, bw) -> None:
             gu = torch.randn(E, 2 * I, D, device=DEVICE, generator=g) / D**0.5
             dn = torch.randn(E, D, I, device=DEVICE, generator=g) / I**0.5
             if fp8:
-                sc = dict(gate_up_scale=torch.rand(E, 2 * I // 128, D // 128, device=DEVICE, generator=g) / 64, down_scale=torch.rand(E, D // 128, I // 128, device=DEVICE, generator=g) / 64)
+                sc = dict(
+                    gate_up_scale=torch.rand(E, 2 * I // 128, D // 128, device=DEVICE, generator=g) / 64,
+                    down_scale=torch.rand(E, D // 128, I // 128, device=DEVICE, generator=g) / 64,
+                )
                 mats.append(((gu * 64).to(torch.float8_e4m3fn), (dn * 64).to(torch.float8_e4m3fn), sc))
             else:
                 mats.append((gu.bfloat16(), dn.bfloat16(), {}))
             del gu, dn
         tiled_cfg = MoEConfig(16, 32, 128, 4, 3) if fp8 else MoEConfig(16, 64, 64, 4, 3)
-        run_moe = lambda cfg: [fused_moe(x, gu, dn, ids, w, None, cfg, **sc)[0] for gu, dn, sc in mats]  # noqa: E731
+        run_moe = lambda cfg: [fused_moe(x, gu, dn, ids, w, None, cfg, **sc)[0] for gu, dn, sc in mats]  # noqa: E731, F821 (mats is deleted after this timing)
         a, b = run_moe(None), run_moe(tiled_cfg)
         diff = max(((p.float() - q.float()).norm() / q.float().norm()).item() for p, q in zip(a, b))
         nbytes = layers * k * 3 * I * D * (1 if fp8 else 2)
         t_gemv, t_tiled = graph_ms(lambda: run_moe(None)), graph_ms(lambda: run_moe(tiled_cfg))
-        print(f"| {'FP8' if fp8 else 'bf16'} | {t_gemv:.4f} | {t_tiled:.4f} | {t_tiled / t_gemv:.2f}x | {nbytes / t_gemv / 1e9:.2f} | {diff:.1e} |", flush=True)
+        print(
+            f"| {'FP8' if fp8 else 'bf16'} | {t_gemv:.4f} | {t_tiled:.4f} | {t_tiled / t_gemv:.2f}x | {nbytes / t_gemv / 1e9:.2f} | {diff:.1e} |",
+            flush=True,
+        )
         from deepinfer_cuda_sm100.kernels import moe_gemv
 
         saved = moe_gemv.BLOCK_N

@@ -10,6 +10,7 @@ objects the collector tracks either way. The engine's own step never calls the c
 automatic full collection lands in whichever request step allocates at that moment, so its length
 is a tail-latency pause for every request in flight.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,8 @@ def main() -> None:
     from deepinfer_core.engine.config import EngineConfig
     from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.plugin_host import default_host
-    from deepinfer_core.serve.cli import DEFAULT_MODEL
     from deepinfer_core.serve.app import Server, ServerConfig
+    from deepinfer_core.serve.cli import DEFAULT_MODEL
 
     host = default_host()
     model = args.model or DEFAULT_MODEL
@@ -51,7 +52,9 @@ def main() -> None:
     print("| gc.collect() (full) | objects tracked | CPU ms per collection (each round) | best |")
     print("|---|---:|---|---:|")
     print(f"| without gc.freeze | {tracked_before:,} | {', '.join(f'{x:.1f}' for x in before)} | {min(before):.1f} |")
-    print(f"| after gc.freeze (serve) | {tracked_after:,} ({gc.get_freeze_count():,} frozen) | {', '.join(f'{x:.1f}' for x in after)} | {min(after):.1f} |")
+    print(
+        f"| after gc.freeze (serve) | {tracked_after:,} ({gc.get_freeze_count():,} frozen) | {', '.join(f'{x:.1f}' for x in after)} | {min(after):.1f} |"
+    )
     ratio = f"{min(before) / min(after):.0f}x" if min(after) >= 0.1 else f"{min(before):.1f} ms -> under 0.1 ms"
     print(f"| without / after | | | {ratio} |")
 

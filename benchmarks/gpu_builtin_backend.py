@@ -9,6 +9,7 @@ Prints two tables: greedy agreement and logit error versus transformers (float32
 same GPU), then output tokens/s for deepinfer and transformers ``generate`` at several
 concurrencies (bfloat16), with ratios and peak GPU memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def load_hf(path: str, dtype):
 def exactness(path: str, new_tokens: int) -> None:
     llm = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=64)
     tok, hf = load_hf(path, torch.float32)
-    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=new_tokens))
+    outs = llm.chat(
+        [[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(temperature=0, max_tokens=new_tokens)
+    )
     same, worst = 0, 0.0
     for out in outs:
         ids = out.prompt_token_ids
@@ -56,8 +59,10 @@ def exactness(path: str, new_tokens: int) -> None:
                 theirs = hf(torch.tensor([seq], device="cuda")).logits[0, -1].float()
             ours = llm.engine.prompt_logits(seq)[-1]
             top = theirs.topk(2)
-            print(f"  diverges at token {d}/{len(ref_new)}: ours {got[d:d + 1]} transformers {ref_new[d:d + 1]}, "
-                  f"transformers' top-2 margin there {float(top.values[0] - top.values[1]):.2e}, logits max diff {float((theirs - ours).abs().max()):.2e}")
+            print(
+                f"  diverges at token {d}/{len(ref_new)}: ours {got[d : d + 1]} transformers {ref_new[d : d + 1]}, "
+                f"transformers' top-2 margin there {float(top.values[0] - top.values[1]):.2e}, logits max diff {float((theirs - ours).abs().max()):.2e}"
+            )
         mine = _last_logits(llm, ids)
         worst = max(worst, (mine - logits).abs().max().item())
     print("\n| check (float32, CUDA) | result |\n|---|---|")
@@ -90,7 +95,14 @@ def throughput(path: str, concurrency: list[int], prompt_tokens: int, new_tokens
     tdtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
     rows = []
-    llm = LLM(path, device="cuda", dtype=dtype, kv_cache_blocks=max(concurrency) * 3, max_num_seqs=max(concurrency), max_num_batched_tokens=8192)
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype=dtype,
+        kv_cache_blocks=max(concurrency) * 3,
+        max_num_seqs=max(concurrency),
+        max_num_batched_tokens=8192,
+    )
     vocab = llm.engine.model.vocab_size
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([[5] * prompt_tokens], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -115,14 +127,23 @@ def throughput(path: str, concurrency: list[int], prompt_tokens: int, new_tokens
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+            out = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
             assert out.shape[1] == prompt_tokens + new_tokens
             ours, mem = results[n]
             theirs = n * new_tokens / dt
             rows.append((n, ours, theirs, ours / theirs, mem, torch.cuda.max_memory_allocated() / 2**20))
-    print(f"\n| concurrent | deepinfer tok/s | transformers tok/s | ratio | deepinfer peak MiB | transformers peak MiB |  ({dtype}, {prompt_tokens}-token prompts, {new_tokens} new tokens, {torch.cuda.get_device_name()})")
+    print(
+        f"\n| concurrent | deepinfer tok/s | transformers tok/s | ratio | deepinfer peak MiB | transformers peak MiB |  ({dtype}, {prompt_tokens}-token prompts, {new_tokens} new tokens, {torch.cuda.get_device_name()})"
+    )
     print("|---|---|---|---|---|---|")
     for n, ours, theirs, ratio, m1, m2 in rows:
         print(f"| {n} | {ours:.0f} | {theirs:.0f} | {ratio:.2f}x | {m1:.0f} | {m2:.0f} |")

@@ -28,6 +28,7 @@ reference's, over the logits' standard deviation.
 On the CPU both engines are the builtin path (the plugin answers for CUDA only), so ``--device
 cpu`` checks the script, not the plugin. Exit status 1 when a cell fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,7 +114,10 @@ SHAPES = {
     "abort": (LENS, 40),
     "prefix-again": (LENS, 33),
     "preempt": ((300, 450, 129, 600), 24),
-    "invariant": (LENS, 33),  # bf16, batch_invariant=True: requests 0, 7, 32 alone = in the batch  # own engines with 16 KV blocks: requests preempted and recomputed
+    "invariant": (
+        LENS,
+        33,
+    ),  # bf16, batch_invariant=True: requests 0, 7, 32 alone = in the batch  # own engines with 16 KV blocks: requests preempted and recomputed
 }
 DEFAULT_SHAPES = ["b2-long", "b3-blocks", "b7", "b33", "abort", "prefix-again"]
 ROTATE = ["b31", "b100", "b129", "b255", "b257", "b300"]  # each config also takes two of these, in turn
@@ -131,7 +135,9 @@ def llama_checkpoint(path, cfg):
     import transformers
 
     torch.manual_seed(11)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, initializer_range=0.15, bos_token_id=0, eos_token_id=1)).eval()
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**cfg, initializer_range=0.15, bos_token_id=0, eos_token_id=1)
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -179,14 +185,18 @@ def build(path: Path, name: str, tiny: bool):
             if k in cfg:
                 cfg[k] = v
         if arch == "llama":
-            cfg["hidden_size"] = cfg["num_attention_heads"] * (cfg["head_dim"] // 4 * 4 if cfg["head_dim"] < 100 else 16)
+            cfg["hidden_size"] = cfg["num_attention_heads"] * (
+                cfg["head_dim"] // 4 * 4 if cfg["head_dim"] < 100 else 16
+            )
         for k in ("n_routed_experts",):
             if k in cfg and cfg[k] > 16:
                 cfg[k], cfg["n_group"], cfg["topk_group"] = 16, 1, 1
                 cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], 4)
         if cfg.get("q_lora_rank"):
             cfg["q_lora_rank"] = 32
-    hf = {"llama": llama_checkpoint, "v3": v3_checkpoint, "v3fp8": v3_fp8_checkpoint, "v4": v4_checkpoint}[arch](path, cfg)
+    hf = {"llama": llama_checkpoint, "v3": v3_checkpoint, "v3fp8": v3_fp8_checkpoint, "v4": v4_checkpoint}[arch](
+        path, cfg
+    )
     hf = hf[0] if isinstance(hf, tuple) else hf
     return json.loads((path / "config.json").read_text()), hf
 
@@ -212,7 +222,9 @@ def params_for(n: int, vocab: int, mixed: bool = True):
         if mixed and i % 4 == 3:  # seeded top-p beside the greedy requests
             out.append(SamplingParams(temperature=0.8, top_p=0.9, seed=1000 + i, max_tokens=mt, ignore_eos=True))
         elif mixed and i % 6 == 5:  # a stop token id (a random model: stop strings need a tokenizer)
-            out.append(SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True, stop_token_ids=[2 + i % (vocab - 2)]))
+            out.append(
+                SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True, stop_token_ids=[2 + i % (vocab - 2)])
+            )
         else:
             out.append(SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True))
     return out
@@ -284,7 +296,9 @@ def preempt_cell(path, kw, config, limit) -> str:
 def invariant_cell(path, kw, config, limit) -> str:
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(str(path), **dict(kw, dtype="bfloat16", max_num_seqs=33), batch_invariant=True, enable_prefix_caching=False)
+    llm = LLM(
+        str(path), **dict(kw, dtype="bfloat16", max_num_seqs=33), batch_invariant=True, enable_prefix_caching=False
+    )
     prompts = prompts_for("invariant", config, seed=6, limit=min(limit, 1000))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batch = generate(llm, prompts, params)
@@ -333,7 +347,9 @@ def plugin_on_the_cpu() -> None:
         return TritonV4Attention() if layer.state_kv else TritonAttention()
 
     PluginHost.attention_backend = pick_attention
-    PluginHost.moe_dispatcher = lambda self, m, platform, parallel=None, name=None: TritonMoEDispatcher() if name is None else moe(self, m, platform, parallel, name)
+    PluginHost.moe_dispatcher = lambda self, m, platform, parallel=None, name=None: (
+        TritonMoEDispatcher() if name is None else moe(self, m, platform, parallel, name)
+    )
     PluginHost.fused_ops = lambda self, platform: replace(FUSED_OPS, logits=lm_logits)
     fused_elementwise.ROPE_CAT_TILE_TOKENS = 0  # rope_cat's per-token form: the interpreter's cost is per program
     del fused
@@ -451,9 +467,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--max-prompt", type=int, default=5000, help="cap on prompt lengths")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 engines")
-    ap.add_argument("--interpret", action="store_true", help="CPU: the plugin's kernels in Triton's interpreter instead of the builtin path")
-    ap.add_argument("--jobs", type=int, default=1, help="configs in this many processes at once (Triton compiles on the CPU)")
-    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)  # a worker's first config's place (rotation)
+    ap.add_argument(
+        "--interpret",
+        action="store_true",
+        help="CPU: the plugin's kernels in Triton's interpreter instead of the builtin path",
+    )
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="configs in this many processes at once (Triton compiles on the CPU)"
+    )
+    ap.add_argument(
+        "--index", type=int, default=0, help=argparse.SUPPRESS
+    )  # a worker's first config's place (rotation)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the parent prints the table
     args = ap.parse_args(argv)
     if args.interpret:
@@ -473,7 +497,20 @@ def main(argv=None) -> int:
         for j in range(min(args.jobs, len(names))):
             mine = names[j :: args.jobs]
             out = tmp / f"w{j}.json"
-            cmd = [sys.executable, __file__, *rest, "--jobs", "1", "--configs", ",".join(mine), "--json", str(out), "--index", str(j), "--worker"]
+            cmd = [
+                sys.executable,
+                __file__,
+                *rest,
+                "--jobs",
+                "1",
+                "--configs",
+                ",".join(mine),
+                "--json",
+                str(out),
+                "--index",
+                str(j),
+                "--worker",
+            ]
             workers.append((mine, out, subprocess.Popen(cmd)))
         for mine, out, proc in workers:
             proc.wait()
@@ -501,7 +538,9 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(cols))
     for name, r in table.items():
         print(f"| {name} | " + " | ".join(r.get(c, "-").split(" (")[0] for c in cols) + " |")
-    failed = [f"{n}/{c}: {v}" for n, r in table.items() for c, v in r.items() if not (v.startswith("pass") or v == "ok")]
+    failed = [
+        f"{n}/{c}: {v}" for n, r in table.items() for c, v in r.items() if not (v.startswith("pass") or v == "ok")
+    ]
     print("\nfailed:" if failed else "\nall cells passed", *failed, sep="\n")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))

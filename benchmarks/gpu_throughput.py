@@ -18,6 +18,7 @@ For each model, in one process (each engine measured after the other was freed):
 * the weight-read floor of a decode step (bytes of the weights a step must read, over the copy
   bandwidth measured in the same run) and each engine's ratio to it; peak GPU memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,10 @@ def copy_bandwidth() -> float:
     times = []
     for _ in range(12):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     t = sorted(times[2:])[len(times[2:]) // 2]
     del a, b
@@ -117,9 +121,16 @@ def prompts_for(args, path) -> list[list[int]]:
 
         folder, name = os.path.split(path)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in QUESTIONS]
+        return [
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for q in QUESTIONS
+        ]
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(2, V3_MINI["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 33, 60, 90, 128, 150, 200)]
+    return [
+        torch.randint(2, V3_MINI["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 33, 60, 90, 128, 150, 200)
+    ]
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -159,8 +170,10 @@ def hf_greedy(model, prompts, new) -> list[list[int]]:
     res = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        res.append(out[0, len(p):].tolist())
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+        res.append(out[0, len(p) :].tolist())
     return res
 
 
@@ -216,7 +229,9 @@ def di_prefill(llm: LLM, vocab: int, runs: int = 1) -> float:
     batches = [random_prompts(64, 512, vocab, 41 + 100 * r) for r in range(runs)]
     times = [timed(lambda: llm.generate(batch, one)) for batch in batches]
     if runs > 1:
-        log(f"  deepinfer prefill readings: {', '.join(f'{64 * 512 / t:,.0f}' for t in times)} tok/s (median {64 * 512 / sorted(times)[runs // 2]:,.0f})")
+        log(
+            f"  deepinfer prefill readings: {', '.join(f'{64 * 512 / t:,.0f}' for t in times)} tok/s (median {64 * 512 / sorted(times)[runs // 2]:,.0f})"
+        )
     return 64 * 512 / min(times)
 
 
@@ -225,7 +240,8 @@ def prefill_timeline(llm: LLM, vocab: int) -> None:
     CPU and CUDA activities, one clock): host time before the first kernel, GPU idle gaps
     between kernels (the largest with the kernels around them), host time after the last."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = random_prompts(64, 512, vocab, 78)
@@ -236,7 +252,10 @@ def prefill_timeline(llm: LLM, vocab: int) -> None:
             torch.cuda.synchronize()
     events = prof.events()
     outer = next(ev for ev in events if ev.name == "prefill_generate")
-    kernels = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in events if ev.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    kernels = sorted(
+        ((ev.time_range.start, ev.time_range.end, ev.name) for ev in events if ev.device_type == DeviceType.CUDA),
+        key=lambda k: k[0],
+    )
     if not kernels:
         return
     gaps, busy, end = [], 0.0, kernels[0][0]
@@ -250,7 +269,9 @@ def prefill_timeline(llm: LLM, vocab: int) -> None:
     wall = outer.time_range.end - outer.time_range.start
     before, after = kernels[0][0] - outer.time_range.start, outer.time_range.end - end
     idle = sum(g for g, _, _ in gaps)
-    log(f"PROFILE prefill timeline: wall {wall / 1e3:.2f} ms = host before the first kernel {before / 1e3:.2f} + GPU busy {busy / 1e3:.2f} + idle between kernels {idle / 1e3:.2f} ({len(gaps)} gaps, {sum(g > 20 for g, _, _ in gaps)} over 20 us) + after the last kernel {after / 1e3:.2f}; {len(kernels)} kernels and copies")
+    log(
+        f"PROFILE prefill timeline: wall {wall / 1e3:.2f} ms = host before the first kernel {before / 1e3:.2f} + GPU busy {busy / 1e3:.2f} + idle between kernels {idle / 1e3:.2f} ({len(gaps)} gaps, {sum(g > 20 for g, _, _ in gaps)} over 20 us) + after the last kernel {after / 1e3:.2f}; {len(kernels)} kernels and copies"
+    )
     for g, a, b in sorted(gaps, reverse=True)[:10]:
         log(f"    gap {g / 1e3:6.3f} ms  after {a[:50]}  before {b[:50]}")
 
@@ -259,9 +280,12 @@ def prefill_timeline(llm: LLM, vocab: int) -> None:
 def hf_speed(model, vocab: int, levels, steps: int, prompt_len: int) -> dict:
     res = {}
     for n in levels:
+
         def run(new, seed):
             ids = torch.tensor(random_prompts(n, prompt_len, vocab, seed), device="cuda")
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )
 
         run(2, 50 + n)
         t1 = timed(lambda: run(1, 60 + n))
@@ -306,7 +330,8 @@ def kernel_table(run, reps: int = 20) -> list[tuple[str, float, float]]:
     """Every GPU kernel ``run()`` launches (a graph's ``replay``, a prefill): (name, ms per run,
     launches per run), largest first (torch profiler over ``reps`` runs). Also used by
     decode_kernels.py."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -330,13 +355,17 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
         if g is None:
             continue
         gpu = replay_ms(g)
-        log(f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms")
+        log(
+            f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms"
+        )
     for n in (1, 64):  # what a replayed step's GPU time is made of (kernels inside the graph)
         g = graphs.graphs.get(n) if graphs is not None else None
         if g is None:
             continue
         rows = kernel_table(g.replay)
-        log(f"PROFILE decode N={n} graph: {sum(r[2] for r in rows):.0f} kernels, {sum(r[1] for r in rows):.2f} ms of kernel time per step; top:")
+        log(
+            f"PROFILE decode N={n} graph: {sum(r[2] for r in rows):.0f} kernels, {sum(r[1] for r in rows):.2f} ms of kernel time per step; top:"
+        )
         for name, ms, launches in rows[:60]:  # every kind of kernel a step launches
             log(f"  {ms:7.3f} ms  {launches:5.0f}x  {name[:110]}")
     import cProfile
@@ -353,13 +382,17 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-    log("PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising calls):")
+    log(
+        "PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising calls):"
+    )
     log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompts = random_prompts(64, 512, vocab, 77)
     rows = kernel_table(lambda: llm.generate(prompts, one), reps=1)
-    log(f"PROFILE prefill 64 x 512: GPU kernel time {sum(r[1] for r in rows):.1f} ms, {sum(r[2] for r in rows):.0f} kernels; top kernels:")
+    log(
+        f"PROFILE prefill 64 x 512: GPU kernel time {sum(r[1] for r in rows):.1f} ms, {sum(r[2] for r in rows):.0f} kernels; top kernels:"
+    )
     for name, ms, launches in rows[:16]:
         log(f"  {ms:8.2f} ms  {launches:5.0f}x  {name[:90]}")
     prefill_timeline(llm, vocab)
@@ -373,7 +406,12 @@ def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
     kept bf16 for MLA's absorption, 2), the head 2 bytes; tile scales are 1/16384 of that."""
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
         plain = {k: v for k, v in config.items() if k != "quantization_config"}
-        D, V, L, H = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"], config["num_attention_heads"]
+        D, V, L, H = (
+            config["hidden_size"],
+            config["vocab_size"],
+            config["num_hidden_layers"],
+            config["num_attention_heads"],
+        )
         kv_b = L * config["kv_lora_rank"] * H * (config["qk_nope_head_dim"] + config["v_head_dim"])
         return weight_bytes_per_step(plain, n, 1) + V * D + kv_b
     D, V = config["hidden_size"], config["vocab_size"]
@@ -385,8 +423,14 @@ def weight_bytes_per_step(config: dict, n: int, elem: int = 2) -> float:
         return elem * (L * per_layer + V * D)
     H = config["num_attention_heads"]
     qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
-    attn = D * config["q_lora_rank"] + config["q_lora_rank"] * H * qk + D * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
-    attn += config["kv_lora_rank"] * H * (config["qk_nope_head_dim"] + config["v_head_dim"]) + H * config["v_head_dim"] * D
+    attn = (
+        D * config["q_lora_rank"]
+        + config["q_lora_rank"] * H * qk
+        + D * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    )
+    attn += (
+        config["kv_lora_rank"] * H * (config["qk_nope_head_dim"] + config["v_head_dim"]) + H * config["v_head_dim"] * D
+    )
     E, k, I = config["n_routed_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
     dense_layers = config["first_k_dense_replace"]
     moe_layers = L - dense_layers
@@ -404,13 +448,33 @@ def main() -> int:
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--new", type=int, default=64, help="tokens per acceptance prompt")
-    ap.add_argument("--skip", default="", help="comma list of: accept,speed,hf,serial (serial: the overlap-off re-measure)")
-    ap.add_argument("--ab", action="store_true", help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into the graph: head eager, bf16 logits; alternated with the default")
-    ap.add_argument("--prefill-runs", type=int, default=1, help="timed 64 x 512 prefills per measure (the fastest is the figure; every reading is logged)")
-    ap.add_argument("--repeat", type=int, default=1, help="measure decode and prefill this many times in the same engine (a disturbed reading shows as a spread)")
+    ap.add_argument(
+        "--skip", default="", help="comma list of: accept,speed,hf,serial (serial: the overlap-off re-measure)"
+    )
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into the graph: head eager, bf16 logits; alternated with the default",
+    )
+    ap.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=1,
+        help="timed 64 x 512 prefills per measure (the fastest is the figure; every reading is logged)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure decode and prefill this many times in the same engine (a disturbed reading shows as a spread)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also say where prefill and decode time goes")
-    ap.add_argument("--graphs-off", action="store_true", help="also time decode on the same engine with its CUDA graphs set aside (eager steps)")
+    ap.add_argument(
+        "--graphs-off",
+        action="store_true",
+        help="also time decode on the same engine with its CUDA graphs set aside (eager steps)",
+    )
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     levels = [int(x) for x in args.levels.split(",")]
@@ -444,18 +508,30 @@ def main() -> int:
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "copy_bw": bw}
 
     if "accept" not in skip:
-        ref = di(path, "float32", attention_backend="builtin", moe_backend="builtin", fused_ops=False, kv_cache_blocks=64)
+        ref = di(
+            path, "float32", attention_backend="builtin", moe_backend="builtin", fused_ops=False, kv_cache_blocks=64
+        )
         ref_tokens = di_greedy(ref, prompts, args.new)
         del ref
         free()
         ours = di(path, "float32", kv_cache_blocks=64)
-        log("fp32 kernels:", sorted({type(m.backend).__name__ for m in ours.engine.model.modules() if hasattr(m, "backend")} | {type(m.dispatcher).__name__ for m in ours.engine.model.modules() if hasattr(m, "dispatcher")}))
+        log(
+            "fp32 kernels:",
+            sorted(
+                {type(m.backend).__name__ for m in ours.engine.model.modules() if hasattr(m, "backend")}
+                | {type(m.dispatcher).__name__ for m in ours.engine.model.modules() if hasattr(m, "dispatcher")}
+            ),
+        )
         our_tokens = di_greedy(ours, prompts, args.new)
         del ours
         free()
         same = [a == b for a, b in zip(our_tokens, ref_tokens)]
-        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(our_tokens, ref_tokens)]
-        log(f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}")
+        first_diff = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(our_tokens, ref_tokens)
+        ]
+        log(
+            f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}"
+        )
         report["fp32_identical"] = [sum(same), len(same), first_diff]
 
         bf = di(path, "bfloat16", kv_cache_blocks=64, overlap_debug=True)
@@ -467,7 +543,9 @@ def main() -> int:
         del serial
         free()
         same = sum(a == b for a, b in zip(bf_tokens, serial_tokens))
-        log(f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} prompts identical")
+        log(
+            f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} prompts identical"
+        )
         report["overlap_identical"] = [same, len(prompts)]
         inv = di(path, "bfloat16", kv_cache_blocks=256, batch_invariant=True, max_num_seqs=64)
         vocab = (config or {}).get("vocab_size", 49152)
@@ -499,10 +577,20 @@ def main() -> int:
                 del old
                 free()
             log("ACCEPT bf16 agreement with transformers fp32 (common prefix of %d tokens), per prompt:" % args.new)
-            log("| prompt | deepinfer bf16 | transformers bf16 |" + (" deepinfer bf16 before (bf16 logits) |\n|---:|---:|---:|---:|" if old_rows else "\n|---:|---:|---:|"))
+            log(
+                "| prompt | deepinfer bf16 | transformers bf16 |"
+                + (
+                    " deepinfer bf16 before (bf16 logits) |\n|---:|---:|---:|---:|"
+                    if old_rows
+                    else "\n|---:|---:|---:|"
+                )
+            )
             for i, (a, b) in enumerate(rows):
                 log(f"| {i} | {a} | {b} |" + (f" {old_rows[i]} |" if old_rows else ""))
-            log(f"| total | {sum(a for a, _ in rows)} | {sum(b for _, b in rows)} |" + (f" {sum(old_rows)} |" if old_rows else ""))
+            log(
+                f"| total | {sum(a for a, _ in rows)} | {sum(b for _, b in rows)} |"
+                + (f" {sum(old_rows)} |" if old_rows else "")
+            )
             report["bf16_agreement"] = rows
             report["bf16_agreement_before"] = old_rows
             ref32 = [prefix(r, h) for r, h in zip(ref_tokens, hf32_tokens)]
@@ -527,8 +615,12 @@ def main() -> int:
                 old_forced = di_forced(old, prompts, hf32_tokens)
                 del old
                 free()
-            log(f"ACCEPT bf16 teacher-forced argmax == transformers fp32 argmax along the fp32 greedy path ({args.new} positions a prompt); fp32 top-2 margin where each bf16 run first left the path:")
-            log("| prompt | deepinfer bf16 | transformers bf16 | fp32 margin at deepinfer's divergence | at transformers bf16's |\n|---:|---:|---:|---:|---:|")
+            log(
+                f"ACCEPT bf16 teacher-forced argmax == transformers fp32 argmax along the fp32 greedy path ({args.new} positions a prompt); fp32 top-2 margin where each bf16 run first left the path:"
+            )
+            log(
+                "| prompt | deepinfer bf16 | transformers bf16 | fp32 margin at deepinfer's divergence | at transformers bf16's |\n|---:|---:|---:|---:|---:|"
+            )
             tot = [0, 0]
             for i, ((ref_ids, margin), (h_ids, _), d_ids) in enumerate(zip(ref_forced, hf16_forced, di16_forced)):
                 a, b = sum(x == y for x, y in zip(d_ids, ref_ids)), sum(x == y for x, y in zip(h_ids, ref_ids))
@@ -540,14 +632,22 @@ def main() -> int:
             report["bf16_forced"] = tot
             if old_forced:
                 per = [sum(x == y for x, y in zip(d, r)) for d, (r, _) in zip(old_forced, ref_forced)]
-                log(f"ACCEPT teacher-forced, deepinfer bf16 before (bf16 logits): {per} = {sum(per)} / {sum(len(c) for c in hf32_tokens)}")
+                log(
+                    f"ACCEPT teacher-forced, deepinfer bf16 before (bf16 logits): {per} = {sum(per)} / {sum(len(c) for c in hf32_tokens)}"
+                )
                 report["bf16_forced_before"] = per
 
     if "speed" not in skip:
         vocab = (config or {}).get("vocab_size", 49152)
         torch.cuda.reset_peak_memory_stats()
         # 64 sequences at least: the prefill measure is one 64 x 512 step whatever the levels
-        llm = di(path, "bfloat16", max_num_seqs=max(levels + [64]), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(max(levels) * 2 + 300, 64 * 5 + 16))
+        llm = di(
+            path,
+            "bfloat16",
+            max_num_seqs=max(levels + [64]),
+            max_num_batched_tokens=64 * 512,
+            kv_cache_blocks=max(max(levels) * 2 + 300, 64 * 5 + 16),
+        )
         cfg = llm.engine.model.config
         from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
 
@@ -563,8 +663,12 @@ def main() -> int:
             report.setdefault("di_repeats", []).append({"decode": again, "prefill": pre})
         di_peak = peak_mib()
         serial_dec = {}
-        if "serial" not in skip and not llm.engine.overlap:  # e.g. DeepSeek-V4 (per-request state KV): the engine steps serially anyway
-            log("  overlapped scheduling does not apply to this model (engine.overlap is off: per-request state KV); its decode steps above are serial, no second measure")
+        if (
+            "serial" not in skip and not llm.engine.overlap
+        ):  # e.g. DeepSeek-V4 (per-request state KV): the engine steps serially anyway
+            log(
+                "  overlapped scheduling does not apply to this model (engine.overlap is off: per-request state KV); its decode steps above are serial, no second measure"
+            )
         elif "serial" not in skip:
             llm.engine.overlap = False  # the same engine with serial steps (host work between device steps)
             log("  deepinfer with overlapped scheduling off:")
@@ -578,7 +682,13 @@ def main() -> int:
             llm.engine.runner.graphs = graphs
         if args.ab:  # alternate with the engine as before, both alive: after, before, after, before
             ab_levels = [n for n in levels if n <= 64]
-            old = di_before(path, "bfloat16", max_num_seqs=max(levels), max_num_batched_tokens=64 * 512, kv_cache_blocks=max(levels) * 2 + 300)
+            old = di_before(
+                path,
+                "bfloat16",
+                max_num_seqs=max(levels),
+                max_num_batched_tokens=64 * 512,
+                kv_cache_blocks=max(levels) * 2 + 300,
+            )
             ab = {"after": [], "before": []}
             for _ in range(2):
                 for name, engine in (("after", llm), ("before", old)):
@@ -586,7 +696,9 @@ def main() -> int:
                     ab[name].append(di_speed(engine, vocab, ab_levels, args.steps, 128))
             del old
             free()
-            log("A/B decode ms/step (LM head + argmax in the graph, float32 logits = after; head eager, bf16 logits = before), two alternations:")
+            log(
+                "A/B decode ms/step (LM head + argmax in the graph, float32 logits = after; head eager, bf16 logits = before), two alternations:"
+            )
             log("| requests | after | before | before / after |\n|---:|---|---|---:|")
             for n in ab_levels:
                 a, b = [r[n] for r in ab["after"]], [r[n] for r in ab["before"]]
@@ -607,23 +719,42 @@ def main() -> int:
             del hf
             free()
             log(f"  transformers prefill {hf_pre:,.0f} tok/s, peak {hf_peak:.0f} MiB")
-        log(f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; floor = weight bytes per step / {bw / 2e12:.2f} TB/s read")
-        log("| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor |\n|---|---:|---:|---:|---:|---:|")
+        log(
+            f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; floor = weight bytes per step / {bw / 2e12:.2f} TB/s read"
+        )
+        log(
+            "| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor |\n|---|---:|---:|---:|---:|---:|"
+        )
         for n in levels:
             try:
                 floor = 1e3 * weight_bytes_per_step(cfg, n) / (bw / 2)
             except KeyError:
                 floor = float("nan")
             h = hf_dec.get(n, float("nan"))
-            log(f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |")
+            log(
+                f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |"
+            )
             log(f"| decode tok/s, {n} req | {1e3 * n / h:,.0f} | {1e3 * n / di_dec[n]:,.0f} | | | |")
             if n in serial_dec:
-                log(f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains {serial_dec[n] / di_dec[n]:.2f}x | | |")
+                log(
+                    f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains {serial_dec[n] / di_dec[n]:.2f}x | | |"
+                )
             if n in eager_dec:
-                log(f"| decode ms/step, {n} req, CUDA graphs off | | {eager_dec[n]:.2f} | graphs gain {eager_dec[n] / di_dec[n]:.2f}x | | |")
+                log(
+                    f"| decode ms/step, {n} req, CUDA graphs off | | {eager_dec[n]:.2f} | graphs gain {eager_dec[n] / di_dec[n]:.2f}x | | |"
+                )
         log(f"| prefill tok/s, 64 x 512 | {hf_pre:,.0f} | {di_pre:,.0f} | {di_pre / hf_pre:.2f}x | | |")
         log(f"| peak GPU MiB | {hf_peak:.0f} | {di_peak:.0f} | | | |")
-        report.update(di_decode=di_dec, di_decode_serial=serial_dec, di_decode_eager=eager_dec, hf_decode=hf_dec, di_prefill=di_pre, hf_prefill=hf_pre, di_peak=di_peak, hf_peak=hf_peak)
+        report.update(
+            di_decode=di_dec,
+            di_decode_serial=serial_dec,
+            di_decode_eager=eager_dec,
+            hf_decode=hf_dec,
+            di_prefill=di_pre,
+            hf_prefill=hf_pre,
+            di_peak=di_peak,
+            hf_peak=hf_peak,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

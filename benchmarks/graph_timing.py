@@ -2,6 +2,7 @@
 
 Shared by benchmarks/bf16_gemv.py and benchmarks/fp8_gemv.py (run as scripts, this folder first on
 ``sys.path``)."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ so before and after share the run.
 
 Not part of the test suite: tests never time things.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,12 @@ def parser_from(rev: str | None, work: str):
         from deepinfer_core.serve.tool_calls import HermesToolParser
 
         return HermesToolParser
-    source = subprocess.run(["git", "-C", REPO, "show", f"{rev}:deepinfer_core/serve/tool_calls.py"], check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "-C", REPO, "show", f"{rev}:deepinfer_core/serve/tool_calls.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = os.path.join(work, f"tool_calls_{rev}.py")
     with open(path, "w", encoding="utf-8") as f:
         f.write(source.replace("from ..codecs import", "from deepinfer_core.codecs import"))
@@ -65,11 +71,13 @@ def main() -> None:
         versions = {"now": parser_from(None, work)}
         if args.before:
             versions[args.before] = parser_from(args.before, work)
-        print(f"| argument | pieces | {' | '.join(f'{v} streamed (s) | {v} whole (s) | {v} ratio' for v in versions)} |")
+        print(
+            f"| argument | pieces | {' | '.join(f'{v} streamed (s) | {v} whole (s) | {v} ratio' for v in versions)} |"
+        )
         print("|---:|---:|" + "---:|---:|---:|" * len(versions))
         for size in (int(s) for s in args.sizes.split(",")):
             text = completion(size)
-            pieces = [text[i:i + args.piece] for i in range(0, len(text), args.piece)]
+            pieces = [text[i : i + args.piece] for i in range(0, len(text), args.piece)]
             cells = []
             for cls in versions.values():
                 streamed = min(run(cls, pieces)[0] for _ in range(args.repeats))

@@ -11,6 +11,7 @@ pending when the next build starts, as under overlapped scheduling.
 
     python benchmarks/host_staging.py --rounds 7 --steps 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ def prefill(n=64, length=512, bs=16) -> SchedulerOutput:
 
 def decode(n=256, ctx=128, bs=16) -> SchedulerOutput:
     per = ctx // bs + 1
-    reqs = tuple(ScheduledRequest(f"d{i}", (7 + i,), ctx, tuple(range(i * per, (i + 1) * per)), True, 0, ctx) for i in range(n))
+    reqs = tuple(
+        ScheduledRequest(f"d{i}", (7 + i,), ctx, tuple(range(i * per, (i + 1) * per)), True, 0, ctx) for i in range(n)
+    )
     return SchedulerOutput(reqs, n)
 
 
@@ -58,14 +61,18 @@ def main() -> None:
     busy = (lambda: torch.cuda._sleep(1_000_000)) if device.type == "cuda" else (lambda: None)  # ~0.5 ms of queued work
     staged = batch_build.arrays_to_device
     paths = {"fresh pin_memory": fresh_pinned, "staging": staged}
-    print(f"device {torch.accelerator.current_accelerator()} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}, torch {torch.__version__}")
-    print("| build, ms a step | fresh pin_memory CPU | staging CPU | CPU ratio | fresh wall | staging wall | wall ratio |")
+    print(
+        f"device {torch.accelerator.current_accelerator()} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}, torch {torch.__version__}"
+    )
+    print(
+        "| build, ms a step | fresh pin_memory CPU | staging CPU | CPU ratio | fresh wall | staging wall | wall ratio |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, out in (("prefill 64 x 512", prefill()), ("decode 256 requests", decode())):
         cpu = {k: [] for k in paths}
         wall = {k: [] for k in paths}
         for r in range(args.rounds + 1):  # round 0 warms both paths (first pinned allocations)
-            for key, fn in (paths.items() if r % 2 else reversed(paths.items())):
+            for key, fn in paths.items() if r % 2 else reversed(paths.items()):
                 batch_build.arrays_to_device = fn
                 torch.accelerator.synchronize()
                 c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
@@ -80,7 +87,9 @@ def main() -> None:
         c = {k: statistics.median(v) for k, v in cpu.items()}
         w = {k: statistics.median(v) for k, v in wall.items()}
         a, b = paths
-        print(f"| {name} | {c[a]:.3f} | {c[b]:.3f} | {c[a] / c[b]:.2f}x | {w[a]:.3f} | {w[b]:.3f} | {w[a] / w[b]:.2f}x |")
+        print(
+            f"| {name} | {c[a]:.3f} | {c[b]:.3f} | {c[a] / c[b]:.2f}x | {w[a]:.3f} | {w[b]:.3f} | {w[a] / w[b]:.2f}x |"
+        )
     torch.accelerator.synchronize()
     st = batch_build.staging_for(device)
     print(f"staging counters: {st.counters}")

@@ -8,6 +8,7 @@ one engine, one of the other, so that both see the same machine load. Per step: 
 ms for ``engine.step()`` and layer.c's phases (GEMMs / attention = rotary + KV write + decode
 attention / the rest). Medians; contexts grow from 129 to 128 + steps tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,13 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
     engines = {}
     for name in ("float16", "int8"):
-        llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_dtype=name, max_num_seqs=args.requests, kv_cache_blocks=2 * args.requests + 2)
+        llm = LLM(
+            "smollm2-135m-instruct",
+            device="cpu",
+            kv_cache_dtype=name,
+            max_num_seqs=args.requests,
+            kv_cache_blocks=2 * args.requests + 2,
+        )
         engines[name] = start_decoding(llm, prompts, params, name)
     cpu, phases = {n: [] for n in engines}, {n: [] for n in engines}
     for _ in range(args.steps):
@@ -46,13 +53,17 @@ def main() -> None:
             engine.step()
             cpu[name].append((time.process_time() - t0) * 1e3)
             phases[name].append(plan.phase_ms.tolist())
-    print(f"{args.requests} requests, {args.threads} threads, {args.steps} decode steps each, alternating; load average {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"{args.requests} requests, {args.threads} threads, {args.steps} decode steps each, alternating; load average {os.getloadavg()[0]:.1f}\n"
+    )
     print("| KV cache | step CPU ms (median) | GEMMs / attention / rest CPU ms (median) |\n|---|---:|---:|")
     for name in engines:
         med = [statistics.median(p[i] for p in phases[name]) for i in range(3)]
         print(f"| {name} | {statistics.median(cpu[name]):.1f} | {med[0]:.1f} / {med[1]:.1f} / {med[2]:.1f} |")
     a = statistics.median(p[1] for p in phases["float16"]) / statistics.median(p[1] for p in phases["int8"])
-    print(f"\nattention phase float16 / int8: {a:.2f}x; step: {statistics.median(cpu['float16']) / statistics.median(cpu['int8']):.2f}x")
+    print(
+        f"\nattention phase float16 / int8: {a:.2f}x; step: {statistics.median(cpu['float16']) / statistics.median(cpu['int8']):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ each side's mean and median per step reported with the ratio (the issue's line: 
 SmolLM2's context is 8K; the 16K and 32K rows use ``--tiny-v4`` (random weights, random token
 ids: the timing does not depend on the weights' values).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +45,10 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
         rng = random.Random(n)
         return [rng.randrange(2, 300) for _ in range(n)]
-    text = " ".join(f"Row {i}: the {['red', 'green', 'blue', 'gold'][i % 4]} fox meets dog {i * 13} near tree {i % 97}." for i in range(n // 8 + 64))
+    text = " ".join(
+        f"Row {i}: the {['red', 'green', 'blue', 'gold'][i % 4]} fox meets dog {i * 13} near tree {i % 97}."
+        for i in range(n // 8 + 64)
+    )
     ids = tokenizer.encode(text)
     assert len(ids) >= n, (len(ids), n)
     return ids[:n]
@@ -53,7 +57,14 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 def child(args) -> None:
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(args.model, device="cpu", kv_store=(args.store or None) if args.mode == "ttft" else None, max_num_batched_tokens=2048, max_model_len=args.length + 512 if args.mode == "ttft" else None, kv_cache_blocks=args.length // 128 + 8 if args.mode == "ttft" else None)
+    llm = LLM(
+        args.model,
+        device="cpu",
+        kv_store=(args.store or None) if args.mode == "ttft" else None,
+        max_num_batched_tokens=2048,
+        max_model_len=args.length + 512 if args.mode == "ttft" else None,
+        kv_cache_blocks=args.length // 128 + 8 if args.mode == "ttft" else None,
+    )
     tok = llm.get_tokenizer()
     if args.host_path:
         llm.engine.tiers.direct = False
@@ -64,7 +75,18 @@ def child(args) -> None:
         ttft = time.perf_counter() - start
         llm.engine.tiers.flush()
         tiers = llm.engine.stats()["kv_tiers"]
-        print(json.dumps({"ttft": ttft, "cached": out.num_cached_tokens, "prompt": len(ids), "load_seconds": tiers.get("load_seconds", 0.0) + tiers.get("host_to_device_seconds", 0.0), "load_bytes": tiers.get("load_bytes", 0), "token": out.outputs[0].token_ids}))
+        print(
+            json.dumps(
+                {
+                    "ttft": ttft,
+                    "cached": out.num_cached_tokens,
+                    "prompt": len(ids),
+                    "load_seconds": tiers.get("load_seconds", 0.0) + tiers.get("host_to_device_seconds", 0.0),
+                    "load_bytes": tiers.get("load_bytes", 0),
+                    "token": out.outputs[0].token_ids,
+                }
+            )
+        )
         return
     decode_child(args, llm, tok)
 
@@ -104,14 +126,41 @@ def decode_child(args, plain, tok) -> None:
     rows = []
     for rep in range(args.reps):
         steps = decode_lockstep({"without": plain, "with": stored}, base[16 * rep : 16 * rep + 100], params)
-        rows.append({name: {"mean": statistics.fmean(s), "median": statistics.median(s), "max": max(s)} for name, s in steps.items()})
+        rows.append(
+            {
+                name: {"mean": statistics.fmean(s), "median": statistics.median(s), "max": max(s)}
+                for name, s in steps.items()
+            }
+        )
     stored.engine.tiers.flush()
     tiers = stored.engine.stats()["kv_tiers"]
-    print(json.dumps({"rows": rows, "steps": args.decode_tokens - 1, "blocks_written": tiers.get("blocks_written", 0), "on_step_loop": tiers.get("write_back_step_seconds", 0.0), "steps_total": tiers.get("write_back_steps", 0)}))
+    print(
+        json.dumps(
+            {
+                "rows": rows,
+                "steps": args.decode_tokens - 1,
+                "blocks_written": tiers.get("blocks_written", 0),
+                "on_step_loop": tiers.get("write_back_step_seconds", 0.0),
+                "steps_total": tiers.get("write_back_steps", 0),
+            }
+        )
+    )
 
 
 def run_child(model: str, mode: str, length: int, store: str, extra: tuple[str, ...] = ()) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, "--model", model, "--length", str(length), "--store", store, *extra]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--model",
+        model,
+        "--length",
+        str(length),
+        "--store",
+        store,
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} child failed:\n{done.stderr[-3000:]}")
@@ -139,7 +188,13 @@ def make_tiny_v4(path: str) -> str:
 
     config = tiny_v4_config(
         max_position_embeddings=33792,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8448, "beta_fast": 32, "beta_slow": 1},
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 8448,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     )
     torch.manual_seed(0)
     transformers.DeepseekV4ForCausalLM(config).save_pretrained(path)
@@ -156,7 +211,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=0)
     parser.add_argument("--store", default="")
     parser.add_argument("--host-path", action="store_true", help="child: load through host buffers, not into the cache")
-    parser.add_argument("--tiny-v4", action="store_true", help="a random tiny DeepSeek-V4 with a 33K context instead of --model")
+    parser.add_argument(
+        "--tiny-v4", action="store_true", help="a random tiny DeepSeek-V4 with a 33K context instead of --model"
+    )
     args = parser.parse_args()
     if args.child:
         args.mode = args.child
@@ -166,8 +223,12 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
 
     print(f"# deepinfer persistent KV cache, {args.model}, CPU, local store (fresh process per row)")
-    print("store -> cache GB/s: the load's bytes over the time to read them (and, through host buffers, to copy them into the cache)")
-    print("| prompt | TTFT 0% hits (s) | TTFT from store (s) | hit % | ratio | store -> cache GB/s | via host buffers: TTFT (s) | ratio | GB/s | plain read GB/s | load/read |")
+    print(
+        "store -> cache GB/s: the load's bytes over the time to read them (and, through host buffers, to copy them into the cache)"
+    )
+    print(
+        "| prompt | TTFT 0% hits (s) | TTFT from store (s) | hit % | ratio | store -> cache GB/s | via host buffers: TTFT (s) | ratio | GB/s | plain read GB/s | load/read |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in [int(x) for x in args.lengths.split(",") if x]:
         with tempfile.TemporaryDirectory(prefix="kvbench-") as root:
@@ -177,30 +238,58 @@ def main() -> None:
             warm = run_child(args.model, "ttft", length, url)
             assert warm["token"] == cold["token"] == via_host["token"], "the first token differs between cold and warm"
             nbytes, seconds = plain_read(root)
-        bw = {name: r["load_bytes"] / r["load_seconds"] / 1e9 if r["load_seconds"] else float("nan") for name, r in (("direct", warm), ("host", via_host))}
+        bw = {
+            name: r["load_bytes"] / r["load_seconds"] / 1e9 if r["load_seconds"] else float("nan")
+            for name, r in (("direct", warm), ("host", via_host))
+        }
         read_bw = nbytes / seconds / 1e9
-        print(f"| {length} | {cold['ttft']:.2f} | {warm['ttft']:.2f} | {100 * warm['cached'] / warm['prompt']:.1f} | {cold['ttft'] / warm['ttft']:.1f}x | {bw['direct']:.2f} | {via_host['ttft']:.2f} | {cold['ttft'] / via_host['ttft']:.1f}x | {bw['host']:.2f} | {read_bw:.2f} | {bw['direct'] / read_bw:.2f} |", flush=True)
+        print(
+            f"| {length} | {cold['ttft']:.2f} | {warm['ttft']:.2f} | {100 * warm['cached'] / warm['prompt']:.1f} | {cold['ttft'] / warm['ttft']:.1f}x | {bw['direct']:.2f} | {via_host['ttft']:.2f} | {cold['ttft'] / via_host['ttft']:.1f}x | {bw['host']:.2f} | {read_bw:.2f} | {bw['direct'] / read_bw:.2f} |",
+            flush=True,
+        )
 
     if args.decode_tokens <= 0:
         print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         return
     with tempfile.TemporaryDirectory(prefix="kvbench-") as root:
-        got = run_child(args.model, "decode", 0, f"local://{root}", ("--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps)))
+        got = run_child(
+            args.model,
+            "decode",
+            0,
+            f"local://{root}",
+            ("--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps)),
+        )
     rows = got["rows"]
     print()
-    print(f"# decode per step, one process, two engines in lockstep (100-token prompts, {args.decode_tokens} new tokens, {len(rows)} repetitions; {got['blocks_written']} blocks written in all)")
-    print("| repetition | without: ms/step mean | median | with write-back: ms/step mean | median | ratio of means | ratio of medians |")
+    print(
+        f"# decode per step, one process, two engines in lockstep (100-token prompts, {args.decode_tokens} new tokens, {len(rows)} repetitions; {got['blocks_written']} blocks written in all)"
+    )
+    print(
+        "| repetition | without: ms/step mean | median | with write-back: ms/step mean | median | ratio of means | ratio of medians |"
+    )
     print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         w, wb = r["without"], r["with"]
-        print(f"| {i + 1} | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |")
-    med = {side: {k: statistics.median(r[side][k] for r in rows) for k in ("mean", "median")} for side in ("without", "with")}
+        print(
+            f"| {i + 1} | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
+        )
+    med = {
+        side: {k: statistics.median(r[side][k] for r in rows) for k in ("mean", "median")}
+        for side in ("without", "with")
+    }
     w, wb = med["without"], med["with"]
-    print(f"| median of repetitions | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |")
-    print(f"write-back's own time on the step loop (device -> host copies, queueing): {1e3 * got['on_step_loop']:.2f} ms in {got['steps_total']} steps = {1e6 * got['on_step_loop'] / got['steps_total']:.1f} us/step")
+    print(
+        f"| median of repetitions | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
+    )
+    print(
+        f"write-back's own time on the step loop (device -> host copies, queueing): {1e3 * got['on_step_loop']:.2f} ms in {got['steps_total']} steps = {1e6 * got['on_step_loop'] / got['steps_total']:.1f} us/step"
+    )
     ratios = sorted(r["with"]["mean"] / r["without"]["mean"] for r in rows)
-    print(f"median ratio of per-repetition means (with / without): {statistics.median(ratios):.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f}); goal <= 1.050")
+    print(
+        f"median ratio of per-repetition means (with / without): {statistics.median(ratios):.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f}); goal <= 1.050"
+    )
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
 
 if __name__ == "__main__":
     main()

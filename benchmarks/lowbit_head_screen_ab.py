@@ -9,6 +9,7 @@ process, timed with the process's CPU clock (all threads together) and the wall 
 indices must be equal on every row (the screen is exact by construction, head_screen.c). Also
 printed: the rows the screen recomputed exactly per call (the union of its candidates).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,13 @@ def main() -> None:
     screen = ops.prepare_screen(w)
     prep = time.process_time() - start
     assert screen is not None
-    print(f"{hidden.shape[0]} hidden rows; head {tuple(w.shape)} {w.kind}; build {native.load().isa}; panel {screen.panel.numel() / 2**20:.1f} MiB "
-          f"built in {prep * 1000:.0f} ms CPU; load average {os.getloadavg()[0]:.1f}")
-    print("\n| threads | rows M | head.c CPU ms/call | screen CPU ms/call | CPU ratio | head.c wall ms | screen wall ms | rows recomputed (median, max) | equal |")
+    print(
+        f"{hidden.shape[0]} hidden rows; head {tuple(w.shape)} {w.kind}; build {native.load().isa}; panel {screen.panel.numel() / 2**20:.1f} MiB "
+        f"built in {prep * 1000:.0f} ms CPU; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "\n| threads | rows M | head.c CPU ms/call | screen CPU ms/call | CPU ratio | head.c wall ms | screen wall ms | rows recomputed (median, max) | equal |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     big = ops.DEFAULT_INT_ROWS
     for threads in args.threads:
@@ -51,8 +56,8 @@ def main() -> None:
             recomputed, equal = [], True
             for call in range(args.calls + 2):
                 at = (call * M * 7) % max(1, hidden.shape[0] - M)
-                x = hidden[at:at + M].contiguous()
-                for screened in ((False, True) if call % 2 else (True, False)):
+                x = hidden[at : at + M].contiguous()
+                for screened in (False, True) if call % 2 else (True, False):
                     c0, w0 = time.process_time(), time.perf_counter()
                     if screened:
                         got, rows = ops.screened_head_argmax(x, w, screen, big, 0, threads)
@@ -65,8 +70,10 @@ def main() -> None:
                 equal &= torch.equal(got, want)
                 recomputed.append(rows)
             a, b = statistics.median(cpu[False]) * 1e3, statistics.median(cpu[True]) * 1e3
-            print(f"| {threads} | {M} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {statistics.median(wall[False]) * 1e3:.2f} | "
-                  f"{statistics.median(wall[True]) * 1e3:.2f} | {statistics.median(recomputed):.0f}, {max(recomputed)} | {equal} |")
+            print(
+                f"| {threads} | {M} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {statistics.median(wall[False]) * 1e3:.2f} | "
+                f"{statistics.median(wall[True]) * 1e3:.2f} | {statistics.median(recomputed):.0f}, {max(recomputed)} | {equal} |"
+            )
 
 
 if __name__ == "__main__":

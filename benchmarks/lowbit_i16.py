@@ -25,6 +25,7 @@ Two tables:
 The row count where table 1's ratio passes 1 is where the panel layout starts to pay
 (kernels_i16.c's P16_MIN_M).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,15 +45,25 @@ from lowbit_kernels import best_ms, packed  # noqa: E402  (the same random weigh
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 4096])
-    parser.add_argument("--step-rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32],
-                        help="M of table 2 (each: 30 layers' four GEMMs, and the head up to 256 rows)")
+    parser.add_argument(
+        "--step-rows",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 32],
+        help="M of table 2 (each: 30 layers' four GEMMs, and the head up to 256 rows)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engine-steps", action="store_true", help="table 3 only: whole engine steps")
     parser.add_argument("--requests", type=int, default=32, help="table 3's decode batch")
     parser.add_argument("--rounds", type=int, default=2, help="table 3's rounds")
-    parser.add_argument("--run-ab", type=int, default=0, metavar="ROUNDS", help="table 4 only: whole runs, before vs now")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: the calling thread's CPU time (use with --threads 1)")
+    parser.add_argument(
+        "--run-ab", type=int, default=0, metavar="ROUNDS", help="table 4 only: whole runs, before vs now"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: the calling thread's CPU time (use with --threads 1)",
+    )
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures the calling thread only: use it with --threads 1")
@@ -61,7 +72,9 @@ def main() -> None:
     from deepinfer_core.lowbit import ops
 
     every = ops.DEFAULT_INT_ROWS
-    print(f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n")
+    print(
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n"
+    )
     if args.run_ab:
         run_ab(args.requests, args.run_ab)
         return
@@ -79,7 +92,10 @@ def main() -> None:
             exact = best_ms(lambda: ops.matmul(x, w, 0), clock)
             i16 = best_ms(lambda: ops.matmul(x, w, every), clock)
             flop = 2 * m * n * k
-            print(f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {flop / exact / 1e6:.1f} | {i16:.3f} | {flop / i16 / 1e6:.1f} | {exact / i16:.2f}x |", flush=True)
+            print(
+                f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {flop / exact / 1e6:.1f} | {i16:.3f} | {flop / i16 / 1e6:.1f} | {exact / i16:.2f}x |",
+                flush=True,
+            )
 
     layers = [[packed(n, k, "q4", 100 * layer + i) for i, (_, n, k) in enumerate(LAYER)] for layer in range(30)]
     head = packed(HEAD[1], HEAD[2], "q8", 7)
@@ -104,7 +120,10 @@ def main() -> None:
                 step(rows)
                 best[rows] = min(best[rows], (clock() - start) * 1e3)
         exact, i16 = best[0], best[every]
-        print(f"| {m} | {exact:.1f} | {i16:.1f} | {exact / i16:.2f}x | {flop / exact / 1e6:.1f} | {flop / i16 / 1e6:.1f} |", flush=True)
+        print(
+            f"| {m} | {exact:.1f} | {i16:.1f} | {exact / i16:.2f}x | {flop / exact / 1e6:.1f} | {flop / i16 / 1e6:.1f} |",
+            flush=True,
+        )
 
 
 def run_ab(requests: int, rounds: int) -> None:
@@ -120,12 +139,19 @@ def run_ab(requests: int, rounds: int) -> None:
 
     prompts = build_prompts(requests, 128)
     block_size = inspect.signature(LLM).parameters["block_size"].default
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=requests, kv_cache_blocks=requests * -(-256 // block_size),
-              enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        max_num_seqs=requests,
+        kv_cache_blocks=requests * -(-256 // block_size),
+        enable_prefix_caching=False,
+    )
     model = llm.engine.model
     modules = [m for m in model.modules() if isinstance(m, (LowBitLinear, LowBitEmbedding))]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    llm.generate([p[::-1] for p in prompts], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [p[::-1] for p in prompts], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False
+    )
     variants = {"int16 for <= 4 rows (before)": 4, "int16 everywhere (now)": ops.DEFAULT_INT_ROWS}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     load = os.getloadavg()[0]
@@ -138,13 +164,17 @@ def run_ab(requests: int, rounds: int) -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[name].append((time.perf_counter() - start, time.process_time() - cpu))
             assert sum(len(o.outputs[0].token_ids) for o in outs) == 128 * requests
-    print(f"\n{requests} requests x 128 prompt + 128 new tokens, {torch.get_num_threads()} thread(s), whole runs alternating, "
-          f"load average before {load:.1f}, after {os.getloadavg()[0]:.1f}:\n")
+    print(
+        f"\n{requests} requests x 128 prompt + 128 new tokens, {torch.get_num_threads()} thread(s), whole runs alternating, "
+        f"load average before {load:.1f}, after {os.getloadavg()[0]:.1f}:\n"
+    )
     print("| variant | runs | best wall s | tok/s (best wall) | best CPU s | tok per CPU s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         wall, cpu = min(w for w, _ in r), min(c for _, c in r)
-        print(f"| {name} | {len(r)} | {wall:.2f} | {128 * requests / wall:.1f} | {cpu:.2f} | {128 * requests / cpu:.1f} |")
+        print(
+            f"| {name} | {len(r)} | {wall:.2f} | {128 * requests / wall:.1f} | {cpu:.2f} | {128 * requests / cpu:.1f} |"
+        )
 
 
 def engine_steps(requests: int, rounds: int, clock) -> None:
@@ -152,12 +182,21 @@ def engine_steps(requests: int, rounds: int, clock) -> None:
     from deepinfer_core.lowbit import llama_decode, ops
     from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear
 
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=max(16, requests), kv_cache_blocks=4 * max(16, requests) + 8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        max_num_seqs=max(16, requests),
+        kv_cache_blocks=4 * max(16, requests) + 8,
+        enable_prefix_caching=False,
+    )
     engine, model = llm.engine, llm.engine.model
     modules = [m for m in model.modules() if isinstance(m, (LowBitLinear, LowBitEmbedding))]
     text = llm.get_tokenizer().encode("It was the best of times, it was the worst of times, " * 40)
-    variants = {"float32 activations": 0, "int16 for <= 4 rows (before)": 4, "int16 everywhere (now)": ops.DEFAULT_INT_ROWS}
+    variants = {
+        "float32 activations": 0,
+        "int16 for <= 4 rows (before)": 4,
+        "int16 everywhere (now)": ops.DEFAULT_INT_ROWS,
+    }
 
     def use(rows: int) -> None:
         for m in modules:
@@ -181,7 +220,10 @@ def engine_steps(requests: int, rounds: int, clock) -> None:
             engine.step()  # the 2,048 prompt tokens in one step
             prefill[name] = min(prefill[name], clock() - start)
             drain()
-        ids = [engine.add_request(text[i + r : i + r + 128], SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(requests)]
+        ids = [
+            engine.add_request(text[i + r : i + r + 128], SamplingParams(max_tokens=64, ignore_eos=True))
+            for i in range(requests)
+        ]
         for _ in range(-(-requests * 128 // engine.config.max_num_batched_tokens) + 2):
             engine.step()  # prefill of the decode requests, then two decode steps
         for name, rows in variants.items():
@@ -199,7 +241,9 @@ def engine_steps(requests: int, rounds: int, clock) -> None:
     print(f"| variant | prefill step, 16 x 128 tokens | vs float32 | decode step, {requests} requests | vs float32 |")
     print("|---|---:|---:|---:|---:|")
     for name in variants:
-        print(f"| {name} | {prefill[name] * 1e3:.0f} | {base[0] / prefill[name]:.2f}x | {decode[name] * 1e3:.1f} | {base[1] / decode[name]:.2f}x |")
+        print(
+            f"| {name} | {prefill[name] * 1e3:.0f} | {base[0] / prefill[name]:.2f}x | {decode[name] * 1e3:.1f} | {base[1] / decode[name]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

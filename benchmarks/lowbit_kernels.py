@@ -11,6 +11,7 @@ row count where the ratio falls below 1 was where ``ops.DEFAULT_INT_ROWS`` sat w
 kernel had only its rows layout; since kernels_i16.c's panel (5 rows on) it is every call
 (``lowbit_i16.py`` compares the two kernels at prefill sizes too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,13 @@ import time
 
 import torch
 
-SHAPES = (("qkv", 960, 576, "q4"), ("o", 576, 576, "q4"), ("gate+up", 3072, 576, "q4"), ("down", 576, 1536, "q4"), ("head", 49152, 576, "q8"))
+SHAPES = (
+    ("qkv", 960, 576, "q4"),
+    ("o", 576, 576, "q4"),
+    ("gate+up", 3072, 576, "q4"),
+    ("down", 576, 1536, "q4"),
+    ("head", 49152, 576, "q8"),
+)
 
 
 def packed(n: int, k: int, kind: str, seed: int | None = None):
@@ -52,9 +59,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu: the calling thread's CPU time (with --threads 1 the kernel runs on it; time "
-                             "descheduled on a busy machine is not counted)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: the calling thread's CPU time (with --threads 1 the kernel runs on it; time "
+        "descheduled on a busy machine is not counted)",
+    )
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures the calling thread only: use it with --threads 1")
@@ -62,7 +73,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from deepinfer_core.lowbit import ops
 
-    print(f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n")
+    print(
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n"
+    )
     print("| matrix (N x K, kind) | M | exact ms | integer ms | exact / integer | int8 ms | exact / int8 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     totals: dict[int, list[float]] = {m: [0.0, 0.0, 0.0] for m in args.rows}
@@ -77,7 +90,11 @@ def main() -> None:
             totals[m][1] += integer * (1 if name == "head" else 30)
             totals[m][2] += (exact if int8 is None else int8) * (1 if name == "head" else 30)  # the head stays exact
             i8 = "–" if int8 is None else f"{int8:.3f} | {exact / int8:.2f}x"
-            print(f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {integer:.3f} | {exact / integer:.2f}x | {i8} |" + (" – |" if int8 is None else ""), flush=True)
+            print(
+                f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {integer:.3f} | {exact / integer:.2f}x | {i8} |"
+                + (" – |" if int8 is None else ""),
+                flush=True,
+            )
     print("\nA whole decode step's GEMMs (30 layers + head; int8: the layers on int8, the q8 head exact):\n")
     print("| M | exact ms | integer ms | exact / integer | int8 ms | exact / int8 |")
     print("|---:|---:|---:|---:|---:|---:|")

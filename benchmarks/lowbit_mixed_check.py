@@ -11,6 +11,7 @@ Every output token is checked against the float32 model teacher-forced on the sa
 of its largest logit. Prints a table per concurrency; a quality check, not a speed one
 (tests/test_lowbit_mixed_batches.py runs a small case of it in CI).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,17 @@ TEXT = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 5, 16, 17, 48, 64])
+    parser.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 5, 16, 17, 48, 64]
+    )
     parser.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")), default=LENGTHS)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--kv-blocks", type=int, default=40, help="blocks of 128 tokens (40: ~5,000 tokens, under 48 x 2,000-token-class batches)")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=40,
+        help="blocks of 128 tokens (40: ~5,000 tokens, under 48 x 2,000-token-class batches)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -41,14 +49,26 @@ def main() -> None:
     from deepinfer_core.testing.greedy_check import check_greedy, mixed_prompts, run_arriving
 
     longest = max(args.lengths) + args.new_tokens
-    dense = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=-(-longest // 128) + 1, max_num_seqs=1).engine
-    print(f"load average {os.getloadavg()[0]:.1f}; prompts cycle through {args.lengths} tokens, {args.new_tokens} new tokens, "
-          f"3 arrival waves, max_num_seqs 16, {args.kv_blocks} KV blocks of 128, tolerance {args.tolerance}")
-    print("\n| requests | tokens checked | the float32 argmax | worst gap | misses | preemptions | native multi-token steps | s |")
+    dense = LLM(
+        "smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=-(-longest // 128) + 1, max_num_seqs=1
+    ).engine
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; prompts cycle through {args.lengths} tokens, {args.new_tokens} new tokens, "
+        f"3 arrival waves, max_num_seqs 16, {args.kv_blocks} KV blocks of 128, tolerance {args.tolerance}"
+    )
+    print(
+        "\n| requests | tokens checked | the float32 argmax | worst gap | misses | preemptions | native multi-token steps | s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.concurrency:
         start = time.perf_counter()
-        llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=16, kv_cache_blocks=args.kv_blocks, enable_prefix_caching=False)
+        llm = LLM(
+            "smollm2-135m-instruct",
+            device="cpu",
+            max_num_seqs=16,
+            kv_cache_blocks=args.kv_blocks,
+            enable_prefix_caching=False,
+        )
         prompts = mixed_prompts(llm.get_tokenizer(), n, args.lengths, TEXT)
         counts = {"native": 0}
         model = llm.engine.model
@@ -65,8 +85,11 @@ def main() -> None:
         outputs = run_arriving(llm, prompts, args.new_tokens, waves=3)
         report = check_greedy(dense, prompts, outputs, args.tolerance)
         bad = sum(len(o) != args.new_tokens for o in outputs)
-        print(f"| {n} | {report.tokens} | {report.exact} | {report.worst_gap:.3f} | {len(report.misses)}{f' (+{bad} short)' if bad else ''} | "
-              f"{llm.engine.scheduler.num_preemptions} | {counts['native']} | {time.perf_counter() - start:.0f} |", flush=True)
+        print(
+            f"| {n} | {report.tokens} | {report.exact} | {report.worst_gap:.3f} | {len(report.misses)}{f' (+{bad} short)' if bad else ''} | "
+            f"{llm.engine.scheduler.num_preemptions} | {counts['native']} | {time.perf_counter() - start:.0f} |",
+            flush=True,
+        )
         for miss in report.misses[:5]:
             print(f"|   miss: {miss} |")
         del llm

@@ -12,6 +12,7 @@ ms and the wall ms of ``engine.step()`` (medians), and the packed bytes every st
 layer weights and the head; the embedding rows are a lookup). Both engines keep ``--threads``
 (DEEPINFER_ADAPTIVE_THREADS=0 unless set).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,13 @@ def packed_bytes(model: torch.nn.Module) -> dict[str, int]:
 
     out: dict[str, int] = {}
     for module in model.modules():
-        weights = module.segments if isinstance(module, LowBitLinear) else [module.weight_q] if isinstance(module, LowBitEmbedding) else []
+        weights = (
+            module.segments
+            if isinstance(module, LowBitLinear)
+            else [module.weight_q]
+            if isinstance(module, LowBitEmbedding)
+            else []
+        )
         for w in weights:
             n = sum(t.numel() * t.element_size() for t in (w.qs, w.d, w.m) if t is not None)
             out[w.kind] = out.get(w.kind, 0) + n
@@ -38,7 +45,9 @@ def packed_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", default="Q4_K_M", help="a type cpu_throughput.py writes (Q4_K_M, Q5_0, ...) or a path")
+    parser.add_argument(
+        "--gguf", default="Q4_K_M", help="a type cpu_throughput.py writes (Q4_K_M, Q5_0, ...) or a path"
+    )
     parser.add_argument("--requests", default="1,32")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -51,14 +60,21 @@ def main() -> None:
 
     path = args.gguf if os.path.exists(args.gguf) else make_gguf(args.gguf)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("DEEPINFER_ADAPTIVE_THREADS", "0")  # both engines on --threads (the chooser's probes differ per engine)
-    print(f"{os.path.basename(path)}, {args.threads} threads, {args.steps} decode steps per engine, alternating; "
-          f"load average {os.getloadavg()[0]:.1f}\n")
-    print("| requests | weights | MB read per step | step CPU ms (median) | step wall ms (median) |\n|---:|---|---:|---:|---:|")
+    os.environ.setdefault(
+        "DEEPINFER_ADAPTIVE_THREADS", "0"
+    )  # both engines on --threads (the chooser's probes differ per engine)
+    print(
+        f"{os.path.basename(path)}, {args.threads} threads, {args.steps} decode steps per engine, alternating; "
+        f"load average {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| requests | weights | MB read per step | step CPU ms (median) | step wall ms (median) |\n|---:|---|---:|---:|---:|"
+    )
     for requests in (int(r) for r in args.requests.split(",")):
         prompts = build_prompts(requests, 128)
         params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
         engines, sizes = {}, {}
+
         def build():
             return LLM(path, device="cpu", max_num_seqs=requests, kv_cache_blocks=2 * requests + 2)
 
@@ -75,11 +91,15 @@ def main() -> None:
                 wall[name].append((time.perf_counter() - t0) * 1e3)
         for name in engines:
             kinds = " + ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(sizes[name].items()))
-            print(f"| {requests} | {name} ({kinds}) | {sum(sizes[name].values()) / 1e6:.1f} | {statistics.median(cpu[name]):.2f} | "
-                  f"{statistics.median(wall[name]):.2f} |")
+            print(
+                f"| {requests} | {name} ({kinds}) | {sum(sizes[name].values()) / 1e6:.1f} | {statistics.median(cpu[name]):.2f} | "
+                f"{statistics.median(wall[name]):.2f} |"
+            )
         c = statistics.median(cpu["q8"]) / statistics.median(cpu["q5"])
         w = statistics.median(wall["q8"]) / statistics.median(wall["q5"])
-        print(f"| {requests} | q8 / q5 | {sum(sizes['q8'].values()) / sum(sizes['q5'].values()):.2f}x | {c:.2f}x | {w:.2f}x |")
+        print(
+            f"| {requests} | q8 / q5 | {sum(sizes['q8'].values()) / sum(sizes['q5'].values()):.2f}x | {c:.2f}x | {w:.2f}x |"
+        )
         del engines
 
 

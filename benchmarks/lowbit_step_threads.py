@@ -15,6 +15,7 @@ libraries (the kernels of this checkout, ``layer.c`` of each side) are built her
 the same captured 32-row decode step (real SmolLM2 weights, caches and block tables), alternating;
 their hidden states must be identical.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,18 @@ def build(layer_source: str, out_dir: str, name: str, file: str = "layer.c", isa
         f.write(layer_source)
     sources = [p for p in native._SOURCES if os.path.basename(p) != file] + [path]
     so = os.path.join(out_dir, f"{name}.so")
-    subprocess.run([native.compiler_path(), *native._FLAGS, *native._ISA_FLAGS[isa], f"-I{os.path.dirname(native.__file__)}", "-o", so, *sources], check=True)
+    subprocess.run(
+        [
+            native.compiler_path(),
+            *native._FLAGS,
+            *native._ISA_FLAGS[isa],
+            f"-I{os.path.dirname(native.__file__)}",
+            "-o",
+            so,
+            *sources,
+        ],
+        check=True,
+    )
     lib = ctypes.CDLL(so)
     native._declare(lib)
     return lib
@@ -62,18 +74,31 @@ def thread_cpu_ms() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rev", required=True, help="git revision whose deepinfer_core/lowbit/layer.c is the other side")
+    parser.add_argument(
+        "--rev", required=True, help="git revision whose deepinfer_core/lowbit/layer.c is the other side"
+    )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--file", default="layer.c", help="the lowbit C file taken from --rev (the rest from this checkout)")
+    parser.add_argument(
+        "--file", default="layer.c", help="the lowbit C file taken from --rev (the rest from this checkout)"
+    )
     parser.add_argument("--at-step", type=int, default=1, help="capture the n-th decode step of --requests rows")
-    parser.add_argument("--isa", default=None, help="instruction set both sides are built for (native._ISA_FLAGS; default: the engine's choice)")
+    parser.add_argument(
+        "--isa",
+        default=None,
+        help="instruction set both sides are built for (native._ISA_FLAGS; default: the engine's choice)",
+    )
     args = parser.parse_args()
     os.environ["DEEPINFER_ADAPTIVE_THREADS"] = "0"
     from deepinfer_core import LLM, SamplingParams
 
-    old = subprocess.run(["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/{args.file}"], check=True, capture_output=True, text=True).stdout
+    old = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{args.rev}:deepinfer_core/lowbit/{args.file}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     with open(os.path.join(ROOT, "deepinfer_core/lowbit", args.file)) as f:
         new = f.read()
     R, T = args.requests, args.threads
@@ -105,7 +130,10 @@ def main() -> None:
 
     isa = args.isa or native.isa_choice()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {f"{args.file} of {args.rev}": build(old, tmp, "old", args.file, isa), f"{args.file} of this checkout": build(new, tmp, "new", args.file, isa)}
+        libs = {
+            f"{args.file} of {args.rev}": build(old, tmp, "old", args.file, isa),
+            f"{args.file} of this checkout": build(new, tmp, "new", args.file, isa),
+        }
     outs = {k: torch.empty(R, plan._md.hidden) for k in libs}
     scratch = torch.empty(R * plan._per_row)
     busy: dict[str, list[list[float]]] = {k: [] for k in libs}
@@ -116,22 +144,40 @@ def main() -> None:
         for name, lib in libs.items():
             phase_ms[0] = phase_ms[1] = phase_ms[2] = 0.0
             before, start = thread_cpu_ms(), time.perf_counter()
-            lib.llama_decode_step(ctypes.byref(plan._md), plan._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                  tables.data_ptr(), tables.shape[1], R, scratch.data_ptr(), outs[name].data_ptr(), T, phase_ms)
+            lib.llama_decode_step(
+                ctypes.byref(plan._md),
+                plan._layers,
+                ids.data_ptr(),
+                positions.data_ptr(),
+                slots.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                R,
+                scratch.data_ptr(),
+                outs[name].data_ptr(),
+                T,
+                phase_ms,
+            )
             wall[name].append((time.perf_counter() - start) * 1e3)
             after = thread_cpu_ms()
             busy[name].append(sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)[:T])
             phases[name].append(list(phase_ms))
     a, b = outs.values()
-    print(f"{isa} build, {R} rows, {T} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}, "
-          f"{args.rounds} steps each, alternating, contexts {int(positions.min()) + 1}-{int(positions.max()) + 1} tokens; "
-          f"hidden states identical: {torch.equal(a, b)}\n")
-    print("| library | busiest thread CPU ms (median) | other threads (median) | wall ms (median) | phases CPU ms: GEMMs / attention / rest (median) |")
+    print(
+        f"{isa} build, {R} rows, {T} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.1f}, "
+        f"{args.rounds} steps each, alternating, contexts {int(positions.min()) + 1}-{int(positions.max()) + 1} tokens; "
+        f"hidden states identical: {torch.equal(a, b)}\n"
+    )
+    print(
+        "| library | busiest thread CPU ms (median) | other threads (median) | wall ms (median) | phases CPU ms: GEMMs / attention / rest (median) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name in libs:
         cols = [statistics.median(x[i] for x in busy[name]) for i in range(T)]
         ph = " / ".join(f"{statistics.median(x[i] for x in phases[name]):.1f}" for i in (0, 1, 2))
-        print(f"| {name} | {cols[0]:.1f} | {' / '.join(f'{c:.1f}' for c in cols[1:])} | {statistics.median(wall[name]):.1f} | {ph} |")
+        print(
+            f"| {name} | {cols[0]:.1f} | {' / '.join(f'{c:.1f}' for c in cols[1:])} | {statistics.median(wall[name]):.1f} | {ph} |"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ over a 6,144-token cached prefix. Each cell is the median of ``--reps`` timed ca
 (q/k width + v width): 1,088 absorbed, 320 expanded), not the decompression / absorption GEMMs
 the times include. Outputs are compared with the absorbed form's (max abs diff).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,18 @@ def case(lens, new, heads, latent, rope, nope, v_dim, dtype, device, block=128, 
     cache = (torch.randn(1, 1, batch.num_blocks, block, latent + rope, generator=g) * 0.5).to(device, dtype)
     slots = batch.slot_mapping
     meta = batch.metadata(device, num_context_tokens=sum(lens))
-    spec = AttentionLayerSpec(AttentionKind.MLA, 0, heads, 1, latent + rope, latent, (nope + rope) ** -0.5, rope_dim=rope, kv_shared=True, kv_dtype=dtype)
+    spec = AttentionLayerSpec(
+        AttentionKind.MLA,
+        0,
+        heads,
+        1,
+        latent + rope,
+        latent,
+        (nope + rope) ** -0.5,
+        rope_dim=rope,
+        kv_shared=True,
+        kv_dtype=dtype,
+    )
     q = torch.randn(batch.num_tokens, heads, nope + rope, generator=g).to(device, dtype)
     key = cache.view(-1, latent + rope)[slots.to(device)][:, None, :]
     w_kv = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent**0.5).to(device, dtype)
@@ -67,7 +79,9 @@ def sdpa(spec, q, key, w_kv, meta, nope, R, L):
     k = torch.cat([kv[..., :nope], key[:, :, C:].view(R, L, 1, -1).expand(R, L, H, -1)], dim=-1)
     v = F.pad(kv[..., nope:], (0, q.shape[-1] - (nv - nope)))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = F.scaled_dot_product_attention(q.view(R, L, H, -1).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=spec.scale)
+        out = F.scaled_dot_product_attention(
+            q.view(R, L, H, -1).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=spec.scale
+        )
     return out.transpose(1, 2).reshape(R * L, H, -1)[..., : nv - nope]
 
 
@@ -89,7 +103,17 @@ def timed(fn, reps, device):
     return (time.perf_counter() - t0) * 1e3
 
 
-SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2)]
+SWEEP = [
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 4, 2),
+    (128, 32, 4, 2),
+    (128, 32, 8, 3),
+    (128, 128, 8, 2),
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 32, 4, 2),
+]
 
 
 def sweep(spec, q, key, w_kv, cache, meta, nope, flop, reps, device):
@@ -130,24 +154,32 @@ def main() -> None:
         rows = [("2 x 40", [40] * 2, [40] * 2), ("1 x 20 after 30", [50], [20])]
     else:
         heads, latent, rope, nope, v_dim = args.heads, 512, 64, 128, 128
-        rows = [("64 x 512", [512] * 64, [512] * 64), ("4 x 4096", [4096] * 4, [4096] * 4), ("2048 after 6144", [8192], [2048])]
-    print(f"MLA prefill attention, one layer: {heads} heads, latent {latent}, rope {rope}, nope {nope}, v {v_dim}, {dtype}, {device}")
+        rows = [
+            ("64 x 512", [512] * 64, [512] * 64),
+            ("4 x 4096", [4096] * 4, [4096] * 4),
+            ("2048 after 6144", [8192], [2048]),
+        ]
+    print(
+        f"MLA prefill attention, one layer: {heads} heads, latent {latent}, rope {rope}, nope {nope}, v {v_dim}, {dtype}, {device}"
+    )
     if device == "cuda":
         print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    print("| shape | absorbed ms | expanded ms | SDPA flash ms | expanded TFLOP/s (attention only) | absorbed TFLOP/s | absorbed / expanded | max diff expanded | max diff SDPA |")
+    print(
+        "| shape | absorbed ms | expanded ms | SDPA flash ms | expanded TFLOP/s (attention only) | absorbed TFLOP/s | absorbed / expanded | max diff expanded | max diff SDPA |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, lens, new in rows:
         spec, q, key, w_kv, cache, meta, pairs = case(lens, new, heads, latent, rope, nope, v_dim, dtype, device)
         ref = absorbed(spec, q, w_kv, cache, meta, nope)
         out = expanded(spec, q, key, w_kv, cache, meta)
-        t_abs = timed(lambda: absorbed(spec, q, w_kv, cache, meta, nope), args.reps, device)
-        t_exp = timed(lambda: expanded(spec, q, key, w_kv, cache, meta), args.reps, device)
+        t_abs = timed(lambda: absorbed(spec, q, w_kv, cache, meta, nope), args.reps, device)  # noqa: F821 (names deleted after the timing; the lambda runs first)
+        t_exp = timed(lambda: expanded(spec, q, key, w_kv, cache, meta), args.reps, device)  # noqa: F821 (names deleted after the timing; the lambda runs first)
         sd, d_sd = "n/a", "n/a"
         if lens == new and len(set(lens)) == 1:
             try:
                 o_sd = sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0])
                 d_sd = f"{(o_sd.float() - ref.float()).abs().max().item():.2e}"
-                sd = f"{timed(lambda: sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0]), args.reps, device):.3f}"
+                sd = f"{timed(lambda: sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0]), args.reps, device):.3f}"  # noqa: F821 (names deleted after the timing; the lambda runs first)
             except RuntimeError as e:  # no flash kernel for these widths / this device
                 sd = f"n/a ({str(e).splitlines()[0][:60]})"
         flop_exp = pairs * heads * 2 * (nope + rope + v_dim)

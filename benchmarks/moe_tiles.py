@@ -5,6 +5,7 @@ Times the whole ``fused_moe`` call (alignment, both grouped GEMMs, the fixed-ord
 ``triton.testing.do_bench`` (median) for each candidate ``MoEConfig``, checks every result
 against the default configuration's, and prints a table, fastest first. Used to pick
 ``choose_config``'s prefill tiles (benchmarks/README.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,11 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=1024)
     ap.add_argument("--fp8", action="store_true", help="experts in DeepSeek's FP8 block format (BLOCK_K is then 128)")
     ap.add_argument("--decode", action="store_true", help="decode-sized tiles (16/32 rows), e.g. with --tokens 64")
-    ap.add_argument("--split", action="store_true", help="prefill: sweep the gate/up and the down GEMM's tiles and program order apart")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="prefill: sweep the gate/up and the down GEMM's tiles and program order apart",
+    )
     args = ap.parse_args()
     T, E, k, D, I = args.tokens, args.experts, args.top_k, args.hidden, args.inter
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -51,7 +56,9 @@ def main() -> None:
         )
     default = choose_config(T * k, E)
     ref, _ = fused_moe(x, gate_up, down, ids, w, None, None, **scales)
-    base = triton.testing.do_bench(lambda: fused_moe(x, gate_up, down, ids, w, None, None, **scales), warmup=25, rep=100, return_mode="median")
+    base = triton.testing.do_bench(
+        lambda: fused_moe(x, gate_up, down, ids, w, None, None, **scales), warmup=25, rep=100, return_mode="median"
+    )
     flops = 2 * T * k * (2 * I * D + D * I)
     touched = ids.unique().numel() * 3 * I * D * gate_up.element_size()  # expert weight bytes read
     if args.split:
@@ -67,7 +74,12 @@ def main() -> None:
         try:
             out, _ = fused_moe(x, gate_up, down, ids, w, None, cfg, **scales)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = triton.testing.do_bench(lambda: fused_moe(x, gate_up, down, ids, w, None, cfg, **scales), warmup=25, rep=100, return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda: fused_moe(x, gate_up, down, ids, w, None, cfg, **scales),
+                warmup=25,
+                rep=100,
+                return_mode="median",
+            )
         except Exception as exc:  # out of shared memory / registers for this tile
             print(f"{cfg}: {type(exc).__name__}")
             continue
@@ -75,15 +87,24 @@ def main() -> None:
     rows.sort(key=lambda r: r[0])
     kind = "FP8 experts" if args.fp8 else "bf16"
     print(f"fused_moe T={T} E={E} k={k} D={D} I={I} {kind}; default {default}: {base:.3f} ms")
-    print("| block_m | block_n | block_k | warps | stages | ms | TFLOP/s | weight GB/s | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| block_m | block_n | block_k | warps | stages | ms | TFLOP/s | weight GB/s | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for ms, c, err in rows[:12]:
-        print(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | {flops / ms / 1e9:.0f} | {touched / ms / 1e6:,.0f} | {base / ms:.2f}x | {err:.1e} |")
+        print(
+            f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | {flops / ms / 1e9:.0f} | {touched / ms / 1e6:,.0f} | {base / ms:.2f}x | {err:.1e} |"
+        )
 
 
 def _time(x, gate_up, down, ids, w, scales, cfg, down_cfg, ref):
     out, _ = fused_moe(x, gate_up, down, ids, w, None, cfg, down_config=down_cfg, **scales)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    ms = triton.testing.do_bench(lambda: fused_moe(x, gate_up, down, ids, w, None, cfg, down_config=down_cfg, **scales), warmup=25, rep=100, return_mode="median")
+    ms = triton.testing.do_bench(
+        lambda: fused_moe(x, gate_up, down, ids, w, None, cfg, down_config=down_cfg, **scales),
+        warmup=25,
+        rep=100,
+        return_mode="median",
+    )
     return ms, err
 
 
@@ -105,7 +126,10 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
     """Gate/up tilings with the down GEMM fixed, then down tilings with gate/up fixed (same
     block_m: both walk one alignment); ``group_m`` is the program order (0: row tiles fastest),
     ``tma`` the copy engine's tile loads (MoEConfig.tma)."""
-    tma = [(128, 128, 64, 8, s, 8, True) for s in (3, 4)] + [(128, 128, 128, 8, 2, 8, True), (128, 64, 64, 4, 4, 8, True)]
+    tma = [(128, 128, 64, 8, s, 8, True) for s in (3, 4)] + [
+        (128, 128, 128, 8, 2, 8, True),
+        (128, 64, 64, 4, 4, 8, True),
+    ]
     gu_grid = [(128, 128, 64, 8, 3, 8)] + tma  # the default (pointer loads) first; earlier sweeps: benchmarks/README.md
     dn_grid = [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)] + tma + [(128, 256, 64, 8, s, 8, True) for s in (3, 4)]
     rows_n = ids.numel()
@@ -125,17 +149,25 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
             print(f"{name} {cfg}: {ms:.3f} ms", flush=True)
         rows.sort(key=lambda r: r[0])
         res[name] = rows
-        print(f"\n{name} sweep (the other GEMM fixed at its default); whole fused_moe, default {default}: {base:.3f} ms")
-        print("| block_m | block_n | block_k | warps | stages | group_m | tma | ms | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        print(
+            f"\n{name} sweep (the other GEMM fixed at its default); whole fused_moe, default {default}: {base:.3f} ms"
+        )
+        print(
+            "| block_m | block_n | block_k | warps | stages | group_m | tma | ms | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+        )
         for ms, c, err in rows:
-            print(f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {c.tma} | {ms:.3f} | {base / ms:.2f}x | {err:.1e} |")
+            print(
+                f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {c.tma} | {ms:.3f} | {base / ms:.2f}x | {err:.1e} |"
+            )
     best = None
     for bm in (128,):
         gu = [r for r in res["gate/up"] if r[1].block_m == bm]
         dn = [r for r in res["down"] if r[1].block_m == bm]
         if gu and dn:
             ms, err = _time(x, gate_up, down, ids, w, scales, gu[0][1], dn[0][1], ref)
-            print(f"best pair at block_m {bm}: {gu[0][1]} + {dn[0][1]}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {base / ms:.2f}x the default, rel. error {err:.1e}")
+            print(
+                f"best pair at block_m {bm}: {gu[0][1]} + {dn[0][1]}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {base / ms:.2f}x the default, rel. error {err:.1e}"
+            )
             if best is None or ms < best[0]:
                 best = (ms, gu[0][1], dn[0][1])
     rows_n, D, I = ids.numel(), x.shape[1], down.shape[2]
@@ -145,11 +177,16 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
         t1 = triton.testing.do_bench(lambda: a @ b.t(), warmup=25, rep=100, return_mode="median")
         t2 = triton.testing.do_bench(lambda: h @ c.t(), warmup=25, rep=100, return_mode="median")
         f1, f2 = 2 * rows_n * D * 2 * I, 2 * rows_n * I * D
-        print(f"cuBLAS dense, same shapes: [{rows_n} x {D}] @ [{D} x {2 * I}] {t1:.3f} ms ({f1 / t1 / 1e9:.0f} TFLOP/s), [{rows_n} x {I}] @ [{I} x {D}] {t2:.3f} ms ({f2 / t2 / 1e9:.0f} TFLOP/s)")
+        print(
+            f"cuBLAS dense, same shapes: [{rows_n} x {D}] @ [{D} x {2 * I}] {t1:.3f} ms ({f1 / t1 / 1e9:.0f} TFLOP/s), [{rows_n} x {I}] @ [{I} x {D}] {t2:.3f} ms ({f2 / t2 / 1e9:.0f} TFLOP/s)"
+        )
         del a, b, h, c
     for label, cfg, dcfg in (("default", None, None), ("best", best[1], best[2])):
         parts = kernel_ms(lambda: fused_moe(x, gate_up, down, ids, w, None, cfg, down_config=dcfg, **scales))
-        print(f"kernels, {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:8]))
+        print(
+            f"kernels, {label}: "
+            + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:8])
+        )
 
 
 if __name__ == "__main__":

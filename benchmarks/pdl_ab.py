@@ -8,6 +8,7 @@ Builds the random V3-mini of ``gpu_throughput.py`` once, then alternates engines
 greedy tokens of 4 prompts x 32 new tokens, which must be the same for both settings. The last
 PDL-on engine's graph is also profiled kernel by kernel (the profiler may serialise launches:
 the replay is the figure)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,10 +16,19 @@ import os
 import sys
 import tempfile
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import V3_MINI, di, di_greedy, di_speed, free, kernel_table, log, make_v3mini, random_prompts, replay_ms  # noqa: E402
+from gpu_throughput import (
+    V3_MINI,
+    di,
+    di_greedy,
+    di_speed,
+    free,
+    kernel_table,
+    log,
+    make_v3mini,
+    random_prompts,
+    replay_ms,
+)  # noqa: E402
 
 
 def one(path: str, pdl: str, table: bool) -> tuple[float, float, list]:
@@ -52,7 +62,9 @@ def main() -> int:
             res[pdl].append(one(tmp, pdl, table=r == args.rounds - 1 and pdl == "1"))
     same = all(t[2] == res["0"][0][2] for v in res.values() for t in v)
     for pdl, v in res.items():
-        log(f"SUMMARY PDL={pdl}: steps {', '.join(f'{t[0]:.3f}' for t in v)} ms, replays {', '.join(f'{t[1]:.4f}' for t in v)} ms")
+        log(
+            f"SUMMARY PDL={pdl}: steps {', '.join(f'{t[0]:.3f}' for t in v)} ms, replays {', '.join(f'{t[1]:.4f}' for t in v)} ms"
+        )
     log(f"SUMMARY greedy tokens identical across all engines: {same}")
     return 0 if same else 1
 

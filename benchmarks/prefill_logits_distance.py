@@ -13,6 +13,7 @@ largest |logit - reference logit| over all positions and the vocabulary, and at 
 the argmax differs from the reference's. Why: greedy agreement over 128 tokens counts prompts,
 16 of them; the logits say in which direction a change moves, and by how much.
 """
+
 from __future__ import annotations
 
 import os

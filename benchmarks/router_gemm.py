@@ -4,6 +4,7 @@ float32 GEMM) vs the plugin's choice (``router_logits``: the GEMV up to ``ROUTER
 tiled tensor-core GEMM from ``ROUTER_TILE_ROWS``) and the tiled GEMM at every size with 64- and
 128-token blocks, to place the thresholds. Median of ``triton.testing.do_bench`` per call;
 each result is checked against float64."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ def main() -> None:
     E, D = args.experts, args.hidden
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(E, D, device="cuda", generator=g) / D**0.5
-    print(f"router logits, E={E} D={D}, bf16 rows, float32 weight; thresholds: GEMV <= {ROUTER_ROWS}, tiled >= {ROUTER_TILE_ROWS}")
-    print("| tokens | torch ms | plugin ms | torch / plugin | tiled 64 ms | tiled 128 ms | max abs err vs float64 (torch / tiled) |")
+    print(
+        f"router logits, E={E} D={D}, bf16 rows, float32 weight; thresholds: GEMV <= {ROUTER_ROWS}, tiled >= {ROUTER_TILE_ROWS}"
+    )
+    print(
+        "| tokens | torch ms | plugin ms | torch / plugin | tiled 64 ms | tiled 128 ms | max abs err vs float64 (torch / tiled) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
@@ -41,7 +46,10 @@ def main() -> None:
                 lambda: router_gemm(x, w, block_t=128),
             )
         ]
-        print(f"| {T} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x | {times[2]:.4f} | {times[3]:.4f} | {errs[0]:.1e} / {errs[1]:.1e} |", flush=True)
+        print(
+            f"| {T} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x | {times[2]:.4f} | {times[3]:.4f} | {errs[0]:.1e} / {errs[1]:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ and the others still run.
 
     python benchmarks/serve_load.py --concurrency 1,8,32 --prompt-tokens 128 --new-tokens 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,18 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 MODEL = "smollm2-135m-instruct"
-TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
-        "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
-        "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
-        "before us, we were all going direct to Heaven, we were all going direct the other way. ") * 4
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+    "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+    "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
+    "before us, we were all going direct to Heaven, we were all going direct the other way. "
+) * 4
 
 
 def prompts(n: int, prompt_tokens: int) -> list[str]:
@@ -61,12 +63,39 @@ def start_server(engine: str, threads: int, max_seqs: int, context: int) -> tupl
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if engine == "deepinfer":
-        cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--max-num-seqs", str(max_seqs),
-               "--max-model-len", str(context), "--max-queue", "256", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepinfer_core.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(max_seqs),
+            "--max-model-len",
+            str(context),
+            "--max-queue",
+            "256",
+            "--log-level",
+            "warning",
+        ]
         eos = None
     else:
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path(), "--port", str(port), "--n_threads", str(threads),
-               "--n_ctx", str(context), "--model_alias", MODEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            gguf_path(),
+            "--port",
+            str(port),
+            "--n_threads",
+            str(threads),
+            "--n_ctx",
+            str(context),
+            "--model_alias",
+            MODEL,
+        ]
         eos = 2  # <|im_end|> / the GGUF's EOS id for SmolLM2
     log = tempfile.TemporaryFile("w+")  # not a pipe: llama.cpp logs enough to fill one and block
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -92,7 +121,9 @@ def one_request(client, prompt: str, new_tokens: int, eos: int | None) -> dict:
     extra = {"ignore_eos": True} if eos is None else {"logit_bias": {str(eos): -100}}
     start = time.perf_counter()
     stamps, tokens = [], 0
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True, extra_body=extra)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True, extra_body=extra
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
@@ -116,8 +147,14 @@ def load_level(url: str, eos: int | None, n: int, prompt_tokens: int, new_tokens
     wall = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     gaps = sorted(g for r in results for g in r["gaps"])
-    return {"tok_s": n * new_tokens / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
-            "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99), "chunks": sum(r["chunks"] for r in results) / n}
+    return {
+        "tok_s": n * new_tokens / wall,
+        "ttft_p50": pct(ttfts, 50),
+        "ttft_p99": pct(ttfts, 99),
+        "itl_p50": pct(gaps, 50),
+        "itl_p99": pct(gaps, 99),
+        "chunks": sum(r["chunks"] for r in results) / n,
+    }
 
 
 def pct(values: list[float], p: float) -> float:
@@ -148,11 +185,29 @@ class Offline:
     """deepinfer's ``LLM.generate`` in a subprocess that measures one level per request."""
 
     def __init__(self, max_seqs: int, prompt_tokens: int, new_tokens: int, threads: int, context: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-        args = json.dumps({"model": MODEL, "max_seqs": max_seqs, "context": context, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens})
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        }
+        args = json.dumps(
+            {
+                "model": MODEL,
+                "max_seqs": max_seqs,
+                "context": context,
+                "prompt_tokens": prompt_tokens,
+                "new_tokens": new_tokens,
+            }
+        )
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", OFFLINE_WORKER, args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", OFFLINE_WORKER, args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         if self.proc.stdout.readline().strip() != "ready":
             self.log.seek(0)
             raise RuntimeError(self.log.read()[-500:])
@@ -175,7 +230,9 @@ def main() -> int:
     ap.add_argument("--engines", default="deepinfer,llamacpp,offline")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=2, help="rounds per level, best kept (default: %(default)s)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a client waits for its stream (default: %(default)s)")
+    ap.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds a client waits for its stream (default: %(default)s)"
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     engines = args.engines.split(",")
@@ -220,10 +277,14 @@ def main() -> int:
                 proc.wait(60)
     base = rows.pop("offline", {})
     base = {n: r["tok_s"] for n, r in base.items() if isinstance(r, dict)} if isinstance(base, dict) else base
-    print(f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, {args.threads} threads, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     print(f"# load average (1 min) before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
-    print("| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs offline LLM |")
+    print(
+        "| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs offline LLM |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in levels:
         for engine, result in rows.items():
@@ -238,8 +299,10 @@ def main() -> int:
             peer_n = peer.get(n) if isinstance(peer, dict) else None
             vs_peer = f"{r['tok_s'] / peer_n['tok_s']:.2f}x" if isinstance(peer_n, dict) else "-"
             vs_offline = f"{r['tok_s'] / base[n]:.2f}x" if isinstance(base, dict) and n in base else "-"
-            print(f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
-                  f"{r['itl_p99'] * 1e3:.1f} | {r['tok_s']:.1f} | {vs_peer} | {vs_offline} |")
+            print(
+                f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
+                f"{r['itl_p99'] * 1e3:.1f} | {r['tok_s']:.1f} | {vs_peer} | {vs_offline} |"
+            )
         if isinstance(base, dict) and n in base:
             print(f"| {n} | deepinfer offline LLM | | | | | {base[n]:.1f} | | 1.00x |")
         elif isinstance(base, str):

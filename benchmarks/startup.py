@@ -14,6 +14,7 @@ holds before and after from one run. Each measurement is its own process; config
 alternate within each repeat so load drift on a shared machine hits all of them alike; the
 median is shown. Not part of the test suite: tests never time things.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,25 @@ def time_process(cmd: list[str], env: dict[str, str], cwd: str) -> Timing:
 
 
 def deepinfer_cmd(model: str, dtype: str, threads: int) -> list[str]:
-    return [sys.executable, "-m", "deepinfer_core.cli", "generate", "--model", model, "--chat", "--stream",
-            "--max-tokens", "4", "--temperature", "0", "--threads", str(threads), "--dtype", dtype, PROMPT]
+    return [
+        sys.executable,
+        "-m",
+        "deepinfer_core.cli",
+        "generate",
+        "--model",
+        model,
+        "--chat",
+        "--stream",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--threads",
+        str(threads),
+        "--dtype",
+        dtype,
+        PROMPT,
+    ]
 
 
 def source_tree(rev: str, root: str) -> str:
@@ -92,7 +110,9 @@ def source_tree(rev: str, root: str) -> str:
     archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
     plugins = os.path.join(root, "plugins")
-    paths = [root] + sorted(os.path.join(plugins, p) for p in os.listdir(plugins) if os.path.isdir(os.path.join(plugins, p)))
+    paths = [root] + sorted(
+        os.path.join(plugins, p) for p in os.listdir(plugins) if os.path.isdir(os.path.join(plugins, p))
+    )
     return os.pathsep.join(paths)
 
 
@@ -100,10 +120,14 @@ def main() -> None:
     from deepinfer_core.models.sources import smollm2_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=smollm2_gguf(), help="a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument(
+        "--model", default=smollm2_gguf(), help="a GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", metavar="REV", help="also time this git revision's code (e.g. the commit before a change)")
+    ap.add_argument(
+        "--before", metavar="REV", help="also time this git revision's code (e.g. the commit before a change)"
+    )
     ap.add_argument("--dtypes", default="auto,float32", help="deepinfer --dtype values to time (comma-separated)")
     ap.add_argument("--caches", default="cold,warm", help="start-up cache states to time (comma-separated)")
     args = ap.parse_args()
@@ -121,8 +145,12 @@ def run(args: argparse.Namespace, work: str) -> None:
         tree = os.path.join(work, "before")
         os.makedirs(tree)
         codes[args.before] = {**base_env, "PYTHONPATH": source_tree(args.before, tree)}
-    configs = [Config(f"{'deepinfer ' + code if code != 'after' else 'deepinfer'} {dtype} {cache}", code, dtype, cache)
-               for code in codes for dtype in args.dtypes.split(",") for cache in args.caches.split(",")]
+    configs = [
+        Config(f"{'deepinfer ' + code if code != 'after' else 'deepinfer'} {dtype} {cache}", code, dtype, cache)
+        for code in codes
+        for dtype in args.dtypes.split(",")
+        for cache in args.caches.split(",")
+    ]
     try:
         import llama_cpp  # noqa: F401
 
@@ -130,10 +158,20 @@ def run(args: argparse.Namespace, work: str) -> None:
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp row (pip install llama-cpp-python)")
     for code, env in codes.items():  # untimed: builds each version's low-bit kernels once
-        where = subprocess.run([sys.executable, "-c", "import deepinfer_core; print(deepinfer_core.__file__)"],
-                               env=env, cwd=work, capture_output=True, text=True, check=True).stdout.strip()
+        where = subprocess.run(
+            [sys.executable, "-c", "import deepinfer_core; print(deepinfer_core.__file__)"],
+            env=env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         print(f"code {code}: {where}", flush=True)
-        time_process(deepinfer_cmd(args.model, "auto", args.threads), {**env, "DEEPINFER_CACHE_DIR": os.path.join(work, "prime")}, work)
+        time_process(
+            deepinfer_cmd(args.model, "auto", args.threads),
+            {**env, "DEEPINFER_CACHE_DIR": os.path.join(work, "prime")},
+            work,
+        )
     shutil.rmtree(os.path.join(work, "prime"), ignore_errors=True)
 
     timings: dict[Config, list[Timing]] = {c: [] for c in configs}
@@ -160,8 +198,10 @@ def report(args: argparse.Namespace, timings: dict[Config, list[Timing]]) -> Non
     median = {c: statistics.median(t.first_token_s for t in ts) for c, ts in timings.items()}
     peer = next((c for c in timings if c.code == "llama.cpp"), None)
     load = os.getloadavg()[0]
-    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
-          f"load {load:.1f} at the end, median of {args.repeats}; model {os.path.basename(args.model)}")
+    print(
+        f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
+        f"load {load:.1f} at the end, median of {args.repeats}; model {os.path.basename(args.model)}"
+    )
     print("| configuration | first token s | exit s | last token -> exit s | runs (first token s) | / llama.cpp |")
     print("|---|---:|---:|---:|---|---:|")
     for config, ts in timings.items():

@@ -10,6 +10,7 @@ construction: the models are tiny, so their weights take no time to read.
 
 Not part of the test suite: tests never time things.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,27 @@ def write_models(work: str) -> dict[str, str]:
 
     v3 = os.path.join(work, "v3")
     cfg = transformers.DeepseekV3Config(
-        vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=16, num_experts_per_tok=3,
-        n_group=4, topk_group=2, n_shared_experts=1, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     torch.manual_seed(0)
     transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(v3)
@@ -57,7 +75,9 @@ def write_models(work: str) -> dict[str, str]:
 
 def time_child(model: str, env: dict, cwd: str) -> tuple[float, bool, str]:
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, model], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, model], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     first = proc.stdout.readline()
     elapsed = time.perf_counter() - start
     rest, err = proc.communicate()
@@ -82,15 +102,17 @@ def main() -> None:
             codes[args.before] = {**env, "PYTHONPATH": source_tree(args.before, tree)}
         results: dict[tuple[str, str], list] = {(m, c): [] for m in models for c in codes}
         for _ in range(args.repeats):
-            for (model, code) in results:  # alternating, so load drift hits all alike
+            for model, code in results:  # alternating, so load drift hits all alike
                 results[(model, code)].append(time_child(models[model], codes[code], work))
         print(f"\n{os.cpu_count()} CPUs, 1 thread, load {os.getloadavg()[0]:.1f} at the end, median of {args.repeats}")
         print("| model | code | first token s | runs | imported sympy | tokens |")
         print("|---|---|---:|---|---|---|")
         for (model, code), runs in results.items():
             times = [r[0] for r in runs]
-            print(f"| {model} | {code} | {statistics.median(times):.2f} | {', '.join(f'{t:.2f}' for t in times)} | "
-                  f"{'yes' if any(r[1] for r in runs) else 'no'} | {runs[0][2]} |")
+            print(
+                f"| {model} | {code} | {statistics.median(times):.2f} | {', '.join(f'{t:.2f}' for t in times)} | "
+                f"{'yes' if any(r[1] for r in runs) else 'no'} | {runs[0][2]} |"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

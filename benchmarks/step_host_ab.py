@@ -26,6 +26,7 @@ above ``graphs.HEAD_ROWS`` leave to the engine, the greedy tokens of a fixed bat
 must produce the same ids: PDL and the code between the two commits change no arithmetic), and
 with ``--cprofile`` the host's cProfile of one 256-request generate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,11 @@ MARK = "@@STEPAB "
 def child(spec: dict) -> None:
     sys.path.insert(0, HERE)
     import torch
+    from gpu_throughput import di_greedy, random_prompts, replay_ms
 
     import deepinfer_core
     import deepinfer_cuda_sm100
     from deepinfer_core import LLM, SamplingParams
-    from gpu_throughput import di_greedy, random_prompts, replay_ms
 
     cuda = spec["device"] == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -61,8 +62,15 @@ def child(spec: dict) -> None:
         sys.stdout.flush()
 
     t0 = time.perf_counter()
-    llm = LLM(spec["path"], device=spec["device"], dtype="bfloat16" if cuda else "float32", enable_prefix_caching=False,
-              max_num_seqs=spec["max_seqs"], max_num_batched_tokens=64 * 512, kv_cache_blocks=spec["blocks"])  # gpu_throughput's speed engine
+    llm = LLM(
+        spec["path"],
+        device=spec["device"],
+        dtype="bfloat16" if cuda else "float32",
+        enable_prefix_caching=False,
+        max_num_seqs=spec["max_seqs"],
+        max_num_batched_tokens=64 * 512,
+        kv_cache_blocks=spec["blocks"],
+    )  # gpu_throughput's speed engine
     engine, runner = llm.engine, llm.engine.runner
     pdl_on = None
     try:
@@ -93,8 +101,17 @@ def child(spec: dict) -> None:
     gc.callbacks.append(on_gc)
     vocab = spec["vocab"]
     configured_overlap = engine.overlap
-    say({"ready": True, "build_s": time.perf_counter() - t0, "core": os.path.dirname(deepinfer_core.__file__), "plugin": os.path.dirname(deepinfer_cuda_sm100.__file__),
-         "pdl": pdl_on, "overlap": configured_overlap, "env_pdl": os.environ.get("DEEPINFER_PDL")})
+    say(
+        {
+            "ready": True,
+            "build_s": time.perf_counter() - t0,
+            "core": os.path.dirname(deepinfer_core.__file__),
+            "plugin": os.path.dirname(deepinfer_cuda_sm100.__file__),
+            "pdl": pdl_on,
+            "overlap": configured_overlap,
+            "env_pdl": os.environ.get("DEEPINFER_PDL"),
+        }
+    )
 
     def run(prompts, params) -> tuple[float, float, float]:
         clocks["wait"] = clocks["gc"] = 0.0
@@ -173,7 +190,7 @@ class Variant:
     def read(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
             self.log(f"  [{self.name}] {line.rstrip()}")
         raise RuntimeError(f"{self.name}: child ended (rc {self.proc.wait()})")
 
@@ -199,13 +216,25 @@ def machine() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--old", default=None, help="an older tree (deepinfer_core/ and plugins/deepinfer_cuda_sm100/) run as a peer variant")
+    ap.add_argument(
+        "--old",
+        default=None,
+        help="an older tree (deepinfer_core/ and plugins/deepinfer_cuda_sm100/) run as a peer variant",
+    )
     ap.add_argument("--models", default="v3mini,v3mini-fp8,v4mini")
-    ap.add_argument("--codes", default="pdl1,pdl0,old", help="variants of each model: this checkout with DEEPINFER_PDL=1 / 0, --old's tree")
-    ap.add_argument("--levels", default="1,64,256", help="V3-mini batch sizes (the largest also timed with serial steps)")
+    ap.add_argument(
+        "--codes",
+        default="pdl1,pdl0,old",
+        help="variants of each model: this checkout with DEEPINFER_PDL=1 / 0, --old's tree",
+    )
+    ap.add_argument(
+        "--levels", default="1,64,256", help="V3-mini batch sizes (the largest also timed with serial steps)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--cprofile", action="store_true", help="one 256-request generate under cProfile in each bf16 variant")
+    ap.add_argument(
+        "--cprofile", action="store_true", help="one 256-request generate under cProfile in each bf16 variant"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="check the plumbing on the CPU: tiny random models, float32")
     args = ap.parse_args()
@@ -215,7 +244,6 @@ def main() -> int:
 
     sys.path.insert(0, HERE)
     import torch
-
     from gpu_throughput import V3_MINI, log, make_fp8, make_v3mini, make_v4mini
 
     log(machine())
@@ -229,9 +257,18 @@ def main() -> int:
         for code, tree, pdl in codes_here:
             env = dict(os.environ, DEEPINFER_PDL=pdl, PYTHONUNBUFFERED="1")
             if tree:
-                env["PYTHONPATH"] = os.pathsep.join([tree, os.path.join(tree, "plugins", "deepinfer_cuda_sm100"), env.get("PYTHONPATH", "")])
-            spec = {"path": path, "vocab": vocab, "device": "cpu" if args.tiny else "cuda", "steps": args.steps, "levels": levels,
-                    "max_seqs": max(levels + [64]), "blocks": max(max(levels) * 2 + 300, 64 * 5 + 16)}  # fmt: skip  (gpu_throughput's speed engine)
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [tree, os.path.join(tree, "plugins", "deepinfer_cuda_sm100"), env.get("PYTHONPATH", "")]
+                )
+            spec = {
+                "path": path,
+                "vocab": vocab,
+                "device": "cpu" if args.tiny else "cuda",
+                "steps": args.steps,
+                "levels": levels,
+                "max_seqs": max(levels + [64]),
+                "blocks": max(max(levels) * 2 + 300, 64 * 5 + 16),
+            }  # fmt: skip  (gpu_throughput's speed engine)
             variants.append(Variant(f"{model}/{code}", spec, env, log))
 
     t = time.perf_counter()
@@ -270,7 +307,9 @@ def main() -> int:
         spawn("v4mini", v4, [1], [c for c in codes if c[0] != "old"], vocab=512 if args.tiny else V3_MINI["vocab_size"])
     for v in variants:
         v.info = v.read()
-        log(f"{v.name}: built in {v.info['build_s']:.0f}s; core {v.info['core']}; PDL {v.info['pdl']}; engine.overlap {v.info['overlap']}")
+        log(
+            f"{v.name}: built in {v.info['build_s']:.0f}s; core {v.info['core']}; PDL {v.info['pdl']}; engine.overlap {v.info['overlap']}"
+        )
     log(f"all engines ready at {time.perf_counter() - t:.0f}s")
 
     # measures: (n, overlap as configured or serial); round-robin over variants, same prompts per round
@@ -280,18 +319,25 @@ def main() -> int:
             plan = [(n, True) for n in v.spec["levels"]] + [(max(v.spec["levels"]), False)]
             for n, ov in plan:
                 got = v.ask(op="measure", n=n, overlap=ov, seed=1000 * r + n)
-                log(f"  round {r + 1} {v.name} {n}{'' if ov else ' serial'}: step {got['step']:.3f} wait {got['wait']:.3f} gc {got['gc']:.3f} ms")
+                log(
+                    f"  round {r + 1} {v.name} {n}{'' if ov else ' serial'}: step {got['step']:.3f} wait {got['wait']:.3f} gc {got['gc']:.3f} ms"
+                )
                 res[v.name].setdefault(f"{n}{'' if ov else ' serial'}", []).append(got)
         log(f"round {r + 1} done at {time.perf_counter() - t:.0f}s")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": machine(), "measures": res}, f, indent=1)
-    extras = {v.name: v.ask(op="finish", levels=v.spec["levels"], cprofile=args.cprofile and v.name.startswith("v3mini/")) for v in variants}
+    extras = {
+        v.name: v.ask(op="finish", levels=v.spec["levels"], cprofile=args.cprofile and v.name.startswith("v3mini/"))
+        for v in variants
+    }
     for v in variants:
         v.proc.wait()
 
     log(f"\n{machine()}; {args.rounds} rounds, each variant in turn; ms per decode step")
-    log("| variant | requests | step ms (each round) | wait ms | host = step - wait | gc ms | replay ms | eager head ms |")
+    log(
+        "| variant | requests | step ms (each round) | wait ms | host = step - wait | gc ms | replay ms | eager head ms |"
+    )
     log("|---|---|---|---|---|---|---|---|")
     for v in variants:
         for key, rows in res[v.name].items():
@@ -300,8 +346,10 @@ def main() -> int:
             rep = extras[v.name]["replay"].get(str(n), extras[v.name]["replay"].get(n))
             head = extras[v.name]["head"].get(str(n), extras[v.name]["head"].get(n))
             each = " / ".join(f"{x['step']:.2f}" for x in rows)
-            log(f"| {v.name} | {key} | {each} | {med('wait'):.2f} | {med('step') - med('wait'):.2f} | {med('gc'):.2f} | "
-                f"{'' if rep is None else f'{rep:.3f}'} | {'' if head is None else f'{head:.3f}'} |")
+            log(
+                f"| {v.name} | {key} | {each} | {med('wait'):.2f} | {med('step') - med('wait'):.2f} | {med('gc'):.2f} | "
+                f"{'' if rep is None else f'{rep:.3f}'} | {'' if head is None else f'{head:.3f}'} |"
+            )
     for model in models:
         toks = {v.name: extras[v.name]["tokens"] for v in variants if v.name.startswith(model + "/")}
         names = list(toks)
@@ -309,7 +357,9 @@ def main() -> int:
         log(f"greedy tokens, {model}, {len(toks[names[0]])} requests x 8, identical across {', '.join(names)}: {same}")
     for v in variants:
         if "cprofile" in extras[v.name]:
-            log(f"\ncProfile, {v.name}, one {max(v.spec['levels'])}-request generate of {1 + args.steps} tokens:\n{extras[v.name]['cprofile']}")
+            log(
+                f"\ncProfile, {v.name}, one {max(v.spec['levels'])}-request generate of {1 + args.steps} tokens:\n{extras[v.name]['cprofile']}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "info": {v.name: v.info for v in variants}, "measures": res,

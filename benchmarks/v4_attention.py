@@ -10,6 +10,7 @@ after a cached prefix. Each cell is the median of ``--reps`` timed calls after
 warm-up (CUDA events); outputs of the two paths are compared (max abs diff) in the same run
 (both see the same ring: each call rewrites it with the same keys).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,12 +89,20 @@ def main() -> None:
     ctx = args.context if not args.tiny else 96
     levels = [(1, 1), (16, 1), (64, 1), (4, 512)] if not args.tiny else [(1, 1), (3, 1), (2, 24)]
     ref, ours = TorchV4AttentionBackend(), TritonV4Attention()
-    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, heads {args.heads}, head_dim {D}, window {window}, context {ctx}")
+    print(
+        f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, heads {args.heads}, head_dim {D}, window {window}, context {ctx}"
+    )
     print("| kind | requests x new tokens | reference ms | triton ms | speed-up | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, kind, ratio in (("sliding", AttentionKind.SLIDING, 0), ("csa", AttentionKind.COMPRESSED_SPARSE, 4), ("hca", AttentionKind.HEAVILY_COMPRESSED, hca)):
+    for name, kind, ratio in (
+        ("sliding", AttentionKind.SLIDING, 0),
+        ("csa", AttentionKind.COMPRESSED_SPARSE, 4),
+        ("hca", AttentionKind.HEAVILY_COMPRESSED, hca),
+    ):
         for R, new in levels:
-            spec, q, kv, sinks, cache, meta, sel = case(kind, ratio, args.heads, D, window, topk, [ctx] * R, new, dtype, device)
+            spec, q, kv, sinks, cache, meta, sel = case(
+                kind, ratio, args.heads, D, window, topk, [ctx] * R, new, dtype, device
+            )
             t_ref, o_ref = timed(lambda: ref.forward_v4(spec, q, kv, sinks, cache, meta, sel), args.reps, device)
             t_ours, o_ours = timed(lambda: ours.forward_v4(spec, q, kv, sinks, cache, meta, sel), args.reps, device)
             diff = (o_ref.float() - o_ours.float()).abs().max().item()

@@ -10,6 +10,7 @@ tokens are compared (greedy agreement).
 
     .venv/bin/python benchmarks/v4_cpu_decode.py --concurrency 1,8 --prompt-tokens 512 --new-tokens 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,23 +71,39 @@ def main() -> None:
         llm = LLM(path, device="cpu", max_num_seqs=max(levels), enable_prefix_caching=False)
         rows = []
         for n in levels:
-            prompts = [torch.randint(2, CONFIG["vocab_size"], (args.prompt_tokens,), generator=g).tolist() for _ in range(n)]
+            prompts = [
+                torch.randint(2, CONFIG["vocab_size"], (args.prompt_tokens,), generator=g).tolist() for _ in range(n)
+            ]
             params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-            llm.generate([p[::-1] for p in prompts], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+            llm.generate(
+                [p[::-1] for p in prompts], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            )  # warm-up
             t_ours, outs = timed(lambda: llm.generate(prompts, params))
             ids = torch.tensor(prompts)
             with torch.no_grad():
                 hf.generate(ids.flip(1), attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
-                t_hf, ref = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False))
+                t_hf, ref = timed(
+                    lambda: hf.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                        do_sample=False,
+                    )
+                )
             ours0, ref0 = outs[0].outputs[0].token_ids, ref[0, args.prompt_tokens :].tolist()
             agree = next((i for i, (a, b) in enumerate(zip(ours0, ref0)) if a != b), len(ref0))
             tok = n * args.new_tokens
             rows.append((n, tok / t_ours, tok / t_hf, agree))
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"tiny DeepSeek-V4 (random, {CONFIG['num_hidden_layers']} layers: sliding/CSA/HCA, hash+learned MoE, hc_mult {CONFIG['hc_mult']}), float32, "
-          f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens (greedy), {args.threads} threads; {platform.machine()}, "
-          f"load {os.getloadavg()[0]:.1f}; deepinfer at {rev}\n")
-    print("| concurrency | deepinfer tok/s | transformers tok/s | deepinfer / transformers | greedy agreement (request 0) |")
+    print(
+        f"tiny DeepSeek-V4 (random, {CONFIG['num_hidden_layers']} layers: sliding/CSA/HCA, hash+learned MoE, hc_mult {CONFIG['hc_mult']}), float32, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens (greedy), {args.threads} threads; {platform.machine()}, "
+        f"load {os.getloadavg()[0]:.1f}; deepinfer at {rev}\n"
+    )
+    print(
+        "| concurrency | deepinfer tok/s | transformers tok/s | deepinfer / transformers | greedy agreement (request 0) |"
+    )
     print("|---:|---:|---:|---:|---|")
     for n, ours, theirs, agree in rows:
         print(f"| {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {agree}/{args.new_tokens} |")

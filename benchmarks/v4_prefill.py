@@ -13,6 +13,7 @@ host time per op is what bounded V4 prefill), and whether both codes sample the 
 
     .venv/bin/python benchmarks/v4_prefill.py --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.models import deepseek_v4, deepseek_v4_compress as now
+from deepinfer_core.models import deepseek_v4
+from deepinfer_core.models import deepseek_v4_compress as now
 
 BEFORE = "e0a468e"  # main before the batching: per-request compressor loops, per-position indexer top-k
 SHAPES = {"8 x 512": [512] * 8, "32 x 160": [160] * 32, "mixed 9": [3, 16, 100, 257, 300, 512, 700, 1000, 1500]}
@@ -45,7 +47,13 @@ def load_v4_cpu_decode():
 def load_before(rev: str):
     """``deepseek_v4_compress`` as it was at ``rev``, as a module of the installed package."""
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:deepinfer_core/models/deepseek_v4_compress.py"], cwd=root, capture_output=True, text=True, check=True).stdout
+    src = subprocess.run(
+        ["git", "show", f"{rev}:deepinfer_core/models/deepseek_v4_compress.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     name = "deepinfer_core.models._v4_compress_before"
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     mod.__package__ = "deepinfer_core.models"
@@ -126,9 +134,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         cpu_decode.build(path)
         budget = max(sum(SHAPES[s]) for s in shapes)
-        llm = LLM(path, device="cpu", max_num_seqs=32, max_num_batched_tokens=budget, enable_prefix_caching=False, kv_cache_blocks=256)
+        llm = LLM(
+            path,
+            device="cpu",
+            max_num_seqs=32,
+            max_num_batched_tokens=budget,
+            enable_prefix_caching=False,
+            kv_cache_blocks=256,
+        )
         for shape in shapes:
-            prompts = [torch.randint(2, cpu_decode.CONFIG["vocab_size"], (n,), generator=g).tolist() for n in SHAPES[shape]]
+            prompts = [
+                torch.randint(2, cpu_decode.CONFIG["vocab_size"], (n,), generator=g).tolist() for n in SHAPES[shape]
+            ]
             timings: dict[str, list] = {"before": [], "now": []}
             firsts = {}
             for version in ("before", "now") * (args.rounds + 1):  # the first pair warms up
@@ -147,13 +164,19 @@ def main() -> None:
                              ops.inside, ops.total, firsts["before"] == firsts["now"]))  # fmt: skip
         code.use("now")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"tiny DeepSeek-V4 prefill (v4_cpu_decode.py's random model), float32, {args.threads} thread(s), best of {args.rounds} "
-          f"alternating rounds; {platform.machine()}, load {os.getloadavg()[0]:.1f}; now = {rev}, before = {args.before}\n")
-    print("| batch | code | wall s | CPU s | compressors + indexer CPU s | torch ops: compressors + indexer / all | prefill tok/s | CPU speed-up | same first tokens |")
+    print(
+        f"tiny DeepSeek-V4 prefill (v4_cpu_decode.py's random model), float32, {args.threads} thread(s), best of {args.rounds} "
+        f"alternating rounds; {platform.machine()}, load {os.getloadavg()[0]:.1f}; now = {rev}, before = {args.before}\n"
+    )
+    print(
+        "| batch | code | wall s | CPU s | compressors + indexer CPU s | torch ops: compressors + indexer / all | prefill tok/s | CPU speed-up | same first tokens |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for i, (shape, tokens, version, wall, cpu, inside, ops_in, ops_all, same) in enumerate(rows):
         ratio = f"{rows[i - 1][4] / cpu:.2f}x" if version == "now" else ""
-        print(f"| {shape} | {version} | {wall:.3f} | {cpu:.3f} | {inside:.3f} | {ops_in:,} / {ops_all:,} | {tokens / wall:,.0f} | {ratio} | {'yes' if same else 'NO'} |")
+        print(
+            f"| {shape} | {version} | {wall:.3f} | {cpu:.3f} | {inside:.3f} | {ops_in:,} / {ops_all:,} | {tokens / wall:,.0f} | {ratio} | {'yes' if same else 'NO'} |"
+        )
 
 
 if __name__ == "__main__":

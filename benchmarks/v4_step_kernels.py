@@ -16,6 +16,7 @@ those rows overstate the GPU; the hyper-connection and compressor rows are what 
 
     TRITON_INTERPRET=1 python benchmarks/v4_step_kernels.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.models import deepseek_v4 as m4  # noqa: E402
 from deepinfer_core.testing.v4_tiny import save_tiny_v4, tiny_v4_config  # noqa: E402
 
-LAYOUT = ["sliding_attention"] + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3 + ["sliding_attention"]
+LAYOUT = (
+    ["sliding_attention"] + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3 + ["sliding_attention"]
+)
 
 
 class Count(TorchDispatchMode):
@@ -112,7 +115,11 @@ def main() -> None:
         def run(self, input_ids, meta):
             if rows or int(meta.positions[0]) < args.context:
                 return None
-            for name, step in (("eager", model.forward), ("static torch", model.forward_decode), ("static + kernels", None)):
+            for name, step in (
+                ("eager", model.forward),
+                ("static torch", model.forward_decode),
+                ("static + kernels", None),
+            ):
                 caches = [type(c)(c.entries.clone(), c.window.clone(), c.tail.clone()) for c in engine.runner.kv_caches]
                 undo = []
                 if step is None:
@@ -130,7 +137,9 @@ def main() -> None:
     engine.runner.graphs = Probe()
     llm.generate([list(range(2, 2 + args.context))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     parts = sorted({p for c in rows.values() for p in c}, key=lambda p: -rows["eager"][p])
-    print(f"V4-mini layout ({len(LAYOUT)} layers: sliding, 3 CSA, 3 HCA, sliding; 20 Sinkhorn iterations), 1 request at position {args.context}")
+    print(
+        f"V4-mini layout ({len(LAYOUT)} layers: sliding, 3 CSA, 3 HCA, sliding; 20 Sinkhorn iterations), 1 request at position {args.context}"
+    )
     print("| part | " + " | ".join(rows) + " |\n|---|" + "---:|" * len(rows))
     for p in parts + ["total"]:
         cells = [sum(c.values()) if p == "total" else c[p] for c in rows.values()]

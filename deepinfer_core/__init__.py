@@ -1,4 +1,5 @@
 """deepinfer: a hardware-neutral inference engine core; plugins add hardware, storage and protocols."""
+
 from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -15,6 +15,7 @@ its ``dlopen``; a file it cannot lock is left for the next pruning. A loader who
 unlinked between its ``open`` and its lock sees a different inode at the path and builds again,
 as it would for a missing file. Reusable by plugins (docs/writing-plugins.md).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,6 +13,7 @@ tokens are then matched only outside those spans, and everything between them is
 special-token matching off. A conversation without special-token text in its messages takes
 the ordinary path, so its ids are exactly those of ``apply_chat_template(tokenize=True)``.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,9 @@ def check_conversation(conversation: Any) -> list[dict]:
             raise TypeError(f"message {i} is a {{'role', 'content'}} dict, got {_kind(message)}")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not _ROLE.fullmatch(role):
-            raise ValueError(f"message {i}: 'role' must be a name such as 'system', 'user' or 'assistant', got {role!r:.80}")
+            raise ValueError(
+                f"message {i}: 'role' must be a name such as 'system', 'user' or 'assistant', got {role!r:.80}"
+            )
         if not isinstance(content, str):
             raise TypeError(f"message {i}: 'content' must be a string, got {_kind(content)}")
         out.append(dict(message))
@@ -54,7 +57,9 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     return text
 
 
-def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True, **variables: Any) -> tuple[list[int], str]:
+def encode_chat(
+    tokenizer, conversation: list[dict], add_generation_prompt: bool = True, **variables: Any
+) -> tuple[list[int], str]:
     """(prompt token ids, prompt text) of a checked conversation; special tokens only where
     the template put them."""
     text = render_chat(tokenizer, conversation, add_generation_prompt, **variables)
@@ -62,7 +67,9 @@ def encode_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     for i, m in enumerate(conversation):  # only the text is kept as text; other fields are refused
         for key, value in m.items():
             if key != "content" and isinstance(value, str) and any(s in value for s in specials):
-                raise ValueError(f"message {i}: {key!r} contains special-token text ({next(s for s in specials if s in value)!r}); only 'content' may")
+                raise ValueError(
+                    f"message {i}: {key!r} contains special-token text ({next(s for s in specials if s in value)!r}); only 'content' may"
+                )
     if not any(s in m["content"] for m in conversation for s in specials):
         return tokenizer.encode(text, add_special_tokens=False), text
     spans = _message_spans(tokenizer, conversation, add_generation_prompt, text, variables)
@@ -82,7 +89,9 @@ def special_token_texts(tokenizer) -> list[str]:
     return [t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special and t.content]
 
 
-def _message_spans(tokenizer, conversation: list[dict], add_generation_prompt: bool, text: str, variables: dict | None = None) -> list[tuple[int, int]]:
+def _message_spans(
+    tokenizer, conversation: list[dict], add_generation_prompt: bool, text: str, variables: dict | None = None
+) -> list[tuple[int, int]]:
     """[start, end) of each message's text inside ``text``."""
     seen = set(text).union(*(m["content"] for m in conversation))
     free = (chr(c) for c in _PRIVATE_USE if chr(c) not in seen)
@@ -97,7 +106,9 @@ def _message_spans(tokenizer, conversation: list[dict], add_generation_prompt: b
         marked.append(m)
     rendered = render_chat(tokenizer, marked, add_generation_prompt, **(variables or {}))
     if rendered.replace(opening, "").replace(closing, "") != text:
-        raise ValueError("this model's chat template rewrites message text, so the special-token text in a message cannot be kept as plain text; remove it from the message")
+        raise ValueError(
+            "this model's chat template rewrites message text, so the special-token text in a message cannot be kept as plain text; remove it from the message"
+        )
     spans, shift, start = [], 0, None
     for pos, ch in enumerate(rendered):
         if ch == opening:

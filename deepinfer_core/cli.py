@@ -7,6 +7,7 @@ function that adds its subparser and sets ``func``; all are registered in :data:
 is imported when the parser is built, so it keeps its top-level imports light and imports the
 engine inside ``run``; ``plugins`` and ``version`` never import the engine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def short_hook_name(hook: str) -> str:
     """``deepinfer_register_kv_stores`` -> ``kv_stores``; ``deepinfer_platform`` -> ``platform``."""
     for prefix in ("deepinfer_register_", "deepinfer_"):
         if hook.startswith(prefix):
-            return hook[len(prefix):]
+            return hook[len(prefix) :]
     return hook
 
 
@@ -97,9 +98,9 @@ def add_version_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from .builtin import core_version
-
     import torch
+
+    from .builtin import core_version
 
     print(f"deepinfer-core {core_version()} (python {sys.version.split()[0]}, torch {torch.__version__})")
     return 0
@@ -108,7 +109,12 @@ def cmd_version(args: argparse.Namespace) -> int:
 # -- registration -----------------------------------------------------------------------------
 from .plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
 
-SUBCOMMANDS: list[Callable] = [add_plugins_parser, add_version_parser, add_plan_parser, add_serve_parser]  # the one registration point
+SUBCOMMANDS: list[Callable] = [
+    add_plugins_parser,
+    add_version_parser,
+    add_plan_parser,
+    add_serve_parser,
+]  # the one registration point
 from .kv_cli import add_kv_parser  # noqa: E402  (deepinfer kv: its own module)
 
 SUBCOMMANDS.append(add_kv_parser)

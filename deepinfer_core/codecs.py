@@ -7,6 +7,7 @@
 * An :class:`OutputParser` turns generated text back into reasoning / content / tool calls,
   incrementally.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,7 +105,9 @@ class EncodedPrompt:
 class ProtocolError(Exception):
     """A request the protocol rejects; codecs render it in their own error format."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str = "invalid_request_error"):
+    def __init__(
+        self, message: str, *, status: int = 400, param: str | None = None, code: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -134,11 +137,9 @@ class PromptEncoding(Protocol):
         """True if this encoding is the right one for a model with this (HF-style) config."""
         ...
 
-    def encode(self, conversation: ConversationRequest) -> EncodedPrompt:
-        ...
+    def encode(self, conversation: ConversationRequest) -> EncodedPrompt: ...
 
-    def parser(self, options: dict | None = None) -> OutputParser:
-        ...
+    def parser(self, options: dict | None = None) -> OutputParser: ...
 
 
 @runtime_checkable
@@ -150,8 +151,7 @@ class ProtocolCodec(Protocol):
         """Validate and convert; raise :class:`ProtocolError` on bad input."""
         ...
 
-    def render(self, request: ConversationRequest, result: ParsedOutput, usage: dict, finish_reason: str) -> dict:
-        ...
+    def render(self, request: ConversationRequest, result: ParsedOutput, usage: dict, finish_reason: str) -> dict: ...
 
     def stream(self, request: ConversationRequest, events: Iterable[ParsedOutput]) -> Iterable[str]:
         """Server-sent-event frames for a stream of deltas."""

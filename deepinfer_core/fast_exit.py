@@ -14,6 +14,7 @@ the ``atexit`` handlers (logging's flush, multiprocessing's child reaping, cache
 by the console entry points; ``cli.main`` itself returns normally so that tests and embedding
 applications calling it keep their interpreter.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -10,6 +10,7 @@ plugin tests compare their kernels with them.
 The engine installs the ops on the model's modules once, after loading (:func:`install`);
 ``LLM(fused_ops=False)`` keeps the model's own torch ops (the reference path).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ class FusedOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
     # (latent [T, H, C], pe [T, H, r], positions [T], cos [P, r], sin [P, r], interleaved)
     # -> [T, H, C + r]: like rope_cat_reference (MLA's query / key assembly)
-    rope_cat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+    rope_cat: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None
+    ) = None
     # (latent [T, C], weight [C] latent's dtype, eps, pe [T, 1, r], positions [T], cos, sin,
     # interleaved) -> [T, 1, C + r]: like norm_rope_cat_reference (MLA's key: kv_a's RMSNorm
     # inside the key's rope_cat, one launch a layer less); used only where rms_norm and rope_cat are
@@ -41,7 +44,9 @@ class FusedOps:
     fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # (x [..., D], residual [..., D], weight [D], eps) -> (normed, residual + x): like
     # add_rms_norm_reference, the decoder's residual add fused with the norm that follows it
-    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None = None
+    add_rms_norm: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
     # (x [T, H, d], cos [T, 1, d], sin [T, 1, d], both x's dtype) -> [T, H, d]: like
     # rotary_reference (models.layers.RotaryAt: Llama's q and k rotated together)
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -83,7 +88,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + x`` (rounded to their dtype, as torch adds), then
     ``(rms_norm_reference(h), h)``."""
     h = residual + x
@@ -109,7 +116,14 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cat_reference(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope_cat_reference(
+    latent: torch.Tensor,
+    pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
     """``cat([latent, rotary(pe)])`` as DeepSeek's MLA builds queries and keys: the rope channels
     de-interleaved (evens, then odds) when ``interleaved``, rotated in the rotate-half layout with
     the cos/sin rows of ``positions`` (cast to pe's dtype), each product rounded to that dtype."""
@@ -122,7 +136,16 @@ def rope_cat_reference(latent: torch.Tensor, pe: torch.Tensor, positions: torch.
     return torch.cat([latent, pe * c + rotated * s], dim=-1)
 
 
-def norm_rope_cat_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def norm_rope_cat_reference(
+    latent: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
     """MLA's cache entry: ``rope_cat_reference(rms_norm_reference(latent)[:, None], pe, ...)``."""
     return rope_cat_reference(rms_norm_reference(latent, weight, eps)[:, None, :], pe, positions, cos, sin, interleaved)
 
@@ -145,12 +168,18 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
             module.fused = ops.rms_norm
             module.fused_add = ops.add_rms_norm
             n += 1
-        elif isinstance(module, GatedMLP) and ops.silu_and_mul is not None and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]:
+        elif (
+            isinstance(module, GatedMLP)
+            and ops.silu_and_mul is not None
+            and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]
+        ):
             module.fused_act = ops.silu_and_mul
             n += 1
         elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
             module.rope_cat = ops.rope_cat
-            module.norm_rope_cat = ops.norm_rope_cat if ops.rms_norm is not None else None  # only where the norm is fused anyway
+            module.norm_rope_cat = (
+                ops.norm_rope_cat if ops.rms_norm is not None else None
+            )  # only where the norm is fused anyway
             n += 1
         elif isinstance(module, Rotary) and ops.rotary is not None:
             module.fused = ops.rotary
@@ -158,8 +187,14 @@ def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
         elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
             module.kernel = ops.fp8_linear
             n += 1
-        elif isinstance(module, HyperConnection) and (ops.hc_mix is not None or ops.hc_merge is not None or ops.v4_unweighted_rms_norm is not None):
-            module.fused_mix, module.fused_merge, module.fused_norm = ops.hc_mix, ops.hc_merge, ops.v4_unweighted_rms_norm
+        elif isinstance(module, HyperConnection) and (
+            ops.hc_mix is not None or ops.hc_merge is not None or ops.v4_unweighted_rms_norm is not None
+        ):
+            module.fused_mix, module.fused_merge, module.fused_norm = (
+                ops.hc_mix,
+                ops.hc_merge,
+                ops.v4_unweighted_rms_norm,
+            )
             n += 1
         elif isinstance(module, V4RMSNorm) and ops.v4_rms_norm is not None:
             module.fused = ops.v4_rms_norm
@@ -188,7 +223,13 @@ def _install_linear(module: torch.nn.Module, ops: FusedOps) -> bool:
     if isinstance(module, MLAAttention):
         module.head_linear = ops.head_linear
         qa, kva = getattr(module, "q_a_proj", None), module.kv_a_proj_with_mqa
-        if plain_linear(qa) and plain_linear(kva) and qa.weight.dtype == kva.weight.dtype and qa.weight.dtype in (torch.bfloat16, torch.float16) and qa.weight.device == kva.weight.device:
+        if (
+            plain_linear(qa)
+            and plain_linear(kva)
+            and qa.weight.dtype == kva.weight.dtype
+            and qa.weight.dtype in (torch.bfloat16, torch.float16)
+            and qa.weight.device == kva.weight.device
+        ):
             both = torch.cat([qa.weight.data, kva.weight.data])
             qa.weight.data, kva.weight.data = both[: qa.out_features], both[qa.out_features :]
             module.qkv_a_weight = both

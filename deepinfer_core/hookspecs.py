@@ -14,6 +14,7 @@ Builtins are registered the same way, marked ``trylast``, so any installed plugi
 Hooks marked *firstresult* stop at the first non-None result; registry hooks are called on
 every plugin and receive a ``register`` callback.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, ContextManager
@@ -22,9 +23,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
+    from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .engine.graphs import DecodeGraphsFactory
     from .fused_ops import FusedOps
-    from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .kv_store import KVStoreFactory
     from .models import ModelFactory, ModelSource
     from .moe import MoEDispatcher, MoESpec, ParallelConfig

@@ -6,6 +6,7 @@ namespace with its own block size (a wrong one would make the scan drop its reco
 ``gc`` deletes blocks past their retention and abandoned temp files; with ``--kv-store-gib``
 it also trims each namespace to that size, least recently used blocks first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ COMMANDS = {
 
 
 def add_kv_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("kv", help="inspect and clean a persistent KV store", description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser(
+        "kv", help="inspect and clean a persistent KV store", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
     for name, text in COMMANDS.items():
         action = sub.add_parser(name, help=text, description=text)
@@ -67,7 +70,14 @@ def cmd_kv(args: argparse.Namespace) -> int:
     for store in stores:
         removed = store.gc() if args.kv_command == "gc" else None
         stats = store.stats()
-        rows.append({"namespace": store.config.namespace, "block_bytes": store.config.block_bytes, **stats, **({"removed": removed} if removed is not None else {})})
+        rows.append(
+            {
+                "namespace": store.config.namespace,
+                "block_bytes": store.config.block_bytes,
+                **stats,
+                **({"removed": removed} if removed is not None else {}),
+            }
+        )
         store.close()
     if args.kv_command == "stats" or args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -76,5 +86,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
         print(f"no namespaces in {args.kv_store}")
     for row in rows:
         extra = f"  removed {row['removed']}" if "removed" in row else ""
-        print(f"{row['namespace'][:16]}  {row['blocks']:>8} blocks  {row['bytes'] / 2**30:8.3f} GiB  block {row['block_bytes']} B{extra}")
+        print(
+            f"{row['namespace'][:16]}  {row['blocks']:>8} blocks  {row['bytes'] / 2**30:8.3f} GiB  block {row['block_bytes']} B{extra}"
+        )
     return 0

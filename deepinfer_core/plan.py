@@ -11,6 +11,7 @@ state KV per request (DeepSeek-V4), the blocks and tokens of context that fit ne
 KV of ``max_num_seqs + 1`` slots, and how many requests of ``L`` tokens fit at once (with
 ``--max-num-seqs`` set to that number).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,18 @@ def read_config(model: str) -> tuple[dict, str, object]:
     return files.config, path, files
 
 
-def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: str = "auto", block_size: int = 128, max_num_seqs: int = 64, device: str = "cpu", host=None, kv_cache_dtype: str = "auto") -> Plan:
+def plan(
+    model: str,
+    kv_gib: float,
+    *,
+    max_model_len: int | None = None,
+    dtype: str = "auto",
+    block_size: int = 128,
+    max_num_seqs: int = 64,
+    device: str = "cpu",
+    host=None,
+    kv_cache_dtype: str = "auto",
+) -> Plan:
     """Capacity of ``kv_gib`` GiB of KV cache for ``model``; ``device`` picks whose attention
     backends' cache shapes count (the platform the deployment will run on)."""
     import torch
@@ -84,7 +96,14 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
     host = host or default_host()
-    engine = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_num_seqs=max_num_seqs)
+    engine = EngineConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+    )
     platform = host.platform(device)
     kv_dtype = engine.torch_dtype(platform.device_type)
     cache_dtype = None  # the KV cache's dtype where it is not kv_dtype (ModelContext.kv_dtype)
@@ -93,7 +112,9 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     if files is not None:  # a block-quantized GGUF may run float32 (packed weights): the engine's rule
         from .engine.loading import resolve_dtype
 
-        kv_dtype, why_not = resolve_dtype(files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type))
+        kv_dtype, why_not = resolve_dtype(
+            files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type)
+        )
         if why_not is None:  # packed weights: float32 activations over the low-bit path's cache dtype
             from .lowbit.attention import kv_dtype as lowbit_kv_dtype
 
@@ -106,7 +127,9 @@ def plan(model: str, kv_gib: float, *, max_model_len: int | None = None, dtype: 
     models = host.models()
     arch = next((a for a in archs if a in models), None)
     if arch is None:
-        raise ValueError(f"{source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}")
+        raise ValueError(
+            f"{source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}"
+        )
     meta = torch.device("meta")
     ctx = ModelContext(
         device=meta, dtype=kv_dtype, kv_dtype=cache_dtype,
@@ -147,7 +170,9 @@ def format_plan(p: Plan) -> str:
     lines += [f"{r.kind:<32}{r.layers:>7}{r.bytes_per_token:>24,.1f}" for r in p.kinds]
     lines += [f"{'all layers':<32}{sum(r.layers for r in p.kinds):>7}{p.bytes_per_token:>24,.1f}", ""]
     if p.state_bytes_per_request:
-        lines.append(f"state KV    {mib(p.state_bytes_per_request)} per running request ({p.state_slots} slots with max_num_seqs={p.max_num_seqs}: {mib(p.state_slots * p.state_bytes_per_request)})")
+        lines.append(
+            f"state KV    {mib(p.state_bytes_per_request)} per running request ({p.state_slots} slots with max_num_seqs={p.max_num_seqs}: {mib(p.state_slots * p.state_bytes_per_request)})"
+        )
     lines += [
         f"budget      {p.kv_budget_bytes / GIB:g} GiB -> {p.blocks:,} blocks = {p.context_tokens:,} tokens of context (allocated {mib(p.total_bytes)})",
         f"requests    of {p.max_model_len:,} tokens ({p.blocks_per_request:,} blocks each): {p.concurrent_requests:,} fit at once (--max-num-seqs {p.concurrent_requests})",
@@ -156,21 +181,51 @@ def format_plan(p: Plan) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="KV-cache capacity of a model from its config (no weights needed)", description=__doc__.splitlines()[0])
-    p.add_argument("--model", "-m", required=True, help="HF directory (config.json is enough), GGUF file, or installed alias")
+    p = subparsers.add_parser(
+        "plan",
+        help="KV-cache capacity of a model from its config (no weights needed)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "--model", "-m", required=True, help="HF directory (config.json is enough), GGUF file, or installed alias"
+    )
     p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
-    p.add_argument("--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)")
-    p.add_argument("--dtype", default="auto", help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)",
+    )
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)")
-    p.add_argument("--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    result = plan(args.model, args.kv_gib, max_model_len=args.max_model_len, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
+    result = plan(
+        args.model,
+        args.kv_gib,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     print(json.dumps(asdict(result), indent=2) if args.json else format_plan(result))
     return 0

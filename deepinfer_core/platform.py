@@ -3,6 +3,7 @@
 A platform is the only object in the engine allowed to know what kind of hardware it drives
 (house rule 6). Everything else asks it for a ``torch.device``, memory figures or a stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ installed plugin wins for firstresult hooks; for registries a plugin's entry rep
 one of the same name. Two *installed* plugins claiming the same device or registry name is an
 error naming both.
 """
+
 from __future__ import annotations
 
 import functools
@@ -205,17 +206,23 @@ class PluginHost:
         backend = self._first_answer("deepinfer_attention_backend", "attention", name, layer=layer, platform=platform)
         if backend is None:
             by = f" from {name!r}" if name else ""
-            raise NoImplementationError(f"no attention backend{by} for {layer.kind.value!r} layers on platform {platform.name!r}")
+            raise NoImplementationError(
+                f"no attention backend{by} for {layer.kind.value!r} layers on platform {platform.name!r}"
+            )
         return backend
 
     def moe_dispatcher(self, moe, platform: Platform, parallel=None, name: str | None = None):
         """The MoE dispatcher for ``moe`` on ``platform``; ``name`` as in :meth:`attention_backend`."""
         from .moe import ParallelConfig
 
-        dispatcher = self._first_answer("deepinfer_moe_dispatcher", "moe", name, moe=moe, platform=platform, parallel=parallel or ParallelConfig())
+        dispatcher = self._first_answer(
+            "deepinfer_moe_dispatcher", "moe", name, moe=moe, platform=platform, parallel=parallel or ParallelConfig()
+        )
         if dispatcher is None:
             by = f" from {name!r}" if name else ""
-            raise NoImplementationError(f"no MoE dispatcher{by} for scoring {moe.scoring!r} on platform {platform.name!r}")
+            raise NoImplementationError(
+                f"no MoE dispatcher{by} for scoring {moe.scoring!r} on platform {platform.name!r}"
+            )
         return dispatcher
 
     def decode_graphs(self, platform: Platform):
@@ -288,7 +295,9 @@ class PluginHost:
                 if previous is not None and not self.is_builtin(previous[0]):
                     if self.is_builtin(_owner):
                         return  # an installed plugin already overrides this builtin
-                    raise PluginConflictError(f"plugins {previous[0]!r} and {_owner!r} both register {name!r} ({hook_name})")
+                    raise PluginConflictError(
+                        f"plugins {previous[0]!r} and {_owner!r} both register {name!r} ({hook_name})"
+                    )
                 entries[name] = (_owner, factory)
 
             kwargs = {name: (register if name == arg else _ignore) for name in impl.argnames}
@@ -304,7 +313,9 @@ class PluginHost:
             if arg not in impl.argnames:
                 continue
             found: list[str] = []
-            kwargs = {a: ((lambda n, f, _found=found: _found.append(n)) if a == arg else _ignore) for a in impl.argnames}
+            kwargs = {
+                a: ((lambda n, f, _found=found: _found.append(n)) if a == arg else _ignore) for a in impl.argnames
+            }
             impl.function(**kwargs)
             if name in found and (owner is None or self.is_builtin(owner)):
                 owner = impl.plugin_name

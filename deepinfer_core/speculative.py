@@ -1,5 +1,6 @@
 """Speculative decoding policies: drafters propose, verification policies decide how much of
 each proposal to verify this step. Registered through ``deepinfer_register_spec_policies``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ class DraftBatch:
 
     last_token_ids: torch.Tensor  # [R]
     positions: torch.Tensor  # [R], position of the last token
-    hidden: torch.Tensor | None = None  # [R, D] last hidden state, for MTP-style drafters ([R, hc, D] streams for DeepSeek-V4: model.hidden_streams)
+    hidden: torch.Tensor | None = (
+        None  # [R, D] last hidden state, for MTP-style drafters ([R, hc, D] streams for DeepSeek-V4: model.hidden_streams)
+    )
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ transformers' GGUF loader makes of the same file, so both give the same ids (tes
 Streaming: one character may span several tokens (a 4-byte emoji is often 2 byte tokens), so
 :class:`IncrementalDetokenizer` holds text back while it ends in an incomplete UTF-8 sequence.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,9 +39,13 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GGUF_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -93,6 +98,7 @@ class Tokenizer:
         if isinstance(source, Mapping):
             field = source.get
         else:
+
             def field(name: str, default: Any = None) -> Any:
                 f = source.fields.get(name)
                 return default if f is None else f.contents()
@@ -115,24 +121,32 @@ class Tokenizer:
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
 
         # Control tokens (<|im_start|>) must match whole and are special (skipped on decode);
         # user-defined ones (<think>) match whole but stay visible. A "control" token spelled
         # outside the byte alphabet is a converter mislabel and is left alone.
         typed = list(zip(tokens, token_types))
-        backend.add_special_tokens([
-            AddedToken(t, normalized=False, special=True)
-            for t, kind_ in typed if kind_ == _GGUF_CONTROL and set(t) <= letters
-        ])
-        backend.add_tokens([
-            AddedToken(t, normalized=False, special=False)
-            for t, kind_ in typed if kind_ == _GGUF_USER_DEFINED and t in vocab
-        ])
+        backend.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, kind_ in typed
+                if kind_ == _GGUF_CONTROL and set(t) <= letters
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, kind_ in typed
+                if kind_ == _GGUF_USER_DEFINED and t in vocab
+            ]
+        )
         return cls(
             backend,
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
@@ -183,7 +197,12 @@ class Tokenizer:
         ordinary text rather than as the special token (same meaning as in transformers)."""
         backend = self._plain_backend if split_special_tokens else self.backend
         ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and ids[:1] != [self.bos_token_id]
+        ):
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -287,8 +306,13 @@ def _compile(template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])

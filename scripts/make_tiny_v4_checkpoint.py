@@ -6,6 +6,7 @@
 The writer lives in :mod:`deepinfer_core.testing.v4_checkpoint` (tests import it from there);
 this file re-exports it so that ``import make_tiny_v4_checkpoint`` works from ``scripts/`` too.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Fixtures shared by several test modules."""
+
 from __future__ import annotations
 
 import pytest

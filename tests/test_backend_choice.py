@@ -1,9 +1,9 @@
 """Choosing one plugin's attention / MoE implementation (``LLM(attention_backend=...,
 moe_backend=...)``, ``deepinfer generate --attention-backend``), and the default order."""
+
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
@@ -74,7 +74,9 @@ def test_unknown_name_lists_the_available_ones(host):
 
 
 def test_a_named_plugin_without_that_kind_is_an_error_not_a_fallback():
-    host = PluginHost(load_entry_points=False, extra_plugins={"fullonly": provider("fullonly", kinds=(AttentionKind.FULL,))})
+    host = PluginHost(
+        load_entry_points=False, extra_plugins={"fullonly": provider("fullonly", kinds=(AttentionKind.FULL,))}
+    )
     sliding = AttentionLayerSpec(AttentionKind.SLIDING, 0, 2, 2, 8, 8, 0.3, window=4)
     cpu = host.platform("cpu")
     with pytest.raises(NoImplementationError, match=r"from 'fullonly' for 'sliding' layers"):
@@ -86,18 +88,21 @@ def test_a_named_plugin_without_that_kind_is_an_error_not_a_fallback():
 pytest.importorskip("transformers")  # the tiny_llama fixture (tests/conftest.py) builds with it
 
 
-
-
 def test_llm_uses_the_named_backend_for_every_layer(tiny_llama):
     from deepinfer_core import LLM, SamplingParams
 
     built: list[str] = []
-    host = PluginHost(load_entry_points=False, extra_plugins={"zeta": provider("zeta", built), "alpha": provider("alpha", built)})
+    host = PluginHost(
+        load_entry_points=False, extra_plugins={"zeta": provider("zeta", built), "alpha": provider("alpha", built)}
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     chosen = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, attention_backend="zeta", host=host)
     assert built and set(built) == {"zeta"}
     reference = LLM(tiny_llama, device="cpu", kv_cache_blocks=4, attention_backend="builtin", host=host)
-    assert chosen.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == reference.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert (
+        chosen.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+        == reference.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    )
 
 
 def test_llm_rejects_an_unknown_backend_before_reading_the_model(tmp_path):

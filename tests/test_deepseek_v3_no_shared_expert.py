@@ -2,6 +2,7 @@
 layer's shared expert, zero channels wide (empty tensors); the loader skips them (it refused the
 file as "unexpected tensors") and the model, with no shared expert, gives transformers' float32
 logits."""
+
 from __future__ import annotations
 
 import pytest

@@ -7,6 +7,7 @@ tokens span many windows, compressed entries and 128-token KV blocks. Parameters
 initialises to zero (sinks, position biases, mHC biases, the hash table) are randomised so a
 mistake in them shows.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -53,7 +54,12 @@ def reference_tokens(checkpoint):
     out = []
     with torch.no_grad():
         for p in prompts():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+            )
             out.append(ref[0, len(p) :].tolist())
     return out
 
@@ -117,14 +123,22 @@ def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
     out = llm.generate([branch], greedy(16))[0]
     assert out.num_cached_tokens == 384
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([branch]), attention_mask=torch.ones(1, len(branch), dtype=torch.long), max_new_tokens=16, do_sample=False)
+        ref = hf.generate(
+            torch.tensor([branch]),
+            attention_mask=torch.ones(1, len(branch), dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+        )
     assert out.outputs[0].token_ids == ref[0, len(branch) :].tolist()
 
 
 @pytest.mark.parametrize(
     ("edit", "names"),
     [
-        ({"layer_types": ["sliding_attention", "dense_attention"] + ["sliding_attention"] * 3}, ["layer_types", "dense_attention"]),
+        (
+            {"layer_types": ["sliding_attention", "dense_attention"] + ["sliding_attention"] * 3},
+            ["layer_types", "dense_attention"],
+        ),
         ({"layer_types": ["sliding_attention"] * 3}, ["layer_types", "3", "5"]),
         ({"compress_ratios": [0, 4, 7, 4, 128], "layer_types": None}, ["compress_ratios", "7"]),
         ({"mlp_layer_types": ["moe", "dense"] + ["moe"] * 3}, ["mlp_layer_types", "dense"]),
@@ -164,5 +178,13 @@ def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, b
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=32, max_num_batched_tokens=budget)
     got = tokens(llm.generate(ps, greedy(8)))
     with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in ps]
+        want = [
+            hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=8,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in ps
+        ]
     assert got == want

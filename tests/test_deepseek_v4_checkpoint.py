@@ -1,6 +1,7 @@
 """A tiny DeepSeek-V4 checkpoint in the released FP8 / MXFP4 layout, end to end: the engine
 loads it and matches transformers run on the weights transformers itself dequantizes; and
 ``deepinfer plan`` agrees with the V4 engine's allocation."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,12 @@ def test_fp8_fp4_checkpoint_greedy_tokens_match_transformers(quantized):
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     for p, out in zip(prompts(), outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+            )
         assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt of {len(p)} tokens"
 
 
@@ -62,7 +68,9 @@ def test_fp8_fp4_checkpoint_greedy_tokens_match_transformers(quantized):
 def test_v4_plan_is_what_the_engine_allocates(quantized, kv_gib, max_num_seqs):
     path, _ = quantized
     p = plan(path, kv_gib, dtype="float32", max_num_seqs=max_num_seqs, max_model_len=1000)
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs))
+    engine = LLMEngine(
+        EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs)
+    )
     assert engine.num_blocks == p.blocks
     assert cache_bytes(engine.runner.kv_caches) == p.total_bytes <= kv_gib * 2**30
     assert p.state_bytes_per_request > 0 and p.state_slots == max_num_seqs + 1
@@ -71,7 +79,9 @@ def test_v4_plan_is_what_the_engine_allocates(quantized, kv_gib, max_num_seqs):
     # entry per `ratio'` tokens, a sliding layer nothing (its window is state KV).
     c = TINY_V4_CONFIG
     per_kind = {r.kind: r.bytes_per_token for r in p.kinds}
-    assert per_kind["compressed_sparse_attention"] == 2 * (c["head_dim"] + c["index_head_dim"]) / 4 * 4  # 2 CSA layers, ratio 4, fp32
+    assert (
+        per_kind["compressed_sparse_attention"] == 2 * (c["head_dim"] + c["index_head_dim"]) / 4 * 4
+    )  # 2 CSA layers, ratio 4, fp32
     assert per_kind["heavily_compressed_attention"] == 1 * c["head_dim"] / c["compress_rate_hca"] * 4
     assert per_kind.get("sliding_attention", 0) == 0
     # `concurrent_requests` of 1000 tokens fit with max_num_seqs set to that number, one more does not.

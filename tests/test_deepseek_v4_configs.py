@@ -6,6 +6,7 @@ prefill equal to transformers' ``generate``, and the same tokens again on prefix
 
 CI runs ``CI_CONFIGS``; ``DEEPINFER_V4_SWEEP=1`` runs every config in ``CONFIGS`` (minutes).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,31 +27,80 @@ VOCAB = 256
 # name -> (config overrides, prompt lengths, chunk budget)
 CONFIGS = {
     "hca4_csa8_window7_no_hash": (
-        dict(layer_types=[H, C, S, H], compress_rates={C: 8, H: 4}, sliding_window=7, mlp_layer_types=["moe"] * 4), [5, 77, 301], 37
+        dict(layer_types=[H, C, S, H], compress_rates={C: 8, H: 4}, sliding_window=7, mlp_layer_types=["moe"] * 4),
+        [5, 77, 301],
+        37,
     ),
     "odd_heads_hc1_all_hash": (
-        dict(num_attention_heads=3, o_groups=3, index_n_heads=3, hc_mult=1, layer_types=[C, C, H, S], mlp_layer_types=["hash_moe"] * 4), [9, 130, 260], 50
+        dict(
+            num_attention_heads=3,
+            o_groups=3,
+            index_n_heads=3,
+            hc_mult=1,
+            layer_types=[C, C, H, S],
+            mlp_layer_types=["hash_moe"] * 4,
+        ),
+        [9, 130, 260],
+        50,
     ),
     "topk1_hc2_window32_rate32": (
-        dict(index_topk=1, hc_mult=2, sliding_window=32, compress_rates={C: 4, H: 32}, layer_types=[S, H, C, C]), [40, 129, 400], 64
+        dict(index_topk=1, hc_mult=2, sliding_window=32, compress_rates={C: 4, H: 32}, layer_types=[S, H, C, C]),
+        [40, 129, 400],
+        64,
     ),
     "all_csa_topk_over_entries": (dict(layer_types=[C] * 4, index_topk=64, num_experts_per_tok=3), [15, 200, 333], 45),
     "all_hca_default_rope_half_rotary": (
-        dict(layer_types=[H] * 4, partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), [3, 250], 30
+        dict(
+            layer_types=[H] * 4,
+            partial_rotary_factor=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        [3, 250],
+        30,
     ),
     "all_sliding_window3": (dict(layer_types=[S] * 4, sliding_window=3), [2, 64], 13),
-    "tied_embeddings_hc4_groups1": (dict(tie_word_embeddings=True, hc_mult=4, o_groups=1, layer_types=[C, H, S, C]), [31, 190], 128),
+    "tied_embeddings_hc4_groups1": (
+        dict(tie_word_embeddings=True, hc_mult=4, o_groups=1, layer_types=[C, H, S, C]),
+        [31, 190],
+        128,
+    ),
     "legacy_compress_ratios_hash2": (
-        dict(layer_types=None, compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=2, mlp_layer_types=None, compress_rate_hca=16), [17, 300], 70
+        dict(
+            layer_types=None,
+            compress_ratios=[0, 4, 128, 4, 0],
+            num_hash_layers=2,
+            mlp_layer_types=None,
+            compress_rate_hca=16,
+        ),
+        [17, 300],
+        70,
     ),
-    "window2_csa2_index_heads1": (dict(sliding_window=2, compress_rates={C: 2, H: 8}, index_n_heads=1, layer_types=[C, S, H, C]), [6, 90], 11),
+    "window2_csa2_index_heads1": (
+        dict(sliding_window=2, compress_rates={C: 2, H: 8}, index_n_heads=1, layer_types=[C, S, H, C]),
+        [6, 90],
+        11,
+    ),
     "hca128_long_prompt": (dict(compress_rates={C: 4, H: 128}, layer_types=[H, C, H, S]), [700], 300),
-    "one_layer_csa_sigmoid": (dict(num_hidden_layers=1, layer_types=[C], mlp_layer_types=["moe"], scoring_func="sigmoid"), [50, 260], 33),
-    "six_layers_sinkhorn1": (
-        dict(num_hidden_layers=6, layer_types=[S, C, H, C, H, S], mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3, hc_sinkhorn_iters=1),
-        [12, 210], 64,
+    "one_layer_csa_sigmoid": (
+        dict(num_hidden_layers=1, layer_types=[C], mlp_layer_types=["moe"], scoring_func="sigmoid"),
+        [50, 260],
+        33,
     ),
-    "topk_all_experts_head24": (dict(num_experts_per_tok=6, head_dim=24, partial_rotary_factor=0.25, index_head_dim=12), [20, 150], 7),
+    "six_layers_sinkhorn1": (
+        dict(
+            num_hidden_layers=6,
+            layer_types=[S, C, H, C, H, S],
+            mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+            hc_sinkhorn_iters=1,
+        ),
+        [12, 210],
+        64,
+    ),
+    "topk_all_experts_head24": (
+        dict(num_experts_per_tok=6, head_dim=24, partial_rotary_factor=0.25, index_head_dim=12),
+        [20, 150],
+        7,
+    ),
     "csa3_hca6_block126": (dict(compress_rates={C: 3, H: 6}, layer_types=[S, C, H, C]), [40, 200], 50),
 }
 BLOCK_SIZES = {"csa3_hca6_block126": 126}  # rates that do not divide 128 need a block size they divide
@@ -88,16 +138,31 @@ def test_config_matches_transformers(name, tmp_path):
     g = torch.Generator().manual_seed(41)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
     block = BLOCK_SIZES.get(name, 128)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=24, max_num_batched_tokens=budget, block_size=block)
+    llm = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        kv_cache_blocks=24,
+        max_num_batched_tokens=budget,
+        block_size=block,
+    )
     longest = prompts[-1]
     with torch.no_grad():
         ref = hf(torch.tensor([longest])).logits[0].float()
     err = (llm.engine.prompt_logits(longest) - ref).abs().max().item()
     assert err < 1e-4, f"{name}: logits differ by {err}"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    ]
     with torch.no_grad():
         want = [
-            hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist()
+            hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+            )[0, len(p) :].tolist()
             for p in prompts
         ]
     assert got == want, name

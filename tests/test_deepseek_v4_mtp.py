@@ -9,6 +9,7 @@ e_proj, h_proj, adding the embedding to every stream) are written here; a forwar
 their result in place of that layer's input. The main model's last-layer streams come from a
 hook on transformers' own last decoder layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,7 @@ def mtp_reference_dir(src, dst, config: dict) -> None:
                 if name in ("embed.weight", "head.weight"):
                     out[name] = t
                 elif name.startswith("mtp.0."):
-                    rest = name[len("mtp.0."):]
+                    rest = name[len("mtp.0.") :]
                     if rest.startswith(MTP_BLOCK_PARTS):
                         out["layers.0." + rest] = t
                     elif rest.startswith("hc_head_") or rest == "norm.weight":
@@ -78,7 +79,13 @@ def mtp_reference_dir(src, dst, config: dict) -> None:
     dst.mkdir()
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     n = config["num_hidden_layers"]
-    one = dict(config, num_hidden_layers=1, num_hash_layers=0, num_nextn_predict_layers=0, compress_ratios=[config["compress_ratios"][n]])
+    one = dict(
+        config,
+        num_hidden_layers=1,
+        num_hash_layers=0,
+        num_nextn_predict_layers=0,
+        compress_ratios=[config["compress_ratios"][n]],
+    )
     with open(dst / "config.json", "w") as f:
         json.dump(one, f)
 
@@ -92,7 +99,9 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return weight.float() * s
 
 
-@pytest.fixture(scope="module", params=[("bf16", 0), ("bf16", 4), ("fp8", 0)], ids=["mtp-sliding", "mtp-csa", "mtp-fp8"])
+@pytest.fixture(
+    scope="module", params=[("bf16", 0), ("bf16", 4), ("fp8", 0)], ids=["mtp-sliding", "mtp-csa", "mtp-fp8"]
+)
 def setup(request, tmp_path_factory):
     """(our model, transformers' main model, transformers' MTP-block model, MTP-only weights)."""
     from safetensors import safe_open
@@ -109,9 +118,16 @@ def setup(request, tmp_path_factory):
     raw = {}
     for file in (root / "ck").glob("*.safetensors"):
         with safe_open(file, framework="pt") as fh:
-            raw |= {name[len("mtp.0."):]: fh.get_tensor(name) for name in fh.keys() if name.startswith("mtp.0.") and name.count(".") == 3}
+            raw |= {
+                name[len("mtp.0.") :]: fh.get_tensor(name)
+                for name in fh.keys()
+                if name.startswith("mtp.0.") and name.count(".") == 3
+            }
     assert (weights == "fp8") == ("e_proj.scale" in raw)  # released FP8 e_proj / h_proj with tile scales
-    extra = {f"{k}.weight": dequant(raw[f"{k}.weight"], raw.get(f"{k}.scale")) for k in ("e_proj", "h_proj", "enorm", "hnorm")}
+    extra = {
+        f"{k}.weight": dequant(raw[f"{k}.weight"], raw.get(f"{k}.scale"))
+        for k in ("e_proj", "h_proj", "enorm", "hnorm")
+    }
     llm = LLM(str(root / "ck"), device="cpu", dtype="float32", kv_cache_blocks=4)
     return llm.engine.model, hf, hf_mtp, extra
 
@@ -140,7 +156,9 @@ def reference(hf, hf_mtp, extra, ids):
     nxt = ids[1:]
     with torch.no_grad():
         e = rms(hf.model.embed_tokens(nxt), extra["enorm.weight"])
-        x = F.linear(e, extra["e_proj.weight"])[:, None, :] + F.linear(rms(streams, extra["hnorm.weight"]), extra["h_proj.weight"])
+        x = F.linear(e, extra["e_proj.weight"])[:, None, :] + F.linear(
+            rms(streams, extra["hnorm.weight"]), extra["h_proj.weight"]
+        )
 
         def swap_input(module, args, kwargs):
             return (x[None],) + args[1:], kwargs

@@ -4,6 +4,7 @@ request run alone. The requests: a prompt shorter than one window, one of exactl
 one of several, one chunked at a position that is not a window boundary, and decode rows after
 a prompt; two index heads make exact score ties (relu zeros) common, so top-k's tie-breaking is
 checked too. Agreement with transformers is test_deepseek_v4.py's (whole model)."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,7 +53,9 @@ def _run(parts, requests: list[int], ratio: int, csa: bool):
         window=torch.zeros(len(PROMPTS), 1, D),
         tail=torch.zeros(len(PROMPTS), 2 * ratio if csa else ratio, width),
     )
-    tables = torch.randperm(40, generator=torch.Generator().manual_seed(1))[: len(PROMPTS) * 8].view(len(PROMPTS), 8).int()
+    tables = (
+        torch.randperm(40, generator=torch.Generator().manual_seed(1))[: len(PROMPTS) * 8].view(len(PROMPTS), 8).int()
+    )
     rope = V4Rope(CFG.rope_dim, CFG.compress_rope, CFG.max_position_embeddings)
     inputs = [_inputs(parts, PROMPTS[r] + 3, r) for r in range(len(PROMPTS))]
     done = [0] * len(PROMPTS)
@@ -66,7 +69,14 @@ def _run(parts, requests: list[int], ratio: int, csa: bool):
             ranges.append((a, a + n))
             a += n
         rs = [r for r, _ in scheduled]
-        batch = V4Batch(tuple(ranges), tuple(done[r] for r in rs), tuple(rs), tables[rs], BLOCK, prompt_lens=tuple(PROMPTS[r] for r in rs))
+        batch = V4Batch(
+            tuple(ranges),
+            tuple(done[r] for r in rs),
+            tuple(rs),
+            tables[rs],
+            BLOCK,
+            prompt_lens=tuple(PROMPTS[r] for r in rs),
+        )
         rows = [slice(done[r], done[r] + n) for r, n in scheduled]
         raw = [torch.cat([inputs[r][0][i][sl] for r, sl in zip(rs, rows)]) for i in range(len(parts))]
         update_entries(parts, raw, cache, batch, rope)
@@ -91,12 +101,16 @@ def test_mixed_batch_writes_and_chooses_as_each_request_alone(ratio, csa):
     for r in everyone:
         alone, _, alone_chosen = _run(parts, [r], ratio, csa)
         entries = -(-(PROMPTS[r] + 2) // BLOCK)  # the request's blocks
-        assert torch.equal(cache.entries[tables[r, :entries].long()], alone.entries[tables[r, :entries].long()]), f"request {r}"
+        assert torch.equal(cache.entries[tables[r, :entries].long()], alone.entries[tables[r, :entries].long()]), (
+            f"request {r}"
+        )
         assert torch.equal(cache.tail[r], alone.tail[r]), f"request {r}"
         for key, want in alone_chosen.items():
             got = chosen[key]
             width = min(got.shape[1], want.shape[1])  # a batch without ranking pads fewer -1 columns
-            assert torch.equal(got[:, -width:], want[:, -width:]) and (got[:, :-width] == -1).all(), f"request {r}, step {key[1]}"
+            assert torch.equal(got[:, -width:], want[:, -width:]) and (got[:, :-width] == -1).all(), (
+                f"request {r}, step {key[1]}"
+            )
 
 
 def test_layers_of_one_kind_share_the_forwards_plans(monkeypatch):
@@ -116,7 +130,11 @@ def test_layers_of_one_kind_share_the_forwards_plans(monkeypatch):
     raw = [torch.randn(57, 2 * comp.width, generator=torch.Generator().manual_seed(3)) for comp, _ in parts]
 
     def cache():
-        return V4LayerCache(entries=torch.zeros(16, BLOCK // 8, D), window=torch.zeros(2, 1, D), tail=torch.zeros(2, 8, 2 * parts[0][0].width))
+        return V4LayerCache(
+            entries=torch.zeros(16, BLOCK // 8, D),
+            window=torch.zeros(2, 1, D),
+            tail=torch.zeros(2, 8, 2 * parts[0][0].width),
+        )
 
     plans, layers = StepPlans(), [cache(), cache()]
     for c in layers:
@@ -141,13 +159,26 @@ def test_the_step_layout_comes_from_the_host_copies_the_batch_builder_attaches()
 
     reqs = (
         ScheduledRequest("decode", (7,), start_position=40, block_ids=(0, 1, 2), sample=True, seed=0, prompt_len=30),
-        ScheduledRequest("chunk", tuple(range(10)), start_position=20, block_ids=(3, 4), sample=False, seed=0, prompt_len=50),
-        ScheduledRequest("prompt", tuple(range(5)), start_position=0, block_ids=(5,), sample=True, seed=0, prompt_len=5),
+        ScheduledRequest(
+            "chunk", tuple(range(10)), start_position=20, block_ids=(3, 4), sample=False, seed=0, prompt_len=50
+        ),
+        ScheduledRequest(
+            "prompt", tuple(range(5)), start_position=0, block_ids=(5,), sample=True, seed=0, prompt_len=5
+        ),
     )
     meta = build(SchedulerOutput(reqs, 16), 16, torch.device("cpu"), state_slots=[5, 2, 7]).meta
-    assert meta.host_query_start_loc == (0, 1, 11, 16) and meta.host_seq_lens == (41, 30, 5) and meta.host_state_slots == (5, 2, 7)
-    read_back = DeepseekV4ForCausalLM._batch(None, dataclasses.replace(meta, host_query_start_loc=None, host_seq_lens=None, host_state_slots=None))
-    unreadable = {f: torch.empty(getattr(meta, f).shape, dtype=getattr(meta, f).dtype, device="meta") for f in ("query_start_loc", "seq_lens", "state_slots")}
+    assert (
+        meta.host_query_start_loc == (0, 1, 11, 16)
+        and meta.host_seq_lens == (41, 30, 5)
+        and meta.host_state_slots == (5, 2, 7)
+    )
+    read_back = DeepseekV4ForCausalLM._batch(
+        None, dataclasses.replace(meta, host_query_start_loc=None, host_seq_lens=None, host_state_slots=None)
+    )
+    unreadable = {
+        f: torch.empty(getattr(meta, f).shape, dtype=getattr(meta, f).dtype, device="meta")
+        for f in ("query_start_loc", "seq_lens", "state_slots")
+    }
     host = DeepseekV4ForCausalLM._batch(None, dataclasses.replace(meta, **unreadable))
     assert host.token_ranges == read_back.token_ranges == ((0, 1), (1, 11), (11, 16))
     assert host.starts == read_back.starts == (40, 20, 0) and host.slots == read_back.slots == (5, 2, 7)

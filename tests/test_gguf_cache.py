@@ -5,6 +5,7 @@ the GGUF's header again; a damaged, stale or other-format entry is rebuilt from 
 switch turns it off. Exactness of the uncached path itself against transformers is
 tests/test_llama_gguf.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ def entries(cache) -> list[str]:
 
 def refuse_header_reads(monkeypatch) -> None:
     """From here on any parse of a GGUF header fails: what still opens came from the cache."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF header was read on a cache hit")
 
@@ -67,17 +69,28 @@ def test_cached_open_equals_parsing_the_file(cache, reference, monkeypatch):
     assert hit.tokenizer is not ref.tokenizer and hit.weights is not ref.weights
     assert hit.config == ref.config and hit.fingerprint == ref.fingerprint and hit.source == ref.source
     assert hit.sampling == ref.sampling
-    assert hit.quantized_names == ref.quantized_names and (hit.quantized_weights is None) == (ref.quantized_weights is None)
+    assert hit.quantized_names == ref.quantized_names and (hit.quantized_weights is None) == (
+        ref.quantized_weights is None
+    )
     assert list(cached) == list(ref_weights) == list(streamed)
     for name, tensor in ref_weights.items():
         assert cached[name].dtype == tensor.dtype and torch.equal(cached[name], tensor), name
     a, b = hit.tokenizer, ref.tokenizer
     for text in TEXTS:
-        assert a.encode(text) == b.encode(text) and a.encode(text, split_special_tokens=True) == b.encode(text, split_special_tokens=True)
-        assert a.decode(b.encode(text), skip_special_tokens=False) == b.decode(b.encode(text), skip_special_tokens=False)
+        assert a.encode(text) == b.encode(text) and a.encode(text, split_special_tokens=True) == b.encode(
+            text, split_special_tokens=True
+        )
+        assert a.decode(b.encode(text), skip_special_tokens=False) == b.decode(
+            b.encode(text), skip_special_tokens=False
+        )
     assert a.apply_chat_template(CHAT) == b.apply_chat_template(CHAT)
     assert (a.bos_token_id, a.eos_token_id, a.stop_token_ids, a.add_bos_token, a.vocab_size) == (
-        b.bos_token_id, b.eos_token_id, b.stop_token_ids, b.add_bos_token, b.vocab_size)
+        b.bos_token_id,
+        b.eos_token_id,
+        b.stop_token_ids,
+        b.add_bos_token,
+        b.vocab_size,
+    )
 
 
 def test_low_bit_open_is_cached_and_packed_weights_come_from_the_file(cache, reference, monkeypatch):
@@ -109,7 +122,8 @@ def test_damaged_or_other_format_entry_is_rebuilt(cache, reference, caplog):
         "bad tokenizer": lambda: (entry / "tokenizer.json").write_text('{"model": 3}'),
         "bad meta": lambda: (entry / "meta.json").write_text("{not json"),
         "older format": lambda: (entry / "meta.json").write_text(
-            json.dumps({**json.loads((entry / "meta.json").read_text()), "format": 1})),
+            json.dumps({**json.loads((entry / "meta.json").read_text()), "format": 1})
+        ),
     }
     for damage, apply in damages.items():
         apply()
@@ -120,7 +134,9 @@ def test_damaged_or_other_format_entry_is_rebuilt(cache, reference, caplog):
         assert again.tokenizer.encode(TEXTS[1]) == reference[0].tokenizer.encode(TEXTS[1]), damage
         assert (entry / "meta.json").is_file()  # the fresh parse rewrote the entry
         if damage == "truncated weights":  # dequantized from the file; the stream rewrites them
-            assert torch.equal(dict(again.weights())["model.embed_tokens.weight"], reference[1]["model.embed_tokens.weight"])
+            assert torch.equal(
+                dict(again.weights())["model.embed_tokens.weight"], reference[1]["model.embed_tokens.weight"]
+            )
             assert (entry / "model.safetensors").is_file()
     caplog.clear()
     assert open_gguf(GGUF).config == reference[0].config and "ignoring" not in caplog.text  # the rebuilt entry hits
@@ -153,4 +169,6 @@ def test_a_rewritten_file_is_never_served_from_its_old_entry(cache, tmp_path):
     assert new.sampling == {"general.sampling.temp": 0.25} and len(entries(cache)) == 2
     assert new.fingerprint != old.fingerprint
     want = gguf.quants.dequantize(gguf.GGUFReader(str(path)).tensors[0].data, gguf.GGMLQuantizationType.Q8_0)
-    assert torch.equal(dict(new.weights())["model.embed_tokens.weight"], torch.from_numpy(np.asarray(want).reshape(32, 64)))
+    assert torch.equal(
+        dict(new.weights())["model.embed_tokens.weight"], torch.from_numpy(np.asarray(want).reshape(32, 64))
+    )

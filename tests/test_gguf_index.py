@@ -3,6 +3,7 @@
 shape and bytes identical, on the embedded SmolLM2 file and on a file written here by
 ``gguf.GGUFWriter`` with Q4_0/Q4_1/Q8_0 (the library's quantizers), K-quant and float tensors
 and a non-default alignment. Malformed files are refused with the path named."""
+
 from __future__ import annotations
 
 import gguf
@@ -70,7 +71,17 @@ def test_written_file_with_quantized_k_quant_and_float_tensors(tmp_path):
     path = write_mixed_gguf(str(tmp_path / "mixed.gguf"))
     assert_same_as_gguf_reader(path)
     index = read_index(path)
-    assert {t.type_name for t in index.tensors} >= {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "F32", "F16"}
+    assert {t.type_name for t in index.tensors} >= {
+        "Q4_0",
+        "Q4_1",
+        "Q8_0",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q2_K",
+        "F32",
+        "F16",
+    }
     assert index.data_offset % 64 == 0
 
 

@@ -5,6 +5,7 @@ tensor (a divisor per rotary frequency), not as metadata. The loader refused suc
 The reference is transformers: its own GGUF reader dequantizes and un-permutes the weights (it
 ignores ``rope_freqs``), and the model is rebuilt with transformers' own llama3 rope parameters.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,14 @@ def _hf(folder, name: str, llama3: bool):
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(folder), gguf_file=name, torch_dtype=torch.float32)
     config = loaded.config
     if llama3:
-        params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": LLAMA3["factor"], "low_freq_factor": LLAMA3["low_freq_factor"],
-                  "high_freq_factor": LLAMA3["high_freq_factor"], "original_max_position_embeddings": LLAMA3["original_context_length"]}
+        params = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": LLAMA3["factor"],
+            "low_freq_factor": LLAMA3["low_freq_factor"],
+            "high_freq_factor": LLAMA3["high_freq_factor"],
+            "original_max_position_embeddings": LLAMA3["original_context_length"],
+        }
         if hasattr(config, "rope_parameters"):
             config.rope_parameters = params
         else:  # transformers 4
@@ -36,8 +43,20 @@ def _hf(folder, name: str, llama3: bool):
 
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
 def test_rope_freqs_tensor_gives_transformers_llama3_logits(tmp_path, type_name):
-    path = write_random_llama_gguf(tmp_path / "l3.gguf", hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=256, layers=2, vocab=301,
-                                   tied=False, types={"*": type_name}, rope_theta=500000.0, rope_scaling=LLAMA3)
+    path = write_random_llama_gguf(
+        tmp_path / "l3.gguf",
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        head_dim=64,
+        intermediate=256,
+        layers=2,
+        vocab=301,
+        tied=False,
+        types={"*": type_name},
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3,
+    )
     engine = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=4, enable_prefix_caching=False).engine
     ids = torch.randint(0, 301, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = engine.prompt_logits(ids)
@@ -58,8 +77,19 @@ def test_rope_freqs_with_another_scaling_is_refused(tmp_path):
     import gguf
 
     path = str(tmp_path / "both.gguf")
-    write_random_llama_gguf(path, hidden=64, heads=1, kv_heads=1, head_dim=64, intermediate=128, layers=1, vocab=40, tied=True,
-                            types={"*": "F32"}, rope_scaling=LLAMA3)
+    write_random_llama_gguf(
+        path,
+        hidden=64,
+        heads=1,
+        kv_heads=1,
+        head_dim=64,
+        intermediate=128,
+        layers=1,
+        vocab=40,
+        tied=True,
+        types={"*": "F32"},
+        rope_scaling=LLAMA3,
+    )
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(tmp_path / "both2.gguf"), "llama")
     for key, field in reader.fields.items():

@@ -1,5 +1,6 @@
 """``assert_same_or_near_tie``: two engines' greedy tokens may part only at a near-tie of the
 reference's logits. A stand-in reference with chosen logits makes both outcomes happen."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace

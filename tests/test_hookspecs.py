@@ -1,6 +1,7 @@
 """The contract is documented and exercised: every hook spec has a docstring that says who
 calls it and what it returns, and some test in the repository calls every hook, either by name
 or through the PluginHost facade method that calls it."""
+
 from __future__ import annotations
 
 import inspect
@@ -75,5 +76,9 @@ def _test_sources() -> dict[Path, str]:
 @pytest.mark.parametrize("hook", sorted(FACADE))
 def test_every_hook_is_exercised_by_some_test(hook):
     patterns = [re.escape(hook)] + [rf"\.{re.escape(m)}\(" for m in FACADE[hook]]
-    callers = [str(path.relative_to(REPO)) for path, text in _test_sources().items() if any(re.search(p, text) for p in patterns)]
+    callers = [
+        str(path.relative_to(REPO))
+        for path, text in _test_sources().items()
+        if any(re.search(p, text) for p in patterns)
+    ]
     assert callers, f"no test calls {hook} (or PluginHost.{'/'.join(FACADE[hook])})"

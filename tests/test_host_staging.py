@@ -7,6 +7,7 @@ it was given, however far the host runs ahead. The reference is the uploaded val
 A variant of the staging that ignores the events must fail the same check (the test has teeth).
 CPU engines never touch the staging (no pinned memory on the CPU): checked too.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,11 +62,16 @@ class FakeDevice:
                 while not self.done:
                     device.advance(1)
 
-        return HostStaging(torch.device("cpu"), pinned_empty=self.empty, new_event=Event, copy=self.copy, record=self.record, **kw)
+        return HostStaging(
+            torch.device("cpu"), pinned_empty=self.empty, new_event=Event, copy=self.copy, record=self.record, **kw
+        )
 
 
 def _steps(rng, n):
-    return [[rng.integers(-1000, 1000, size=int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 5)))] for _ in range(n)]
+    return [
+        [rng.integers(-1000, 1000, size=int(rng.integers(1, 300))) for _ in range(int(rng.integers(1, 5)))]
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("lag", [0, 1, 3, 50])
@@ -95,7 +101,9 @@ def test_buffers_are_reused_once_their_copies_ran_and_waited_for_when_all_are_in
         dev.advance()
     assert st.counters["allocations"] == 1 and st.counters["waits"] == 0
     outs = [st.upload(torch.full((100,), i, dtype=torch.int64)) for i in range(5)]  # the device stalls
-    assert st.counters["allocations"] == 3 and st.counters["waits"] == 2  # 3 in flight at most, then the oldest is waited for
+    assert (
+        st.counters["allocations"] == 3 and st.counters["waits"] == 2
+    )  # 3 in flight at most, then the oldest is waited for
     dev.advance()
     assert [o[0].item() for o in outs] == list(range(5))
     big = st.upload(torch.arange(5000, dtype=torch.int64))  # grown past every buffer

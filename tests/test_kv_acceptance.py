@@ -6,6 +6,7 @@ Every engine here runs in its own process where the point is a process boundary:
 commit. Expiry and the operator CLI (``deepinfer kv ...``) are driven through real subprocesses
 and real time (a store URL with a 2-second retention), not a patched clock.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,8 @@ import time
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.kv_store.local import LocalDiskKVStore, stored_namespaces
 from deepinfer_core.kv_store import KVStoreConfig
+from deepinfer_core.kv_store.local import LocalDiskKVStore, stored_namespaces
 from deepinfer_core.kv_store.records import payload_offset
 
 transformers = pytest.importorskip("transformers")
@@ -84,7 +85,13 @@ def model(tmp_path_factory):
     refs = {}
     with torch.no_grad():
         for n, ids in prompts.items():
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, n, dtype=torch.long), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, n, dtype=torch.long),
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=None,
+            )
             refs[n] = out[0, n:].tolist()
     return str(path), prompts, refs
 
@@ -92,7 +99,13 @@ def model(tmp_path_factory):
 def child(model_dir: str, url: str, prompt: list[int], **extra) -> subprocess.Popen:
     cfg = {"model": model_dir, "url": url, "prompt": prompt, "new": NEW, **extra}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def result(proc: subprocess.Popen, timeout: float = 600) -> dict:
@@ -120,7 +133,9 @@ def payload_digest(path: str, key_hex: str) -> str:
 
 
 def deepinfer_kv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "kv", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer_core.cli", "kv", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def deepinfer_kv_here(capsys, *args: str) -> tuple[int, str, str]:
@@ -247,7 +262,14 @@ def test_an_expired_block_is_written_again_by_the_engine_that_wrote_it(model, tm
     served from the rewritten records. Rewrites use the 3-day "agent" class, so only the
     first writes expire during the test (2 seconds)."""
     model_dir, prompts, refs = model
-    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=12, kv_host_pool_gib=1e-6, kv_store=f"local://{tmp_path}?retention_seconds=chat:2")  # host pool: 1 block
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        kv_cache_blocks=12,
+        kv_host_pool_gib=1e-6,
+        kv_store=f"local://{tmp_path}?retention_seconds=chat:2",
+    )  # host pool: 1 block
     store = llm.engine.tiers.store
     short, other = prompts[SHORT], prompts[LONG][:SHORT]
     agent = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, kv_retention="agent")
@@ -281,11 +303,17 @@ def test_kv_cli_ls_stats_gc_through_subprocess(model, tmp_path, capsys):
     [(namespace, block_bytes)] = stored_namespaces(root)
     assert block_bytes == 2 * 2 * BS * 2 * 16 * 4  # layers x (K, V) x tokens x KV heads x head dim x float32
     ls = deepinfer_kv("ls", "--kv-store", url)
-    assert ls.returncode == 0 and ls.stdout.split()[:3] == [namespace[:16], "8", "blocks"] and f"block {block_bytes} B" in ls.stdout
+    assert (
+        ls.returncode == 0
+        and ls.stdout.split()[:3] == [namespace[:16], "8", "blocks"]
+        and f"block {block_bytes} B" in ls.stdout
+    )
     stats = deepinfer_kv("stats", "--kv-store", url)
     assert stats.returncode == 0, stats.stderr
     [row] = json.loads(stats.stdout)
-    assert (row["namespace"], row["blocks"], row["block_bytes"]) == (namespace, 8, block_bytes) and row["path"].startswith(str(root))
+    assert (row["namespace"], row["blocks"], row["block_bytes"]) == (namespace, 8, block_bytes) and row[
+        "path"
+    ].startswith(str(root))
     assert row["bytes"] == sum(os.path.getsize(p) for p in files(root, ".kv"))
     # --kv-store-gib trims to 3 blocks: the chain's tail goes first, its head stays servable
     gib = 3.5 * block_bytes / 2**30
@@ -305,7 +333,9 @@ def test_kv_cli_ls_stats_gc_through_subprocess(model, tmp_path, capsys):
 def test_capacity_eviction_takes_expired_blocks_first_then_the_least_recently_used(tmp_path, backend):
     from deepinfer_core.kv_store.memory import MemoryKVStore
 
-    config = KVStoreConfig(namespace="ns", block_bytes=64, path=str(tmp_path), capacity_blocks=3, options={"retention_seconds": "agent:1"})
+    config = KVStoreConfig(
+        namespace="ns", block_bytes=64, path=str(tmp_path), capacity_blocks=3, options={"retention_seconds": "agent:1"}
+    )
     store = LocalDiskKVStore(config) if backend == "local" else MemoryKVStore(config)
 
     def put(i: int, retention: str = "chat") -> None:

@@ -1,4 +1,5 @@
 """Paged blocks and the prefix cache: hash chain, reference counts, LRU eviction."""
+
 from deepinfer_core.engine.kv_cache_manager import BlockPool, KVCacheManager
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.sampling_params import SamplingParams

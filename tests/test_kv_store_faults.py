@@ -6,6 +6,7 @@ their checksum but disagree with the block, the clock moving backwards, and an o
 The rule each keeps: never wrong bytes (a miss instead), never a path outside the root read,
 written or deleted, and the key can be written again.
 """
+
 from __future__ import annotations
 
 import os
@@ -209,7 +210,9 @@ def test_two_namespaces_of_different_block_sizes_share_a_root(tmp_path):
     """Two models (another dtype: another block size) in one root: each sees only its own
     records, a fresh open of either drops nothing of the other, gc of one leaves the other."""
     a = open_local(tmp_path)
-    b = LocalDiskKVStore(KVStoreConfig(namespace=disk.namespace + "/fp16", block_bytes=disk.block_bytes // 2, path=str(tmp_path)))
+    b = LocalDiskKVStore(
+        KVStoreConfig(namespace=disk.namespace + "/fp16", block_bytes=disk.block_bytes // 2, path=str(tmp_path))
+    )
     disk.put(a, [1, 2])
     ticket = b.reserve_write([key(1)])
     b.write_from(ticket, [memoryview(disk.payload(5)[: disk.block_bytes // 2])])

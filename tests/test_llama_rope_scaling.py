@@ -1,6 +1,7 @@
 """Llama checkpoints with "linear" and "yarn" rope scaling (rope_inv_freq) against transformers'
 float32 logits, over prompts past the original context so the scaled frequencies matter; and
 "dynamic" (frequencies that change with the sequence length) still refused at load."""
+
 from __future__ import annotations
 
 import pytest
@@ -75,7 +76,15 @@ def test_mlp_bias_matches_transformers(tmp_path, dtype):
         from deepinfer_core import SamplingParams
         from deepinfer_core.testing.greedy_check import assert_same_or_near_tie
 
-        ours = [list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids)]
+        ours = [
+            list(
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+                .outputs[0]
+                .token_ids
+            )
+        ]
         with torch.no_grad():
-            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         assert_same_or_near_tie(ours, [theirs], [prompt], hf)

@@ -1,4 +1,5 @@
 """The sampler's per-request logits-processor seam (what structured output plugs into)."""
+
 import pytest
 import torch
 
@@ -37,7 +38,10 @@ def test_a_processor_sees_the_tokens_generated_so_far():
         seen.append(list(output_token_ids))
         return logits
 
-    Sampler()(torch.zeros(1, V), [SamplingRow(SamplingParams(temperature=0, logits_processors=[record]), 1, 9, [1, 2], [4, 5, 6])])
+    Sampler()(
+        torch.zeros(1, V),
+        [SamplingRow(SamplingParams(temperature=0, logits_processors=[record]), 1, 9, [1, 2], [4, 5, 6])],
+    )
     assert seen == [[4, 5, 6]]
 
 

@@ -5,6 +5,7 @@ quantizers for the block formats, a float matmul with those dequantized weights 
 the dense float32 engine on the same file for greedy outputs, and /proc/cpuinfo for the CPU
 feature detection.
 """
+
 from __future__ import annotations
 
 import os
@@ -160,8 +161,16 @@ def test_paged_decode_attention_equals_sdpa_over_each_request_s_keys(window, cac
 
     g = torch.Generator().manual_seed(5)
     (heads, hkv), bs, nb = heads_kv, 16, 24
-    spec = AttentionLayerSpec(kind=AttentionKind.FULL, layer_index=0, num_heads=heads, num_kv_heads=hkv,
-                              head_dim=hd, v_head_dim=hd, scale=hd**-0.5, window=window)
+    spec = AttentionLayerSpec(
+        kind=AttentionKind.FULL,
+        layer_index=0,
+        num_heads=heads,
+        num_kv_heads=hkv,
+        head_dim=hd,
+        v_head_dim=hd,
+        scale=hd**-0.5,
+        window=window,
+    )
     cache = torch.randn(2, hkv, nb, bs, hd, generator=g).to(cache_dtype)
     positions = torch.tensor([0, 5, 40, 70])  # the new token's position = context length - 1
     tables = torch.randperm(nb, generator=g)[:20].reshape(4, 5).int()  # each request's blocks
@@ -213,7 +222,9 @@ def test_activations_are_each_block_rounded_to_half_a_step(quantize, dtype, top,
     assert v.abs().max() <= top and v[1, 32:64].eq(0).all() and s[1, 1] == 0
     err = (blocks - v.double().reshape(3, 11, 32) * s.double()[..., None]).abs()
     assert (err <= s.double()[..., None] * slack).all()  # half a step
-    assert (v.reshape(3, 11, 32).abs().amax(-1)[amax > 0] == top).all()  # the block's largest |x| is the full step count
+    assert (
+        v.reshape(3, 11, 32).abs().amax(-1)[amax > 0] == top
+    ).all()  # the block's largest |x| is the full step count
     torch.testing.assert_close(sx.double(), blocks.sum(-1), rtol=1e-5, atol=1e-5)
 
 
@@ -254,7 +265,7 @@ def test_int16_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
     assert ((got.double() - expected).abs() <= bound).all(), float((got.double() - expected).abs().max())
     # and it is the float32 product up to the activations' rounding (1/65534 of each block's max)
     dense = packed.dequantize().double()
-    step = (x.double().reshape(M, nb, 32).abs().amax(-1) / 32767)  # [M, nb]
+    step = x.double().reshape(M, nb, 32).abs().amax(-1) / 32767  # [M, nb]
     slack = (step[:, None, :] * 0.5 * dense.abs().reshape(37, nb, 32).sum(-1)[None]).sum(-1)
     assert ((got.double() - x.double() @ dense.T).abs() <= slack + bound).all()
 

@@ -8,6 +8,7 @@ float16 and int8 caches, 1-5 query heads per KV head, head widths 64 and 128 (th
 and 32 and 80 (the general loop), windows, contexts of 1 to 257 tokens (every remainder of 4 and
 8), one and two threads.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,7 +21,9 @@ from deepinfer_core.lowbit import native
 BASE = native.load_isa("avx2")
 HAS_512 = all(f in native.cpu_flags() for f in ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"))
 WIDE = native.load_isa("avx512vnni") if HAS_512 and BASE.lib is not None else None
-needs_both = pytest.mark.skipif(WIDE is None or WIDE.lib is None, reason="this CPU lacks AVX512 (or a build failed): nothing to compare")
+needs_both = pytest.mark.skipif(
+    WIDE is None or WIDE.lib is None, reason="this CPU lacks AVX512 (or a build failed): nothing to compare"
+)
 
 BS, HKV = 16, 2
 CONTEXTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15, 16, 17, 31, 64, 100, 191, 192, 257]
@@ -33,7 +36,9 @@ def _cache(kind: str, D: int, blocks: int, g: torch.Generator) -> torch.Tensor:
     cache = torch.empty(2, HKV, blocks, BS, D + 4, dtype=torch.int8)
     k, v = torch.randn(2, blocks * BS, HKV, D, generator=g)
     slots = torch.arange(blocks * BS)
-    BASE.lib.paged_write_kv(k.data_ptr(), v.data_ptr(), cache.data_ptr(), HKV, blocks, BS, D + 4, D, D, slots.data_ptr(), blocks * BS, 2)
+    BASE.lib.paged_write_kv(
+        k.data_ptr(), v.data_ptr(), cache.data_ptr(), HKV, blocks, BS, D + 4, D, D, slots.data_ptr(), blocks * BS, 2
+    )
     return cache
 
 

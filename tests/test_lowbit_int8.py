@@ -5,6 +5,7 @@ sums of the kernel's own rounded integers times the same scales (so the only tol
 float32 accumulation), and a float64 matmul with the dequantized weights bounded by the
 activations' rounding (half an int8 step per block).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,7 +53,10 @@ def test_int8_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
     nb = k // 32
     q = torch.cat([packed.qs & 0x0F, packed.qs >> 4], dim=-1).long()  # [N, nb, 32]
     ints = torch.einsum("nbj,mbj->mnb", q, v.long().reshape(M, nb, 32))  # exact integer block sums
-    terms = ints.double() * packed.d.double()[None] * s.double()[:, None, :] + packed.m.double()[None] * sx.double()[:, None, :]
+    terms = (
+        ints.double() * packed.d.double()[None] * s.double()[:, None, :]
+        + packed.m.double()[None] * sx.double()[:, None, :]
+    )
     expected = terms.sum(-1)
     got = ops.matmul(x, packed, max_int_rows=0, min_int8_rows=1)
     assert got.shape == (M, n)
@@ -61,7 +65,11 @@ def test_int8_kernel_equals_float64_sums_of_its_own_integers(type_name, M):
     # and it is the float64 product up to the activations' rounding (half a step of each block)
     dense = packed.dequantize().double()
     step = x.double().reshape(M, nb, 32).abs().amax(-1) / 127  # [M, nb]
-    slack = (step[:, None, :] * 0.501 * (dense - packed.m.double().repeat_interleave(32, -1)).abs().reshape(n, nb, 32).sum(-1)[None]).sum(-1)
+    slack = (
+        step[:, None, :]
+        * 0.501
+        * (dense - packed.m.double().repeat_interleave(32, -1)).abs().reshape(n, nb, 32).sum(-1)[None]
+    ).sum(-1)
     assert ((got.double() - x.double() @ dense.T).abs() <= slack + bound).all()
 
 
@@ -78,13 +86,17 @@ def test_kernel_choice_by_rows_and_weight_kind():
     assert ops.kernel_for(5, "q4", 4, 5) == "i8" and ops.kernel_for(2048, "q4", 4, 5) == "i8"
     assert ops.kernel_for(5, "q8", 4, 5) == "exact"  # 8-bit weights keep float32 activations
     assert ops.kernel_for(64, "q4", 4, 0) == "exact"
-    assert ops.kernel_for(64, "q4", 10**9, 5) == "i8"  # opted in: whatever int_rows says (the int16 default covers every row count)
+    assert (
+        ops.kernel_for(64, "q4", 10**9, 5) == "i8"
+    )  # opted in: whatever int_rows says (the int16 default covers every row count)
     assert ops.kernel_for(64, "q8", 10**9, 5) == "i16" and ops.kernel_for(64, "q4", 10**9, 0) == "i16"
     # the dispatch really takes the int8 kernel: equal to a direct call, not to the exact kernel
     packed = _packed("Q4_1", 24, 128, seed=3)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(2))
     direct = torch.empty(6, 24)
-    KERNELS.lib.gemm_i8_act(x.data_ptr(), 6, 128, packed.qs.data_ptr(), packed.d.data_ptr(), packed.m.data_ptr(), 24, direct.data_ptr(), 1)
+    KERNELS.lib.gemm_i8_act(
+        x.data_ptr(), 6, 128, packed.qs.data_ptr(), packed.d.data_ptr(), packed.m.data_ptr(), 24, direct.data_ptr(), 1
+    )
     assert torch.equal(ops.matmul(x, packed, 4, 5), direct) and not torch.equal(ops.matmul(x, packed), direct)
 
 

@@ -9,6 +9,7 @@ the panel from 5 with every token tail, K in one and in several slices of the pa
 offsets, q5 and q8), through the fused head and a whole decode step. The choice of build is read
 from /proc/cpuinfo (checked against the kernel flags there) and ``DEEPINFER_LOWBIT_ISA``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +26,8 @@ VNNI = native.load_isa("avx512vnni") if HAS_VNNI and BASE.lib is not None else N
 needs_both = pytest.mark.skipif(
     VNNI is None or VNNI.lib is None,
     reason="this CPU lacks AVX512-VNNI + AVX512-VL (or the kernels cannot be built): nothing to compare"
-    if not HAS_VNNI else f"a build failed: {BASE.reason or (VNNI and VNNI.reason)}",
+    if not HAS_VNNI
+    else f"a build failed: {BASE.reason or (VNNI and VNNI.reason)}",
 )
 
 
@@ -64,26 +66,62 @@ def _weight(kind: str, n: int, k: int, seed: int) -> QuantWeight:
         return quantize_q8(torch.randn(n, k, generator=g))
     d = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
     width = 20 if kind == "q5" else 16  # q5: random high bits too
-    return QuantWeight(kind, torch.randint(0, 256, (n, k // 32, width), dtype=torch.uint8, generator=g), d,
-                       -8 * d + 0.002 * torch.randn(n, k // 32, generator=g), "Q5_1" if kind == "q5" else "Q4_1")
+    return QuantWeight(
+        kind,
+        torch.randint(0, 256, (n, k // 32, width), dtype=torch.uint8, generator=g),
+        d,
+        -8 * d + 0.002 * torch.randn(n, k // 32, generator=g),
+        "Q5_1" if kind == "q5" else "Q4_1",
+    )
 
 
 def _gemm(lib: ctypes.CDLL, exact: bool, x: torch.Tensor, w: QuantWeight, threads: int) -> torch.Tensor:
     M, K = x.shape
     y = torch.full((M, w.qs.shape[0]), float("nan"))
     fn = lib.gemm_f32_act if exact else lib.gemm_i16_act
-    fn(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr() if w.m is not None else None,
-       w.qs.shape[0], y.data_ptr(), threads)
+    fn(
+        x.data_ptr(),
+        M,
+        K,
+        KIND_CODE[w.kind],
+        w.qs.data_ptr(),
+        w.d.data_ptr(),
+        w.m.data_ptr() if w.m is not None else None,
+        w.qs.shape[0],
+        y.data_ptr(),
+        threads,
+    )
     return y
 
 
 @needs_both
 @pytest.mark.parametrize("kind", ["q4", "q5", "q8"])
-@pytest.mark.parametrize("K", [352, 640, 1376, 1536])  # 11 blocks; one slice of 20; three of 15 and one short; three of 16
+@pytest.mark.parametrize(
+    "K", [352, 640, 1376, 1536]
+)  # 11 blocks; one slice of 20; three of 15 and one short; three of 16
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int16_kernel_bits_equal_between_builds(kind, K, threads):
     w = _weight(kind, 37, K, K)
-    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 23, 32, 301):  # the panel's token tails of 5 (ymm) and 8 (zmm) passes
+    for M in (
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        23,
+        32,
+        301,
+    ):  # the panel's token tails of 5 (ymm) and 8 (zmm) passes
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M * K)) * 3
         x[:, 7] = 0.0  # a block of zeros among them: scale 0
         x[0, :32] = 0.0
@@ -105,8 +143,20 @@ def test_int16_kernel_on_rows_rounded_beforehand_keeps_its_bits(kind):
             v, s, sx = torch.empty(M, 640, dtype=torch.int16), torch.empty(M, nb), torch.empty(M, nb)
             lib.quantize_act16(x.data_ptr(), M, 640, v.data_ptr(), s.data_ptr(), sx.data_ptr())
             got = torch.full((M, n), float("nan"))
-            lib.gemm_i16_pre(v.data_ptr(), s.data_ptr(), sx.data_ptr(), M, 640, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(),
-                             w.m.data_ptr() if w.m is not None else None, n, got.data_ptr(), 2)
+            lib.gemm_i16_pre(
+                v.data_ptr(),
+                s.data_ptr(),
+                sx.data_ptr(),
+                M,
+                640,
+                KIND_CODE[w.kind],
+                w.qs.data_ptr(),
+                w.d.data_ptr(),
+                w.m.data_ptr() if w.m is not None else None,
+                n,
+                got.data_ptr(),
+                2,
+            )
             want = _gemm(lib, False, x, w, 2)
             assert not want.isnan().any() and torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, M)
 
@@ -118,7 +168,9 @@ def test_exact_kernel_bits_equal_between_builds(kind):
     w = _weight(kind, 37, 640, 5)
     for M in (1, 3, 4, 5, 32):
         x = torch.randn(M, 640, generator=torch.Generator().manual_seed(M))
-        assert torch.equal(_gemm(BASE.lib, True, x, w, 2).view(torch.int32), _gemm(VNNI.lib, True, x, w, 2).view(torch.int32))
+        assert torch.equal(
+            _gemm(BASE.lib, True, x, w, 2).view(torch.int32), _gemm(VNNI.lib, True, x, w, 2).view(torch.int32)
+        )
 
 
 @needs_both
@@ -131,8 +183,23 @@ def test_fused_head_picks_the_same_tokens_between_builds(M):
     outs = []
     for lib in (BASE.lib, VNNI.lib):
         out = torch.empty(M, dtype=torch.int64)
-        assert lib.lowbit_head_argmax(x.data_ptr(), M, 576, 8, w.qs.data_ptr(), w.d.data_ptr(), None, w.qs.shape[0], 1 << 62, 0, 2,
-                                      out.data_ptr()) == 0
+        assert (
+            lib.lowbit_head_argmax(
+                x.data_ptr(),
+                M,
+                576,
+                8,
+                w.qs.data_ptr(),
+                w.d.data_ptr(),
+                None,
+                w.qs.shape[0],
+                1 << 62,
+                0,
+                2,
+                out.data_ptr(),
+            )
+            == 0
+        )
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], _gemm(BASE.lib, False, x, w, 2).argmax(-1))
@@ -171,7 +238,9 @@ def test_an_engine_on_each_build_generates_the_same_tokens(monkeypatch):
         monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", isa)
         llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=6, kv_cache_blocks=48)
         tokens[isa] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.model._decode_plan._lib.lowbit_isa() == (0 if isa == "avx2" else 1)  # the steps ran on that build
+        assert llm.engine.model._decode_plan._lib.lowbit_isa() == (
+            0 if isa == "avx2" else 1
+        )  # the steps ran on that build
         del llm
     assert all(len(t) == 24 for t in tokens["avx2"])
     assert tokens["avx2"] == tokens["avx512vnni"]

@@ -6,6 +6,7 @@ float32 scale. The tests read the bytes back with numpy, independently of the pa
 dequantizer, and compare attention with float64 softmax attention over those dequantized
 values (tight) and over the unquantized float values (loose: int8's rounding).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,9 @@ def test_write_quantizes_each_row_with_its_own_scale_and_touches_nothing_else():
     k, v = torch.randn(2, len(slots), hkv, hd, generator=g) * 3
     k[3] = 0.0  # an all-zero key row
     backend = PagedDecodeAttention(KERNELS.lib)
-    KERNELS.lib.paged_write_kv(k.data_ptr(), v.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, slots.data_ptr(), len(slots), 2)
+    KERNELS.lib.paged_write_kv(
+        k.data_ptr(), v.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, slots.data_ptr(), len(slots), 2
+    )
     for plane, x in ((0, k), (1, v)):
         raw = cache[plane].reshape(hkv, nb * bs, hd + 4).numpy()
         for t, slot in enumerate(slots.tolist()):
@@ -101,8 +104,24 @@ def test_decode_attention_over_int8_equals_float64_over_the_dequantized_rows(win
     float_k, float_v = torch.randn(2, hkv, nb * bs, hd, generator=g)  # every slot's values before rounding
     cache = torch.zeros(backend.kv_cache_shape(spec, nb, bs), dtype=torch.int8)
     all_slots = torch.arange(nb * bs)
-    rows_k, rows_v = float_k.transpose(0, 1).contiguous(), float_v.transpose(0, 1).contiguous()  # [slots, Hkv, D], kept alive
-    KERNELS.lib.paged_write_kv(rows_k.data_ptr(), rows_v.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, all_slots.data_ptr(), nb * bs, 2)
+    rows_k, rows_v = (
+        float_k.transpose(0, 1).contiguous(),
+        float_v.transpose(0, 1).contiguous(),
+    )  # [slots, Hkv, D], kept alive
+    KERNELS.lib.paged_write_kv(
+        rows_k.data_ptr(),
+        rows_v.data_ptr(),
+        cache.data_ptr(),
+        hkv,
+        nb,
+        bs,
+        hd + 4,
+        hd,
+        hd,
+        all_slots.data_ptr(),
+        nb * bs,
+        2,
+    )
     positions = torch.tensor([0, 5, 40, 70])
     tables = torch.randperm(nb, generator=g)[:20].reshape(4, 5).int()
     q = torch.randn(4, heads, hd, generator=g)
@@ -153,10 +172,25 @@ def test_native_prefill_attention_over_int8_equals_float64_over_what_it_must_see
         old_k, old_v = torch.randn(2, max(before, 1), hkv, hd, generator=g)
         old_slots = torch.tensor([slot(p) for p in range(before)], dtype=torch.long)
         if before:
-            KERNELS.lib.paged_write_kv(old_k.data_ptr(), old_v.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, old_slots.data_ptr(), before, 2)
+            KERNELS.lib.paged_write_kv(
+                old_k.data_ptr(),
+                old_v.data_ptr(),
+                cache.data_ptr(),
+                hkv,
+                nb,
+                bs,
+                hd + 4,
+                hd,
+                hd,
+                old_slots.data_ptr(),
+                before,
+                2,
+            )
         new_slots = torch.tensor([slot(before + i) for i in range(n)], dtype=torch.long)
         kk, vv = k_rows[row : row + n].contiguous(), v_rows[row : row + n].contiguous()
-        KERNELS.lib.paged_write_kv(kk.data_ptr(), vv.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, new_slots.data_ptr(), n, 2)
+        KERNELS.lib.paged_write_kv(
+            kk.data_ptr(), vv.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, new_slots.data_ptr(), n, 2
+        )
         for i in range(n):
             positions.append(before + i)
             row_tables.append(tables[req])
@@ -179,7 +213,9 @@ def test_native_prefill_attention_over_int8_equals_float64_over_what_it_must_see
             v[:, own] = v_rows[start : start + pos + 1 - before].transpose(0, 1).double().numpy()
         first = 0 if window is None else max(0, pos - window + 1)
         ref = _attend64(q[r], k[:, first:], v[:, first:], hd**-0.5)
-        np.testing.assert_allclose(out[r].double().numpy(), ref, rtol=1e-5, atol=2e-6, err_msg=f"row {r}, position {pos}")
+        np.testing.assert_allclose(
+            out[r].double().numpy(), ref, rtol=1e-5, atol=2e-6, err_msg=f"row {r}, position {pos}"
+        )
 
 
 @needs_kernels
@@ -202,7 +238,9 @@ def test_torch_path_steps_over_int8_read_the_dequantized_blocks(batch_invariant)
         if before:
             sl = torch.tensor([int(tables[req, p // bs]) * bs + p % bs for p in range(before)])
             k0, v0 = torch.randn(2, before, hkv, hd, generator=g)
-            KERNELS.lib.paged_write_kv(k0.data_ptr(), v0.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, sl.data_ptr(), before, 2)
+            KERNELS.lib.paged_write_kv(
+                k0.data_ptr(), v0.data_ptr(), cache.data_ptr(), hkv, nb, bs, hd + 4, hd, hd, sl.data_ptr(), before, 2
+            )
     T = sum(n for _, n in runs)
     q, k, v = torch.randn(T, heads, hd, generator=g), *torch.randn(2, T, hkv, hd, generator=g)
     positions = torch.cat([torch.arange(b, b + n) for b, n in runs])
@@ -252,7 +290,10 @@ def test_kv_cache_dtype_on_the_dense_path_is_refused_naming_what_it_can_do():
     check_kv_cache_dtype("auto", torch.bfloat16, "not requested")
     check_kv_cache_dtype("float32", torch.float32, "not requested")
     check_kv_cache_dtype("int8", torch.float32, None)  # the low-bit path takes it
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is for packed low-bit weights on CPU .* dense \(low-bit kernels are CPU kernels \(device cuda\)\) .* in bfloat16: use 'auto' or 'bfloat16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_dtype='int8' is for packed low-bit weights on CPU .* dense \(low-bit kernels are CPU kernels \(device cuda\)\) .* in bfloat16: use 'auto' or 'bfloat16'",
+    ):
         check_kv_cache_dtype("int8", torch.bfloat16, "low-bit kernels are CPU kernels (device cuda)")
     with pytest.raises(ValueError, match="use 'auto' or 'float32'"):
         check_kv_cache_dtype("float16", torch.float32, "not requested")
@@ -296,7 +337,9 @@ def test_engine_int8_cache_prefix_hits_and_store_round_trip(tmp_path, caplog):
     from deepinfer_core import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    text = " ".join(f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps over dog number {i * 7}." for i in range(700))
+    text = " ".join(
+        f"Entry {i}: the {['red', 'green', 'blue'][i % 3]} fox jumps over dog number {i * 7}." for i in range(700)
+    )
     url = f"local://{tmp_path / 'store'}"
     with caplog.at_level(logging.INFO, logger="deepinfer_core.engine.llm_engine"):
         a = LLM("smollm2-135m-instruct", device="cpu", kv_cache_dtype="int8", kv_cache_blocks=24, kv_store=url)
@@ -314,7 +357,10 @@ def test_engine_int8_cache_prefix_hits_and_store_round_trip(tmp_path, caplog):
     assert third.num_cached_tokens == 640 and b.engine.stats()["kv_tiers"]["store_blocks_loaded"] == 5
     assert third.outputs[0].token_ids == second.outputs[0].token_ids
     c = LLM("smollm2-135m-instruct", device="cpu", kv_cache_dtype="float16", kv_cache_blocks=24, kv_store=url)
-    assert c.generate([ids], greedy)[0].num_cached_tokens == 0 and c.engine.stats()["kv_tiers"].get("store_blocks_loaded", 0) == 0
+    assert (
+        c.generate([ids], greedy)[0].num_cached_tokens == 0
+        and c.engine.stats()["kv_tiers"].get("store_blocks_loaded", 0) == 0
+    )
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is for packed low-bit weights on CPU"):
         LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_dtype="int8")
 

@@ -6,6 +6,7 @@ model teacher-forced on the same prefix (``deepinfer_core.testing.greedy_check``
 pinned to transformers by test_engine_smollm2.py. ``benchmarks/lowbit_mixed_check.py`` runs the
 same check at concurrencies 2-64 and prompts up to 2,000 tokens.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,14 @@ def dense():
 def test_mixed_lengths_arrivals_chunking_and_preemption_stay_with_the_float32_model(dense):
     # 17 requests for 16 slots; 8 blocks of 128 tokens hold 2 of the 500-token prompts at once;
     # 256 tokens a step: the 500- and 129-token prompts are prefilled in chunks
-    llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=16, kv_cache_blocks=8, max_num_batched_tokens=256, enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        device="cpu",
+        max_num_seqs=16,
+        kv_cache_blocks=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     prompts = mixed_prompts(llm.get_tokenizer(), 17, LENGTHS, TEXT)
     assert sorted({len(p) for p in prompts}) == list(LENGTHS)
@@ -66,8 +74,10 @@ def test_mixed_lengths_arrivals_chunking_and_preemption_stay_with_the_float32_mo
     assert engine.scheduler.num_preemptions > 0 and native_prefill > 0
     assert all(len(o) == 8 for o in outputs)
     report = check_greedy(dense, prompts, outputs, TOLERANCE)
-    print(f"{report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}, "
-          f"{engine.scheduler.num_preemptions} preemptions, {native_prefill} native multi-token steps")
+    print(
+        f"{report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}, "
+        f"{engine.scheduler.num_preemptions} preemptions, {native_prefill} native multi-token steps"
+    )
     assert not report.misses, report.misses[:5]
     assert report.exact >= 0.9 * report.tokens
 
@@ -83,6 +93,8 @@ def test_prefix_cache_hits_resume_prefill_mid_prompt_and_stay_with_the_float32_m
     rest = run_arriving(llm, prompts[1:], 6, waves=2)
     assert llm.engine.kv.hits > 0
     report = check_greedy(dense, prompts, first + rest, TOLERANCE)
-    print(f"prefix hits {llm.engine.kv.hits}: {report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}")
+    print(
+        f"prefix hits {llm.engine.kv.hits}: {report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}"
+    )
     assert not report.misses, report.misses[:5]
     assert report.exact >= 0.9 * report.tokens

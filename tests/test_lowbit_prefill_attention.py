@@ -4,6 +4,7 @@ resume after keys already in the cache (an earlier chunk, a prefix-cache hit), s
 among them, a run longer than one work item (16 rows), GQA 9/3 and 8/2, a sliding window, a
 float32 and a float16 cache. Mode 2 must use the call's own keys and values unrounded and the
 cache's for earlier positions; mode 1 every key and value as the cache holds it."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,9 @@ def _run(mode: int, cache_dtype: torch.dtype, window: int | None, heads: int, hk
         k, v = keys[r].repeat_interleave(group, 0), values[r].repeat_interleave(group, 0)  # [H, n, hd]
         probs = torch.softmax((q[r].double()[:, None] * k).sum(-1) * hd**-0.5, dim=-1)  # [H, n]
         expected = (probs[..., None] * v).sum(1)
-        torch.testing.assert_close(out[r].double(), expected, rtol=1e-5, atol=2e-6, msg=f"row {r}, position {positions[r]}")
+        torch.testing.assert_close(
+            out[r].double(), expected, rtol=1e-5, atol=2e-6, msg=f"row {r}, position {positions[r]}"
+        )
 
 
 @pytest.mark.parametrize("mode", [1, 2])

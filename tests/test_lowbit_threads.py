@@ -4,6 +4,7 @@ The chooser is driven with wall times as a loaded or an idle machine gives them;
 real GGUF, a step's logits are bit-identical whatever thread count each step ran on (the reason
 switching is safe), checked against steps on a fixed single thread.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,7 @@ def test_one_lucky_probe_does_not_switch_a_second_in_a_row_does():
     """A quiet but noisy machine (its speed swings 1.5x within a second): two threads take 100 ms
     a step and one thread 170 ms, but a probe step can land in a fast moment. One probe that wins
     alone is not trusted; the step after it probes again, and only two wins in a row switch."""
+
     def run(chooser: ThreadChooser, probe_ms: list[float], n: int) -> list[int]:
         picked, probes = [], iter(probe_ms)
         for _ in range(n):

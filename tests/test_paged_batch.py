@@ -2,6 +2,7 @@
 tests and benchmarks draw. Checked against the core's torch reference backend (its K/V write
 and its attention read the cache only through ``slot_mapping`` and ``block_tables``) and against
 the generator's own ``randperm``."""
+
 from __future__ import annotations
 
 import pytest

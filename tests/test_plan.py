@@ -1,5 +1,6 @@
 """``deepinfer plan`` against the engine: the blocks and bytes it reports are the ones an engine
 given the same budget allocates, and its bytes per token follow each attention kind's definition."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,15 @@ from deepinfer_core.engine.kv_sizing import cache_bytes  # noqa: E402
 from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
 from deepinfer_core.plan import plan  # noqa: E402
 
-LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 V3 = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
@@ -26,7 +35,13 @@ V3 = dict(
 def per_token_bytes(family: str, c: dict, itemsize: int) -> int:
     """Block KV bytes per token from the architecture's definition."""
     if family == "llama":  # GQA: K and V, each kv_heads x head_dim, per layer
-        return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * itemsize
+        return (
+            c["num_hidden_layers"]
+            * 2
+            * c["num_key_value_heads"]
+            * (c["hidden_size"] // c["num_attention_heads"])
+            * itemsize
+        )
     return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * itemsize  # MLA: latent + rope key
 
 
@@ -47,7 +62,9 @@ def checkpoint(request, tmp_path_factory):
 def test_plan_is_what_the_engine_allocates(checkpoint, kv_gib, max_num_seqs):
     family, path = checkpoint
     p = plan(path, kv_gib, dtype="float32", max_num_seqs=max_num_seqs, max_model_len=300)
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs))
+    engine = LLMEngine(
+        EngineConfig(model=path, device="cpu", dtype="float32", kv_cache_gib=kv_gib, max_num_seqs=max_num_seqs)
+    )
     assert engine.num_blocks == p.blocks
     assert cache_bytes(engine.runner.kv_caches) == p.total_bytes <= kv_gib * 2**30
     assert p.context_tokens == engine.num_blocks * engine.config.block_size
@@ -72,7 +89,9 @@ def test_cli_prints_the_plan(checkpoint, capsys):
     family, path = checkpoint
     assert main(["plan", "--model", path, "--kv-gib", "0.5", "--max-model-len", "1000", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    expected = str(EngineConfig(model=path, device="cpu").torch_dtype("cpu")).removeprefix("torch.")  # default auto, as the engine's
+    expected = str(EngineConfig(model=path, device="cpu").torch_dtype("cpu")).removeprefix(
+        "torch."
+    )  # default auto, as the engine's
     assert out["blocks"] == plan(path, 0.5, max_model_len=1000).blocks and out["dtype"] == expected
     assert main(["plan", "--model", path, "--kv-gib", "0.5"]) == 0
     text = capsys.readouterr().out

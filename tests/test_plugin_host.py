@@ -1,4 +1,5 @@
 """Plugin discovery and precedence, with fake entry points and in-process plugins."""
+
 from __future__ import annotations
 
 import pytest
@@ -265,7 +266,9 @@ def test_open_unknown_kv_store_names_the_installed_ones(installed):
 
 # -- platforms ----------------------------------------------------------------------------
 def test_two_installed_plugins_claiming_one_device_conflict(installed):
-    installed.extend([FakeEntryPoint("vendor_a", DevicePlugin("cuda")), FakeEntryPoint("vendor_b", DevicePlugin("cuda"))])
+    installed.extend(
+        [FakeEntryPoint("vendor_a", DevicePlugin("cuda")), FakeEntryPoint("vendor_b", DevicePlugin("cuda"))]
+    )
     with pytest.raises(PluginConflictError) as err:
         PluginHost().platform("cuda")
     assert "vendor_a" in str(err.value) and "vendor_b" in str(err.value)

@@ -9,6 +9,7 @@ transformers on the same weights and through its own GGUF loader, and llama.cpp
 (quantized by the ``gguf`` library) run on the CPU default (packed weights, one native call per
 decode step) and are checked against the same file dequantized to float32.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,11 +28,20 @@ pytestmark = pytest.mark.slow  # ~30 s in all on a 2-core machine: transformers,
 
 VOCAB = len(tiny_qwen2_vocab()[0])
 PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 61)]
-TEXTS = [" hello world 12345 and 2024", "the cat\n\nis a dog 007", "<|im_start|>user\nhi<|im_end|>\n", "ünïcödé 日本 🤖 x1y22"]
+TEXTS = [
+    " hello world 12345 and 2024",
+    "the cat\n\nis a dog 007",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "ünïcödé 日本 🤖 x1y22",
+]
 CHATS = [
     [{"role": "user", "content": "hello world 12"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a dog"},
-     {"role": "user", "content": "<|im_end|> stays text"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the cat"},
+        {"role": "assistant", "content": "a dog"},
+        {"role": "user", "content": "<|im_end|> stays text"},
+    ],
 ]
 
 
@@ -42,9 +52,18 @@ def _engine(path, **kw):
 def _qwen2(tied: bool, seed: int = 0):
     """A random Qwen2 (hidden 64, 4 heads over 2 KV heads, rope theta 1e6) with non-zero biases."""
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=tied)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +72,9 @@ def _qwen2(tied: bool, seed: int = 0):
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:  # o, down and the embedding wider, so layers and head do not just echo the token
-                p.normal_(0.0, (3.0 if any(k in name for k in ("o_proj", "down_proj", "embed")) else 1.0) / p.shape[-1] ** 0.5)
+                p.normal_(
+                    0.0, (3.0 if any(k in name for k in ("o_proj", "down_proj", "embed")) else 1.0) / p.shape[-1] ** 0.5
+                )
     return model
 
 
@@ -74,8 +95,13 @@ def files(tmp_path_factory):
     """{(tied, type): path} and the transformers models they were written from."""
     folder = tmp_path_factory.mktemp("qwen2")
     models = {tied: _qwen2(tied) for tied in (False, True)}
-    paths = {(tied, t): write_hf_qwen2_gguf(folder / f"qwen2_{'tied' if tied else 'untied'}_{t}.gguf", models[tied], type_name=t)
-             for tied in (False, True) for t in ("F32", "Q8_0", "Q4_0")}
+    paths = {
+        (tied, t): write_hf_qwen2_gguf(
+            folder / f"qwen2_{'tied' if tied else 'untied'}_{t}.gguf", models[tied], type_name=t
+        )
+        for tied in (False, True)
+        for t in ("F32", "Q8_0", "Q4_0")
+    }
     return paths, models
 
 
@@ -114,7 +140,9 @@ def test_transformers_gguf_loader_reads_the_same_model(files, type_name):
     """transformers' own GGUF reader (config, names, dequantization) on the same file."""
     paths, _ = files
     path = paths[(False, type_name)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
     ours = _engine(path, dtype="float32").engine
     for ids in PROMPTS:
         want = _hf_logits(hf, ids)
@@ -147,7 +175,9 @@ def test_llama_cpp_on_the_same_file(files):
     llama_cpp = pytest.importorskip("llama_cpp")
     paths, _ = files
     ids = PROMPTS[0]
-    lm = llama_cpp.Llama(paths[(False, "F32")], n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=0, type_v=0)
+    lm = llama_cpp.Llama(
+        paths[(False, "F32")], n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=0, type_v=0
+    )
     lm.eval(ids)
     want = torch.tensor(lm.scores[: len(ids)], dtype=torch.float32)
     ours = _engine(paths[(False, "F32")], dtype="float32").engine.prompt_logits(ids)
@@ -180,15 +210,28 @@ def test_tokenizer_and_chat_template_from_the_file(files):
     lm = llama_cpp.Llama(path, n_ctx=64, verbose=False, vocab_only=True)
     for text in TEXTS:
         ours = tok.encode(text)
-        assert ours == lm.tokenize(text.encode(), add_bos=False, special=True) == hf.encode(text, add_special_tokens=False), text
-    assert tok.encode("12345") == [tok.token_to_id(c) for c in "12345"]  # the "1 2", "12 3" merges never apply across digits
+        assert (
+            ours == lm.tokenize(text.encode(), add_bos=False, special=True) == hf.encode(text, add_special_tokens=False)
+        ), text
+    assert tok.encode("12345") == [
+        tok.token_to_id(c) for c in "12345"
+    ]  # the "1 2", "12 3" merges never apply across digits
     for chat in CHATS:
         ids, text = encode_chat(tok, chat)
         assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         if "<|im_end|>" not in chat[-1]["content"]:
-            assert ids == hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
-    assert ids.count(tok.token_to_id("<|im_end|>")) == 4  # four turns; the text "<|im_end|>" in the last message stayed text
-    assert tok.token_to_id("<|im_end|>") in tok.stop_token_ids and tok.encode("x", add_special_tokens=True) == tok.encode("x")
+            assert (
+                ids
+                == hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+    assert (
+        ids.count(tok.token_to_id("<|im_end|>")) == 4
+    )  # four turns; the text "<|im_end|>" in the last message stayed text
+    assert tok.token_to_id("<|im_end|>") in tok.stop_token_ids and tok.encode(
+        "x", add_special_tokens=True
+    ) == tok.encode("x")
 
 
 def test_llama_arch_with_q_k_v_biases_and_no_o_bias(tmp_path, files):
@@ -196,9 +239,21 @@ def test_llama_arch_with_q_k_v_biases_and_no_o_bias(tmp_path, files):
     only loads on both paths and gives llama.cpp's logits."""
     llama_cpp = pytest.importorskip("llama_cpp")
     paths, _ = files
-    path = write_random_llama_gguf(tmp_path / "qkv_bias.gguf", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
-                                   vocab=VOCAB, tied=False, types={"*": "Q8_0"}, attention_bias=True, o_bias=False,
-                                   tokenizer_from=paths[(False, "F32")])
+    path = write_random_llama_gguf(
+        tmp_path / "qkv_bias.gguf",
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        layers=2,
+        vocab=VOCAB,
+        tied=False,
+        types={"*": "Q8_0"},
+        attention_bias=True,
+        o_bias=False,
+        tokenizer_from=paths[(False, "F32")],
+    )
     lm = llama_cpp.Llama(path, n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=0, type_v=0)
     ids = PROMPTS[0]
     lm.eval(ids)
@@ -232,12 +287,28 @@ def test_cli_generate_chat_on_a_qwen2_gguf(files, capsys):
 
     paths, _ = files
     path = paths[(True, "Q8_0")]
-    status = main(["generate", "--model", path, "--device", "cpu", "--kv-cache-blocks", "8", "--max-tokens", "6",
-                   "--chat", "--json", "hello world 12"])
+    status = main(
+        [
+            "generate",
+            "--model",
+            path,
+            "--device",
+            "cpu",
+            "--kv-cache-blocks",
+            "8",
+            "--max-tokens",
+            "6",
+            "--chat",
+            "--json",
+            "hello world 12",
+        ]
+    )
     assert status == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     chat = [{"role": "user", "content": "hello world 12"}]
     hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     want = _engine(path).chat(chat, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     assert got["text"] == want, got
-    assert got["prompt_tokens"] == len(hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert got["prompt_tokens"] == len(
+        hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )

@@ -1,4 +1,5 @@
 """Sampler behaviour: filters restrict the support, seeds reproduce, rows are independent."""
+
 import pytest
 import torch
 
@@ -63,7 +64,9 @@ def test_seed_and_position_determine_the_draw_not_the_batch():
     lg = logits(3)
     s = Sampler()
     alone = s(lg[1:2].clone(), [row(seed=42, position=7, temperature=1.0)])
-    batched = s(lg.clone(), [row(seed=1, temperature=1.0), row(seed=42, position=7, temperature=1.0), row(temperature=0)])
+    batched = s(
+        lg.clone(), [row(seed=1, temperature=1.0), row(seed=42, position=7, temperature=1.0), row(temperature=0)]
+    )
     assert batched[1] == alone[0]
     other_pos = {s(lg[1:2].clone(), [row(seed=42, position=p, temperature=1.0)])[0] for p in range(40)}
     assert len(other_pos) > 1  # the position changes the noise
@@ -92,7 +95,16 @@ def test_penalties():
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-2), dict(min_p=2.0), dict(repetition_penalty=0), dict(n=2)],
+    [
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(min_p=2.0),
+        dict(repetition_penalty=0),
+        dict(n=2),
+    ],
 )
 def test_invalid_params_name_the_parameter(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):

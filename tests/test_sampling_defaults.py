@@ -1,6 +1,7 @@
 """Where the server's sampling defaults come from (``deepinfer_core.serve.sampling_defaults``):
 a checkpoint's ``generation_config.json``, a GGUF's ``general.sampling.*`` keys (written here by
 the ``gguf`` library's own writer), the embedded model's card, else the protocol defaults."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import pytest
 from deepinfer_core.models import gguf_index
 from deepinfer_core.models.gguf_loader import open_gguf
 from deepinfer_core.models.sources import smollm2_gguf
-from deepinfer_core.testing.gguf_files import write_tiny_llama_gguf
 from deepinfer_core.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
+from deepinfer_core.testing.gguf_files import write_tiny_llama_gguf
 
 
 def write_generation_config(path, **fields):
@@ -22,7 +23,9 @@ def write_generation_config(path, **fields):
 
 
 def test_generation_config_values_are_taken(tmp_path):
-    got = model_sampling_defaults(write_generation_config(tmp_path, temperature=0.6, top_p=0.95, top_k=20, do_sample=True))
+    got = model_sampling_defaults(
+        write_generation_config(tmp_path, temperature=0.6, top_p=0.95, top_k=20, do_sample=True)
+    )
     assert (got.temperature, got.top_p, got.top_k) == (0.6, 0.95, 20)
     assert "generation_config.json" in got.describe()
 

@@ -1,4 +1,5 @@
 """SamplingParams refuses every bad field with one error naming it and the allowed values."""
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,10 @@ def test_bad_field_is_named_at_construction(field, value, exc):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("temperature", math.nan), ("max_tokens", -3), ("skip_special_tokens", "no"), ("stop", 5), ("top_k", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", math.nan), ("max_tokens", -3), ("skip_special_tokens", "no"), ("stop", 5), ("top_k", True)],
+)
 def test_fields_changed_after_construction_are_checked_again(field, value):
     params = SamplingParams()
     setattr(params, field, value)
@@ -71,7 +75,9 @@ def test_checked_copy_is_independent_of_the_original():
 
 
 def test_numpy_numbers_are_accepted_as_plain_numbers():
-    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), stop_token_ids=[np.int64(3)], seed=np.int32(4))
+    params = SamplingParams(
+        temperature=np.float32(0.5), top_k=np.int64(5), stop_token_ids=[np.int64(3)], seed=np.int32(4)
+    )
     assert type(params.top_k) is int and type(params.temperature) is float
     assert params.stop_token_ids == [3] and type(params.stop_token_ids[0]) is int and params.seed == 4
 

@@ -1,4 +1,5 @@
 """Scheduler invariants, driven without a model (tokens are fed back by the test)."""
+
 from deepinfer_core.engine.kv_cache_manager import KVCacheManager
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.sampling_params import SamplingParams
@@ -23,7 +24,10 @@ def drive(sched: Scheduler, max_new: int, max_steps: int = 500):
 
 
 def test_budget_and_chunked_prefill():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10), KVCacheManager(64, BS, "ns"))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10),
+        KVCacheManager(64, BS, "ns"),
+    )
     sched.add(Request("a", list(range(25)), SamplingParams(), 0))
     steps = drive(sched, max_new=3)
     assert all(s.num_tokens <= 10 for s in steps)
@@ -93,7 +97,10 @@ def test_prompt_chunks_carry_their_ids_as_array_views_and_build_the_same_batch()
 
     from deepinfer_core.engine.batch_build import build
 
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10), KVCacheManager(64, BS, "ns"))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_threshold=10),
+        KVCacheManager(64, BS, "ns"),
+    )
     prompt = [(37 * i) % 101 for i in range(25)]
     sched.add(Request("a", list(prompt), SamplingParams(), 0, prompt_array=np.array(prompt, dtype=np.uint32)))
     sched.add(Request("b", [5, 6, 7], SamplingParams(), 0))  # no array: its rows come from token_ids

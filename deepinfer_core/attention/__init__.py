@@ -14,6 +14,7 @@ Flat token batch (requests r0, r1, r2 scheduled with 3, 1 and 2 new tokens)::
     slot_mapping    block_id * block_size + offset        [T] int64
     block_tables    [R, max_blocks] int32 (padded with 0)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -15,6 +15,7 @@ Three paths:
 * batch invariant: each request on its exact lengths, so its reductions never depend on the
   rest of the batch.
 """
+
 from __future__ import annotations
 
 import torch

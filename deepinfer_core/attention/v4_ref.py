@@ -10,6 +10,7 @@ Per request (exact lengths, so results never depend on the rest of the batch):
 
 then the new keys go into the ring at ``pos % rows``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,9 @@ class TorchV4AttentionBackend:
             pos = meta.positions[a:b]
             ents = visible = None
             if spec.kind is not AttentionKind.SLIDING:
-                ents, visible = self._entries(spec, cache, meta, r, e, pos, selected[a:b] if selected is not None else None)
+                ents, visible = self._entries(
+                    spec, cache, meta, r, e, pos, selected[a:b] if selected is not None else None
+                )
                 ents = ents.to(kv.dtype)
             # queries in chunks: a chunk only needs its own window of keys, not the whole prompt
             for c in range(0, b - a, _QUERY_CHUNK):
@@ -82,7 +85,9 @@ class TorchV4AttentionBackend:
             per_block = meta.block_size // ratio
             n = max(1, (int(meta.max_seq_len)) // ratio)
             ids = torch.arange(n, device=dev)
-            blocks = meta.block_tables.long().gather(1, (ids // per_block).expand(pos.shape[0], -1).clamp(max=meta.block_tables.shape[1] - 1))
+            blocks = meta.block_tables.long().gather(
+                1, (ids // per_block).expand(pos.shape[0], -1).clamp(max=meta.block_tables.shape[1] - 1)
+            )
             ents = cache.entries[blocks, (ids % per_block)[None, :], : spec.head_dim].to(kv.dtype)  # [R, n, D]
             if selected is None:
                 visible = ids[None, :] < ((pos + 1) // ratio)[:, None]

@@ -1,4 +1,5 @@
 """The builtin behaviour of deepinfer, itself written as plugins (all hooks ``trylast``)."""
+
 from __future__ import annotations
 
 from . import catalogues, kernels, platforms

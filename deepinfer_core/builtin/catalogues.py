@@ -1,4 +1,5 @@
 """Builtin catalogues: KV stores, speculative policies, model architectures and sources."""
+
 from __future__ import annotations
 
 from ..hookspecs import hookimpl

@@ -4,6 +4,7 @@ bfloat16 pays on a CPU only where it has bf16 dot-product instructions (AVX512-B
 elsewhere torch emulates bf16 matmuls through float32 conversions and they run slower than
 float32 itself. torch already probes these (its oneDNN dispatch uses them), so we ask it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ class CpuFeatures:
         ``deepinfer plugins`` prints)."""
         found = [name for name, ok in (("AVX512-BF16", self.avx512_bf16), ("AMX", self.amx)) if ok]
         bf16 = f"native bf16 via {'+'.join(found)}" if found else "no AVX512-BF16/AMX"
-        return f"{self.capability}, {bf16}: dtype auto -> {str(self.auto_dtype).removeprefix('torch.')} for dense weights"
+        return (
+            f"{self.capability}, {bf16}: dtype auto -> {str(self.auto_dtype).removeprefix('torch.')} for dense weights"
+        )
 
 
 def cpu_features() -> CpuFeatures:
@@ -57,5 +60,9 @@ def cpu_summary() -> str:
             kernels = f"kernels {describe_isa(isa_choice())}"
         except ValueError as exc:  # DEEPINFER_LOWBIT_ISA refused
             kernels = str(exc)
-    lowbit = f"yes: dtype auto keeps a quantized GGUF's weights packed ({kernels})" if ok else f"no: {why}; quantized GGUFs load dequantized"
+    lowbit = (
+        f"yes: dtype auto keeps a quantized GGUF's weights packed ({kernels})"
+        if ok
+        else f"no: {why}; quantized GGUFs load dequantized"
+    )
     return f"{cpu_features().describe()}; low-bit GGUF weights: {lowbit}"

@@ -1,4 +1,5 @@
 """Builtin pure-torch attention and MoE: the reference every plugin is tested against."""
+
 from __future__ import annotations
 
 from ..attention import AttentionLayerSpec

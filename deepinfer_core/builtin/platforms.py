@@ -1,4 +1,5 @@
 """Builtin platforms: the CPU, and stock torch for any other device type it can drive."""
+
 from __future__ import annotations
 
 from ..hookspecs import hookimpl

@@ -8,6 +8,7 @@ of the device's reusable pinned staging buffers (engine/staging.py) and the copy
 so building step N+1 never waits for step N's kernels (a pageable copy synchronises with the
 device's queue, which would undo overlapped scheduling).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,7 +81,13 @@ def build(
     columns = out.columns
     rows = np.arange(R)
     if columns is not None:  # a continuation: one token per request, every row sampled
-        lens, starts, nblocks, sample, tables = np.ones(R, np.int64), columns.starts, columns.nblocks, np.ones(R, np.bool_), columns.tables
+        lens, starts, nblocks, sample, tables = (
+            np.ones(R, np.int64),
+            columns.starts,
+            columns.nblocks,
+            np.ones(R, np.bool_),
+            columns.tables,
+        )
         width = tables.shape[1]
     else:
         lens = np.fromiter((len(s.token_ids) for s in reqs), np.int64, R)
@@ -100,26 +107,36 @@ def build(
     block_of = positions // bs
     if T and not (block_of < nblocks[row_of]).all():
         bad = int(row_of[np.argmax(block_of >= nblocks[row_of])])
-        raise RuntimeError(f"request {reqs[bad].request_id!r} is scheduled past its KV blocks ({len(reqs[bad].block_ids)} blocks)")
+        raise RuntimeError(
+            f"request {reqs[bad].request_id!r} is scheduled past its KV blocks ({len(reqs[bad].block_ids)} blocks)"
+        )
     slots = tables[row_of, block_of] * bs + positions % bs
     seq_lens = starts + lens
     sample_rows = cu[1:][sample] - 1
     parts = [positions, slots, cu, seq_lens, tables.ravel(), sample_rows]
     if input_ids is None:
         arrays = [s.token_array for s in reqs]
-        if R and all(a is not None for a in arrays):  # prompt chunks: their ids as arrays already (no per-token conversion)
+        if R and all(
+            a is not None for a in arrays
+        ):  # prompt chunks: their ids as arrays already (no per-token conversion)
             ids = np.concatenate(arrays).astype(np.int64)
         else:
             ids = np.fromiter(chain.from_iterable(s.token_ids for s in reqs), np.int64, T)
             if (ids == PENDING).any():  # a token of the step in flight: never read before it exists
-                raise RuntimeError("overlap guard: a scheduled token is still pending on the device and no device ids were given")
+                raise RuntimeError(
+                    "overlap guard: a scheduled token is still pending on the device and no device ids were given"
+                )
         parts.append(ids)
     elif tuple(input_ids.shape) != (T,):
         raise ValueError(f"input_ids must have shape ({T},), got {tuple(input_ids.shape)}")
     if state_slots is not None:
         parts.append(np.asarray(state_slots, np.int64))
     dev = arrays_to_device(parts, device)
-    sizes = [T, T, R + 1, R, R * width, len(sample_rows)] + ([T] if input_ids is None else []) + ([R] if state_slots is not None else [])
+    sizes = (
+        [T, T, R + 1, R, R * width, len(sample_rows)]
+        + ([T] if input_ids is None else [])
+        + ([R] if state_slots is not None else [])
+    )
     pieces = list(torch.split(dev, sizes))
     pos_t, slot_t, cu_t, seq_t, tab_t, samp_t = pieces[:6]
     ids_t = pieces[6] if input_ids is None else input_ids
@@ -147,4 +164,8 @@ def build(
 def _host_layout(cu: np.ndarray, seq_lens: np.ndarray, state_slots: list[int]) -> dict:
     """The layout as host tuples, for models with state KV (DeepSeek-V4 plans its compressors
     on the host; reading the device tensors back cost a sync per forward)."""
-    return dict(host_query_start_loc=tuple(cu.tolist()), host_seq_lens=tuple(seq_lens.tolist()), host_state_slots=tuple(state_slots))
+    return dict(
+        host_query_start_loc=tuple(cu.tolist()),
+        host_seq_lens=tuple(seq_lens.tolist()),
+        host_state_slots=tuple(state_slots),
+    )

@@ -1,4 +1,5 @@
 """Engine configuration (explicit, frozen)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,7 +60,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if not self.kv_host_pool_gib > 0:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
-        if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
+        if (
+            self.dtype not in ("auto", "lowbit")
+            and self.dtype not in _DTYPES
+            and not isinstance(self.dtype, torch.dtype)
+        ):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")

@@ -16,6 +16,7 @@ The ``torch.nn.init`` functions are replaced for the duration of the build, as H
 transformers does for the same reason; a lock keeps two engines built in threads at once from
 restoring each other's patch early.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,17 @@ from typing import Iterator
 import torch
 
 _NAMES = (
-    "normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-    "trunc_normal_", "orthogonal_", "zeros_", "ones_", "constant_",
+    "normal_",
+    "uniform_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "trunc_normal_",
+    "orthogonal_",
+    "zeros_",
+    "ones_",
+    "constant_",
 )
 _LOCK = threading.Lock()
 
@@ -52,6 +62,7 @@ def skip_random_init() -> Iterator[None]:
 def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """``module.to_empty(device=device)`` without the ``torch._refs`` import (see the module
     docstring); strides are kept as ``empty_like`` keeps them."""
+
     def empty(t: torch.Tensor) -> torch.Tensor:
         if t.is_contiguous():
             return torch.empty(t.shape, dtype=t.dtype, device=device)

@@ -5,6 +5,7 @@ changing; replaying a captured graph removes the host's per-kernel launch cost. 
 device-neutral: it reserves a scratch KV block for padded rows and offers each pure-decode step
 to the :class:`DecodeGraphs` object, which may decline (then the step runs eagerly).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable

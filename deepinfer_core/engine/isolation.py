@@ -7,6 +7,7 @@ request: a request whose row raises is finished with ``finish_reason="error"`` a
 go on. Sampling is row-wise and seeded per (request, position), so a row sampled alone gets the
 token it would have had in the batch.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -10,6 +10,7 @@ The namespace fingerprints model weights, KV dtype, cache layout and block size,
 another model or layout can never match. Freed blocks keep their key and stay reusable until
 the pool needs them (LRU eviction); a block with references is never evicted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -113,7 +114,9 @@ class KVCacheManager:
                 return False
             req.block_ids.extend(self.pool.allocate() for _ in range(new))
             return True
-        needed_total = -(-(req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens) // self.block_size)
+        needed_total = -(
+            -(req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens) // self.block_size
+        )
         have = len(req.block_ids) + len(prefix_blocks)
         new = max(0, needed_total - have)
         reclaim = sum(1 for b in prefix_blocks if self.pool.ref_counts[b] == 0)

@@ -5,6 +5,7 @@ Everything device-specific goes through ``torch.get_device_module(device)`` (``t
 on a GPU, ``torch.cpu``'s no-op streams and events on the host), so the same code runs, and
 is tested, on a CPU: only the synchronisation it orders is new on a GPU.
 """
+
 from __future__ import annotations
 
 import sys

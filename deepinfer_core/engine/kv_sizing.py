@@ -12,6 +12,7 @@ Two cache families:
   slot per running request (``max_num_seqs + 1``: one extra for ``prompt_logits``), sized by the
   model's layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,9 @@ class KVSizing:
         blocks = int((budget_bytes - self.state_bytes) // self.block_bytes)
         if blocks < 1:
             need = (self.block_bytes + self.state_bytes) / 2**30
-            raise ValueError(f"a KV budget of {budget_bytes / 2**30:.4g} GiB holds no KV block: one block plus the state KV of {self.num_state_slots} requests needs {need:.4g} GiB")
+            raise ValueError(
+                f"a KV budget of {budget_bytes / 2**30:.4g} GiB holds no KV block: one block plus the state KV of {self.num_state_slots} requests needs {need:.4g} GiB"
+            )
         return blocks
 
     def allocate(self, num_blocks: int, device: torch.device) -> list:
@@ -86,7 +89,10 @@ def kv_sizing(model, attention_backend: Callable, block_size: int, max_num_seqs:
 
     def allocate(num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         # zero pages on first write (CPU): no start-up pass over the whole cache (zeroed.py)
-        return [zeros(b.kv_cache_shape(spec, num_blocks, block_size), spec.kv_dtype, device) for b, spec in zip(backends, specs)]
+        return [
+            zeros(b.kv_cache_shape(spec, num_blocks, block_size), spec.kv_dtype, device)
+            for b, spec in zip(backends, specs)
+        ]
 
     return KVSizing(
         block_size=block_size,

@@ -21,6 +21,7 @@ the request's cache blocks at admission and reads each record straight into them
 list of per-layer slices; no host buffer, no copy per layer at promotion): a higher
 store -> cache bandwidth than the two-hop path (benchmarks/README.md, fourth run).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,7 +65,14 @@ class DirectLoad:
 class KVTiers:
     """The host pool, the loader and the writer of one engine, around one store."""
 
-    def __init__(self, store: KVStore, kv: KVCacheManager, copier: BlockCopier, host_pool: HostPool, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        kv: KVCacheManager,
+        copier: BlockCopier,
+        host_pool: HostPool,
+        device: torch.device | None = None,
+    ) -> None:
         self.store = store
         self.kv = kv
         self.copier = copier
@@ -72,7 +80,11 @@ class KVTiers:
         self.h2d = HostToDevice(copier, device or torch.device("cpu"))
         # On the CPU a load reads records straight into reserved cache blocks (no host-buffer
         # hop, no copy per layer at admission) when the store takes scatter lists.
-        self.direct = (device is None or device.type == "cpu") and getattr(store, "scatter_reads", False) and copier.scatter(0) is not None
+        self.direct = (
+            (device is None or device.type == "cpu")
+            and getattr(store, "scatter_reads", False)
+            and copier.scatter(0) is not None
+        )
         self._orphans: list[Future] = []  # direct loads of requests that left: blocks to release
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
         self._readers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="deepinfer-kv-read")
@@ -111,7 +123,9 @@ class KVTiers:
         usable = req.block_keys[: (req.num_tokens - 1) // self.kv.block_size]
         start = len(device_hits)
         in_host = 0
-        while start + in_host < len(usable) and (usable[start + in_host] in loaded or usable[start + in_host] in self.host):
+        while start + in_host < len(usable) and (
+            usable[start + in_host] in loaded or usable[start + in_host] in self.host
+        ):
             in_host += 1
         rest = usable[start + in_host :]
         if rest and req.request_id not in self._loaded:
@@ -196,7 +210,11 @@ class KVTiers:
         try:
             for chunk_keys, _ in reversed(chunks):  # the head's lease last: it ends most recently used
                 leases.insert(0, self.store.acquire_read(chunk_keys))
-            ok = [good for part in self._readers.map(self.store.read_into, leases, [d for _, d in chunks]) for good in part]
+            ok = [
+                good
+                for part in self._readers.map(self.store.read_into, leases, [d for _, d in chunks])
+                for good in part
+            ]
         except Exception as exc:
             log.warning("KV store load of %d blocks failed: %s", len(keys), exc)
             self.counters["load_failures"] += 1
@@ -383,7 +401,9 @@ def block_tensors(caches: Sequence) -> list[torch.Tensor]:
     for cache in caches:
         tensor = cache if isinstance(cache, torch.Tensor) else getattr(cache, "entries", None)
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"kv_store does not support this model's KV layout: a {type(cache).__name__} has no paged block tensor")
+            raise ValueError(
+                f"kv_store does not support this model's KV layout: a {type(cache).__name__} has no paged block tensor"
+            )
         out.append(tensor)
     return out
 
@@ -396,7 +416,18 @@ def cache_shapes(sizing) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(tuple(a.shape), tuple(b.shape)) for a, b in zip(one, two)]
 
 
-def open_tiers(url: str, *, namespace: str, kv: KVCacheManager, kv_caches: Sequence[torch.Tensor], shapes_one_two, device: torch.device, capacity_gib: float | None, host_pool_gib: float, plugin_host=None) -> KVTiers:
+def open_tiers(
+    url: str,
+    *,
+    namespace: str,
+    kv: KVCacheManager,
+    kv_caches: Sequence[torch.Tensor],
+    shapes_one_two,
+    device: torch.device,
+    capacity_gib: float | None,
+    host_pool_gib: float,
+    plugin_host=None,
+) -> KVTiers:
     """Open the store ``url`` names for this engine's namespace and block layout."""
     from ..kv_store.url import open_kv_store_url
 
@@ -404,6 +435,8 @@ def open_tiers(url: str, *, namespace: str, kv: KVCacheManager, kv_caches: Seque
         raise ValueError("kv_store needs the prefix cache: drop enable_prefix_caching=False")
     dims = [block_dim(one, two) for one, two in shapes_one_two]
     copier = BlockCopier(block_tensors(kv_caches), dims)
-    store = open_kv_store_url(url, namespace=namespace, block_bytes=copier.block_bytes, capacity_gib=capacity_gib, host=plugin_host)
+    store = open_kv_store_url(
+        url, namespace=namespace, block_bytes=copier.block_bytes, capacity_gib=capacity_gib, host=plugin_host
+    )
     pool = HostPool(int(host_pool_gib * 2**30) // copier.block_bytes, copier.block_bytes, pin=device.type != "cpu")
     return KVTiers(store, kv, copier, pool, device)

@@ -5,6 +5,7 @@ threads, a ``stream`` read between ``generate`` calls, a stream dropped half-way
 the engine's batches through :class:`.request_streams.RequestStreams`, and each gets exactly
 the outputs it would get alone.
 """
+
 from __future__ import annotations
 
 import sys
@@ -90,7 +91,9 @@ class LLM:
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-                    raise TypeError(f"a prompt dict's 'prompt_token_ids' is a list of integers, got {type(ids).__name__}")
+                    raise TypeError(
+                        f"a prompt dict's 'prompt_token_ids' is a list of integers, got {type(ids).__name__}"
+                    )
                 return list(ids), text
             if "prompt" in prompt:
                 return self._encode(text, split_special_tokens)
@@ -107,17 +110,23 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts) -> list[Prompt]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (str, dict, list, tuple))):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (str, dict, list, tuple))
+        ):
             return [prompts]  # one prompt (a list of token ids is one prompt)
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts are a string, a list of token ids, a prompt dict, or a list of those; got {type(prompts).__name__}")
+            raise TypeError(
+                f"prompts are a string, a list of token ids, a prompt dict, or a list of those; got {type(prompts).__name__}"
+            )
         return list(prompts)
 
     def _submit(self, encoded: list[tuple[list[int], str | None]], params, final_only: bool = False) -> list[str]:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(encoded)
         if not isinstance(params, (list, tuple)):
-            raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got {type(params).__name__}")
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got {type(params).__name__}"
+            )
         if len(params) != len(encoded):
             raise ValueError(f"got {len(params)} sampling params for {len(encoded)} prompts")
         checked = self.engine.check_batch([(ids, p) for (ids, _), p in zip(encoded, params)])  # all or nothing
@@ -136,7 +145,9 @@ class LLM:
         return self._streams.submit(add_all)
 
     # -- running -----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None, *, split_special_tokens: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params=None, use_tqdm: bool | None = None, *, split_special_tokens: bool = False
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of ``prompts``.
 
         Text prompts are tokenized like vLLM does: special-token text in them (``<|im_start|>``)
@@ -146,12 +157,16 @@ class LLM:
         encoded = [self._encode(p, split_special_tokens) for p in self._as_list(prompts)]
         return self._run(self._submit(encoded, sampling_params, final_only=True), use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self, messages, sampling_params=None, use_tqdm: bool | None = None, add_generation_prompt: bool = True
+    ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
         rendered with the model's chat template. Special tokens come only from the template:
         special-token text typed in a message is encoded as plain text."""
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError(f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}")
+            raise TypeError(
+                f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}"
+            )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         encoded = [self._encode_chat(c, add_generation_prompt) for c in conversations]
         return self._run(self._submit(encoded, sampling_params, final_only=True), use_tqdm)

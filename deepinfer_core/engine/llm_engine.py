@@ -7,6 +7,7 @@ A request is validated in full when it enters (:mod:`.validation`); inside a ste
 is contained to the request that caused it, or fails every request when it belongs to none
 (:mod:`.isolation`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,14 +30,14 @@ from .isolation import describe
 from .kv_cache_manager import KVCacheManager
 from .kv_sizing import kv_sizing
 from .model_runner import ModelRunner
-from .state_kv_manager import StateKVSlots
-from .state_replay import replays_needed
 from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .request import Request
 from .sampler import SamplingRow, sampling_row
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from .outputs import RequestOutput
+from .state_kv_manager import StateKVSlots
+from .state_replay import replays_needed
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,32 @@ class LLMEngine:
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
         self.files, self.model, ctx = loading.load(
-            config.model, self.host, self.platform, self.device, self.dtype, config.attention_backend, config.moe_backend,
-            allow_lowbit=config.allows_lowbit(self.platform.device_type), kv_cache_dtype=config.kv_cache_dtype,
+            config.model,
+            self.host,
+            self.platform,
+            self.device,
+            self.dtype,
+            config.attention_backend,
+            config.moe_backend,
+            allow_lowbit=config.allows_lowbit(self.platform.device_type),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-        self.weights_choice = loading.weights_choice(self.files, self.device, config.allows_lowbit(self.platform.device_type))
+        self.weights_choice = loading.weights_choice(
+            self.files, self.device, config.allows_lowbit(self.platform.device_type)
+        )
         self.dtype = ctx.dtype  # low-bit weights run float32 activations
         if config.batch_invariant:  # the low-bit integer kernel is chosen by row count: keep the exact one
             use_exact_kernels(self.model)
         self.num_fused = fused_ops.install(self.model, self.host.fused_ops(self.platform)) if config.fused_ops else 0
         self.tokenizer = self.files.tokenizer
-        self.max_model_len = min(config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings
+        )
 
         bs = config.block_size
-        self.kv_sizing = sizing = kv_sizing(self.model, ctx.attention_backend, bs, config.max_num_seqs)  # also `deepinfer plan`'s
+        self.kv_sizing = sizing = kv_sizing(
+            self.model, ctx.attention_backend, bs, config.max_num_seqs
+        )  # also `deepinfer plan`'s
         block_bytes = sizing.block_bytes
         if config.kv_cache_blocks:
             self.num_blocks = config.kv_cache_blocks
@@ -69,7 +83,9 @@ class LLMEngine:
             self.num_blocks = sizing.blocks_for_budget(config.kv_cache_gib * 2**30)
         else:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
-        namespace = hashlib.sha256(f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={describe_weights(self.model)}".encode()).hexdigest()  # low-bit vs dense weights compute different KV
+        namespace = hashlib.sha256(
+            f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={describe_weights(self.model)}".encode()
+        ).hexdigest()  # low-bit vs dense weights compute different KV
         graphs = None if config.enforce_eager or config.batch_invariant else self.host.decode_graphs(self.platform)
         scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
         kv_caches = sizing.allocate(self.num_blocks + scratch, self.device)
@@ -82,7 +98,9 @@ class LLMEngine:
             config.kv_store, namespace=namespace, kv=self.kv, kv_caches=kv_caches, shapes_one_two=kv_tiers.cache_shapes(sizing), device=self.device,
             capacity_gib=config.kv_store_gib, host_pool_gib=config.kv_host_pool_gib, plugin_host=self.host,
         )  # fmt: skip
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers
+        )
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
         if config.batch_invariant:
             self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
@@ -94,17 +112,35 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
-        self.limits = validation.ModelLimits(self.model.vocab_size, self.max_model_len, bs, self.num_blocks, self.tokenizer is not None)
+        self.limits = validation.ModelLimits(
+            self.model.vocab_size, self.max_model_len, bs, self.num_blocks, self.tokenizer is not None
+        )
         self._lock = threading.RLock()
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
         # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
-        self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None)
+        self.overlap = overlap.enabled(
+            config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
+        )
         self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
         self._in_flight: overlap.InFlight | None = None
-        kv_dtype = getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype  # the low-bit path: float16 under float32
+        kv_dtype = (
+            getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype
+        )  # the low-bit path: float16 under float32
         kv_note = "" if kv_dtype == self.dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}"
-        log.info("deepinfer engine: %s on %s (%s%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s", config.model, self.platform.name, self.dtype, kv_note, self.num_blocks, bs, self.num_blocks * block_bytes / 2**20, describe_weights(self.model), self.weights_choice, _cpu_note(self.platform.device_type))
+        log.info(
+            "deepinfer engine: %s on %s (%s%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s",
+            config.model,
+            self.platform.name,
+            self.dtype,
+            kv_note,
+            self.num_blocks,
+            bs,
+            self.num_blocks * block_bytes / 2**20,
+            describe_weights(self.model),
+            self.weights_choice,
+            _cpu_note(self.platform.device_type),
+        )
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
@@ -115,8 +151,15 @@ class LLMEngine:
         return max(1, min(int(budget // block_bytes), enough))
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None, request_id: str | None = None,
-                    *, final_only: bool = False) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        *,
+        final_only: bool = False,
+    ) -> str:
         """Validate and enqueue. Raises ValueError or TypeError (naming the problem) and
         changes nothing when the request cannot be served. The engine keeps its own validated
         copy of ``params`` and of the prompt: changing them afterwards has no effect.
@@ -141,7 +184,14 @@ class LLMEngine:
                 raise type(exc)(f"prompt {i}: {exc}") from None
         return checked
 
-    def add_checked(self, checked: validation.CheckedRequest, prompt: str | None = None, request_id: str | None = None, *, final_only: bool = False) -> str:
+    def add_checked(
+        self,
+        checked: validation.CheckedRequest,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        *,
+        final_only: bool = False,
+    ) -> str:
         """Enqueue a request that :meth:`check_batch` accepted, without checking it again (the
         request id and ``prompt`` still are). ``final_only``: :meth:`step` returns only the
         request's first output (its first token: a server's time to first token) and its last
@@ -224,11 +274,21 @@ class LLMEngine:
                     return self._step_overlapped()
                 try:
                     sched = self.scheduler.schedule()
-                    replay = None if self.kv.state is None else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
+                    replay = (
+                        None
+                        if self.kv.state is None
+                        else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
+                    )
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
                     changed = self.scheduler.update(sched, result.sampled)
                     if self.tiers is not None:  # new full blocks -> host -> store (writer thread)
-                        self.tiers.write_back([self.scheduler.requests[s.request_id] for s in sched.requests if s.request_id in self.scheduler.requests])
+                        self.tiers.write_back(
+                            [
+                                self.scheduler.requests[s.request_id]
+                                for s in sched.requests
+                                if s.request_id in self.scheduler.requests
+                            ]
+                        )
                 except Exception as exc:  # no single request is at fault: fail them all
                     log.exception("engine step failed; failing every request")
                     return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
@@ -282,8 +342,14 @@ class LLMEngine:
         for s in sched.requests:
             if s.sample:
                 req = self.scheduler.requests[s.request_id]
-                suppressed = req.eos_token_ids + tuple(req.params.stop_token_ids) if len(req.output_token_ids) < req.params.min_tokens else ()
-                rows[s.request_id] = sampling_row(req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed)
+                suppressed = (
+                    req.eos_token_ids + tuple(req.params.stop_token_ids)
+                    if len(req.output_token_ids) < req.params.min_tokens
+                    else ()
+                )
+                rows[s.request_id] = sampling_row(
+                    req.params, req.seed, req.num_tokens, req.prompt_token_ids, req.output_token_ids, suppressed
+                )
         return rows
 
     def _process(self, req: Request) -> RequestOutput | None:
@@ -319,7 +385,20 @@ class LLMEngine:
         if not self.kv.allocate(req, len(prompt_token_ids)):
             raise RuntimeError("not enough free KV blocks to score this prompt now")
         try:
-            sched = SchedulerOutput((ScheduledRequest(req.request_id, tuple(prompt_token_ids), 0, tuple(req.block_ids), False, 0, len(prompt_token_ids)),), len(prompt_token_ids))
+            sched = SchedulerOutput(
+                (
+                    ScheduledRequest(
+                        req.request_id,
+                        tuple(prompt_token_ids),
+                        0,
+                        tuple(req.block_ids),
+                        False,
+                        0,
+                        len(prompt_token_ids),
+                    ),
+                ),
+                len(prompt_token_ids),
+            )
             input_ids, meta, _ = self.runner.build_batch(sched)
             hidden = self.model.forward(input_ids, meta.positions, self.runner.kv_caches, meta)
             return self.model.compute_logits(hidden)

@@ -1,4 +1,5 @@
 """Resolve a model name to files, build the architecture through the plugin host, load weights."""
+
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,13 @@ import torch
 from ..lowbit import native
 from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
 from ..lowbit.attention import paged_decode
-from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.llama_decode import prefill_enabled
+from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
 from ..models.files import ModelFiles, open_model_files
-from ..plugin_host import PluginHost
 from ..platform import Platform
+from ..plugin_host import PluginHost
 from .fast_init import skip_random_init
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,22 @@ def resolve_model_path(name: str, host: PluginHost) -> str:
             raise ValueError(f"model {name!r} is a known alias but its files are not installed{hint}")
         return path
     known = ", ".join(sorted(sources)) or "none"
-    raise ValueError(f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})")
+    raise ValueError(
+        f"unknown model {name!r}: no such file or directory, and not a known alias (known aliases: {known})"
+    )
 
 
-def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, lowbit: bool = False, kv_cache_dtype: str = "auto"):
+def build_model(
+    files: ModelFiles,
+    host: PluginHost,
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str | None = None,
+    moe_backend: str | None = None,
+    lowbit: bool = False,
+    kv_cache_dtype: str = "auto",
+):
     """``lowbit``: keep block-quantized weights packed (``files.quantized_weights``); activations
     then stay float32, which the kernels read and write, over a cache of ``kv_cache_dtype``
     (:func:`deepinfer_core.lowbit.attention.kv_dtype`)."""
@@ -46,7 +59,9 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     models = host.models()
     arch = next((a for a in archs if a in models), None)
     if arch is None:
-        raise ValueError(f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}")
+        raise ValueError(
+            f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}"
+        )
     ctx = ModelContext(
         device=device,
         dtype=dtype,
@@ -55,7 +70,12 @@ def build_model(files: ModelFiles, host: PluginHost, platform: Platform, device:
     )
     if lowbit:  # float32 activations over a float16 KV cache (8-bit files: float32; kv_cache_dtype may say int8); attention rows read it in C
         resolve = ctx.attention_backend
-        ctx = replace(ctx, dtype=torch.float32, kv_dtype=lowbit_kv_dtype(files.quantized_types, kv_cache_dtype), attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib))
+        ctx = replace(
+            ctx,
+            dtype=torch.float32,
+            kv_dtype=lowbit_kv_dtype(files.quantized_types, kv_cache_dtype),
+            attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib),
+        )
         adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
         prefill_enabled()  # and a bad DEEPINFER_NATIVE_PREFILL
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
@@ -96,14 +116,18 @@ def weights_choice(files: ModelFiles, device: torch.device, allow_lowbit: bool) 
     """Why the weights are packed or dense, for the start-up line (``dtype`` as the user gave it
     decides ``allow_lowbit``: ``auto``/``lowbit`` on CPU allow it, a float dtype pins dense)."""
     if not allow_lowbit:
-        return "dense weights: a float dtype was asked for" if files.quantized_weights is not None else "dense checkpoint"
+        return (
+            "dense weights: a float dtype was asked for" if files.quantized_weights is not None else "dense checkpoint"
+        )
     why_not = lowbit_unavailable(files, device)
     if why_not:
         return f"dense weights: {why_not}"
     return f"block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference), kernels {native.describe_isa(native.load().isa)}"
 
 
-def resolve_dtype(files: ModelFiles, device: torch.device, dtype: torch.dtype, allow_lowbit: bool) -> tuple[torch.dtype, str | None]:
+def resolve_dtype(
+    files: ModelFiles, device: torch.device, dtype: torch.dtype, allow_lowbit: bool
+) -> tuple[torch.dtype, str | None]:
     """(the dtype the model computes and caches KV in, why its weights are not kept packed or
     None when they are). Packed low-bit weights run float32 activations whatever ``dtype`` says.
     The engine (through :func:`load`) and ``deepinfer plan`` both decide here, so the plan's KV
@@ -118,11 +142,23 @@ def check_kv_cache_dtype(requested: str, dtype: torch.dtype, why_not: str | None
     if why_not is None or requested in ("auto", str(dtype).removeprefix("torch.")):
         return
     name = str(dtype).removeprefix("torch.")
-    raise ValueError(f"kv_cache_dtype={requested!r} is for packed low-bit weights on CPU (a block-quantized GGUF with dtype auto); "
-                     f"this engine's weights are dense ({why_not}) and cache keys and values in {name}: use 'auto' or {name!r}")
+    raise ValueError(
+        f"kv_cache_dtype={requested!r} is for packed low-bit weights on CPU (a block-quantized GGUF with dtype auto); "
+        f"this engine's weights are dense ({why_not}) and cache keys and values in {name}: use 'auto' or {name!r}"
+    )
 
 
-def load(name: str, host: PluginHost, platform: Platform, device: torch.device, dtype: torch.dtype, attention_backend: str | None = None, moe_backend: str | None = None, allow_lowbit: bool = False, kv_cache_dtype: str = "auto"):
+def load(
+    name: str,
+    host: PluginHost,
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str | None = None,
+    moe_backend: str | None = None,
+    allow_lowbit: bool = False,
+    kv_cache_dtype: str = "auto",
+):
     """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
     provider's implementation for every layer; None takes the host's default order.
     ``allow_lowbit``: serve a block-quantized GGUF's weights packed where the kernels run.
@@ -135,5 +171,15 @@ def load(name: str, host: PluginHost, platform: Platform, device: torch.device, 
     check_kv_cache_dtype(kv_cache_dtype, dtype, why_not)
     if allow_lowbit and why_not and files.quantized_weights is not None:
         log.warning("%s: serving dequantized %s weights (%s)", path, dtype, why_not)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, lowbit=why_not is None, kv_cache_dtype=kv_cache_dtype)
+    model, ctx = build_model(
+        files,
+        host,
+        platform,
+        device,
+        dtype,
+        attention_backend,
+        moe_backend,
+        lowbit=why_not is None,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     return files, model, ctx

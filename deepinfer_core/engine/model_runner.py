@@ -4,6 +4,7 @@ The model sees only tensors: input ids and positions of every scheduled token, a
 :class:`AttentionMetadata` (cumulative query lengths, sequence lengths, block tables, slot
 mapping). Nothing per request crosses into the forward as a Python list.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -29,7 +30,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, batch_invariant: bool = False, state=None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        batch_invariant: bool = False,
+        state=None,
+    ) -> None:
         self.model = model
         self.state = state  # StateKVSlots when the model keeps per-request state KV
         self.kv_caches = kv_caches
@@ -40,21 +49,39 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine when the platform captures decode steps
         self.invariant_ops: Callable[[], ContextManager] | None = None  # deepinfer_batch_invariant_ops
 
-    def build_batch(self, out: SchedulerOutput, replay: bool = False) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    def build_batch(
+        self, out: SchedulerOutput, replay: bool = False
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the scheduled requests. Returns (input_ids [T], metadata, sample row indices)."""
         batch = self._build(out, replay)
         return batch.input_ids, batch.meta, batch.sample_rows
 
     def _build(self, out: SchedulerOutput, replay: bool = False, input_ids: torch.Tensor | None = None) -> Batch:
         slots = None if self.state is None else [self.state.slot(s.request_id) for s in out.requests]
-        return build(out, self.block_size, self.device, batch_invariant=self.batch_invariant, state_slots=slots, replay=replay, input_ids=input_ids)
+        return build(
+            out,
+            self.block_size,
+            self.device,
+            batch_invariant=self.batch_invariant,
+            state_slots=slots,
+            replay=replay,
+            input_ids=input_ids,
+        )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None
+    ) -> RunnerOutput:
         return self.collect(self.launch(out, rows, replay))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, rows: dict[str, SamplingRow], replay: SchedulerOutput | None = None, input_ids: torch.Tensor | None = None) -> Launched:
+    def launch(
+        self,
+        out: SchedulerOutput,
+        rows: dict[str, SamplingRow],
+        replay: SchedulerOutput | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> Launched:
         """Queue the step's forward and sampling on the device and the copy of the sampled ids
         back to the host; return without waiting for them (:meth:`collect` waits).
         ``input_ids`` (device ids, one per scheduled token) stands in for tokens still pending."""
@@ -84,12 +111,18 @@ class ModelRunner:
                 failed[request_id] = invalid_token_message(token, launched.vocab)
         return RunnerOutput(sampled, failed)
 
-    def _forward_and_sample(self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None) -> Launched:
+    def _forward_and_sample(
+        self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None
+    ) -> Launched:
         input_ids, meta = batch.input_ids, batch.meta
         hidden = logits = greedy = None
         if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
             with_head = getattr(self.graphs, "run_logits", None)  # the LM head and argmax captured too
-            got = with_head(input_ids, meta) if with_head is not None and batch.sample_index is None and batch.sample_rows else None
+            got = (
+                with_head(input_ids, meta)
+                if with_head is not None and batch.sample_index is None and batch.sample_rows
+                else None
+            )
             if got is not None:
                 logits, greedy = got
             else:
@@ -98,15 +131,23 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not batch.sample_rows:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
-        ids = out.columns.ids if out.columns is not None else tuple(s.request_id for s in out.requests if s.sample)  # columns: every row samples
-        if type(self.sampler) is Sampler and getattr(rows, "plain_greedy", False):  # a continuation that knows, without reading the rows
+        ids = (
+            out.columns.ids if out.columns is not None else tuple(s.request_id for s in out.requests if s.sample)
+        )  # columns: every row samples
+        if type(self.sampler) is Sampler and getattr(
+            rows, "plain_greedy", False
+        ):  # a continuation that knows, without reading the rows
             row_list, plain = None, True
         else:
             row_list = [rows[i] for i in ids]
-            plain = type(self.sampler) is Sampler and all(_plain_greedy(r) for r in row_list)  # the sampler would return the argmax
+            plain = type(self.sampler) is Sampler and all(
+                _plain_greedy(r) for r in row_list
+            )  # the sampler would return the argmax
         if logits is None:
             sample_hidden = hidden if batch.sample_index is None else hidden[batch.sample_index]
-            fused = getattr(self.model, "greedy_tokens", None)  # the head's argmax without the logits (greedy rows only)
+            fused = getattr(
+                self.model, "greedy_tokens", None
+            )  # the head's argmax without the logits (greedy rows only)
             if fused is not None and plain:
                 if (got := fused(sample_hidden)) is not None:
                     host, ready, buf = _copy_back(got[0])
@@ -121,7 +162,9 @@ class ModelRunner:
             else:
                 tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
-            sampled, failed = sample_isolated(self.sampler, logits, ids, row_list if row_list is not None else [rows[i] for i in ids])
+            sampled, failed = sample_isolated(
+                self.sampler, logits, ids, row_list if row_list is not None else [rows[i] for i in ids]
+            )
             return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
         host, ready, buf = _copy_back(tokens)
         return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1], buf)

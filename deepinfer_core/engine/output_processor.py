@@ -1,7 +1,8 @@
 """Detokenization and stop conditions, per request, as tokens arrive."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
@@ -78,7 +79,9 @@ class OutputProcessor:
             self._progress.pop(req.request_id, None)
         # every snapshot of a request shares one copy of its prompt (as vLLM's outputs do): a
         # 256-request decode step copied 256 prompts per step; the engine's own list stays apart
-        return RequestOutput(req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0)
+        return RequestOutput(
+            req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0
+        )
 
     def finish(self, req: Request) -> RequestOutput:
         return self.snapshot(req)
@@ -97,7 +100,9 @@ class OutputProcessor:
             delta_token_ids=list(req.output_token_ids[sent:]),
             error=message,
         )
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0)
+        return RequestOutput(
+            req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0
+        )
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -1,4 +1,5 @@
 """What the public API returns (vLLM-compatible shapes)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

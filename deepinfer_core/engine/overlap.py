@@ -21,6 +21,7 @@ Guards: every commit checks that each row starts where the request's computed to
 each device-fed input is copied back and must equal the token the request has at that position
 by then -- a step that read a token before it existed fails loudly.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -84,7 +85,9 @@ class Chain:
         """After a full check (blocks for this step allocated): ``plain``, every row greedy with
         nothing banned from now on."""
         c = cls()
-        c.steps_left = min(r.max_tokens - len(r.output_token_ids) for r in reqs) - 2  # the full check passed at n_out + 1 < max_tokens
+        c.steps_left = (
+            min(r.max_tokens - len(r.output_token_ids) for r in reqs) - 2
+        )  # the full check passed at n_out + 1 < max_tokens
         c.plain = plain
         c.ids = tuple(r.request_id for r in reqs)
         c.seeds = tuple(r.seed for r in reqs)
@@ -132,7 +135,9 @@ class ContinuationRows(Mapping):
 
     __slots__ = ("_reqs", "_ids", "_positions", "plain_greedy", "_index", "_made")
 
-    def __init__(self, reqs: tuple[Request, ...], ids: tuple[str, ...], positions: list[int], plain_greedy: bool) -> None:
+    def __init__(
+        self, reqs: tuple[Request, ...], ids: tuple[str, ...], positions: list[int], plain_greedy: bool
+    ) -> None:
         self._reqs, self._ids, self._positions, self.plain_greedy = reqs, ids, positions, plain_greedy
         self._index: dict[str, int] | None = None
         self._made: dict[str, SamplingRow] = {}
@@ -146,8 +151,12 @@ class ContinuationRows(Mapping):
             req, position = self._reqs[i], self._positions[i]
             p = req.params
             n_out = position - len(req.prompt_token_ids)  # outputs known when the step was built
-            suppressed = req.eos_token_ids + tuple(p.stop_token_ids) if n_out + 1 < p.min_tokens else ()  # counting the token in flight
-            row = self._made[request_id] = sampling_row(p, req.seed, position + 1, req.prompt_token_ids, req.output_token_ids, suppressed)
+            suppressed = (
+                req.eos_token_ids + tuple(p.stop_token_ids) if n_out + 1 < p.min_tokens else ()
+            )  # counting the token in flight
+            row = self._made[request_id] = sampling_row(
+                p, req.seed, position + 1, req.prompt_token_ids, req.output_token_ids, suppressed
+            )
         return row
 
     def __iter__(self):
@@ -164,7 +173,11 @@ def continuation(scheduler: Scheduler, flight: InFlight) -> Continuation | None:
     if launched.tokens is None or scheduler.waiting or scheduler.loading:
         return None
     running = scheduler.running
-    if len(reqs) != len(running) or len(reqs) > scheduler.config.max_num_batched_tokens or len(launched.request_ids) != len(reqs):
+    if (
+        len(reqs) != len(running)
+        or len(reqs) > scheduler.config.max_num_batched_tokens
+        or len(launched.request_ids) != len(reqs)
+    ):
         return None
     chain = flight.chain
     if chain is not None and chain.steps_left > 0 and all(map(is_, reqs, running)):
@@ -187,7 +200,9 @@ def continuation(scheduler: Scheduler, flight: InFlight) -> Continuation | None:
         n_out = len(req.output_token_ids)
         if n_out + 1 >= req.max_tokens:  # the token in flight may be its last
             return None
-        if req.num_computed_tokens != len(req.prompt_token_ids) + n_out - 1:  # step N computed up to its last known token
+        if (
+            req.num_computed_tokens != len(req.prompt_token_ids) + n_out - 1
+        ):  # step N computed up to its last known token
             return None
         plain = plain and p.greedy and n_out + 1 >= p.min_tokens  # min_tokens suppresses nothing from here on
     kv = scheduler.kv
@@ -226,7 +241,9 @@ def alive(scheduler: Scheduler, flight: InFlight, debug: bool) -> SchedulerOutpu
         if scheduler.requests.get(s.request_id) is not req or req.finished:
             continue
         if req.num_computed_tokens != s.start_position:
-            raise OverlapGuardError(f"request {s.request_id!r}: a step starting at position {s.start_position} is committed after {req.num_computed_tokens} computed tokens")
+            raise OverlapGuardError(
+                f"request {s.request_id!r}: a step starting at position {s.start_position} is committed after {req.num_computed_tokens} computed tokens"
+            )
         kept.append(s)
     if debug and flight.launched.fed is not None:
         fed = flight.launched.fed.tolist()
@@ -234,9 +251,13 @@ def alive(scheduler: Scheduler, flight: InFlight, debug: bool) -> SchedulerOutpu
         for s in kept:
             req = flight.requests[offsets[s.request_id]]
             if req.num_tokens <= s.start_position:
-                raise OverlapGuardError(f"request {s.request_id!r}: the step read position {s.start_position} before its token existed ({req.num_tokens} known)")
+                raise OverlapGuardError(
+                    f"request {s.request_id!r}: the step read position {s.start_position} before its token existed ({req.num_tokens} known)"
+                )
             if fed[offsets[s.request_id]] != req.token_at(s.start_position):
-                raise OverlapGuardError(f"request {s.request_id!r}: the step read token {fed[offsets[s.request_id]]} at position {s.start_position}, the request has {req.token_at(s.start_position)}")
+                raise OverlapGuardError(
+                    f"request {s.request_id!r}: the step read token {fed[offsets[s.request_id]]} at position {s.start_position}, the request has {req.token_at(s.start_position)}"
+                )
     return SchedulerOutput(tuple(kept), sum(len(s.token_ids) for s in kept))
 
 

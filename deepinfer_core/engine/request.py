@@ -1,4 +1,5 @@
 """The engine's mutable record of one request (owned by the scheduler)."""
+
 from __future__ import annotations
 
 import enum
@@ -35,8 +36,12 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_stored_blocks: int = 0  # leading full blocks already handed to the KV store writer
-    final_only: bool = False  # its caller reads only the last output (LLM.generate, non-streamed HTTP): first and last snapshot only
-    prompt_array: Any = field(default=None, repr=False)  # np.ndarray [n] uint32 of prompt_token_ids, from the entry check (None: not made)
+    final_only: bool = (
+        False  # its caller reads only the last output (LLM.generate, non-streamed HTTP): first and last snapshot only
+    )
+    prompt_array: Any = field(
+        default=None, repr=False
+    )  # np.ndarray [n] uint32 of prompt_token_ids, from the entry check (None: not made)
 
     @property
     def num_tokens(self) -> int:

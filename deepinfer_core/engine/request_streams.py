@@ -6,6 +6,7 @@ So a ``stream()`` interleaved with a ``generate()`` on another thread, or with a
 ``stream()`` left half-read, never loses another consumer's deltas, and all of them share the
 same batches. No background thread: an engine nobody waits on does no work.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,12 @@ class RequestStreams:
                 # outputs runs this loop once a step, with nothing ready)
                 if not wanted_set <= self._boxes.keys():
                     missing = [i for i in wanted if i not in self._boxes]
-                    raise KeyError(f"requests {missing} are not waiting for output (finished, aborted or never submitted)")
-                if not wanted_set <= self._engine.scheduler.requests.keys():  # aborted behind our back (engine.abort_request): never wait forever
+                    raise KeyError(
+                        f"requests {missing} are not waiting for output (finished, aborted or never submitted)"
+                    )
+                if (
+                    not wanted_set <= self._engine.scheduler.requests.keys()
+                ):  # aborted behind our back (engine.abort_request): never wait forever
                     gone = [i for i in wanted if i not in self._engine.scheduler.requests]
                     raise RuntimeError(f"requests {gone} left the engine without a final output")
                 filled = False

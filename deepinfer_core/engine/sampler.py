@@ -5,6 +5,7 @@ with (request seed, position): a request's tokens never depend on what else is i
 Sampling is Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) picks token i
 with probability p_i.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,12 +48,26 @@ class SamplingRow:
     suppressed: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
 
 
-def sampling_row(params: SamplingParams, seed: int, position: int, prompt_token_ids: list[int], output_token_ids: list[int], suppressed: tuple[int, ...] = ()) -> SamplingRow:
+def sampling_row(
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    suppressed: tuple[int, ...] = (),
+) -> SamplingRow:
     """``SamplingRow(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (see
     :func:`.scheduler.scheduled_request`: one of these per sampled request every step)."""
     obj = object.__new__(SamplingRow)
     d = obj.__dict__
-    d["params"], d["seed"], d["position"], d["prompt_token_ids"], d["output_token_ids"], d["suppressed"] = params, seed, position, prompt_token_ids, output_token_ids, suppressed
+    d["params"], d["seed"], d["position"], d["prompt_token_ids"], d["output_token_ids"], d["suppressed"] = (
+        params,
+        seed,
+        position,
+        prompt_token_ids,
+        output_token_ids,
+        suppressed,
+    )
     return obj
 
 
@@ -101,7 +116,11 @@ class Sampler:
         for i, row in enumerate(rows):
             p = row.params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long, device=logits.device)
+                seen = torch.tensor(
+                    sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                    dtype=torch.long,
+                    device=logits.device,
+                )
                 if seen.numel():
                     vals = logits[i, seen]
                     logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)

@@ -7,6 +7,7 @@ out of range). The object stays mutable like vLLM's, so the engine never trusts 
 fact: it takes a re-validated private copy (:meth:`SamplingParams.checked`) when a request
 enters, and later changes to the caller's object cannot reach a running request.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,17 +70,28 @@ class SamplingParams:
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         if self.seed is not None:
-            self.seed = _integer("seed", self.seed, _SEED_RANGE[0], _SEED_RANGE[1] - 1, "an integer in [-2**63, 2**64) or None")
+            self.seed = _integer(
+                "seed", self.seed, _SEED_RANGE[0], _SEED_RANGE[1] - 1, "an integer in [-2**63, 2**64) or None"
+            )
         if self.max_tokens is not None:
             self.max_tokens = _integer("max_tokens", self.max_tokens, 1, None, "an integer >= 1 or None")
-        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        self.min_tokens = _integer(
+            "min_tokens", self.min_tokens, 0, self.max_tokens, f"an integer in [0, max_tokens={self.max_tokens}]"
+        )
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be True or False")
-        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(f) for f in self.logits_processors):
-            _fail("logits_processors", self.logits_processors, "a list of callables fn(output_token_ids, logits) -> logits", TypeError)
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(
+            callable(f) for f in self.logits_processors
+        ):
+            _fail(
+                "logits_processors",
+                self.logits_processors,
+                "a list of callables fn(output_token_ids, logits) -> logits",
+                TypeError,
+            )
         self.logits_processors = list(self.logits_processors)
         if not isinstance(self.kv_retention, str) or self.kv_retention not in RETENTION_SECONDS:
             _fail("kv_retention", self.kv_retention, f"one of {sorted(RETENTION_SECONDS)}")
@@ -105,7 +117,11 @@ def _fail(name: str, value, rule: str, exc: type[Exception] = ValueError) -> Non
 def _real(name: str, value, low: float, high: float, low_open: bool = False) -> float:
     # plain floats and ints skip the abstract-class checks and the message (each request's
     # params are validated twice: ~1.5 ms of host time before a 64-request prefill's first kernel)
-    if type(value) is not float and type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+    if (
+        type(value) is not float
+        and type(value) is not int
+        and (isinstance(value, bool) or not isinstance(value, numbers.Real))
+    ):
         _fail(name, value, f"a number in {_interval(low, high, low_open)}", TypeError)
     value = float(value)
     if not math.isfinite(value) or value < low or value > high or (low_open and value == low):

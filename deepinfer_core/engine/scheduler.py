@@ -6,6 +6,7 @@ long prompt), then waiting ones (after a prefix-cache lookup). When the KV pool 
 newest running request is preempted: its blocks are freed and it is recomputed later (its
 computed full blocks usually stay in the prefix cache, so the recompute is cheap).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -38,7 +39,12 @@ def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_positio
     0.5 us. Same object (equality, hash, repr); test_fast_dataclass_constructors checks the fields."""
     obj = _new(ScheduledRequest)
     d = obj.__dict__
-    d["request_id"], d["token_ids"], d["start_position"], d["block_ids"] = request_id, token_ids, start_position, block_ids
+    d["request_id"], d["token_ids"], d["start_position"], d["block_ids"] = (
+        request_id,
+        token_ids,
+        start_position,
+        block_ids,
+    )
     d["sample"], d["seed"], d["prompt_len"], d["token_array"] = sample, seed, prompt_len, token_array
     return obj
 

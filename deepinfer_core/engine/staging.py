@@ -17,6 +17,7 @@ Only torch's generic APIs are used (pinned ``torch.empty``, ``torch.Event``, the
 current stream), so any accelerator with pinned memory and events works; where either is missing
 the copies fall back to plain synchronising ones. A CPU device never gets here.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,9 +52,17 @@ def _round_up(nbytes: int) -> int:
 class HostStaging:
     """Pinned upload and readback buffers for one device (thread-safe)."""
 
-    def __init__(self, device: torch.device, *, max_pending: int = 8, max_free: int = 4,
-                 pinned_empty: Callable[[int], torch.Tensor] | None = None, new_event: Callable[[], object] | None = None,
-                 copy: Callable[[torch.Tensor], torch.Tensor] | None = None, record: Callable[[object], None] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        max_pending: int = 8,
+        max_free: int = 4,
+        pinned_empty: Callable[[int], torch.Tensor] | None = None,
+        new_event: Callable[[], object] | None = None,
+        copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        record: Callable[[object], None] | None = None,
+    ) -> None:
         """The keyword hooks stand in for the device in tests (a simulated asynchronous queue)."""
         self.device = device
         self.max_pending = max_pending

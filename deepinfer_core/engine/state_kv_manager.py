@@ -5,6 +5,7 @@ sliding window's ring, compressor tails) belongs to one running request and is o
 advances. Each running request holds one slot from first scheduling until it finishes or is
 preempted; a preempted request restarts from position 0 (or a prefix hit) and rebuilds its state.
 """
+
 from __future__ import annotations
 
 
@@ -21,7 +22,9 @@ class StateKVSlots:
         slot = self.owner.get(request_id)
         if slot is None:
             if not self.free_slots:
-                raise RuntimeError(f"no free state KV slot for request {request_id!r} ({self.num_slots} slots, all held)")
+                raise RuntimeError(
+                    f"no free state KV slot for request {request_id!r} ({self.num_slots} slots, all held)"
+                )
             slot = self.free_slots.pop()
             self.owner[request_id] = slot
         return slot

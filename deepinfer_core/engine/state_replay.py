@@ -9,6 +9,7 @@ layer's input is the token embedding, exact everywhere). So re-running the model
 exactly as a full prefill would. ``replay_tokens`` comes from the model's layout; a smaller,
 bounded (approximate) replay is a different number passed here.
 """
+
 from __future__ import annotations
 
 from .scheduler import ScheduledRequest, SchedulerOutput

@@ -5,6 +5,7 @@ what depends on the model: every token id (prompt and ``stop_token_ids``) inside
 the prompt inside the context, the request inside the KV pool. Whatever passes here cannot
 fail inside a step because of its inputs; each refusal names the field and the allowed values.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -51,7 +52,9 @@ def checked_prompt(ids, limits: ModelLimits) -> tuple[list[int], np.ndarray]:
         raise ValueError("the prompt is empty: at least one token is needed")
     n = len(ids)
     if n >= limits.max_model_len:
-        raise ValueError(f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens (the prompt must leave room for at least one new token)")
+        raise ValueError(
+            f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens (the prompt must leave room for at least one new token)"
+        )
     if set(map(type, ids)) == {int} and (array := _as_uint32(ids)) is not None and int(array.max()) < limits.vocab_size:
         return list(ids), array  # the common case, checked at C speed (a per-token loop cost ~1 us a token)
     wrong_type = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
@@ -67,15 +70,21 @@ def checked_prompt(ids, limits: ModelLimits) -> tuple[list[int], np.ndarray]:
 def check_params(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
     bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
     if bad:
-        raise ValueError(f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}")
+        raise ValueError(
+            f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}"
+        )
     if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limits.max_model_len:
         # refused, not capped (the OpenAI and Anthropic APIs answer 400): a caller who asked for
         # N tokens learns at once that N cannot fit, instead of a "length" finish far short of N
-        raise ValueError(context_overflow_message("max_tokens", num_prompt_tokens, params.max_tokens, limits.max_model_len))
+        raise ValueError(
+            context_overflow_message("max_tokens", num_prompt_tokens, params.max_tokens, limits.max_model_len)
+        )
     total = min(limits.max_model_len, num_prompt_tokens + (params.max_tokens or limits.max_model_len))
     blocks = -(-total // limits.block_size)
     if blocks > limits.num_blocks:
-        raise ValueError(f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or raise kv_cache_blocks")
+        raise ValueError(
+            f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or raise kv_cache_blocks"
+        )
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
 
@@ -109,7 +118,9 @@ def check_unicode(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid Unicode: {exc.object[exc.start]!r} at position {exc.start} is a lone surrogate") from None
+        raise ValueError(
+            f"{what} is not valid Unicode: {exc.object[exc.start]!r} at position {exc.start} is a lone surrogate"
+        ) from None
 
 
 def _as_uint32(ids: list[int]) -> np.ndarray | None:

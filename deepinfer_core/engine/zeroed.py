@@ -7,6 +7,7 @@ writes a few of its blocks. A private anonymous mapping reads as zeros and commi
 when it is written, so the cache costs nothing until used. The tensor holds the mapping and it
 is unmapped with the tensor's storage.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,9 @@ import torch
 _SMALL = 1 << 20  # below this a plain allocation is as cheap and keeps small tensors off mmap
 
 
-def zeros(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def zeros(
+    shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``, lazily committed on CPU."""
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize

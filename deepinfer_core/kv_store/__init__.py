@@ -24,6 +24,7 @@ is that a reader never sees a mix of two writes).
 ``remove`` and expiry hide a block at once; a lease taken earlier still reads it, and the
 bytes are deleted when the last lease on it ends.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -117,8 +118,7 @@ class KVStore(Protocol):
         hits, misses, evictions, bad_records, ...) are the backend's own names."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 KVStoreFactory = Callable[[KVStoreConfig], KVStore]

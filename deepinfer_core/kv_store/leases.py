@@ -10,6 +10,7 @@ Two tables, no I/O and no locking of their own (the store holds its lock around 
   were written, its retention class and when it expires. Expired tickets are returned by
   :meth:`TicketTable.expire` so the store can delete their temporary data.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -144,7 +145,9 @@ def check_buffers(keys: Sequence[bytes], buffers: Sequence[memoryview], block_by
             raise ValueError(f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
 
 
-def eviction_victims(keys_oldest_first, size: int, capacity: int | None, leases: LeaseTable, expired: Sequence[bytes] = ()) -> list[bytes]:
+def eviction_victims(
+    keys_oldest_first, size: int, capacity: int | None, leases: LeaseTable, expired: Sequence[bytes] = ()
+) -> list[bytes]:
     """The unpinned keys to drop so that ``size`` comes down to ``capacity``: ``expired`` keys
     first (past their retention, worth nothing), then the least recently used.
 

@@ -24,6 +24,7 @@ capacity eviction (expired blocks go first), or replaced when the block is writt
 Records are bucketed by expiry day, so only the current day's bucket needs its records'
 headers read to know their exact expiry (at open, and in ``gc``).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,20 @@ from typing import Sequence
 
 from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
 from .leases import LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
-from .records import HEADER_BYTES, PosixRecordIO, RecordIO, decode_header, key_from_filename, namespace_fingerprint, read_record
-from .records import is_regular_file, record_bytes, record_filename, remove_file, write_record
+from .records import (
+    HEADER_BYTES,
+    PosixRecordIO,
+    RecordIO,
+    decode_header,
+    is_regular_file,
+    key_from_filename,
+    namespace_fingerprint,
+    read_record,
+    record_bytes,
+    record_filename,
+    remove_file,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
@@ -86,7 +99,9 @@ def check_retention_classes(retention: dict) -> dict[str, float]:
     outside its root). Raises ValueError naming the offending class."""
     for name, seconds in retention.items():
         if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
-            raise ValueError(f"retention_seconds: class name {name!r} must be letters, digits, '_' or '-' (it becomes a directory name)")
+            raise ValueError(
+                f"retention_seconds: class name {name!r} must be letters, digits, '_' or '-' (it becomes a directory name)"
+            )
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
             raise ValueError(f"retention_seconds[{name!r}] = {seconds!r}: must be a positive number of seconds")
     return {name: float(seconds) for name, seconds in retention.items()}
@@ -106,7 +121,9 @@ class LocalDiskKVStore:
         self._fp = namespace_fingerprint(config.namespace)
         self._dir = self.root / self._fp.hex()
         self._tmp = self._dir / "tmp"
-        self._retention = check_retention_classes({**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))})
+        self._retention = check_retention_classes(
+            {**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))}
+        )
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._token = secrets.token_hex(4)  # temp names unique across processes on one mount
@@ -114,7 +131,19 @@ class LocalDiskKVStore:
         self._leases: LeaseTable[str] = LeaseTable()
         self._tickets = TicketTable()
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(("hits", "misses", "read_failures", "evictions", "expired", "commits", "commit_failures", "dropped_at_scan"), 0)
+        self._counters = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "read_failures",
+                "evictions",
+                "expired",
+                "commits",
+                "commit_failures",
+                "dropped_at_scan",
+            ),
+            0,
+        )
         _write_namespace_file(self._dir, config)
         with self._lock:
             self._rebuild_index()
@@ -190,7 +219,9 @@ class LocalDiskKVStore:
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
-                if _bucket_end(day) > now and is_regular_file(path) and not os.path.islink(path.parent):  # a FIFO, directory or symlink is a miss
+                if (
+                    _bucket_end(day) > now and is_regular_file(path) and not os.path.islink(path.parent)
+                ):  # a FIFO, directory or symlink is a miss
                     expires_at = self._record_expiry(str(path), key) if day == int(now // DAY) else _bucket_end(day)
                     if expires_at is None or expires_at <= now:
                         continue
@@ -343,7 +374,9 @@ class LocalDiskKVStore:
                 self._index[key] = _Entry(str(final), expires_at)  # exact; a scan knows the bucket only
                 published.append(str(final))
                 made += 1
-            for key in reversed([k for k in ticket.keys if self._index.get(k) is not None and self._index[k].path in published]):
+            for key in reversed(
+                [k for k in ticket.keys if self._index.get(k) is not None and self._index[k].path in published]
+            ):
                 self._index.move_to_end(key)  # the head of the written chain ends most recent
             _touch(published)
             self._counters["commits"] += made
@@ -376,7 +409,9 @@ class LocalDiskKVStore:
 
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
-        self._counters["evictions"] += evict_to_capacity(self._index, self.config.capacity_blocks, self._leases, lambda key, entry: self._remove_record(entry.path))
+        self._counters["evictions"] += evict_to_capacity(
+            self._index, self.config.capacity_blocks, self._leases, lambda key, entry: self._remove_record(entry.path)
+        )
 
     def gc(self, now: float | None = None) -> int:
         """Expire records whose day bucket has ended, abandoned reservations of this process,

@@ -3,6 +3,7 @@
 It implements the whole contract (two-phase writes, leases, LRU capacity, retention expiry)
 so that engine code tested against it behaves the same on the persistent stores.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,7 +35,9 @@ class MemoryKVStore:
         self.config = config
         from .local import check_retention_classes, parse_retention_option
 
-        self._retention = check_retention_classes({**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))})
+        self._retention = check_retention_classes(
+            {**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))}
+        )
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
         self._leases: LeaseTable[_Block] = LeaseTable()
@@ -148,7 +151,9 @@ class MemoryKVStore:
 
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
-        self._counters["evictions"] += evict_to_capacity(self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None)
+        self._counters["evictions"] += evict_to_capacity(
+            self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None
+        )
 
     # -- misc -----------------------------------------------------------------------------
     def retention_seconds(self) -> dict[str, float]:
@@ -169,4 +174,3 @@ class MemoryKVStore:
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
-

@@ -23,6 +23,7 @@ is not cache-line aligned copied out of the page cache 2.5-3x slower here (60 vs
 The file I/O itself goes through a :class:`RecordIO` so that a backend can swap POSIX calls
 for another client (3FS USRBIO) and keep the format and its checks in one place.
 """
+
 from __future__ import annotations
 
 import errno
@@ -220,7 +221,9 @@ class PosixRecordIO:
             os.close(fd)
 
 
-def write_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float) -> None:
+def write_record(
+    io: RecordIO, path: str, namespace_fp: bytes, key: bytes, payload: memoryview, expires_at: float
+) -> None:
     """Write one complete record to ``path`` (a temporary name; the caller renames it)."""
     io.write_file(path, [encode_header(namespace_fp, key, payload, expires_at), payload])
 

@@ -11,6 +11,7 @@ engine opens the store itself (it knows the namespace and block size) with
 :func:`open_kv_store_url`. Tools that open a store without an engine (``deepinfer kv``) use
 :func:`parse_kv_store_url` and :func:`open_kv_store_url` directly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ class KVStoreURL:
 def parse_kv_store_url(url: str) -> KVStoreURL:
     """``scheme://[/path][?opt=value&...]``; ValueError naming the URL when it has no scheme."""
     if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"kv_store {url!r} is not a URL: use scheme://path, e.g. local:///var/cache/deepinfer or memory://")
+        raise ValueError(
+            f"kv_store {url!r} is not a URL: use scheme://path, e.g. local:///var/cache/deepinfer or memory://"
+        )
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
     parts = urlsplit("//" + rest)  # not urlsplit(url): a scheme such as "3fs" (a leading digit) is not parsed as one
@@ -38,7 +41,9 @@ def parse_kv_store_url(url: str) -> KVStoreURL:
     return KVStoreURL(scheme, path, dict(parse_qsl(parts.query)))
 
 
-def open_kv_store_url(url: str, *, namespace: str, block_bytes: int, capacity_gib: float | None = None, host=None) -> KVStore:
+def open_kv_store_url(
+    url: str, *, namespace: str, block_bytes: int, capacity_gib: float | None = None, host=None
+) -> KVStore:
     """Open the store a URL names. An unknown scheme is a ValueError listing the installed
     backends. ``capacity_gib`` caps the store (least recently used blocks are evicted)."""
     from ..plugin_host import default_host
@@ -47,13 +52,17 @@ def open_kv_store_url(url: str, *, namespace: str, block_bytes: int, capacity_gi
     host = host or default_host()
     stores = host.kv_stores()
     if parsed.scheme not in stores:
-        raise ValueError(f"unknown KV store scheme {parsed.scheme!r} in {url!r}; installed backends: {', '.join(sorted(stores))}")
+        raise ValueError(
+            f"unknown KV store scheme {parsed.scheme!r} in {url!r}; installed backends: {', '.join(sorted(stores))}"
+        )
     capacity = None
     if capacity_gib is not None:
         if not isinstance(capacity_gib, (int, float)) or isinstance(capacity_gib, bool) or not capacity_gib > 0:
             raise ValueError(f"kv_store_gib must be a positive number of GiB, got {capacity_gib!r}")
         capacity = max(1, int(capacity_gib * 2**30) // block_bytes)
-    config = KVStoreConfig(namespace=namespace, block_bytes=block_bytes, path=parsed.path, capacity_blocks=capacity, options=parsed.options)
+    config = KVStoreConfig(
+        namespace=namespace, block_bytes=block_bytes, path=parsed.path, capacity_blocks=capacity, options=parsed.options
+    )
     return stores[parsed.scheme](config)
 
 
@@ -67,4 +76,10 @@ def add_kv_store_arguments(parser: argparse.ArgumentParser, *, required: bool = 
         metavar="URL",
         help="persistent KV cache: memory://, local:///path, 3fs:///mount/path or a plugin's scheme (default: none, device prefix cache only)",
     )
-    parser.add_argument("--kv-store-gib", type=float, default=None, metavar="GIB", help="capacity of the KV store; least recently used blocks are evicted past it")
+    parser.add_argument(
+        "--kv-store-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="capacity of the KV store; least recently used blocks are evicted past it",
+    )

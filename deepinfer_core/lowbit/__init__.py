@@ -14,6 +14,7 @@ CPU has it: ``DEEPINFER_LOWBIT_ISA``), ``ops`` calls them,
 Where the kernels cannot run (no AVX2, no C compiler), :func:`native.load` says why and the
 engine loads the same file dequantized to float instead.
 """
+
 from __future__ import annotations
 
 from collections import Counter

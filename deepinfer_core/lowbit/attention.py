@@ -18,18 +18,18 @@ written (C, every step), decode and native prefill attention read the codes in C
 paths this backend hands steps to (batch-invariant, replays, models without the native step)
 read the step's blocks dequantized to float32 (:func:`dequantize_blocks`).
 """
+
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import replace
 
 import torch
 
-from dataclasses import replace
-
 from ..attention import AttentionLayerSpec, AttentionMetadata
-from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 from ..attention.torch_ref import TorchAttentionBackend
+from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # what attention.c reads
 KV_ENV = "DEEPINFER_LOWBIT_KV_DTYPE"
@@ -85,20 +85,40 @@ class PagedDecodeAttention(TorchAttentionBackend):
         if spec.kv_dtype != torch.int8:
             return shape
         if spec.kv_shared:
-            raise ValueError("kv_cache_dtype='int8' needs separate key and value planes; this model shares them (use float16 or float32)")
+            raise ValueError(
+                "kv_cache_dtype='int8' needs separate key and value planes; this model shares them (use float16 or float32)"
+            )
         return (*shape[:-1], shape[-1] + SCALE_BYTES)  # each row: codes, then its float32 scale
 
     def forward(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if kv_cache.dtype == torch.int8:
             return self._forward_int8(spec, q, k, v, kv_cache, meta)
         one_token_rows = meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not meta.replay
-        if meta.batch_invariant or not one_token_rows or not _plain(spec, q, kv_cache) or k.dtype != q.dtype or v.dtype != q.dtype:
+        if (
+            meta.batch_invariant
+            or not one_token_rows
+            or not _plain(spec, q, kv_cache)
+            or k.dtype != q.dtype
+            or v.dtype != q.dtype
+        ):
             return super().forward(spec, q, k, v, kv_cache, meta)
         k, v = k.contiguous(), v.contiguous()  # [R, Hkv, D]
         slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
         _, heads, blocks, bs, width = kv_cache.shape
-        self._lib.paged_write_kv(k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.head_dim,
-                                 spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0], kv_kind(kv_cache.dtype))
+        self._lib.paged_write_kv(
+            k.data_ptr(),
+            v.data_ptr(),
+            kv_cache.data_ptr(),
+            heads,
+            blocks,
+            bs,
+            width,
+            spec.head_dim,
+            spec.v_head_dim,
+            slots.contiguous().data_ptr(),
+            k.shape[0],
+            kv_kind(kv_cache.dtype),
+        )
         return self._forward_decode(spec, q, kv_cache, meta)
 
     def _forward_int8(self, spec, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,8 +130,20 @@ class PagedDecodeAttention(TorchAttentionBackend):
             k, v = k.float().contiguous(), v.float().contiguous()  # [T, Hkv, D]
             slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 else meta.slot_mapping.long()
             _, heads, blocks, bs, width = kv_cache.shape
-            self._lib.paged_write_kv(k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), heads, blocks, bs, width, spec.head_dim,
-                                     spec.v_head_dim, slots.contiguous().data_ptr(), k.shape[0], kv_kind(torch.int8))
+            self._lib.paged_write_kv(
+                k.data_ptr(),
+                v.data_ptr(),
+                kv_cache.data_ptr(),
+                heads,
+                blocks,
+                bs,
+                width,
+                spec.head_dim,
+                spec.v_head_dim,
+                slots.contiguous().data_ptr(),
+                k.shape[0],
+                kv_kind(torch.int8),
+            )
         one_token_rows = meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not meta.replay
         if one_token_rows and not meta.batch_invariant and q.dtype == torch.float32:
             return self._forward_decode(spec, q, kv_cache, meta)
@@ -127,7 +159,9 @@ class PagedDecodeAttention(TorchAttentionBackend):
             return super()._forward_decode(spec, q, dense, local)
         return self._forward_padded(spec, q, dense, local)
 
-    def _forward_decode(self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_decode(
+        self, spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         if not _plain(spec, q, kv_cache):
             return super()._forward_decode(spec, q, kv_cache, meta)
         R = meta.num_requests
@@ -160,7 +194,9 @@ def dequantize_blocks(cache: torch.Tensor, head_dim: int, v_head_dim: int) -> to
 def _plain(spec: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The layout the C path reads: separate K/V planes, float32 queries, a contiguous float32,
     float16 or int8 cache."""
-    return not spec.kv_shared and q.dtype == torch.float32 and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous()
+    return (
+        not spec.kv_shared and q.dtype == torch.float32 and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous()
+    )
 
 
 def paged_decode(backend, lib: ctypes.CDLL):

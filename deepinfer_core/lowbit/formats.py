@@ -24,6 +24,7 @@ the float32 model's (benchmarks/README.md, cpuq5). Q6_K's 16-value sub-blocks wi
 int8 scales do not fit one scale per 32 values (folded into the weights, the int32 block sums
 could overflow), so it stays re-quantized; scales stay float32.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,7 +103,9 @@ def from_gguf(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantW
         return QuantWeight("q5", torch.cat([b[..., 6:22], b[..., 2:6]], dim=-1), d, -16.0 * d, type_name)
     if type_name == "Q5_1":  # d, m, qh, qs
         b = data.reshape(n, k // QK, 24)
-        return QuantWeight("q5", torch.cat([b[..., 8:24], b[..., 4:8]], dim=-1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), type_name)
+        return QuantWeight(
+            "q5", torch.cat([b[..., 8:24], b[..., 4:8]], dim=-1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), type_name
+        )
     if type_name == "Q5_K":
         return _q5_k(data.reshape(n, k // 256, 176))
     import gguf

@@ -23,6 +23,7 @@ order; kernels_i16.c); where a chunk boundary falls inside a prompt, its later r
 chunk's keys rounded to half. Contexts beyond :data:`PREFILL_MAX_CONTEXT` keep the torch path.
 ``DEEPINFER_NATIVE_PREFILL=0`` keeps every multi-token step on the torch path.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -56,7 +57,15 @@ class _Segment(ctypes.Structure):
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("seg", _Segment * _MAX_SEGMENTS), ("nseg", _i64), ("k", _i64), ("n", _i64), ("bias", _p), ("int_rows", _i64), ("int8_rows", _i64)]
+    _fields_ = [
+        ("seg", _Segment * _MAX_SEGMENTS),
+        ("nseg", _i64),
+        ("k", _i64),
+        ("n", _i64),
+        ("bias", _p),
+        ("int_rows", _i64),
+        ("int8_rows", _i64),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -82,7 +91,9 @@ def prefill_enabled() -> bool:
     """Read when a plan is built; only ``1`` (the default) and ``0`` are accepted."""
     raw = os.environ.get(PREFILL_SWITCH, "1")
     if raw not in ("0", "1", ""):
-        raise ValueError(f"{PREFILL_SWITCH}={raw!r}: allowed values are 1 (prefill steps in one native call per chunk, the default) and 0 (the torch path)")
+        raise ValueError(
+            f"{PREFILL_SWITCH}={raw!r}: allowed values are 1 (prefill steps in one native call per chunk, the default) and 0 (the torch path)"
+        )
     return raw != "0"
 
 
@@ -93,8 +104,10 @@ def prefill_attention_mode() -> int:
     and value from the cache (rounded to half there); 0 the decode kernel, a query at a time."""
     raw = os.environ.get(PREFILL_ATTENTION_SWITCH, "2")
     if raw not in PREFILL_ATTENTION_MODES:
-        raise ValueError(f"{PREFILL_ATTENTION_SWITCH}={raw!r}: allowed values are 2 (the call's keys and values in float32, the default), "
-                         "1 (every key and value read from the cache) and 0 (the decode attention kernel)")
+        raise ValueError(
+            f"{PREFILL_ATTENTION_SWITCH}={raw!r}: allowed values are 2 (the call's keys and values in float32, the default), "
+            "1 (every key and value read from the cache) and 0 (the decode attention kernel)"
+        )
     return int(raw)
 
 
@@ -120,7 +133,9 @@ def _linear(module: nn.Module, k: int, n: int) -> _Linear | None:
     for i, w in enumerate(module.segments):
         if w.kind not in KIND_CODE or not _packed_ok(w):
             return None
-        lin.seg[i] = _Segment(KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.qs.shape[0])
+        lin.seg[i] = _Segment(
+            KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.qs.shape[0]
+        )
     if module.bias is not None:
         if (bias := _float_vector(module.bias.data, n)) is None:
             return None
@@ -131,7 +146,9 @@ def _linear(module: nn.Module, k: int, n: int) -> _Linear | None:
 class LlamaDecodePlan:
     """The model described for ``llama_decode_step``; built once, after the weights are in."""
 
-    def __init__(self, lib: ctypes.CDLL, md: _Model, layers: ctypes.Array, keep: list[torch.Tensor], max_positions: int) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, md: _Model, layers: ctypes.Array, keep: list[torch.Tensor], max_positions: int
+    ) -> None:
         self._lib, self._md, self._layers, self._keep = lib, md, layers, keep
         self._max_positions = max_positions
         self._caches: tuple[int, ...] = ()
@@ -179,7 +196,8 @@ class LlamaDecodePlan:
         md.num_blocks, md.block_size, md.width = first.shape[2], first.shape[3], first.shape[4]
         want = (2, md.kv_heads, md.num_blocks, md.block_size, md.width)
         if len(kv_caches) != md.num_layers or any(
-            tuple(c.shape) != want or c.dtype != first.dtype or c.dtype not in CACHE_DTYPES or not c.is_contiguous() for c in kv_caches
+            tuple(c.shape) != want or c.dtype != first.dtype or c.dtype not in CACHE_DTYPES or not c.is_contiguous()
+            for c in kv_caches
         ):
             return False
         md.kv_kind = kv_kind(first.dtype)
@@ -188,7 +206,9 @@ class LlamaDecodePlan:
         self._caches = ptrs
         return True
 
-    def run(self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """The final-normed hidden states [R, D], or None when this step must take the torch path."""
         decode = self.applies(input_ids, meta)
         if not (decode or self.applies_prefill(input_ids, meta)) or not self._bind(kv_caches):
@@ -201,16 +221,36 @@ class LlamaDecodePlan:
         if not decode:  # one row per token, each with its request's block table
             qlens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
             tables = tables.index_select(0, torch.repeat_interleave(torch.arange(qlens.shape[0]), qlens, output_size=T))
-        ids, positions, slots, tables = ids.contiguous(), positions.contiguous(), slots.contiguous(), tables.contiguous()
+        ids, positions, slots, tables = (
+            ids.contiguous(),
+            positions.contiguous(),
+            slots.contiguous(),
+            tables.contiguous(),
+        )
         out = torch.empty(T, self._md.hidden)
         rows = T if decode else min(T, PREFILL_CHUNK)
         if self._scratch.numel() < rows * self._per_row:  # grows to the largest batch seen, then stays
             self._scratch = torch.empty(rows * self._per_row)
         for a in range(0, T, rows):
-            self._call(ids[a : a + rows], positions[a : a + rows], slots[a : a + rows], tables[a : a + rows], out[a : a + rows], decode)
+            self._call(
+                ids[a : a + rows],
+                positions[a : a + rows],
+                slots[a : a + rows],
+                tables[a : a + rows],
+                out[a : a + rows],
+                decode,
+            )
         return out
 
-    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, out: torch.Tensor, decode: bool) -> None:
+    def _call(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        out: torch.Tensor,
+        decode: bool,
+    ) -> None:
         R, most = ids.shape[0], torch.get_num_threads()
         if self.threads is None:
             threads = most
@@ -262,14 +302,26 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
         if None in ptrs or None in lins:
             names = ["input_layernorm", "post_attention_layernorm", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
             modules = [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            bad = ", ".join(f"{n} ({m.extra_repr() if isinstance(m, LowBitLinear) else type(m).__name__ + ' ' + m.extra_repr()})"
-                            for n, m, v in zip(names, modules, ptrs + lins) if v is None)
-            log.warning("decode steps take the per-op torch path, not the one-call native plan: layer %d's %s cannot be run by it "
-                        "(a dense tensor in a block-quantized file, e.g. an input width that is not a multiple of 32)", i, bad)
+            bad = ", ".join(
+                f"{n} ({m.extra_repr() if isinstance(m, LowBitLinear) else type(m).__name__ + ' ' + m.extra_repr()})"
+                for n, m, v in zip(names, modules, ptrs + lins)
+                if v is None
+            )
+            log.warning(
+                "decode steps take the per-op torch path, not the one-call native plan: layer %d's %s cannot be run by it "
+                "(a dense tensor in a block-quantized file, e.g. an input width that is not a multiple of 32)",
+                i,
+                bad,
+            )
             return None
         descs[i] = _Layer(ptrs[0], ptrs[1], *lins, None)
     final = model.model.norm
-    if type(final) is not RMSNorm or final.fused is not None or final.eps != eps or (final_ptr := _float_vector(final.weight.data, D)) is None:
+    if (
+        type(final) is not RMSNorm
+        or final.fused is not None
+        or final.eps != eps
+        or (final_ptr := _float_vector(final.weight.data, D)) is None
+    ):
         return None
     cos, sin = model.rotary.cos, model.rotary.sin
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] != hd for t in (cos, sin)):

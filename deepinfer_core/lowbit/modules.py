@@ -5,6 +5,7 @@ whose checkpoint tensors are all block-quantized, and the token embedding if it 
 model's ``load_weights`` then finds, through :func:`lowbit_targets`, a :class:`WeightSlot` per
 checkpoint name and hands it the packed tensor; no float copy of those weights ever exists.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,11 @@ class LowBitLinear(nn.Module):
         self.in_features = in_features
         self.parts = dict(parts)
         self.out_features = max(sl.stop for sl in parts.values())
-        self.bias = None if bias is None else nn.Parameter(torch.empty(self.out_features, dtype=torch.float32), requires_grad=False)
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(torch.empty(self.out_features, dtype=torch.float32), requires_grad=False)
+        )
         self._pending: dict[str, QuantWeight] = {}
         self.segments: list[QuantWeight] = []
         self.int_rows = ops.int_rows()  # calls with at most this many rows use the integer kernel
@@ -112,11 +117,16 @@ def _merge_same_kind(weights: list[QuantWeight]) -> list[QuantWeight]:
         if merged and merged[-1].kind == w.kind:
             last = merged[-1]
             m = None if w.m is None else torch.cat([last.m, w.m])
-            source = last.source if w.source in last.source.split("+") else f"{last.source}+{w.source}"  # e.g. q5<Q5_0+Q5_1>
+            source = (
+                last.source if w.source in last.source.split("+") else f"{last.source}+{w.source}"
+            )  # e.g. q5<Q5_0+Q5_1>
             merged[-1] = QuantWeight(w.kind, torch.cat([last.qs, w.qs]), torch.cat([last.d, w.d]), m, source)
         else:
             merged.append(w)
-    return [QuantWeight(w.kind, w.qs.contiguous(), w.d.contiguous(), None if w.m is None else w.m.contiguous(), w.source) for w in merged]
+    return [
+        QuantWeight(w.kind, w.qs.contiguous(), w.d.contiguous(), None if w.m is None else w.m.contiguous(), w.source)
+        for w in merged
+    ]
 
 
 def swap_in_lowbit(model: nn.Module, quantized: set[str]) -> int:
@@ -153,7 +163,9 @@ def lowbit_targets(model: nn.Module) -> tuple[dict[str, "WeightSlot | torch.Tens
             targets[f"{name}.weight"] = WeightSlot(module, "weight", (module.num_embeddings, module.in_features))
         elif isinstance(module, LowBitLinear):
             for part, rows in module.parts.items():
-                targets[f"{prefix}{part}.weight"] = WeightSlot(module, part, (rows.stop - rows.start, module.in_features))
+                targets[f"{prefix}{part}.weight"] = WeightSlot(
+                    module, part, (rows.stop - rows.start, module.in_features)
+                )
                 if module.bias is not None:
                     targets[f"{prefix}{part}.bias"] = module.bias.data[rows]
             if module.bias is not None:

@@ -16,6 +16,7 @@ integers, so every output keeps its bits (tests/test_lowbit_isa.py), fewer instr
 ``DEEPINFER_LOWBIT_ISA=avx2`` forces the AVX2 build (tests, A/B, debugging); ``avx512vnni`` or
 ``avxvnni`` force one on a CPU that has it; any other value, or one the CPU lacks, is refused.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +34,19 @@ import torch
 
 from .. import build_cache
 
-_SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("kernels.c", "kernels_i16.c", "kernels_i8.c", "attention.c", "prefill_attention.c", "layer.c", "head.c", "head_screen.c"))  # one shared object
+_SOURCES = tuple(
+    os.path.join(os.path.dirname(__file__), f)
+    for f in (
+        "kernels.c",
+        "kernels_i16.c",
+        "kernels_i8.c",
+        "attention.c",
+        "prefill_attention.c",
+        "layer.c",
+        "head.c",
+        "head_screen.c",
+    )
+)  # one shared object
 _HEADERS = (os.path.join(os.path.dirname(__file__), "vec.h"),)  # part of the cache key, not compiled alone
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 ISA_ENV = "DEEPINFER_LOWBIT_ISA"
@@ -43,7 +56,11 @@ _ISA_FLAGS = {
     "avx512vnni": ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"),
     "avxvnni": ("-mavxvnni",),
 }
-_ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512vnni": ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"), "avxvnni": ("avx_vnni",)}
+_ISA_NEEDS = {
+    "avx2": ("avx2", "fma"),
+    "avx512vnni": ("avx512f", "avx512vl", "avx512bw", "avx512_vnni"),
+    "avxvnni": ("avx_vnni",),
+}
 
 
 @dataclass(frozen=True)
@@ -145,7 +162,9 @@ def load_isa(isa: str) -> NativeKernels:
                     os.unlink(tmp)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            return NativeKernels(None, f"building the low-bit kernels ({isa}) with {compiler} failed: {detail.strip()[:300]}", isa)
+            return NativeKernels(
+                None, f"building the low-bit kernels ({isa}) with {compiler} failed: {detail.strip()[:300]}", isa
+            )
         build_cache.prune(cache_dir(), "lowbit-*.so")  # other source versions' builds, least recently used first
     with build_cache.loading(target):
         return _open(target, isa)
@@ -163,18 +182,29 @@ def _build(compiler: str, flags: tuple[str, ...], output: str) -> None:
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     compile_flags = tuple(f for f in flags if f != "-shared")
     with tempfile.TemporaryDirectory(dir=os.path.dirname(output)) as objects:
+
         def compile_one(index_source: tuple[int, str]) -> str:
             index, source = index_source
             obj = os.path.join(objects, f"{index}.o")
-            subprocess.run([compiler, *compile_flags, "-c", "-o", obj, source], check=True, capture_output=True, text=True,
-                           timeout=max(1.0, deadline - time.monotonic()))
+            subprocess.run(
+                [compiler, *compile_flags, "-c", "-o", obj, source],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
             return obj
 
         workers = max(1, min(len(_SOURCES), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             built = list(pool.map(compile_one, enumerate(_SOURCES)))
-        subprocess.run([compiler, *flags, "-o", output, *built], check=True, capture_output=True, text=True,
-                       timeout=max(1.0, deadline - time.monotonic()))
+        subprocess.run(
+            [compiler, *flags, "-o", output, *built],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
 
 
 def _open(target: str, isa: str) -> NativeKernels:
@@ -196,20 +226,64 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_i16_act.restype = None
     lib.quantize_act16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_act16.restype = None
-    if hasattr(lib, "gemm_i16_pre"):  # absent from libraries built from sources before 2026-12-02 (benchmarks' A/B of old revisions)
+    if hasattr(
+        lib, "gemm_i16_pre"
+    ):  # absent from libraries built from sources before 2026-12-02 (benchmarks' A/B of old revisions)
         lib.gemm_i16_pre.argtypes = [p, p, p, i64, i64, i32, p, p, p, i64, p, i32]
         lib.gemm_i16_pre.restype = None
     lib.gemm_i8_act.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
     lib.gemm_i8_act.restype = None
     lib.quantize_act8.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_act8.restype = None
-    lib.paged_decode_attention.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32, i32]
+    lib.paged_decode_attention.argtypes = [
+        p,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        ctypes.c_float,
+        i64,
+        p,
+        i32,
+        i32,
+    ]
     lib.paged_decode_attention.restype = None
     lib.paged_write_kv.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64, i32]
     lib.paged_write_kv.restype = None
     lib.prefill_has_runs.argtypes = [p, p, i64, i64]
     lib.prefill_has_runs.restype = i64
-    lib.prefill_attention.argtypes = [p, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, p, i64, p, i64, ctypes.c_float, i64, p, i32, i32, i32]
+    lib.prefill_attention.argtypes = [
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        i64,
+        p,
+        i64,
+        ctypes.c_float,
+        i64,
+        p,
+        i32,
+        i32,
+        i32,
+    ]
     lib.prefill_attention.restype = None
     lib.llama_decode_scratch_per_row.argtypes = [p]
     lib.llama_decode_scratch_per_row.restype = i64
@@ -222,5 +296,21 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.head_screen_panel_bytes.restype = i64
         lib.head_screen_prepare.argtypes = [p, p, i64, i64, p, p]
         lib.head_screen_prepare.restype = i32
-        lib.lowbit_head_screen_argmax.argtypes = [p, i64, i64, i32, p, p, p, i64, i64, i64, i32, p, ctypes.c_float, p, p]
+        lib.lowbit_head_screen_argmax.argtypes = [
+            p,
+            i64,
+            i64,
+            i32,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            i64,
+            i32,
+            p,
+            ctypes.c_float,
+            p,
+            p,
+        ]
         lib.lowbit_head_screen_argmax.restype = i32

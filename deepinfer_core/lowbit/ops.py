@@ -17,6 +17,7 @@ Q4_1 0/16 identical over 128 tokens, as llama.cpp). Hence opt-in: :func:`int8_ro
 many rows it is taken (``DEEPINFER_LOWBIT_INT8_ROWS``, default 0: never); 8-bit weights (Q8_0)
 never take it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,13 +29,17 @@ import torch
 from .formats import KIND_CODE, QuantWeight
 from .native import load
 
-DEFAULT_INT_ROWS = 1 << 62  # every call: the integer kernel is as fast or faster at every row count (benchmarks/README.md)
+DEFAULT_INT_ROWS = (
+    1 << 62
+)  # every call: the integer kernel is as fast or faster at every row count (benchmarks/README.md)
 
 
 def int_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     """Calls with at most this many rows take the integer kernel (0: none). Read when a model is
     built, not per call."""
-    return _rows_setting(environ, "DEEPINFER_LOWBIT_INT_ROWS", DEFAULT_INT_ROWS, "rows up to which activations are rounded to int16")
+    return _rows_setting(
+        environ, "DEEPINFER_LOWBIT_INT_ROWS", DEFAULT_INT_ROWS, "rows up to which activations are rounded to int16"
+    )
 
 
 DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); 1 would send every 4-bit call to it
@@ -43,7 +48,12 @@ DEFAULT_INT8_ROWS = 0  # opt-in (the docstring says why); 1 would send every 4-b
 def int8_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
     """Calls of 4-bit weights with at least this many rows take the int8-activation kernel (0:
     none), whatever :func:`int_rows` says. ``DEEPINFER_LOWBIT_EXACT=1`` turns it off too."""
-    return _rows_setting(environ, "DEEPINFER_LOWBIT_INT8_ROWS", DEFAULT_INT8_ROWS, "rows from which 4-bit weights meet int8 activations; 0: never")
+    return _rows_setting(
+        environ,
+        "DEEPINFER_LOWBIT_INT8_ROWS",
+        DEFAULT_INT8_ROWS,
+        "rows from which 4-bit weights meet int8 activations; 0: never",
+    )
 
 
 def _rows_setting(environ: "os._Environ[str] | dict[str, str]", name: str, default: int, meaning: str) -> int:
@@ -83,7 +93,9 @@ def _rows(x: torch.Tensor, w: QuantWeight) -> tuple[torch.Tensor, int, int]:
     return x, M, K
 
 
-def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
+def matmul(
+    x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0
+) -> torch.Tensor:  # [M, K] x [N, K]^T -> [M, N] float32
     kernels = load()
     if kernels.lib is None:
         raise RuntimeError(f"low-bit kernels unavailable: {kernels.reason}")
@@ -93,15 +105,34 @@ def matmul(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows
     m_ptr = w.m.data_ptr() if w.m is not None else None
     which = kernel_for(M, w.kind, max_int_rows, min_int8_rows)
     if which == "i8":
-        kernels.lib.gemm_i8_act(x.data_ptr(), M, K, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
+        kernels.lib.gemm_i8_act(
+            x.data_ptr(), M, K, w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads()
+        )
         return y
     kernel = kernels.lib.gemm_i16_act if which == "i16" else kernels.lib.gemm_f32_act
-    kernel(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr, N, y.data_ptr(), torch.get_num_threads())
+    kernel(
+        x.data_ptr(),
+        M,
+        K,
+        KIND_CODE[w.kind],
+        w.qs.data_ptr(),
+        w.d.data_ptr(),
+        m_ptr,
+        N,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
     return y
 
 
-def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8_rows: int = 0, threads: int | None = None,
-                screen: "HeadScreen | None" = None) -> torch.Tensor | None:
+def head_argmax(
+    x: torch.Tensor,
+    w: QuantWeight,
+    max_int_rows: int = 0,
+    min_int8_rows: int = 0,
+    threads: int | None = None,
+    screen: "HeadScreen | None" = None,
+) -> torch.Tensor | None:
     """The index of the largest logit of each row of ``x @ W^T`` ([M] int64), as
     ``torch.argmax(matmul(x, w, ...), -1)`` gives it, without the [M, N] logits (head.c: the
     same kernel on vocabulary chunks, so every logit has the full head's bits; ties to the lowest
@@ -120,8 +151,20 @@ def head_argmax(x: torch.Tensor, w: QuantWeight, max_int_rows: int = 0, min_int8
     threads = threads or torch.get_num_threads()
     if screen is not None and M >= screen.min_rows and screen.isa == kernels.isa:
         return screened_head_argmax(x, w, screen, max_int_rows, min_int8_rows, threads)[0]
-    failed = kernels.lib.lowbit_head_argmax(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
-                                            w.qs.shape[0], max_int_rows, min_int8_rows, threads, out.data_ptr())
+    failed = kernels.lib.lowbit_head_argmax(
+        x.data_ptr(),
+        M,
+        K,
+        KIND_CODE[w.kind],
+        w.qs.data_ptr(),
+        w.d.data_ptr(),
+        m_ptr,
+        w.qs.shape[0],
+        max_int_rows,
+        min_int8_rows,
+        threads,
+        out.data_ptr(),
+    )
     return None if failed else out
 
 
@@ -167,13 +210,20 @@ def prepare_screen(w: QuantWeight, min_rows: int = SCREEN_MIN_ROWS) -> HeadScree
     raw = torch.empty(size + 32, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % 32
     arow = ctypes.c_float()
-    failed = kernels.lib.head_screen_prepare(w.qs.contiguous().data_ptr(), w.d.contiguous().data_ptr(), N, K,
-                                             raw.data_ptr() + offset, ctypes.byref(arow))
+    failed = kernels.lib.head_screen_prepare(
+        w.qs.contiguous().data_ptr(), w.d.contiguous().data_ptr(), N, K, raw.data_ptr() + offset, ctypes.byref(arow)
+    )
     return None if failed else HeadScreen(raw, offset, arow.value, kernels.isa, min_rows)
 
 
-def screened_head_argmax(x: torch.Tensor, w: QuantWeight, screen: HeadScreen, max_int_rows: int = 0, min_int8_rows: int = 0,
-                         threads: int | None = None) -> tuple[torch.Tensor | None, int]:
+def screened_head_argmax(
+    x: torch.Tensor,
+    w: QuantWeight,
+    screen: HeadScreen,
+    max_int_rows: int = 0,
+    min_int8_rows: int = 0,
+    threads: int | None = None,
+) -> tuple[torch.Tensor | None, int]:
     """head_screen.c at any row count (head_argmax's choice skipped; tests, benchmarks): the
     indices (None for a NaN logit) and how many vocabulary rows it recomputed exactly (-1 where
     it refused the screen and took head.c's whole head)."""
@@ -186,7 +236,21 @@ def screened_head_argmax(x: torch.Tensor, w: QuantWeight, screen: HeadScreen, ma
         return out, 0
     stats = torch.zeros(1, dtype=torch.int64)
     m_ptr = w.m.data_ptr() if w.m is not None else None
-    failed = kernels.lib.lowbit_head_screen_argmax(x.data_ptr(), M, K, KIND_CODE[w.kind], w.qs.data_ptr(), w.d.data_ptr(), m_ptr,
-                                                   w.qs.shape[0], max_int_rows, min_int8_rows, threads or torch.get_num_threads(),
-                                                   screen.pointer, screen.arow, out.data_ptr(), stats.data_ptr())
+    failed = kernels.lib.lowbit_head_screen_argmax(
+        x.data_ptr(),
+        M,
+        K,
+        KIND_CODE[w.kind],
+        w.qs.data_ptr(),
+        w.d.data_ptr(),
+        m_ptr,
+        w.qs.shape[0],
+        max_int_rows,
+        min_int8_rows,
+        threads or torch.get_num_threads(),
+        screen.pointer,
+        screen.arow,
+        out.data_ptr(),
+        stats.data_ptr(),
+    )
     return (None if failed else out), int(stats[0])

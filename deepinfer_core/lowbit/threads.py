@@ -18,6 +18,7 @@ count (~1% on an idle machine). Results do not depend on the thread
 count (every output element is computed by one thread in one fixed order), so switching never
 changes tokens. ``DEEPINFER_ADAPTIVE_THREADS=0`` keeps torch's thread count.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,14 +31,18 @@ def adaptive_enabled() -> bool:
     a value such as ``false`` or ``off`` is refused instead of silently leaving the switch on."""
     raw = os.environ.get(ENV_SWITCH, "1")
     if raw not in ("0", "1", ""):
-        raise ValueError(f"{ENV_SWITCH}={raw!r}: allowed values are 1 (choose the thread count by measured wall time, the default) and 0 (keep torch's count)")
+        raise ValueError(
+            f"{ENV_SWITCH}={raw!r}: allowed values are 1 (choose the thread count by measured wall time, the default) and 0 (keep torch's count)"
+        )
     return raw != "0"
 
 
 class ThreadChooser:
     """Per decode plan: :meth:`pick` before a step, :meth:`record` after it."""
 
-    def __init__(self, probe_every: int = 64, margin: float = 0.85, smoothing: float = 0.3, first_probe: int = 8) -> None:
+    def __init__(
+        self, probe_every: int = 64, margin: float = 0.85, smoothing: float = 0.3, first_probe: int = 8
+    ) -> None:
         self.probe_every, self.margin, self.smoothing = probe_every, margin, smoothing
         self.first_probe = first_probe  # one early probe, so that a short generation on a loaded machine gains too
         self.current: int | None = None  # None: torch's count, until a probe wins

@@ -5,6 +5,7 @@ A :data:`ModelFactory` builds a :class:`CausalLM` from a Hugging Face style conf
 Models never pick kernels themselves: attention and MoE go through the objects the context's
 resolvers return (the platform hooks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ DeepSeek configs; transformers' configs omit the frequency, which means 1), othe
 SwiGLU MLP. Attention is in ``deepseek_v3_mla``; routing and expert compute go through the
 context's MoE dispatcher; weights arrive under Hugging Face names (``deepseek_v3_weights``).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, NamedTuple
@@ -88,7 +89,9 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         router = getattr(self.dispatcher, "router_logits", None)  # optional (TorchMoEDispatcher's)
-        logits = router(x, self.gate.weight) if router else F.linear(x.float(), self.gate.weight.float())  # [T, E] float32
+        logits = (
+            router(x, self.gate.weight) if router else F.linear(x.float(), self.gate.weight.float())
+        )  # [T, E] float32
         ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
         experts = ExpertWeights(
             gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales
@@ -120,7 +123,13 @@ class DeepseekV3MoE(nn.Module):
             return ExpertWeights(gu.weight_fp8[None], dn.weight_fp8[None], gu.scale_inv[None], dn.scale_inv[None])
         w1, w2 = getattr(gu, "weight", None), getattr(dn, "weight", None)
         plain = type(gu).forward is FusedLinear.forward and type(dn).forward is nn.Linear.forward
-        if plain and isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and gu.bias is None and dn.bias is None:
+        if (
+            plain
+            and isinstance(w1, torch.Tensor)
+            and isinstance(w2, torch.Tensor)
+            and gu.bias is None
+            and dn.bias is None
+        ):
             return ExpertWeights(w1[None], w2[None])
         return None
 

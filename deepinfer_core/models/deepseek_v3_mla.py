@@ -17,6 +17,7 @@ so the attention backend sees an MQA layer with one KV head whose values are the
 ``kv_lora_rank`` channels of the key (``AttentionKind.MLA``, ``kv_shared=True``). The cache is
 ``kv_lora_rank + rope_dim`` floats per token instead of ``H * (qk_head_dim + v_head_dim)``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -135,8 +136,16 @@ class MLAAttention(nn.Module):
         k_pe = kv_a[:, C:].view(T, 1, self.rope_dim)  # [T, 1, r]
         norm = self.kv_a_layernorm
         fused = self.norm_rope_cat
-        if fused is not None and type(norm) is RMSNorm and norm.fused is not None and norm.weight.dtype == kv_a.dtype and self.rope_cat is not None:
-            return fused(kv_a[:, :C], norm.weight, norm.eps, k_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope)
+        if (
+            fused is not None
+            and type(norm) is RMSNorm
+            and norm.fused is not None
+            and norm.weight.dtype == kv_a.dtype
+            and self.rope_cat is not None
+        ):
+            return fused(
+                kv_a[:, :C], norm.weight, norm.eps, k_pe, positions, rotary.cos, rotary.sin, self.interleaved_rope
+            )
         return self._assemble(norm(kv_a[:, :C])[:, None, :], k_pe, positions, rotary)
 
     def forward(
@@ -157,7 +166,9 @@ class MLAAttention(nn.Module):
                 q_a, kv_a = lin(x, self.qkv_a_weight).split([self.q_lora_rank, self.latent_dim + self.rope_dim], dim=-1)
             else:
                 q_a, kv_a = project(lin, self.q_a_proj, x), project(lin, self.kv_a_proj_with_mqa, x)
-            if lin is not None and plain_linear(self.q_b_proj) and type(self.q_a_layernorm) is RMSNorm:  # the norm inside q_b's launch
+            if (
+                lin is not None and plain_linear(self.q_b_proj) and type(self.q_a_layernorm) is RMSNorm
+            ):  # the norm inside q_b's launch
                 q = lin(q_a, self.q_b_proj.weight, norm=(self.q_a_layernorm.weight, self.q_a_layernorm.eps))
             else:
                 q = project(lin, self.q_b_proj, self.q_a_layernorm(q_a))
@@ -168,7 +179,9 @@ class MLAAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)
         expand = getattr(self.backend, "expand_mla", None)
         if expand is not None and expand(self.spec, meta):  # the backend's non-absorbed form (prefill)
-            out = self.backend.forward_mla_expanded(self.spec, self._assemble(q_nope, q_pe, positions, rotary), key, w_kv, kv_cache, meta)
+            out = self.backend.forward_mla_expanded(
+                self.spec, self._assemble(q_nope, q_pe, positions, rotary), key, w_kv, kv_cache, meta
+            )
             return project(lin, self.o_proj, out.reshape(T, H * self.v_dim))
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [H, n, C], [H, v, C]
         if self.head_linear is not None:

@@ -17,6 +17,7 @@ parameters (DeepSeek-V4's ``mtp.N.*``) passes ``optional_prefix="mtp."``: each `
 is then loaded whole or, when the checkpoint has none of its tensors, left out (reported in the
 returned set of loaded names; a partly present group is an error naming what is missing).
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,9 @@ import torch.nn as nn
 from . import WeightsError
 from .layers import fused_targets
 
-_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_EXPERT = re.compile(
+    r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHOWN = 20  # names listed per category before summarising
 _SCALE = ".scale"  # marks a per-expert weight_scale_inv piece
@@ -36,7 +39,10 @@ _SCALE = ".scale"  # marks a per-expert weight_scale_inv piece
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], family: str = "DeepseekV3", optional_prefix: str | None = None
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    family: str = "DeepseekV3",
+    optional_prefix: str | None = None,
 ) -> set[str]:
     """Copy every tensor into place; raise :class:`WeightsError` naming all problems at once.
     Returns the names of the parameters filled (stacked expert parameters included)."""
@@ -101,7 +107,7 @@ def _group(name: str, prefix: str) -> str | None:
     """``mtp.0`` for ``mtp.0.self_attn...`` when ``prefix`` is ``mtp.``; None outside it."""
     if not name.startswith(prefix):
         return None
-    return prefix + name[len(prefix):].split(".", 1)[0]
+    return prefix + name[len(prefix) :].split(".", 1)[0]
 
 
 def _expert_slice(targets: dict, prefix: str, index: int, proj: str) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ Sliding layers rope with ``rope_theta``; CSA / HCA layers and their compressors 
 each layer's spec (``state_kv=True``); MoE through the MoE hook. The cache is the V4 split of
 ``deepseek_v4_kv`` (block KV + per-request state KV), sized by :meth:`kv_layout`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from ..attention import AttentionLayerSpec, AttentionMetadata
 from ..engine.fast_init import materialize
 from . import ModelContext
 from .deepseek_v3_weights import load_hf_weights
@@ -31,11 +32,19 @@ from .deepseek_v4_compress import Compressor, Indexer, StepPlans, V4Batch, updat
 from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .deepseek_v4_decode import V4DecodeBatch, decode_select, decode_update_entries
 from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
+from .deepseek_v4_layers import (
+    GroupedLinear,
+    HyperConnection,
+    HyperHead,
+    V4MoE,
+    V4RMSNorm,
+    V4Rope,
+    keep_float32,
+    moe_spec,
+    unweighted_rms_norm,
+)  # fmt: skip
 from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .deepseek_v4_weights import renamed
-from .deepseek_v4_layers import (
-    GroupedLinear, HyperConnection, HyperHead, V4MoE, V4RMSNorm, V4Rope, keep_float32, moe_spec, unweighted_rms_norm,
-)  # fmt: skip
 
 
 def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> AttentionLayerSpec:
@@ -82,7 +91,16 @@ class V4Attention(nn.Module):
             if kind == CSA:
                 self.compressor.indexer = Indexer(cfg, ratio)
 
-    def forward(self, x, positions, ropes, cache: V4LayerCache, meta: AttentionMetadata, batch: V4Batch, plans: StepPlans | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x,
+        positions,
+        ropes,
+        cache: V4LayerCache,
+        meta: AttentionMetadata,
+        batch: V4Batch,
+        plans: StepPlans | None = None,
+    ) -> torch.Tensor:
         T, H, D, eps = x.shape[0], self.cfg.num_heads, self.cfg.head_dim, self.cfg.rms_norm_eps
         rope = ropes["compress" if self.compressed else "main"]
         cos, sin = rope.cos_sin(positions, x.dtype)
@@ -101,7 +119,14 @@ class V4Attention(nn.Module):
             scores = getattr(self.backend, "index_scores", None)
             scorer = None if scores is None else functools.partial(scores, meta=meta)
             if isinstance(batch, V4DecodeBatch):  # fixed shapes, no host sync (forward_decode)
-                decode_update_entries(parts, [c.project(x) for c, _ in parts], cache, batch, rope, getattr(self.backend, "compress_decode", None))
+                decode_update_entries(
+                    parts,
+                    [c.project(x) for c, _ in parts],
+                    cache,
+                    batch,
+                    rope,
+                    getattr(self.backend, "compress_decode", None),
+                )
                 if indexer is not None:
                     selected = decode_select(indexer, x, q_residual, cache, batch, rope, D, scorer, (cos, sin), apply)
             else:
@@ -176,7 +201,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         backends = [ctx.attention_backend(spec) for spec in self.attention_specs]
         for spec, backend in zip(self.attention_specs, backends):
             if not hasattr(backend, "forward_v4"):
-                raise ValueError(f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer {spec.layer_index} ({spec.kind.value}) lacks forward_v4")
+                raise ValueError(
+                    f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer {spec.layer_index} ({spec.kind.value}) lacks forward_v4"
+                )
         full = with_mtp_layers(cfg)  # MTP blocks as layers n.. for the per-layer builders
         self.mtp_attention_specs = [attention_spec(full, i, ctx.dtype) for i in range(cfg.num_layers, full.num_layers)]
         mtp_backends = [ctx.attention_backend(spec) for spec in self.mtp_attention_specs]
@@ -188,7 +215,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             layers = [V4DecoderLayer(cfg, s, b, m) for s, b, m in zip(self.attention_specs, backends, moes)]
             self.model = Backbone(cfg, layers)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            mtp = [V4MTPBlock(full, s, b, m) for s, b, m in zip(self.mtp_attention_specs, mtp_backends, moes[cfg.num_layers :])]
+            mtp = [
+                V4MTPBlock(full, s, b, m)
+                for s, b, m in zip(self.mtp_attention_specs, mtp_backends, moes[cfg.num_layers :])
+            ]
             self.mtp = nn.ModuleList(mtp) if mtp else None
         self.mtp_unavailable = None if mtp else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
         materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
@@ -240,7 +270,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             prompt_lens=tuple(meta.prompt_lens or ()),
         )
 
-    def hidden_streams(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata, batch=None) -> torch.Tensor:
+    def hidden_streams(
+        self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata, batch=None
+    ) -> torch.Tensor:
         """The last layer's hyper-connection streams [T, hc, D], before ``hc_head`` and the final
         norm: what the MTP blocks consume. ``batch``: the layout, else built from ``meta``."""
         batch = self._batch(meta) if batch is None else batch
@@ -254,7 +286,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta)))
 
-    def forward_decode(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward_decode(
+        self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """:meth:`forward` for a batch of one new token per request, with shapes fixed by the
         batch's size and block-table width and no host synchronisation (what a CUDA graph
         captures; see :mod:`.deepseek_v4_decode`). Not for replays or prefill rows."""
@@ -265,11 +299,19 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"forward_decode takes one new token per request (not a replay): got {input_ids.shape[0]} tokens for "
                 f"{meta.state_slots.shape[0]} requests, max_query_len={meta.max_query_len}, replay={meta.replay}"
             )
-        batch = V4DecodeBatch(positions=positions, slots=meta.state_slots, block_tables=meta.block_tables, block_size=meta.block_size)
+        batch = V4DecodeBatch(
+            positions=positions, slots=meta.state_slots, block_tables=meta.block_tables, block_size=meta.block_size
+        )
         return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta, batch)))
 
     def mtp_forward(
-        self, streams: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor, cache: V4LayerCache, meta: AttentionMetadata, block: int = 0
+        self,
+        streams: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: V4LayerCache,
+        meta: AttentionMetadata,
+        block: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits with MTP block ``block``: ``streams`` [T, hc, D] are the hidden streams at
         ``positions`` (from :meth:`hidden_streams`, or a previous call's output when chaining),
@@ -279,7 +321,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError(f"DeepSeek-V4 MTP drafting is unavailable: {self.mtp_unavailable}")
         if not 0 <= block < len(self.mtp):
-            raise ValueError(f"MTP block {block} does not exist; this model has {len(self.mtp)} (num_nextn_predict_layers)")
+            raise ValueError(
+                f"MTP block {block} does not exist; this model has {len(self.mtp)} (num_nextn_predict_layers)"
+            )
         T = streams.shape[0]
         if streams.shape[1:] != (self.cfg.hc_mult, self.cfg.hidden_size) or next_token_ids.shape != (T,):
             raise ValueError(
@@ -287,7 +331,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"next_token_ids [T]; got {tuple(streams.shape)} and {tuple(next_token_ids.shape)}"
             )
         embeds = self.model.embed_tokens(next_token_ids)
-        hidden, out = self.mtp[block].draft(streams, embeds, next_token_ids, positions, self.ropes, cache, meta, self._batch(meta))
+        hidden, out = self.mtp[block].draft(
+            streams, embeds, next_token_ids, positions, self.ropes, cache, meta, self._batch(meta)
+        )
         return self.compute_logits(hidden), out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

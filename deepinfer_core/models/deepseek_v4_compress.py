@@ -8,6 +8,7 @@ in a finished window (and, for CSA, of the previous window) live in the request'
 finished entries go to block KV (see ``deepseek_v4_kv``). Each call emits exactly the entries
 whose windows close inside the scheduled tokens, so any chunking gives the same entries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .deepseek_v4_config import V4Config
 from .deepseek_v4_kv import V4LayerCache
@@ -74,7 +74,9 @@ class Compressor(nn.Module):
         if self.overlap:  # window w's first half: window w - 1's rows (none for window 0: weight 0)
             prev, cur = src[:, :r], src[:, r:]
             has_prev = (positions >= r)[:, None, None]
-            kv = torch.cat([torch.where(has_prev, prev[..., :d], torch.zeros_like(prev[..., :d])), cur[..., d:W]], dim=1)
+            kv = torch.cat(
+                [torch.where(has_prev, prev[..., :d], torch.zeros_like(prev[..., :d])), cur[..., d:W]], dim=1
+            )
             first = torch.where(has_prev, prev[..., W : W + d] + self.position_bias[:, :d], float("-inf"))
             gate = torch.cat([first, cur[..., W + d :] + self.position_bias[:, d:]], dim=1)
         else:
@@ -114,7 +116,18 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
 
-    def select(self, x, q_residual, positions, cache: V4LayerCache, batch: V4Batch, rope: V4Rope, key_col: int, scorer=None, plans: StepPlans | None = None) -> torch.Tensor:
+    def select(
+        self,
+        x,
+        q_residual,
+        positions,
+        cache: V4LayerCache,
+        batch: V4Batch,
+        rope: V4Rope,
+        key_col: int,
+        scorer=None,
+        plans: StepPlans | None = None,
+    ) -> torch.Tensor:
         """Top-k entry indices per token ([T, k], -1 where nothing is chosen; k = index_topk, or
         fewer when no row of the batch has that many entries).
 
@@ -127,7 +140,9 @@ class Indexer(Compressor):
         same either way. Every request and row at once (:mod:`.deepseek_v4_prefill`)."""
         T = x.shape[0]
         visible = (positions + 1) // self.ratio  # entries each query may see
-        plan = (plans or StepPlans()).get(("topk", self.ratio, self.topk), lambda: topk_plan(batch, self.ratio, self.topk, x.device))
+        plan = (plans or StepPlans()).get(
+            ("topk", self.ratio, self.topk), lambda: topk_plan(batch, self.ratio, self.topk, x.device)
+        )
         # no ranking at all: only as many columns as the batch has entries (attention reads fewer -1 slots)
         ends = [s + b - a for (a, b), s in zip(batch.token_ranges, batch.starts)]
         width = self.topk if plan is not None else max(1, min(self.topk, max(ends, default=0) // self.ratio))
@@ -140,7 +155,9 @@ class Indexer(Compressor):
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, h]
         every = None
         if scorer is not None:
-            every = scorer(q, weights, cache.entries, key_col, positions, batch, self.ratio, plan.n_max, self.dim**-0.5)  # [T, n_max]
+            every = scorer(
+                q, weights, cache.entries, key_col, positions, batch, self.ratio, plan.n_max, self.dim**-0.5
+            )  # [T, n_max]
         if every is None:
             every = torch_scores(self, q, weights, cache.entries, key_col, visible, batch, plan)
         choose(every[plan.rows], visible, plan, self.topk, out)

@@ -13,6 +13,7 @@ released checkpoints use the older one, so both are read here the same way it fo
 Every problem raises :class:`ValueError` naming the field and the allowed values, before any
 tensor is allocated.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ from dataclasses import dataclass
 from ..attention import AttentionKind
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-LAYER_KINDS = {SLIDING: AttentionKind.SLIDING, CSA: AttentionKind.COMPRESSED_SPARSE, HCA: AttentionKind.HEAVILY_COMPRESSED}
+LAYER_KINDS = {
+    SLIDING: AttentionKind.SLIDING,
+    CSA: AttentionKind.COMPRESSED_SPARSE,
+    HCA: AttentionKind.HEAVILY_COMPRESSED,
+}
 _RATIO_TO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
 MLP_KINDS = ("hash_moe", "moe")
 _DEFAULT_RATES = {CSA: 4, HCA: 128}
@@ -80,16 +85,22 @@ def _layer_kinds(config: dict, n: int) -> tuple[str, ...]:
         ratios = list(config["compress_ratios"])
         bad = [r for r in ratios if r not in _RATIO_TO_KIND]
         if bad:
-            raise ValueError(f"DeepSeek-V4 config field 'compress_ratios' entries must be one of {sorted(_RATIO_TO_KIND)}; got {bad}")
+            raise ValueError(
+                f"DeepSeek-V4 config field 'compress_ratios' entries must be one of {sorted(_RATIO_TO_KIND)}; got {bad}"
+            )
         kinds = [_RATIO_TO_KIND[r] for r in ratios]
     if kinds is None:
         kinds = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     kinds = list(kinds)
     if len(kinds) < n:
-        raise ValueError(f"DeepSeek-V4 config field 'layer_types' has {len(kinds)} entries but num_hidden_layers is {n}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'layer_types' has {len(kinds)} entries but num_hidden_layers is {n}"
+        )
     bad = [k for k in kinds[:n] if k not in LAYER_KINDS]
     if bad:
-        raise ValueError(f"DeepSeek-V4 config field 'layer_types' entries must be one of {sorted(LAYER_KINDS)}; got {bad}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'layer_types' entries must be one of {sorted(LAYER_KINDS)}; got {bad}"
+        )
     return tuple(kinds[:n])
 
 
@@ -100,10 +111,14 @@ def _mlp_kinds(config: dict, n: int) -> tuple[str, ...]:
         kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     kinds = list(kinds)
     if len(kinds) < n:
-        raise ValueError(f"DeepSeek-V4 config field 'mlp_layer_types' has {len(kinds)} entries but num_hidden_layers is {n}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'mlp_layer_types' has {len(kinds)} entries but num_hidden_layers is {n}"
+        )
     bad = [k for k in kinds[:n] if k not in MLP_KINDS]
     if bad:
-        raise ValueError(f"DeepSeek-V4 config field 'mlp_layer_types' entries must be one of {list(MLP_KINDS)}; got {bad}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'mlp_layer_types' entries must be one of {list(MLP_KINDS)}; got {bad}"
+        )
     return tuple(kinds[:n])
 
 
@@ -122,7 +137,9 @@ def _ropes(config: dict, rope_dim: int) -> tuple[dict, dict]:
         compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
     for label, params in (("main", main), ("compress", compress)):
         if params["rope_type"] not in ("default", "yarn"):
-            raise ValueError(f"DeepSeek-V4 rope_parameters[{label!r}].rope_type must be 'default' or 'yarn', got {params['rope_type']!r}")
+            raise ValueError(
+                f"DeepSeek-V4 rope_parameters[{label!r}].rope_type must be 'default' or 'yarn', got {params['rope_type']!r}"
+            )
     return main, compress
 
 
@@ -132,14 +149,18 @@ def parse_config(config: dict) -> V4Config:
     head_dim = _positive(config, "head_dim")
     heads = _positive(config, "num_attention_heads")
     if config.get("num_key_value_heads", 1) != 1:
-        raise ValueError(f"DeepSeek-V4 config field 'num_key_value_heads' must be 1 (shared K=V head), got {config['num_key_value_heads']!r}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'num_key_value_heads' must be 1 (shared K=V head), got {config['num_key_value_heads']!r}"
+        )
     factor = config.get("partial_rotary_factor")
     if factor is not None:  # transformers: the factor wins over a legacy qk_rope_head_dim
         rope_dim = int(head_dim * factor)
     else:
         rope_dim = config.get("qk_rope_head_dim") or int(head_dim * 64 / 512)
     if not 0 < rope_dim <= head_dim or rope_dim % 2:
-        raise ValueError(f"DeepSeek-V4 rope width (head_dim * partial_rotary_factor = {rope_dim}) must be even and in (0, head_dim={head_dim}]")
+        raise ValueError(
+            f"DeepSeek-V4 rope width (head_dim * partial_rotary_factor = {rope_dim}) must be even and in (0, head_dim={head_dim}]"
+        )
     o_groups = _positive(config, "o_groups", 8)
     if heads % o_groups:
         raise ValueError(f"DeepSeek-V4 config field 'o_groups' ({o_groups}) must divide num_attention_heads ({heads})")
@@ -150,19 +171,27 @@ def parse_config(config: dict) -> V4Config:
             rates[kind] = config[legacy]
     for kind in (CSA, HCA):
         if not isinstance(rates.get(kind), int) or rates[kind] < 1:
-            raise ValueError(f"DeepSeek-V4 config field 'compress_rates'[{kind!r}] must be a positive integer, got {rates.get(kind)!r}")
+            raise ValueError(
+                f"DeepSeek-V4 config field 'compress_rates'[{kind!r}] must be a positive integer, got {rates.get(kind)!r}"
+            )
     ratios = tuple(0 if k == SLIDING else rates[k] for k in kinds)
     experts = _positive(config, "n_routed_experts", 256)
     top_k = _positive(config, "num_experts_per_tok", 6)
     if top_k > experts:
-        raise ValueError(f"DeepSeek-V4 config field 'num_experts_per_tok' ({top_k}) exceeds n_routed_experts ({experts})")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'num_experts_per_tok' ({top_k}) exceeds n_routed_experts ({experts})"
+        )
     scoring = config.get("scoring_func", "sqrtsoftplus")
     if scoring not in ("sqrtsoftplus", "softmax", "sigmoid"):
-        raise ValueError(f"DeepSeek-V4 config field 'scoring_func' must be one of sqrtsoftplus, softmax, sigmoid; got {scoring!r}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'scoring_func' must be one of sqrtsoftplus, softmax, sigmoid; got {scoring!r}"
+        )
     main, compress = _ropes(config, rope_dim)
     n_mtp = config.get("num_nextn_predict_layers", 1) or 0
     if not isinstance(n_mtp, int) or isinstance(n_mtp, bool) or n_mtp < 0:
-        raise ValueError(f"DeepSeek-V4 config field 'num_nextn_predict_layers' must be a non-negative integer, got {n_mtp!r}")
+        raise ValueError(
+            f"DeepSeek-V4 config field 'num_nextn_predict_layers' must be a non-negative integer, got {n_mtp!r}"
+        )
     schedule = config.get("layer_types") or config.get("compress_ratios") or ()
     mtp_kinds = _layer_kinds(config, n + n_mtp)[n:] if len(schedule) >= n + n_mtp else (SLIDING,) * n_mtp
     return V4Config(

@@ -17,6 +17,7 @@ Same values as the general path, in batched form; only the order of a chosen set
 of the ``-1`` padding differ (attention sums over the set). All per-request data are device
 tensors (:class:`V4DecodeBatch`); nothing here calls ``.item()``, ``.tolist()`` or ``nonzero``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class V4DecodeBatch:
         return blocks, entries % per_block
 
 
-def decode_update_entries(compressors, raw: list[torch.Tensor], cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, fused=None) -> None:
+def decode_update_entries(
+    compressors, raw: list[torch.Tensor], cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, fused=None
+) -> None:
     """Decode-batch form of ``update_entries``: ``compressors`` [(compressor, entry column)],
     ``raw`` [R, 2 * width] projections of each request's new token. ``fused`` (optional, from
     the attention backend: ``V4AttentionBackend.compress_decode``) does one compressor's tail

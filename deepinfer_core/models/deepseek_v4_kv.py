@@ -20,6 +20,7 @@ windows. Everything in state KV is a function of the last ``window - 1`` (window
 :func:`v4_kv_layout` is the one place these sizes are computed: the engine allocates from it and
 capacity planning reads it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -138,7 +139,9 @@ def layer_layouts(cfg: V4Config, block_size: int, num_speculative_tokens: int = 
     return tuple(layers)
 
 
-def v4_kv_layout(config: dict | V4Config, dtype: torch.dtype, block_size: int = 128, num_speculative_tokens: int = 0) -> V4KVLayout:
+def v4_kv_layout(
+    config: dict | V4Config, dtype: torch.dtype, block_size: int = 128, num_speculative_tokens: int = 0
+) -> V4KVLayout:
     """The V4 cache layout for a Hugging Face config dict (or a parsed :class:`V4Config`):
     bytes per block of block KV, state KV bytes per request, and the allocator the engine uses."""
     cfg = config if isinstance(config, V4Config) else parse_config(config)

@@ -5,6 +5,7 @@ Each mirrors transformers' ``modeling_deepseek_v4`` operation for operation (sam
 float32 islands), because the acceptance bar is logits within 1e-4 of it; shapes drop the batch
 axis (``[T, ...]`` instead of ``[B, S, ...]``).
 """
+
 from __future__ import annotations
 
 import re
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from .deepseek_v4_config import V4Config
 from .layers import FusedLinear, yarn_rope_inv_freq
-
 
 # Kept in float32 whatever the model dtype: transformers' ``_keep_in_fp32_modules_strict`` for
 # DeepSeek-V4 (mHC mixing, sinks, compressor position biases, router bias, every RMSNorm weight),
@@ -116,13 +116,14 @@ class HyperConnection(nn.Module):
         mix = self.fused_mix if self.fused_mix is not None else hc_mix_reference
         return mix(mixed, self.base, self.scale, streams, self.iters, self.eps)
 
-
     def merge(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """:func:`hc_merge` (through the platform's kernel where installed)."""
         return (self.fused_merge if self.fused_merge is not None else hc_merge)(streams, out, post, comb)
 
 
-def hc_mix_reference(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int, eps: float):
+def hc_mix_reference(
+    mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int, eps: float
+):
     """The mHC weights from the mixing projection ``mixed`` [T, (2 + hc) * hc] (float32):
     ``pre`` (sigmoid), ``post`` (2 * sigmoid), ``comb`` (softmax rows, then ``iters`` Sinkhorn
     column / row normalisations), and the streams [T, hc, D] collapsed by ``pre``. Returns
@@ -245,7 +246,9 @@ class V4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, D]
         logits = F.linear(x, self.gate.weight)  # model dtype, as the reference
         if self.hashed:
-            ids, weights = self.dispatcher.select_experts(self.spec, logits, None, token_ids=input_ids, hash_table=self.gate.tid2eid)
+            ids, weights = self.dispatcher.select_experts(
+                self.spec, logits, None, token_ids=input_ids, hash_table=self.gate.tid2eid
+            )
         else:
             ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
         experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)

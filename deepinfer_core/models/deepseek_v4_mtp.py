@@ -19,6 +19,7 @@ The MTP block's cache is a separate :class:`~.deepseek_v4_kv.V4LayerCache` per b
 by :meth:`DeepseekV4ForCausalLM.mtp_kv_layout`; the decoding loop that allocates and feeds it is
 the speculative-decoding issue's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,4 +42,6 @@ def with_mtp_layers(cfg: V4Config) -> V4Config:
 
 
 NO_MTP_IN_CONFIG = "the config has num_nextn_predict_layers = 0"
-NO_MTP_IN_CHECKPOINT = "the checkpoint has no mtp.* tensors (a checkpoint without the MTP module loads, but cannot draft)"
+NO_MTP_IN_CHECKPOINT = (
+    "the checkpoint has no mtp.* tensors (a checkpoint without the MTP module loads, but cannot draft)"
+)

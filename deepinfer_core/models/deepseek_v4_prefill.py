@@ -20,6 +20,7 @@ The arithmetic per entry and per ranked row is the per-request code's, so the re
 same whatever the batch: ``tests/test_deepseek_v4_prefill.py`` checks a mixed batch against each
 request alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,7 +86,9 @@ def window_plan(batch: V4Batch, ratio: int, overlap: bool, tail_rows: int, repla
     win = w0[req_e] + np.arange(len(req_e)) - (np.cumsum(c) - c)[req_e]
     pos = (win * ratio - back)[:, None] + np.arange(ratio + back)[None, :]  # [N, span]
     rs = s[req_e][:, None]
-    source = np.where(pos >= rs, len(req_old) + a[req_e][:, None] + pos - rs, m_start[req_e][:, None] + pos - lo[req_e][:, None])
+    source = np.where(
+        pos >= rs, len(req_old) + a[req_e][:, None] + pos - rs, m_start[req_e][:, None] + pos - lo[req_e][:, None]
+    )
     source = np.where(pos >= 0, source, 0)
     keep = p >= e[req_t] - tail_rows  # the last tail_rows positions of each request
     per_block = batch.block_size // ratio
@@ -96,7 +99,18 @@ def window_plan(batch: V4Batch, ratio: int, overlap: bool, tail_rows: int, repla
     src, positions, req_dev, col, offsets, old_slots, old_rows, keep_rows, keep_slots, keep_ring = parts
     table = batch.block_tables
     blocks = table[req_dev, col.clamp(max=table.shape[1] - 1)].long()
-    return WindowPlan(len(req_e), src.view(len(req_e), ratio + back), positions, blocks, offsets, old_slots, old_rows, keep_rows, keep_slots, keep_ring)
+    return WindowPlan(
+        len(req_e),
+        src.view(len(req_e), ratio + back),
+        positions,
+        blocks,
+        offsets,
+        old_slots,
+        old_rows,
+        keep_rows,
+        keep_slots,
+        keep_ring,
+    )
 
 
 def update_entries_batched(compressors, raw: list[torch.Tensor], cache, plan: WindowPlan, rope) -> None:

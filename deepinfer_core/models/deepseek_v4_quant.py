@@ -14,6 +14,7 @@ Two formats ship in the released checkpoints:
 Scales come as ``float8_e8m0fnu`` (UE8M0, a power of two), raw UE8M0 bytes (``uint8``:
 ``2 ** (b - 127)``) or float32 (DeepSeek-V3 style ``weight_scale_inv``); all mean "multiply".
 """
+
 from __future__ import annotations
 
 import torch
@@ -75,7 +76,7 @@ def quant_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = torch.nn.functional.pad(w, pad).unflatten(-2, (-1, FP8_BLOCK)).unflatten(-1, (-1, FP8_BLOCK))
     amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-30)  # [.., R, C]
     scale = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(torch.float8_e4m3fn).max)))
-    q = (w / scale.repeat_interleave(FP8_BLOCK, -2)[..., :rows, :].repeat_interleave(FP8_BLOCK, -1)[..., :cols])
+    q = w / scale.repeat_interleave(FP8_BLOCK, -2)[..., :rows, :].repeat_interleave(FP8_BLOCK, -1)[..., :cols]
     return q.to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
 
 

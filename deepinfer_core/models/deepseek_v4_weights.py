@@ -24,6 +24,7 @@ A transformers-saved checkpoint (names starting ``model.``) is passed through un
 or a quantized tensor without its scale, is reported (all of them, by name) before the model
 allocates anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,21 +42,36 @@ _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "h
 _FLOAT = {"BF16", "F16", "F32"}
 _SHOWN = 20
 
-_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
-        "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
 # Released suffix inside a block -> transformers' suffix (longest prefixes first where they nest).
 _BLOCK = (
-    ("attn_norm.", "input_layernorm."), ("ffn_norm.", "post_attention_layernorm."),
-    ("hc_attn_", "attn_hc."), ("hc_ffn_", "ffn_hc."),
+    ("attn_norm.", "input_layernorm."),
+    ("ffn_norm.", "post_attention_layernorm."),
+    ("hc_attn_", "attn_hc."),
+    ("hc_ffn_", "ffn_hc."),
     ("attn.indexer.compressor.", "self_attn.compressor.indexer."),
     ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
     ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
     ("attn.compressor.", "self_attn.compressor."),
-    ("attn.wq_a.", "self_attn.q_a_proj."), ("attn.q_norm.", "self_attn.q_a_norm."),
-    ("attn.wq_b.", "self_attn.q_b_proj."), ("attn.wkv.", "self_attn.kv_proj."), ("attn.kv_norm.", "self_attn.kv_norm."),
-    ("attn.wo_a.", "self_attn.o_a_proj."), ("attn.wo_b.", "self_attn.o_b_proj."), ("attn.attn_sink", "self_attn.sinks"),
-    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"), ("ffn.gate.", "mlp.gate."),
-    ("ffn.shared_experts.", "mlp.shared_experts."), ("ffn.experts.", "mlp.experts."),
+    ("attn.wq_a.", "self_attn.q_a_proj."),
+    ("attn.q_norm.", "self_attn.q_a_norm."),
+    ("attn.wq_b.", "self_attn.q_b_proj."),
+    ("attn.wkv.", "self_attn.kv_proj."),
+    ("attn.kv_norm.", "self_attn.kv_norm."),
+    ("attn.wo_a.", "self_attn.o_a_proj."),
+    ("attn.wo_b.", "self_attn.o_b_proj."),
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.", "mlp.gate."),
+    ("ffn.shared_experts.", "mlp.shared_experts."),
+    ("ffn.experts.", "mlp.experts."),
 )
 _COMPRESSOR_LEAF = {"wkv.": "kv_proj.", "wgate.": "gate_proj.", "norm.": "kv_norm.", "ape": "position_bias"}
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -82,17 +98,17 @@ def hf_name(name: str) -> str:
         return name
     prefix = f"model.layers.{index}." if head == "layers" else f"mtp.{index}."
     if head == "mtp" and suffix.startswith("hc_head_"):
-        return prefix + "hc_head.hc_" + suffix[len("hc_head_"):]
+        return prefix + "hc_head.hc_" + suffix[len("hc_head_") :]
     for old, new in _BLOCK:
         if suffix.startswith(old):
-            suffix = new + suffix[len(old):]
+            suffix = new + suffix[len(old) :]
             break
     for marker in ("self_attn.compressor.indexer.", "self_attn.compressor."):
         if suffix.startswith(marker) and ".q_b_proj." not in suffix and ".scorer." not in suffix:
-            leaf = suffix[len(marker):]
+            leaf = suffix[len(marker) :]
             for old, new in _COMPRESSOR_LEAF.items():
                 if leaf.startswith(old):
-                    suffix = marker + new + leaf[len(old):]
+                    suffix = marker + new + leaf[len(old) :]
                     break
             break
     expert = _EXPERT_PROJ.match(suffix)
@@ -107,12 +123,16 @@ def _layer_kinds(config: dict, count: int) -> list[str]:
         field = "compress_ratios"
         kinds = [_RATIO_KIND.get(r, f"compress_ratio={r}") for r in config["compress_ratios"]]
     if kinds is None:
-        kinds = ["heavily_compressed_attention"] * 2 + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(count)]
+        kinds = ["heavily_compressed_attention"] * 2 + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(count)
+        ]
     if len(kinds) < count:
         raise ValueError(f"DeepSeek-V4 config field {field!r} has {len(kinds)} entries, fewer than the {count} layers")
     bad = sorted({k for k in kinds[:count] if k not in _RATIO_KIND.values()})
     if bad:
-        raise ValueError(f"DeepSeek-V4 config field {field!r}: unknown layer kind(s) {bad}; allowed: {list(_RATIO_KIND.values())} (compress_ratios 0, 4, 128)")
+        raise ValueError(
+            f"DeepSeek-V4 config field {field!r}: unknown layer kind(s) {bad}; allowed: {list(_RATIO_KIND.values())} (compress_ratios 0, 4, 128)"
+        )
     return list(kinds[:count])
 
 
@@ -124,7 +144,10 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
     q_rank, groups, o_rank = g("q_lora_rank", 1024), g("o_groups", 8), g("o_lora_rank", 1024)
     experts, top_k, inter = g("n_routed_experts", 256), g("num_experts_per_tok", 6), g("moe_intermediate_size", 2048)
     hc, ih, ihd = g("hc_mult", 4), g("index_n_heads", 64), g("index_head_dim", 128)
-    rates = {"compressed_sparse_attention": g("compress_rate_csa", 4), "heavily_compressed_attention": g("compress_rate_hca", 128)}
+    rates = {
+        "compressed_sparse_attention": g("compress_rate_csa", 4),
+        "heavily_compressed_attention": g("compress_rate_hca", 128),
+    }
     rates.update(g("compress_rates") or {})
     n_mtp = g("num_nextn_predict_layers", 1) or 0
     kinds = _layer_kinds(config, n)
@@ -137,31 +160,48 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
     if heads % groups:
         raise ValueError(f"DeepSeek-V4 config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
     specs: dict[str, TensorSpec] = {
-        "embed.weight": TensorSpec((v, d), "bf16"), "head.weight": TensorSpec((v, d), "bf16"), "norm.weight": TensorSpec((d,), "bf16"),
-        "hc_head_fn": TensorSpec((hc, hc * d), "f32"), "hc_head_base": TensorSpec((hc,), "f32"), "hc_head_scale": TensorSpec((1,), "f32"),
+        "embed.weight": TensorSpec((v, d), "bf16"),
+        "head.weight": TensorSpec((v, d), "bf16"),
+        "norm.weight": TensorSpec((d,), "bf16"),
+        "hc_head_fn": TensorSpec((hc, hc * d), "f32"),
+        "hc_head_base": TensorSpec((hc,), "f32"),
+        "hc_head_scale": TensorSpec((1,), "f32"),
     }
     for i in range(n + n_mtp):
         mtp = i >= n
         p = f"mtp.{i - n}." if mtp else f"layers.{i}."
         block = {
-            "attn_norm.weight": ((d,), "bf16"), "ffn_norm.weight": ((d,), "bf16"),
-            "attn.wq_a.weight": ((q_rank, d), "linear"), "attn.q_norm.weight": ((q_rank,), "bf16"),
-            "attn.wq_b.weight": ((heads * hd, q_rank), "linear"), "attn.wkv.weight": ((hd, d), "linear"),
-            "attn.kv_norm.weight": ((hd,), "bf16"), "attn.wo_a.weight": ((groups * o_rank, heads * hd // groups), "linear"),
-            "attn.wo_b.weight": ((d, groups * o_rank), "linear"), "attn.attn_sink": ((heads,), "f32"),
+            "attn_norm.weight": ((d,), "bf16"),
+            "ffn_norm.weight": ((d,), "bf16"),
+            "attn.wq_a.weight": ((q_rank, d), "linear"),
+            "attn.q_norm.weight": ((q_rank,), "bf16"),
+            "attn.wq_b.weight": ((heads * hd, q_rank), "linear"),
+            "attn.wkv.weight": ((hd, d), "linear"),
+            "attn.kv_norm.weight": ((hd,), "bf16"),
+            "attn.wo_a.weight": ((groups * o_rank, heads * hd // groups), "linear"),
+            "attn.wo_b.weight": ((d, groups * o_rank), "linear"),
+            "attn.attn_sink": ((heads,), "f32"),
             "ffn.gate.weight": ((experts, d), "bf16"),
-            "ffn.shared_experts.w1.weight": ((inter, d), "linear"), "ffn.shared_experts.w3.weight": ((inter, d), "linear"),
+            "ffn.shared_experts.w1.weight": ((inter, d), "linear"),
+            "ffn.shared_experts.w3.weight": ((inter, d), "linear"),
             "ffn.shared_experts.w2.weight": ((d, inter), "linear"),
         }
         for mix in ("attn", "ffn"):
-            block |= {f"hc_{mix}_fn": (((2 + hc) * hc, hc * d), "f32"), f"hc_{mix}_base": (((2 + hc) * hc,), "f32"), f"hc_{mix}_scale": ((3,), "f32")}
+            block |= {
+                f"hc_{mix}_fn": (((2 + hc) * hc, hc * d), "f32"),
+                f"hc_{mix}_base": (((2 + hc) * hc,), "f32"),
+                f"hc_{mix}_scale": ((3,), "f32"),
+            }
         if i in hashed:
             block["ffn.gate.tid2eid"] = ((v, top_k), "int")
         else:
             block["ffn.gate.bias"] = ((experts,), "f32")
         for e in range(experts):
-            block |= {f"ffn.experts.{e}.w1.weight": ((inter, d), "expert"), f"ffn.experts.{e}.w3.weight": ((inter, d), "expert"),
-                      f"ffn.experts.{e}.w2.weight": ((d, inter), "expert")}
+            block |= {
+                f"ffn.experts.{e}.w1.weight": ((inter, d), "expert"),
+                f"ffn.experts.{e}.w3.weight": ((inter, d), "expert"),
+                f"ffn.experts.{e}.w2.weight": ((d, inter), "expert"),
+            }
         if kinds[i] != "sliding_attention":
             ratio = rates[kinds[i]]
             csa = kinds[i] == "compressed_sparse_attention"
@@ -170,11 +210,21 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
             block |= _compressor("attn.compressor.", ratio, hd, d, overlap=csa)
             if csa:
                 block |= _compressor("attn.indexer.compressor.", ratio, ihd, d, overlap=True)
-                block |= {"attn.indexer.wq_b.weight": ((ih * ihd, q_rank), "linear"), "attn.indexer.weights_proj.weight": ((ih, d), "bf16")}
+                block |= {
+                    "attn.indexer.wq_b.weight": ((ih * ihd, q_rank), "linear"),
+                    "attn.indexer.weights_proj.weight": ((ih, d), "bf16"),
+                }
         if mtp:
-            block |= {"e_proj.weight": ((d, d), "linear"), "h_proj.weight": ((d, d), "linear"), "enorm.weight": ((d,), "bf16"),
-                      "hnorm.weight": ((d,), "bf16"), "norm.weight": ((d,), "bf16"), "hc_head_fn": ((hc, hc * d), "f32"),
-                      "hc_head_base": ((hc,), "f32"), "hc_head_scale": ((1,), "f32")}
+            block |= {
+                "e_proj.weight": ((d, d), "linear"),
+                "h_proj.weight": ((d, d), "linear"),
+                "enorm.weight": ((d,), "bf16"),
+                "hnorm.weight": ((d,), "bf16"),
+                "norm.weight": ((d,), "bf16"),
+                "hc_head_fn": ((hc, hc * d), "f32"),
+                "hc_head_base": ((hc,), "f32"),
+                "hc_head_scale": ((1,), "f32"),
+            }
         specs |= {p + k: TensorSpec(shape, kind, optional=mtp) for k, (shape, kind) in block.items()}
     if config.get("tie_word_embeddings"):
         specs.pop("head.weight")
@@ -183,8 +233,12 @@ def released_tensors(config: dict) -> dict[str, TensorSpec]:
 
 def _compressor(prefix: str, ratio: int, width: int, d: int, overlap: bool) -> dict:
     c = 2 if overlap else 1
-    return {prefix + "ape": ((ratio, c * width), "f32"), prefix + "wkv.weight": ((c * width, d), "bf16"),
-            prefix + "wgate.weight": ((c * width, d), "bf16"), prefix + "norm.weight": ((width,), "bf16")}
+    return {
+        prefix + "ape": ((ratio, c * width), "f32"),
+        prefix + "wkv.weight": ((c * width, d), "bf16"),
+        prefix + "wgate.weight": ((c * width, d), "bf16"),
+        prefix + "norm.weight": ((width,), "bf16"),
+    }
 
 
 def read_headers(paths: list[str]) -> dict[str, tuple[str, dict]]:
@@ -202,8 +256,12 @@ _RELEASED_BLOCK = re.compile(r"^(?:layers|mtp)\.\d+\.(?:attn\.|ffn\.|attn_norm\.
 
 
 # transformers' save_pretrained writes the released names back with a few differences.
-_SAVED_ALIASES = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
-                  "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+_SAVED_ALIASES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
 _SAVED_KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn\.)norm\.")
 
 
@@ -213,7 +271,7 @@ def released_name(name: str) -> str:
     names unchanged."""
     if name in _SAVED_ALIASES:
         return _SAVED_ALIASES[name]
-    rest = name[len("model."):] if name.startswith("model.") else None
+    rest = name[len("model.") :] if name.startswith("model.") else None
     if rest is not None and (rest in _TOP or _RELEASED_BLOCK.match(rest)):
         name = rest
     if name.endswith(".weight_scale_inv"):  # transformers' / DeepSeek-V3's name for the tile scales
@@ -274,11 +332,16 @@ def _check_one(name: str, spec: TensorSpec, meta: dict, headers) -> tuple[str, s
         return None
     quantized = spec.kind in ("linear", "expert") and dtype in ("F8_E4M3", "I8", "U8")
     if not quantized:
-        return "mis-shaped", f"{name}: got {dtype} {list(shape)}, expected {list(spec.shape)}" + (" (BF16/F32)" if spec.kind in ("bf16", "f32") else "")
+        return "mis-shaped", f"{name}: got {dtype} {list(shape)}, expected {list(spec.shape)}" + (
+            " (BF16/F32)" if spec.kind in ("bf16", "f32") else ""
+        )
     fp4 = dtype in ("I8", "U8")
     want = (*spec.shape[:-1], spec.shape[-1] // 2) if fp4 else spec.shape
     if shape != want:
-        return "mis-shaped", f"{name}: got {dtype} {list(shape)}, expected {list(want)} ({'MXFP4 packs two values per byte' if fp4 else 'FP8'})"
+        return (
+            "mis-shaped",
+            f"{name}: got {dtype} {list(shape)}, expected {list(want)} ({'MXFP4 packs two values per byte' if fp4 else 'FP8'})",
+        )
     if scale is None:
         return "without scales", f"{name}: {'MXFP4' if fp4 else 'FP8'} weight has no scale tensor {scale_name}"
     want_scale = fp4_scale_shape(want) if fp4 else fp8_block_shape(want)
@@ -287,7 +350,9 @@ def _check_one(name: str, spec: TensorSpec, meta: dict, headers) -> tuple[str, s
     return None
 
 
-def iter_weights(paths: list[str], headers: dict[str, tuple[str, dict]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    paths: list[str], headers: dict[str, tuple[str, dict]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(transformers name, tensor)`` one at a time: FP8 / MXFP4 weights dequantized with their
     scales, other floats as float32, integer tables unchanged. Scales are consumed, not yielded."""
     from safetensors import safe_open

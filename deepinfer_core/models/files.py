@@ -10,6 +10,7 @@ The engine only ever sees :class:`ModelFiles`, whatever the on-disk format was::
 Loaders translate names and layouts to Hugging Face's, so each architecture implements one
 ``load_weights`` for every format.
 """
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@ float8 / float32 when used, so the engine's ``model.to(dtype)`` cannot widen the
 kernel a module dequantizes on the fly: the same numbers as dequantizing at load (float32 tile
 products rounded once to the activation dtype).
 """
+
 from __future__ import annotations
 
 import torch

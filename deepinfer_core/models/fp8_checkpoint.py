@@ -7,6 +7,7 @@ float32: the reference path and any platform without FP8 kernels), and :func:`it
 which passes the weights a model keeps FP8 (:func:`deepinfer_core.models.fp8.swap_in_fp8`)
 through with their scales and dequantizes the rest.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ def is_fp8_block_checkpoint(config: dict) -> bool:
         return False
     block = list(quant.get("weight_block_size") or [])
     if block != [FP8_BLOCK, FP8_BLOCK]:
-        raise ValueError(f"quantization_config.weight_block_size is {block or 'missing'}; FP8 checkpoints are read with [128, 128] blocks only")
+        raise ValueError(
+            f"quantization_config.weight_block_size is {block or 'missing'}; FP8 checkpoints are read with [128, 128] blocks only"
+        )
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt is {fmt!r}; FP8 checkpoints are read in 'e4m3' only")
@@ -68,7 +71,9 @@ def fp8_index(paths: list[str]) -> dict[str, str]:
     return index
 
 
-def iter_keeping(paths: list[str], index: dict[str, str], keep: frozenset[str] | set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_keeping(
+    paths: list[str], index: dict[str, str], keep: frozenset[str] | set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)``: weights in ``keep`` as their FP8 values (float32, exact) followed by
     their scales; other FP8 weights dequantized; everything else float32 (integers as they are)."""
     from safetensors import safe_open

@@ -24,6 +24,7 @@ temporary file) and renamed into place: a crash leaves no half entry, two proces
 succeed. Only checkpoints whose float32 form is at most ``DEEPINFER_GGUF_CACHE_MAX_GIB``
 (default 4) get model.safetensors; ``DEEPINFER_GGUF_CACHE=0`` turns the cache off.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -126,10 +127,14 @@ def _read_entry(entry: str) -> GGUFParts:
         t = meta["tokenizer"]
         tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_file(os.path.join(entry, "tokenizer.json")),
-            bos_token_id=t["bos_token_id"], eos_token_id=t["eos_token_id"],
-            chat_template=t["chat_template"], add_bos_token=t["add_bos_token"],
+            bos_token_id=t["bos_token_id"],
+            eos_token_id=t["eos_token_id"],
+            chat_template=t["chat_template"],
+            add_bos_token=t["add_bos_token"],
         )
-    tensors = tuple(TensorInfo(name, kind, tuple(shape), offset, n_bytes) for name, kind, shape, offset, n_bytes in meta["tensors"])
+    tensors = tuple(
+        TensorInfo(name, kind, tuple(shape), offset, n_bytes) for name, kind, shape, offset, n_bytes in meta["tensors"]
+    )
     if os.path.exists(os.path.join(entry, _WEIGHTS)):
         _weight_order(os.path.join(entry, _WEIGHTS))  # a damaged weights file damns the entry
     return GGUFParts(meta["config"], tokenizer, meta["fingerprint"], meta["sampling"], tensors)
@@ -139,11 +144,18 @@ def write_entry(entry: str, parts: GGUFParts) -> None:
     """Write ``entry`` (without weights) from a fresh parse; a failure only logs."""
     tok = parts.tokenizer
     meta = {
-        "format": FORMAT, "fingerprint": parts.fingerprint, "config": parts.config, "sampling": parts.sampling,
+        "format": FORMAT,
+        "fingerprint": parts.fingerprint,
+        "config": parts.config,
+        "sampling": parts.sampling,
         "tensors": [[t.name, t.type_name, list(t.shape), t.offset, t.n_bytes] for t in parts.tensors],
-        "tokenizer": None if tok is None else {
-            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-            "chat_template": tok.chat_template, "add_bos_token": tok.add_bos_token,
+        "tokenizer": None
+        if tok is None
+        else {
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "chat_template": tok.chat_template,
+            "add_bos_token": tok.add_bos_token,
         },
     }
     root = os.path.dirname(entry)
@@ -222,8 +234,14 @@ def _write_weights(entry: str, tensors: dict[str, torch.Tensor]) -> None:
         os.close(fd)
         # tied and shared tensors are saved as separate copies: safetensors refuses aliases
         owners = Counter(v.untyped_storage().data_ptr() for v in tensors.values())
-        save_file({k: v.contiguous().clone() if owners[v.untyped_storage().data_ptr()] > 1 else v.contiguous()
-                   for k, v in tensors.items()}, tmp, metadata={"order": json.dumps(list(tensors))})
+        save_file(
+            {
+                k: v.contiguous().clone() if owners[v.untyped_storage().data_ptr()] > 1 else v.contiguous()
+                for k, v in tensors.items()
+            },
+            tmp,
+            metadata={"order": json.dumps(list(tensors))},
+        )
         os.replace(tmp, os.path.join(entry, _WEIGHTS))
         tmp = None
         log.info("cached the dequantized GGUF weights at %s: later start-ups map them instead of dequantizing", entry)

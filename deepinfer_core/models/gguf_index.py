@@ -11,6 +11,7 @@ tensors are described, not mapped. Types, sizes and versions come from the ``ggu
 constants (``GGUFValueType``, ``GGMLQuantizationType``, ``GGML_QUANT_SIZES``,
 ``quant_shape_to_byte_shape``); tests compare every tensor's bytes with ``GGUFReader``'s.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -21,8 +22,19 @@ from typing import Any, Callable
 import numpy as np
 
 #: struct codes of the GGUF scalar value types (the spec's table; little-endian files only).
-_SCALAR_CODES = {"UINT8": "B", "INT8": "b", "UINT16": "H", "INT16": "h", "UINT32": "I", "INT32": "i",
-                 "FLOAT32": "f", "BOOL": "?", "UINT64": "Q", "INT64": "q", "FLOAT64": "d"}
+_SCALAR_CODES = {
+    "UINT8": "B",
+    "INT8": "b",
+    "UINT16": "H",
+    "INT16": "h",
+    "UINT32": "I",
+    "INT32": "i",
+    "FLOAT32": "f",
+    "BOOL": "?",
+    "UINT64": "Q",
+    "INT64": "q",
+    "FLOAT64": "d",
+}
 _U64 = struct.Struct("<Q")
 
 
@@ -43,7 +55,7 @@ class TensorInfo:
         import gguf
 
         qtype = gguf.GGMLQuantizationType[self.type_name]
-        return file[self.offset:self.offset + self.n_bytes].reshape(gguf.quant_shape_to_byte_shape(self.shape, qtype))
+        return file[self.offset : self.offset + self.n_bytes].reshape(gguf.quant_shape_to_byte_shape(self.shape, qtype))
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ class _Walk:
         start, self.pos = self.pos, self.pos + n
         if self.pos > len(self.buf):
             raise ValueError(f"{self.path}: a string runs past the end of the file")
-        return str(self.buf[start:self.pos], "utf-8") if keep else None
+        return str(self.buf[start : self.pos], "utf-8") if keep else None
 
     def _strings(self, count: int, keep: bool) -> list[str] | None:
         """An array of strings (a vocabulary, merges): the hot loop of a cold open."""
@@ -98,7 +110,7 @@ class _Walk:
             (n,) = length(buf, pos)
             pos += 8
             if keep:
-                out.append(str(buf[pos:pos + n], "utf-8"))
+                out.append(str(buf[pos : pos + n], "utf-8"))
             pos += n
         if pos > end:
             raise ValueError(f"{self.path}: a string array runs past the end of the file")
@@ -137,7 +149,9 @@ class _Walk:
         if version & 0xFFFF == 0:
             raise ValueError(f"{self.path}: a big-endian GGUF; only little-endian files are supported")
         if version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
-            raise ValueError(f"{self.path}: GGUF version {version} (supported: {gguf.gguf_reader.READER_SUPPORTED_VERSIONS})")
+            raise ValueError(
+                f"{self.path}: GGUF version {version} (supported: {gguf.gguf_reader.READER_SUPPORTED_VERSIONS})"
+            )
         n_tensors, n_kv = self._unpack("Q"), self._unpack("Q")
         metadata: dict[str, Any] = {}
         alignment = gguf.GGUF_DEFAULT_ALIGNMENT

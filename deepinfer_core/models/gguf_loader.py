@@ -13,6 +13,7 @@ head from the rotate-half pairing (i, i + d/2) to interleaved pairs (2i, 2i + 1)
 rotate-half "NEOX" pairing) and carry q/k/v biases without an o bias: the same model, read as
 ``Qwen2ForCausalLM``, rows as stored.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -85,11 +86,16 @@ def parse_gguf(path: str) -> GGUFParts:
     factors = next((t for t in index.tensors if t.name == ROPE_FREQS), None)
     if factors is not None:  # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as this tensor
         if config["rope_scaling"] is not None:
-            raise NotImplementedError(f"{path}: a {ROPE_FREQS} tensor together with rope scaling {config['rope_scaling']['rope_type']!r} is not supported")
+            raise NotImplementedError(
+                f"{path}: a {ROPE_FREQS} tensor together with rope scaling {config['rope_scaling']['rope_type']!r} is not supported"
+            )
         import gguf
 
         values = gguf.quants.dequantize(factors.data(index.map()), gguf.GGMLQuantizationType[factors.type_name])
-        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [float(v) for v in np.asarray(values).reshape(-1)]}
+        config["rope_scaling"] = {
+            "rope_type": "freq_factors",
+            "freq_factors": [float(v) for v in np.asarray(values).reshape(-1)],
+        }
     tokenizer = Tokenizer.from_gguf(meta) if meta.get("tokenizer.ggml.model") == "gpt2" else None
     sampling = {k: v for k, v in meta.items() if k.startswith(SAMPLING_PREFIX)}
     return GGUFParts(config, tokenizer, gguf_fingerprint(path, index.data_offset), sampling, index.tensors)
@@ -146,8 +152,14 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
     packed = [t for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2]
     quantized = frozenset(hf_name(t.name) for t in packed)
     return ModelFiles(
-        config=config, weights=weights, tokenizer=parts.tokenizer, source=path, fingerprint=parts.fingerprint,
-        quantized_weights=quantized_weights if quantized else None, quantized_names=quantized, sampling=dict(parts.sampling),
+        config=config,
+        weights=weights,
+        tokenizer=parts.tokenizer,
+        source=path,
+        fingerprint=parts.fingerprint,
+        quantized_weights=quantized_weights if quantized else None,
+        quantized_names=quantized,
+        sampling=dict(parts.sampling),
         quantized_types=frozenset(t.type_name for t in packed),
     )
 
@@ -167,8 +179,10 @@ def check_tensor_types(path: str, tensors) -> None:
         try:
             gguf.quants.dequantize(np.zeros((1, nbytes), dtype=np.uint8), qtype)
         except NotImplementedError as exc:
-            raise NotImplementedError(f"{path}: tensor {name} is {type_name}, a type this deepinfer cannot read ({exc}); "
-                                      "re-quantize the file to a common type (Q4_K_M, Q5_K_M, Q8_0, ...)") from None
+            raise NotImplementedError(
+                f"{path}: tensor {name} is {type_name}, a type this deepinfer cannot read ({exc}); "
+                "re-quantize the file to a common type (Q4_K_M, Q5_K_M, Q8_0, ...)"
+            ) from None
 
 
 def hf_name(gguf_name: str) -> str:

@@ -6,6 +6,7 @@ identifies the weights without reading them: config.json's bytes and each shard'
 header (names, dtypes, shapes, offsets) and size. It goes into the KV-cache namespace, so it
 must be stable across processes and machines (no paths, no mtimes).
 """
+
 from __future__ import annotations
 
 import hashlib

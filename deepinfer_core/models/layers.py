@@ -1,4 +1,5 @@
 """Building blocks shared by the model architectures (pure torch, shapes in comments)."""
+
 from __future__ import annotations
 
 import math
@@ -116,7 +117,9 @@ class GatedMLP(nn.Module):
         return project(self.linear, self.down_proj, F.silu(gate) * up)
 
 
-def rope_inv_freq(dim: int, theta: float, scaling: dict | None = None, max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    dim: int, theta: float, scaling: dict | None = None, max_position_embeddings: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the attention scaling factor for a rope config.
 
     Supports the "default", "linear" (positions divided by ``factor``), "llama3", "freq_factors"
@@ -164,8 +167,12 @@ class PreNormDecoderLayer(nn.Module):
         """:meth:`forward` with the residual stream kept apart (``residual`` None: ``h`` is the
         embeddings), so each residual add meets the next norm in one fused kernel; returns
         (MLP output, residual), whose sum is ``forward``'s result, bit for bit."""
-        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
-        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, rotary, kv_cache, meta), residual)
+        x, residual = (
+            (self.input_layernorm(h), h) if residual is None else self.input_layernorm.add_forward(h, residual)
+        )
+        x, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(x, positions, rotary, kv_cache, meta), residual
+        )
         return self.mlp(x), residual
 
 
@@ -188,7 +195,9 @@ class Rotary(nn.Module):
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryAt":
         """The tables looked up once for a step's positions, so that every layer (and q and k
         together) reuses them instead of indexing them again (fewer ops per decode step)."""
-        return RotaryAt(self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype), self.fused)
+        return RotaryAt(
+            self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype), self.fused
+        )
 
 
 @dataclass(frozen=True)
@@ -217,7 +226,9 @@ def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_rope_inv_freq(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def yarn_rope_inv_freq(
+    dim: int, theta: float, scaling: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and cos/sin scaling for the "yarn" rope type.
 
     Frequencies whose wavelength fits the original context many times (high frequency) are

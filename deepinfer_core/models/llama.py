@@ -8,6 +8,7 @@ kernel. One forward serves any mix of prefill and decode tokens of many requests
     input_ids [T] -> embed [T, D] -> N x (norm -> attn(+rope, paged KV) -> +res -> norm -> MLP -> +res)
               -> norm -> hidden [T, D]        compute_logits: [N, D] -> [N, V] float32
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +20,11 @@ import torch.nn.functional as F
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from ..engine.fast_init import materialize
-from . import ModelContext, WeightsError
 from ..lowbit import llama_decode
 from ..lowbit import ops as lowbit_ops
 from ..lowbit.formats import QuantWeight
 from ..lowbit.modules import LowBitEmbedding, LowBitLinear
+from . import ModelContext, WeightsError
 from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
@@ -61,7 +62,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, hidden, bias=o_bias)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary | RotaryAt, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary | RotaryAt,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:  # x [T, D] -> [T, D]
         s, T = self.spec, x.shape[0]
         if isinstance(rotary, Rotary):
@@ -115,23 +121,35 @@ class LlamaForCausalLM(nn.Module):
         head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
         self.attention_specs = [
             AttentionLayerSpec(
-                kind=AttentionKind.FULL, layer_index=i, num_heads=heads, num_kv_heads=kv_heads,
-                head_dim=head_dim, v_head_dim=head_dim, scale=head_dim**-0.5, kv_dtype=ctx.kv_dtype or ctx.dtype,
+                kind=AttentionKind.FULL,
+                layer_index=i,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                scale=head_dim**-0.5,
+                kv_dtype=ctx.kv_dtype or ctx.dtype,
             )
             for i in range(int(config["num_hidden_layers"]))
         ]
         backends = [ctx.attention_backend(spec) for spec in self.attention_specs]
         theta, scaling = rope_settings(config)
-        inv_freq, attn_scaling = rope_inv_freq(head_dim, theta, scaling, self.max_position_embeddings)  # fails early on unknown rope types
+        inv_freq, attn_scaling = rope_inv_freq(
+            head_dim, theta, scaling, self.max_position_embeddings
+        )  # fails early on unknown rope types
 
         # Parameters are created without memory and then allocated uninitialised on the target
         # device: load_weights overwrites every one of them (and fails if any is missing).
         with torch.device("meta"):
             self.model = LlamaModel(config, self.attention_specs, backends)
-            self.lm_head = None if self.tie_word_embeddings else nn.Linear(config["hidden_size"], self.vocab_size, bias=False)
+            self.lm_head = (
+                None if self.tie_word_embeddings else nn.Linear(config["hidden_size"], self.vocab_size, bias=False)
+            )
         materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
         self.to(ctx.dtype)
-        self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(ctx.device)
+        self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(
+            ctx.device
+        )
         self._decode_plan: object | None = _UNPLANNED  # low-bit CPU: one native call per decode step
 
     # -- forward -----------------------------------------------------------------------------
@@ -185,7 +203,9 @@ class LlamaForCausalLM(nn.Module):
         chooser = getattr(plan, "threads", None) if plan is not _UNPLANNED else None
         most = torch.get_num_threads()
         threads = min(chooser.current or most, most) if chooser is not None else most  # the native step's count
-        screen = self._head_screen(head, w) if hidden.shape[0] >= lowbit_ops.SCREEN_MIN_ROWS else None  # built when it pays
+        screen = (
+            self._head_screen(head, w) if hidden.shape[0] >= lowbit_ops.SCREEN_MIN_ROWS else None
+        )  # built when it pays
         tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, screen)
         return None if tokens is None else (tokens, w.qs.shape[0])
 
@@ -229,8 +249,11 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing or unexpected or misshaped:
-            parts = [f"{label}: {_names(items)}" for label, items in
-                     (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+            parts = [
+                f"{label}: {_names(items)}"
+                for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+                if items
+            ]
             raise WeightsError("Llama weights do not match the config; " + "; ".join(parts))
 
 

@@ -1,4 +1,5 @@
 """Model sources: aliases for models that an installed package ships."""
+
 from __future__ import annotations
 
 try:

@@ -26,6 +26,7 @@ divided by their sum (+1e-20), and then multiplied by ``routed_scaling``.
 Expert compute: ``down(act(gate x) * up x)``; with ``swiglu_limit`` = L (DeepSeek-V4) the gate
 pre-activation is clamped to ``<= L`` and the up pre-activation to ``[-L, L]`` before the product.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,7 +83,10 @@ class ExpertWeights:
             return self
         from ..models.deepseek_v4_quant import dequant_fp8_block
 
-        return ExpertWeights(dequant_fp8_block(self.gate_up, self.gate_up_scale).to(dtype), dequant_fp8_block(self.down, self.down_scale).to(dtype))
+        return ExpertWeights(
+            dequant_fp8_block(self.gate_up, self.gate_up_scale).to(dtype),
+            dequant_fp8_block(self.down, self.down_scale).to(dtype),
+        )
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
 """Pure-torch reference MoE: grouped routing, token permutation and per-expert matmuls."""
+
 from __future__ import annotations
 
 import torch
@@ -84,9 +85,13 @@ def _hash_choice(spec: MoESpec, logits: torch.Tensor, token_ids, hash_table) -> 
         missing = [n for n, v in (("token_ids", token_ids), ("hash_table", hash_table)) if v is None]
         raise ValueError(f"MoE layer {spec.layer_index}: scoring 'hash' needs {' and '.join(missing)}")
     if token_ids.reshape(-1).shape[0] != logits.shape[0]:
-        raise ValueError(f"MoE layer {spec.layer_index}: token_ids has {token_ids.numel()} entries for {logits.shape[0]} tokens")
+        raise ValueError(
+            f"MoE layer {spec.layer_index}: token_ids has {token_ids.numel()} entries for {logits.shape[0]} tokens"
+        )
     if hash_table.dim() != 2 or hash_table.shape[1] != spec.top_k:
-        raise ValueError(f"MoE layer {spec.layer_index}: hash_table must be [vocab, top_k={spec.top_k}], got {tuple(hash_table.shape)}")
+        raise ValueError(
+            f"MoE layer {spec.layer_index}: hash_table must be [vocab, top_k={spec.top_k}], got {tuple(hash_table.shape)}"
+        )
     return hash_table[token_ids.reshape(-1).to(hash_table.device).long()].long().to(logits.device)
 
 

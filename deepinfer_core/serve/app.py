@@ -3,6 +3,7 @@
 Each protocol route is a :class:`~.exchange.ProtocolRoute` (parse, prepare, submit, answer in
 the codec's shape); this module holds the server's state and the plain routes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,14 +39,22 @@ class Server:
     def __init__(self, engine, host, config: ServerConfig) -> None:
         codecs = {name: factory() for name, factory in host.protocols().items()}
         if not codecs:
-            raise NoProtocolCodecs("deepinfer serve: no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)")
+            raise NoProtocolCodecs(
+                "deepinfer serve: no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)"
+            )
         codecs.setdefault(CompletionsCodec.name, CompletionsCodec())
         self.codecs = codecs
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics(config.model_name)
-        self.front = EngineFront(engine, max_queue=config.max_queue, on_output=self.metrics.on_output, on_step=self.metrics.on_step,
-                                 on_abort=self.metrics.on_abort, on_early_stop=self.metrics.on_early_stop)
+        self.front = EngineFront(
+            engine,
+            max_queue=config.max_queue,
+            on_output=self.metrics.on_output,
+            on_step=self.metrics.on_step,
+            on_abort=self.metrics.on_abort,
+            on_early_stop=self.metrics.on_early_stop,
+        )
         files = getattr(engine, "files", None)
         if config.sampling_defaults == "model" and files is not None:
             self.sampling_defaults = model_sampling_defaults(files.source, files)

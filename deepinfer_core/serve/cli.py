@@ -5,6 +5,7 @@ FastAPI and uvicorn load in :func:`run`. SIGTERM drains: uvicorn stops accepting
 in-flight requests finish for ``--drain-timeout`` seconds, cancels the rest (their engine
 requests are aborted), and the process exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,21 +20,49 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI / Anthropic APIs)", description="Serve a model over HTTP with the protocol codecs installed plugins register.")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="path to a GGUF file / HF directory, or an installed alias (default: %(default)s)")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI / Anthropic APIs)",
+        description="Serve a model over HTTP with the protocol codecs installed plugins register.",
+    )
+    p.add_argument(
+        "--model",
+        "-m",
+        default=DEFAULT_MODEL,
+        help="path to a GGUF file / HF directory, or an installed alias (default: %(default)s)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the running batch before 429 (default: %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
-    p.add_argument("--sampling-defaults", default="model", choices=("model", "protocol"),
-                   help="for requests that leave temperature / top_p / top_k unset: the model's recommendation (generation_config.json, "
-                        "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait beyond the running batch before 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sampling-defaults",
+        default="model",
+        choices=("model", "protocol"),
+        help="for requests that leave temperature / top_p / top_k unset: the model's recommendation (generation_config.json, "
+        "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine options")
     engine.add_argument("--device", default="auto")
     engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)")
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--kv-cache-blocks", type=int, default=None)
@@ -53,15 +82,17 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn  # noqa: F401
         import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         return _fail(f"the server needs {exc.name}: pip install 'deepinfer-core[serve]'")
     from ..plugin_host import default_host
 
     host = default_host()
     if not host.protocols():
-        return _fail("no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)")
+        return _fail(
+            "no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)"
+        )
     if args.max_queue < 0:
         return _fail(f"--max-queue must be >= 0, got {args.max_queue}")
     from ..engine.config import EngineConfig
@@ -79,7 +110,15 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine(config, host)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return _fail(f"error: {exc}")
-    server = Server(engine, host, ServerConfig(model_name=args.served_model_name or args.model, max_queue=args.max_queue, sampling_defaults=args.sampling_defaults))
+    server = Server(
+        engine,
+        host,
+        ServerConfig(
+            model_name=args.served_model_name or args.model,
+            max_queue=args.max_queue,
+            sampling_defaults=args.sampling_defaults,
+        ),
+    )
     # This process serves the engine until it exits: what start-up made (imports, the engine, the
     # app) leaves the collector's view, so an automatic full collection walks only what requests
     # made since; over the start-up heap it stalls every request in flight (~130 ms on the default

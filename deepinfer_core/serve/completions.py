@@ -5,6 +5,7 @@ The prompt is a string or a list of token ids; it travels in ``ConversationReque
 extension) is accepted, so load benchmarks can ask for fixed output lengths. Errors use the
 OpenAI envelope, like the recipe's OpenAI codecs.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,15 +102,28 @@ class CompletionsCodec:
     @staticmethod
     def _usage(usage: dict) -> dict:
         prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))},
+        }
 
     def _base(self, request: ConversationRequest) -> dict:
-        return {"id": request.extra.get("request_id") or "cmpl-" + secrets.token_hex(12), "object": "text_completion",
-                "created": int(time.time()), "model": request.model}
+        return {
+            "id": request.extra.get("request_id") or "cmpl-" + secrets.token_hex(12),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": request.model,
+        }
 
     def render(self, request: ConversationRequest, result: ParsedOutput, usage: dict, finish_reason: str) -> dict:
-        choice = {"index": 0, "text": result.content, "logprobs": None, "finish_reason": "length" if finish_reason == "length" else "stop"}
+        choice = {
+            "index": 0,
+            "text": result.content,
+            "logprobs": None,
+            "finish_reason": "length" if finish_reason == "length" else "stop",
+        }
         return {**self._base(request), "choices": [choice], "usage": self._usage(usage)}
 
     def stream(self, request: ConversationRequest, events: Iterable[ParsedOutput]) -> Iterator[str]:
@@ -117,16 +131,32 @@ class CompletionsCodec:
         finish, usage = "stop", {}
         for event in events:
             if event.content:
-                yield _sse({**base, "choices": [{"index": 0, "text": event.content, "logprobs": None, "finish_reason": None}]})
+                yield _sse(
+                    {**base, "choices": [{"index": 0, "text": event.content, "logprobs": None, "finish_reason": None}]}
+                )
             finish = event.finish_reason or finish
             usage = event.usage if event.usage is not None else usage
-        yield _sse({**base, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length" if finish == "length" else "stop"}]})
+        yield _sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "logprobs": None,
+                        "finish_reason": "length" if finish == "length" else "stop",
+                    }
+                ],
+            }
+        )
         if request.extra.get("stream_options", {}).get("include_usage"):
             yield _sse({**base, "choices": [], "usage": self._usage(usage)})
         yield "data: [DONE]\n\n"
 
     def render_error(self, error: ProtocolError) -> tuple[int, dict]:
-        kind = {404: "not_found_error", 429: "rate_limit_error"}.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+        kind = {404: "not_found_error", 429: "rate_limit_error"}.get(
+            error.status, "server_error" if error.status >= 500 else "invalid_request_error"
+        )
         code = error.code if error.code != kind else None
         return error.status, {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 

@@ -7,6 +7,7 @@ Hermes syntax, under an xgrammar structural tag once a call starts (:mod:`.tool_
 thinking, 131,072 at max effort), capped by what the context and the KV cache leave; an explicit
 limit that the prompt leaves no room for is refused (400, ``context_length_exceeded``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,15 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.validation import context_overflow_message
 from .grammar import GrammarCompiler
 from .sampling_defaults import SamplingDefaults
-from .tool_calls import FirstCallOnly, HermesToolParser, single_call, template_messages, template_renders_tools, tool_call_tag, tools_active
+from .tool_calls import (
+    FirstCallOnly,
+    HermesToolParser,
+    single_call,
+    template_messages,
+    template_renders_tools,
+    tool_call_tag,
+    tools_active,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +93,9 @@ class ConversationPreparer:
             try:
                 said = warm_up()
             except Exception as exc:  # the first request will try again and report it
-                log.warning("warming up the %s prompt encoding failed: %s: %s", self.encoding.name, type(exc).__name__, exc)
+                log.warning(
+                    "warming up the %s prompt encoding failed: %s: %s", self.encoding.name, type(exc).__name__, exc
+                )
                 return
             log.info("%s prompt encoding warmed up in %.2f s: %s", self.encoding.name, time.monotonic() - start, said)
 
@@ -100,7 +111,9 @@ class ConversationPreparer:
         return self._grammar
 
     # -- prompt -----------------------------------------------------------------------------
-    def encode(self, request: ConversationRequest) -> tuple[list[int], Callable[[], OutputParser], bool, tuple[int, ...]]:
+    def encode(
+        self, request: ConversationRequest
+    ) -> tuple[list[int], Callable[[], OutputParser], bool, tuple[int, ...]]:
         """(token ids, parser factory, thinking, extra stop ids)."""
         if "prompt" in request.extra:  # /v1/completions: a raw prompt
             prompt = request.extra["prompt"]
@@ -130,7 +143,9 @@ class ConversationPreparer:
         try:
             text.encode("utf-8")
         except UnicodeError as exc:
-            raise ProtocolError(f"{param}: the text is not valid Unicode ({exc.reason} at {exc.start})", param=param) from None
+            raise ProtocolError(
+                f"{param}: the text is not valid Unicode ({exc.reason} at {exc.start})", param=param
+            ) from None
         check = getattr(self.engine, "check_prompt_text", None)
         try:
             if check is not None:
@@ -153,16 +168,27 @@ class ConversationPreparer:
         if n >= context:
             raise ProtocolError(
                 f"the prompt has {n} tokens but the model's context is {context} tokens: shorten the messages",
-                param="messages", code="context_length_exceeded",
+                param="messages",
+                code="context_length_exceeded",
             )
         kv_room = self.engine.num_blocks * self.engine.config.block_size - n
         if request.max_tokens is not None and n + request.max_tokens > context:  # refused, as OpenAI and Anthropic do
             param = request.max_tokens_param
-            raise ProtocolError(context_overflow_message(param, n, request.max_tokens, context), param=param, code="context_length_exceeded")
+            raise ProtocolError(
+                context_overflow_message(param, n, request.max_tokens, context),
+                param=param,
+                code="context_length_exceeded",
+            )
         if request.max_tokens is not None:
             max_tokens = request.max_tokens
         else:
-            default = MAX_EFFORT_MAX_TOKENS if request.reasoning_effort == "max" else THINKING_MAX_TOKENS if thinking else DEFAULT_MAX_TOKENS
+            default = (
+                MAX_EFFORT_MAX_TOKENS
+                if request.reasoning_effort == "max"
+                else THINKING_MAX_TOKENS
+                if thinking
+                else DEFAULT_MAX_TOKENS
+            )
             max_tokens = max(1, min(default, context - n, kv_room))
         processors = self._processors(request)
         extra = request.extra
@@ -185,7 +211,13 @@ class ConversationPreparer:
         except (ValueError, TypeError) as exc:  # "invalid sampling parameter NAME=...": name the field
             field = re.match(r"invalid sampling parameter (\w+)=", str(exc))
             raise ProtocolError(str(exc), param=field.group(1) if field else None) from None
-        return PreparedRequest(tuple(ids), params, new_parser, thinking, parser_stops=one_call or (uses_native_parser and bool(request.stop)))
+        return PreparedRequest(
+            tuple(ids),
+            params,
+            new_parser,
+            thinking,
+            parser_stops=one_call or (uses_native_parser and bool(request.stop)),
+        )
 
     def _processors(self, request: ConversationRequest) -> list:
         if self.encoding is None and self.tokenizer is not None and tools_active(request):

@@ -13,6 +13,7 @@ gone before or during the stream, an exception anywhere). A client that hangs up
 once: streams through Starlette's disconnect listener, non-streamed requests by waiting for
 ``http.disconnect`` next to the result.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,12 @@ class ProtocolRoute:
             raise ProtocolError(f"invalid request: {type(exc).__name__}: {exc}") from None
         name = self.server.config.model_name
         if conversation.model != name:
-            raise ProtocolError(f"model {conversation.model!r} does not exist here; this server serves {name!r}",
-                                status=404, param="model", code="model_not_found")
+            raise ProtocolError(
+                f"model {conversation.model!r} does not exist here; this server serves {name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         return conversation
 
     async def _exchange(self, request, scope, receive, send):
@@ -76,23 +81,33 @@ class ProtocolRoute:
             request_id = secrets.token_hex(8)
             read_as_it_goes = conversation.stream or prepared.parser_stops  # parser stops: read as it goes
             sink = RequestSink(loop, read_as_it_goes)
-            submission = Submission(request_id, prepared.prompt_token_ids, prepared.params, final_only=not read_as_it_goes)
+            submission = Submission(
+                request_id, prepared.prompt_token_ids, prepared.params, final_only=not read_as_it_goes
+            )
             lease = server.front.submit(submission, sink)
         except QueueFull as exc:
             server.metrics.rejected.inc()
-            return self._error(ProtocolError(f"the server is at capacity ({exc}); retry later", status=429, code="rate_limit_exceeded"))
+            return self._error(
+                ProtocolError(f"the server is at capacity ({exc}); retry later", status=429, code="rate_limit_exceeded")
+            )
         except Closed as exc:
             return self._error(ProtocolError(str(exc), status=503, code="service_unavailable"))
         except ProtocolError as error:
             return self._error(error)
         except Exception as exc:  # a bug, not the client's: still the protocol's own error shape
             log.exception("%s: preparing a request failed", self.codec.name)
-            return self._error(ProtocolError(f"internal error: {type(exc).__name__}: {exc}", status=500, code="server_error"))
+            return self._error(
+                ProtocolError(f"internal error: {type(exc).__name__}: {exc}", status=500, code="server_error")
+            )
         try:  # from here the request holds a slot: the finally below is the one place it ends
             refused = await sink.admitted
             if refused is not None:
                 status = 400 if isinstance(refused, (ValueError, TypeError)) else 500
-                response = self._error(ProtocolError(str(refused), status=status, code="invalid_request_error" if status == 400 else "server_error"))
+                response = self._error(
+                    ProtocolError(
+                        str(refused), status=status, code="invalid_request_error" if status == 400 else "server_error"
+                    )
+                )
             elif conversation.stream:
                 response = self._stream(conversation, prepared, request_id, sink, loop)
             else:
@@ -106,7 +121,9 @@ class ProtocolRoute:
         from starlette.responses import StreamingResponse
 
         front = self.server.front
-        frames = start_frames_thread(self.codec, conversation, sink, prepared.new_parser(), lambda: front.stop_early(request_id), loop)
+        frames = start_frames_thread(
+            self.codec, conversation, sink, prepared.new_parser(), lambda: front.stop_early(request_id), loop
+        )
 
         async def body():
             while (frame := await frames.get()) is not None:
@@ -120,7 +137,9 @@ class ProtocolRoute:
         parsed = None
         if prepared.parser_stops:  # parsed as it runs, so that the parser's stop ends it early
             front = self.server.front
-            parsed = start_collect_thread(sink, prepared.new_parser(), lambda: front.stop_early(request_id), asyncio.get_running_loop())
+            parsed = start_collect_thread(
+                sink, prepared.new_parser(), lambda: front.stop_early(request_id), asyncio.get_running_loop()
+            )
         waited = parsed if parsed is not None else sink.final
         hung_up = asyncio.ensure_future(_disconnected(receive))
         try:
@@ -133,15 +152,27 @@ class ProtocolRoute:
             try:
                 result, reason, usage = parsed.result()
             except RequestFailed as exc:
-                return self._error(ProtocolError(str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"))
+                return self._error(
+                    ProtocolError(
+                        str(exc),
+                        status=exc.status,
+                        code="server_error" if exc.status >= 500 else "invalid_request_error",
+                    )
+                )
             return JSONResponse(self.codec.render(conversation, result, usage, reason))
         out = sink.final.result()
         try:
             if out is None:
-                raise RequestFailed(f"the engine failed: {sink.error}" if sink.error is not None else "the request was aborted")
+                raise RequestFailed(
+                    f"the engine failed: {sink.error}" if sink.error is not None else "the request was aborted"
+                )
             result, reason = final_result(out, prepared.new_parser())
         except RequestFailed as exc:
-            return self._error(ProtocolError(str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"))
+            return self._error(
+                ProtocolError(
+                    str(exc), status=exc.status, code="server_error" if exc.status >= 500 else "invalid_request_error"
+                )
+            )
         return JSONResponse(self.codec.render(conversation, result, usage_of(out), reason))
 
 

@@ -23,6 +23,7 @@ engine request, which is a no-op when it already finished. So no way out of an e
 closed before its first event, a client gone mid-request, an exception in a codec) can leave a
 slot taken or an engine request running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,7 +56,9 @@ class Submission:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
-    final_only: bool = False  # nothing reads its snapshots as they come (not streamed): the engine builds its first and last only
+    final_only: bool = (
+        False  # nothing reads its snapshots as they come (not streamed): the engine builds its first and last only
+    )
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,12 @@ class EngineFront:
     def _handle(self, kind: str, payload, sink: RequestSink | None) -> None:
         if kind == "add":
             try:
-                self.engine.add_request(list(payload.prompt_token_ids), payload.params, request_id=payload.request_id, final_only=payload.final_only)
+                self.engine.add_request(
+                    list(payload.prompt_token_ids),
+                    payload.params,
+                    request_id=payload.request_id,
+                    final_only=payload.final_only,
+                )
             except Exception as exc:  # ValueError / TypeError: the request's fault; others: ours
                 if not isinstance(exc, (ValueError, TypeError)):
                     log.exception("adding request %s failed", payload.request_id)

@@ -6,6 +6,7 @@ matcher up with the tokens generated so far and masks every token the grammar fo
 other requests of the batch are untouched. When the grammar is complete only the stop tokens
 remain allowed, and the engine ends the request as usual.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,9 @@ class GrammarCompiler:
         for token, token_id in vocab.items():
             if token_id < vocab_size:
                 encoded[token_id] = token
-        info = xgr.TokenizerInfo(encoded, _vocab_type(tokenizer.backend), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        info = xgr.TokenizerInfo(
+            encoded, _vocab_type(tokenizer.backend), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
 

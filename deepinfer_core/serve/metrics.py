@@ -5,6 +5,7 @@ outputs arrive, the engine's cumulative counters (prefix-cache queries and hits,
 mirrored after every step, 429s are counted by the HTTP layer. ``prometheus_client`` metrics are
 thread safe.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,28 @@ import time
 from ..engine.outputs import RequestOutput
 from .front import StepTiming
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 class ServerMetrics:
@@ -33,10 +55,14 @@ class ServerMetrics:
             return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
 
         self.model_name = model_name
-        self.ttft = histogram("deepinfer:time_to_first_token_seconds", "Time from arrival to the first generated token.")
+        self.ttft = histogram(
+            "deepinfer:time_to_first_token_seconds", "Time from arrival to the first generated token."
+        )
         self.itl = histogram("deepinfer:inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram("deepinfer:e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.queue_time = histogram("deepinfer:request_queue_time_seconds", "Time from arrival to the start of the step that prefilled it.")
+        self.queue_time = histogram(
+            "deepinfer:request_queue_time_seconds", "Time from arrival to the start of the step that prefilled it."
+        )
         self.running = gauge("deepinfer:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("deepinfer:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("deepinfer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
@@ -44,10 +70,16 @@ class ServerMetrics:
         self.prefix_hits = counter("deepinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("deepinfer:num_preemptions", "Requests preempted (their KV blocks taken back).")
         self.prompt_tokens = counter("deepinfer:prompt_tokens", "Prompt tokens of admitted requests.")
-        self.cached_prompt_tokens = counter("deepinfer:prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        self.cached_prompt_tokens = counter(
+            "deepinfer:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
+        )
         self.generation_tokens = counter("deepinfer:generation_tokens", "Generated tokens.")
-        self.request_success = counter("deepinfer:request_success", "Finished requests by finish reason.", ("finished_reason",))
-        self.rejected = counter("deepinfer:requests_rejected", "Requests refused because the waiting queue was full (HTTP 429).")
+        self.request_success = counter(
+            "deepinfer:request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.rejected = counter(
+            "deepinfer:requests_rejected", "Requests refused because the waiting queue was full (HTTP 429)."
+        )
         self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
 
     # -- called in the step thread ----------------------------------------------------------
@@ -59,7 +91,9 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, timing.step_start - timing.arrival))
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.cached_prompt_tokens.inc(out.num_cached_tokens)
-        elif new_tokens:  # a non-streamed (final_only) request's last output brings all but its first token: each counts the mean gap
+        elif (
+            new_tokens
+        ):  # a non-streamed (final_only) request's last output brings all but its first token: each counts the mean gap
             gap = (timing.now - timing.previous) / new_tokens
             for _ in range(new_tokens):
                 self.itl.observe(gap)
@@ -81,7 +115,11 @@ class ServerMetrics:
         self.running.set(stats.get("running", 0))
         self.waiting.set(stats.get("waiting", 0))
         self.kv_usage.set(stats.get("kv_usage", 0.0))
-        for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits), ("preemptions", self.preemptions)):
+        for key, metric in (
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+            ("preemptions", self.preemptions),
+        ):
             value = int(stats.get(key, 0))
             if value > self._mirrored[key]:
                 metric.inc(value - self._mirrored[key])

@@ -5,6 +5,7 @@ a streamed request runs it in its own thread, fed from the request's blocking ou
 frames go back to the event loop through ``call_soon_threadsafe``. Neither the event loop nor
 the step thread ever waits on a codec.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -102,8 +103,9 @@ def events(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[],
             yield parsed
 
 
-def start_collect_thread(sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None],
-                         loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+def start_collect_thread(
+    sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None], loop: asyncio.AbstractEventLoop
+) -> asyncio.Future:
     """A non-streamed request parsed while it runs (its stop sequences are found by the parser,
     see ``PreparedRequest.parser_stops``), so it ends at the stop instead of at ``max_tokens``.
     Resolves to (whole result, neutral finish reason, usage); an abort or failure is a
@@ -123,15 +125,24 @@ def start_collect_thread(sink: RequestSink, parser: OutputParser, on_parser_stop
                 raise RequestFailed("the request was aborted")
             value, error = (result, result.finish_reason, result.usage or {}), None
         except Exception as exc:
-            value, error = None, exc if isinstance(exc, RequestFailed) else RequestFailed(f"parsing the output failed: {exc}")
+            value, error = (
+                None,
+                exc if isinstance(exc, RequestFailed) else RequestFailed(f"parsing the output failed: {exc}"),
+            )
         loop.call_soon_threadsafe(settle, value, error)
 
     threading.Thread(target=collect, name="deepinfer-collect", daemon=True).start()
     return done
 
 
-def start_frames_thread(codec, request, sink: RequestSink, parser: OutputParser, on_parser_stop: Callable[[], None],
-                        loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+def start_frames_thread(
+    codec,
+    request,
+    sink: RequestSink,
+    parser: OutputParser,
+    on_parser_stop: Callable[[], None],
+    loop: asyncio.AbstractEventLoop,
+) -> asyncio.Queue:
     """Run ``codec.stream`` in a thread; its frames (then None) arrive on the returned queue."""
     frames: asyncio.Queue = asyncio.Queue()
 
@@ -146,7 +157,9 @@ def start_frames_thread(codec, request, sink: RequestSink, parser: OutputParser,
             if not isinstance(exc, RequestFailed):
                 log.exception("streaming a response failed")
             status = exc.status if isinstance(exc, RequestFailed) else 500
-            error = ProtocolError(str(exc), status=status, code="server_error" if status >= 500 else "invalid_request_error")
+            error = ProtocolError(
+                str(exc), status=status, code="server_error" if status >= 500 else "invalid_request_error"
+            )
             error_frame = getattr(codec, "error_frame", None)
             if error_frame is not None:
                 put(error_frame(error))

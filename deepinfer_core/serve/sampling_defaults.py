@@ -14,6 +14,7 @@ ships one and a request does not say otherwise:
 ``deepinfer serve --sampling-defaults protocol`` keeps each API's documented defaults instead.
 A value a request sends always wins.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,11 @@ log = logging.getLogger(__name__)
 
 # SmolLM2-135M-Instruct's model card samples with these (HuggingFaceTB/SmolLM2-135M-Instruct).
 EMBEDDED_RECOMMENDATION = {"temperature": 0.2, "top_p": 0.9}
-_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p", "general.sampling.top_k": "top_k"}
+_GGUF_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+}
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ was trained on, so a single parser serves them all::
   formats without a grammar (DeepSeek-V4's DSML, where the model may write several invokes in
   one block) give one call too.
 """
+
 from __future__ import annotations
 
 import json
@@ -104,7 +105,10 @@ def template_messages(request: ConversationRequest, native: bool) -> tuple[list[
         if native:
             entry: dict = {"role": role, "content": m.content}
             if m.tool_calls:
-                entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}} for c in m.tool_calls]
+                entry["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                    for c in m.tool_calls
+                ]
             if m.tool_call_id:
                 entry["tool_call_id"] = m.tool_call_id
             messages.append(entry)
@@ -134,7 +138,13 @@ def template_messages(request: ConversationRequest, native: bool) -> tuple[list[
 def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]) -> Any:
     """The xgrammar structural tag for this request's tool calls (see the module docstring);
     ``compiles(schema)`` says whether xgrammar can compile an argument schema."""
-    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
+    from xgrammar.structural_tag import (
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
 
     choice = request.tool_choice
     functions = [t["function"] for t in request.tools]
@@ -152,15 +162,22 @@ def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]
         schema = function.get("parameters") or ANY_OBJECT
         if not compiles(schema):
             if function.get("strict") is True:
-                raise ProtocolError(f"tools: the parameters of the strict tool {name!r} cannot be compiled into a grammar", param="tools")
+                raise ProtocolError(
+                    f"tools: the parameters of the strict tool {name!r} cannot be compiled into a grammar",
+                    param="tools",
+                )
             schema = ANY_OBJECT
         begin = f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-        tags.append(TagFormat(begin=begin, content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1), end=f"}}\n{END}"))
+        tags.append(
+            TagFormat(begin=begin, content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1), end=f"}}\n{END}")
+        )
     parallel = request.extra.get("parallel_tool_calls") is True
     if isinstance(choice, dict):
         return StructuralTag(format=tags[0])
     if choice == "required":
-        return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel))
+        return StructuralTag(
+            format=TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel)
+        )
     return StructuralTag(format=TriggeredTagsFormat(triggers=[START], tags=tags, stop_after_first=not parallel))
 
 
@@ -232,7 +249,9 @@ class HermesToolParser:
             self._in_call = False
             if streamed:
                 tail = call.arguments[sent:]
-                return ParsedOutput(tool_calls=(call,), tool_call_deltas=(ToolCallDelta(call.id, arguments=tail),) if tail else ())
+                return ParsedOutput(
+                    tool_calls=(call,), tool_call_deltas=(ToolCallDelta(call.id, arguments=tail),) if tail else ()
+                )
             return ParsedOutput(tool_calls=(call,)) if call is not None else ParsedOutput(content=START + rest)
         rest, self._buffer = self._buffer, ""
         return ParsedOutput(content=self._text(rest))
@@ -371,4 +390,6 @@ class FirstCallOnly:
         self.done = True
         first = parsed.tool_calls[0]
         deltas = tuple(d for d in parsed.tool_call_deltas if d.id == first.id)  # a later call's start is dropped
-        return replace(parsed, tool_calls=(first,), tool_call_deltas=deltas, finish_reason="tool_calls", stop_sequence=None)
+        return replace(
+            parsed, tool_calls=(first,), tool_call_deltas=deltas, finish_reason="tool_calls", stop_sequence=None
+        )

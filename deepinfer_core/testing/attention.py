@@ -29,6 +29,7 @@ The schedule below runs three steps over one paged cache (block size 4, shuffled
 Cache layout: the suite reads entries through :meth:`AttentionBackendSuite.slot_entries`, which
 assumes the cache is slot-major (``[num_blocks, block_size, ...]``); override it otherwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,13 +63,36 @@ def make_spec(case: str, kv_dtype: torch.dtype = torch.float32) -> AttentionLaye
     """The layer spec for a suite case (small, but with every head mapping that matters)."""
     common = dict(layer_index=0, kv_dtype=kv_dtype)
     if case == "full-mha":
-        return AttentionLayerSpec(AttentionKind.FULL, num_heads=4, num_kv_heads=4, head_dim=16, v_head_dim=16, scale=0.25, **common)
+        return AttentionLayerSpec(
+            AttentionKind.FULL, num_heads=4, num_kv_heads=4, head_dim=16, v_head_dim=16, scale=0.25, **common
+        )
     if case == "full-gqa":  # 3 query heads per KV head, V narrower than K
-        return AttentionLayerSpec(AttentionKind.FULL, num_heads=6, num_kv_heads=2, head_dim=16, v_head_dim=8, scale=0.25, **common)
+        return AttentionLayerSpec(
+            AttentionKind.FULL, num_heads=6, num_kv_heads=2, head_dim=16, v_head_dim=8, scale=0.25, **common
+        )
     if case == "mla-absorbed":  # one latent head: K = [latent 16 | rope 8], V = latent
-        return AttentionLayerSpec(AttentionKind.MLA, num_heads=4, num_kv_heads=1, head_dim=24, v_head_dim=16, scale=0.2, rope_dim=8, kv_shared=True, **common)
+        return AttentionLayerSpec(
+            AttentionKind.MLA,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=24,
+            v_head_dim=16,
+            scale=0.2,
+            rope_dim=8,
+            kv_shared=True,
+            **common,
+        )
     if case == "sliding-gqa":
-        return AttentionLayerSpec(AttentionKind.SLIDING, num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16, scale=0.25, window=5, **common)
+        return AttentionLayerSpec(
+            AttentionKind.SLIDING,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            v_head_dim=16,
+            scale=0.25,
+            window=5,
+            **common,
+        )
     raise ValueError(case)
 
 
@@ -122,7 +146,8 @@ class Scenario:
         qs, ks, vs, pos, slots, starts, seq_lens = [], [], [], [], [], [0], []
         for r, first, count in items:
             span = slice(first, first + count)
-            qs.append(self.q[r][span]); ks.append(self.k[r][span])
+            qs.append(self.q[r][span])
+            ks.append(self.k[r][span])
             if self.v[r] is not None:
                 vs.append(self.v[r][span])
             p = torch.arange(first, first + count)
@@ -175,7 +200,10 @@ class AttentionBackendSuite:
         if "case" in metafunc.fixturenames:
             unknown = [k for k in self.supported_kinds if k not in CASES]
             cases = [c for k in self.supported_kinds if k in CASES for c in CASES[k]]
-            cases += [pytest.param(k.value, marks=pytest.mark.skip(reason=f"no dense reference for {k.value}")) for k in unknown]
+            cases += [
+                pytest.param(k.value, marks=pytest.mark.skip(reason=f"no dense reference for {k.value}"))
+                for k in unknown
+            ]
             metafunc.parametrize("case", cases)
 
     @pytest.fixture
@@ -251,12 +279,17 @@ class AttentionBackendSuite:
         assert (rows[untouched] == SENTINEL).all(), "slots outside slot_mapping were modified"
 
     @pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "invariant"])
-    def test_matches_dense_reference_over_prefill_chunk_and_decode(self, backend, spec, scenario, device, batch_invariant):
+    def test_matches_dense_reference_over_prefill_chunk_and_decode(
+        self, backend, spec, scenario, device, batch_invariant
+    ):
         cache = self.new_cache(backend, spec, device)
         outs = self.run_steps(backend, spec, scenario, cache, range(len(SCHEDULE)), batch_invariant=batch_invariant)
         for step, out in enumerate(outs):
             torch.testing.assert_close(
-                out.double().cpu(), scenario.expected(step), atol=self.atol, rtol=self.rtol,
+                out.double().cpu(),
+                scenario.expected(step),
+                atol=self.atol,
+                rtol=self.rtol,
                 msg=lambda m, step=step: f"step {step + 1} of the schedule: {m}",
             )
 
@@ -269,7 +302,9 @@ class AttentionBackendSuite:
             start = 0
             for r, _, count in items:
                 alone = self.run_steps(backend, spec, scenario, shared.clone(), [step], only=r, batch_invariant=True)[0]
-                assert torch.equal(alone, batched[start : start + count]), f"step {step + 1}, request {r}: not bitwise equal"
+                assert torch.equal(alone, batched[start : start + count]), (
+                    f"step {step + 1}, request {r}: not bitwise equal"
+                )
                 start += count
 
 

@@ -25,6 +25,7 @@ Subclass and override the factory fixtures::
 These check the contract every implementation shares; protocol fidelity (real SDK types,
 golden prompts) is each plugin's own test.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,9 +121,13 @@ class ProtocolCodecSuite:
 
     def test_render_and_stream_are_json_serializable(self, codec, minimal_body):
         request = codec.parse_request(minimal_body)
-        body = codec.render(request, ParsedOutput(content="hello"), {"prompt_tokens": 3, "completion_tokens": 1}, "stop")
+        body = codec.render(
+            request, ParsedOutput(content="hello"), {"prompt_tokens": 3, "completion_tokens": 1}, "stop"
+        )
         assert "hello" in json.dumps(body)
-        frames = list(codec.stream(request, [ParsedOutput(content="hel"), ParsedOutput(content="lo", finish_reason="stop")]))
+        frames = list(
+            codec.stream(request, [ParsedOutput(content="hel"), ParsedOutput(content="lo", finish_reason="stop")])
+        )
         assert frames and all(isinstance(f, str) and f.endswith("\n\n") for f in frames)
         assert "hel" in "".join(frames) and "lo" in "".join(frames)
 
@@ -177,7 +182,9 @@ class PromptEncodingSuite:
 
     @pytest.fixture
     def conversation(self) -> ConversationRequest:
-        return ConversationRequest(messages=(Message(role="system", content="Be brief."), Message(role="user", content="Hi there")))
+        return ConversationRequest(
+            messages=(Message(role="system", content="Be brief."), Message(role="user", content="Hi there"))
+        )
 
     def test_is_a_prompt_encoding(self, encoding):
         assert isinstance(encoding, PromptEncoding)

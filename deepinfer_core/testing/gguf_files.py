@@ -12,6 +12,7 @@ vocabulary of :func:`tiny_qwen2_vocab`.
 quantizes it again with ``gguf.quants.quantize``: the result is what llama.cpp's converter would
 write from those float weights. Metadata is copied, ``general.file_type`` updated.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,7 +53,12 @@ def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {"embedding_length": 64, "feed_forward_length": 128, "block_count": 1, "attention.head_count": 2}.items():
+    for key, value in {
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "block_count": 1,
+        "attention.head_count": 2,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
     for key, value in float_keys.items():
         writer.add_float32(key, value)
@@ -71,8 +77,17 @@ def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0
 # Where each type keeps its f16 super-scales inside a block (byte offsets; llama.cpp's ggml-common.h):
 # the K-quants and IQ4 have no quantizer in the gguf library, so their blocks are random bytes with
 # these fields set to a scale that gives the wanted spread (every code pattern is a valid block).
-_RAW_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-               "IQ2_XXS": (0,), "TQ2_0": (64,)}
+_RAW_SCALES = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ2_XXS": (0,),
+    "TQ2_0": (64,),
+}
 _BLOCK_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -85,7 +100,9 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
     qtype = gguf.GGMLQuantizationType[type_name]
     n, k = shape
     if k % gguf.GGML_QUANT_SIZES[qtype][0]:
-        raise ValueError(f"{type_name} packs blocks of {gguf.GGML_QUANT_SIZES[qtype][0]} values; a row of {k} does not divide")
+        raise ValueError(
+            f"{type_name} packs blocks of {gguf.GGML_QUANT_SIZES[qtype][0]} values; a row of {k} does not divide"
+        )
     if type_name in _RAW_SCALES:
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
@@ -98,7 +115,16 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
             raw[..., offset : offset + 2] = scale
         return raw.reshape(n, -1), qtype
     values = (rng.standard_normal((n, k)) * std).astype(np.float32)
-    if type_name not in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # no quantizer, no known layout: zero blocks
+    if type_name not in (
+        "F32",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+    ):  # no quantizer, no known layout: zero blocks
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         return np.zeros((n, k // block * nbytes), dtype=np.uint8), qtype
     if type_name == "F32":
@@ -108,10 +134,27 @@ def random_tensor(rng, type_name: str, shape: tuple[int, int], std: float):
     return gguf.quants.quantize(values, qtype), qtype
 
 
-def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, layers: int,
-                            vocab: int, tied: bool, types: dict[str, str], rope_theta: float = 10000.0,
-                            rope_scaling: dict | None = None, tokenizer_from: str | None = None, attention_bias: bool = False,
-                            seed: int = 0, arch: str = "llama", o_bias: bool | None = None, tokenizer_pre: str | None = None) -> str:
+def write_random_llama_gguf(
+    path: str,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    layers: int,
+    vocab: int,
+    tied: bool,
+    types: dict[str, str],
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    tokenizer_from: str | None = None,
+    attention_bias: bool = False,
+    seed: int = 0,
+    arch: str = "llama",
+    o_bias: bool | None = None,
+    tokenizer_pre: str | None = None,
+) -> str:
     """A random-weight Llama GGUF written by the ``gguf`` library's writer. ``types`` maps a role
     (``token_embd``, ``output``, ``attn_q`` ... ``ffn_down``, or ``"*"`` for the rest) to a GGUF type
     name; ``rope_scaling`` a llama3 dict (factor, low_freq_factor, high_freq_factor,
@@ -141,24 +184,43 @@ def write_random_llama_gguf(path: str, *, hidden: int, heads: int, kv_heads: int
     writer.add_vocab_size(vocab)
     if tokenizer_from is not None:
         _copy_tokenizer(writer, tokenizer_from, vocab, pre=tokenizer_pre)
-    tensors: list[tuple[str, str, tuple[int, ...], float]] = [("token_embd.weight", kind("token_embd"), (vocab, hidden), 3.0 / hidden**0.5)]
+    tensors: list[tuple[str, str, tuple[int, ...], float]] = [
+        ("token_embd.weight", kind("token_embd"), (vocab, hidden), 3.0 / hidden**0.5)
+    ]
     if not tied:
         tensors.append(("output.weight", kind("output"), (vocab, hidden), 3.0 / hidden**0.5))
     tensors.append(("output_norm.weight", "F32", (hidden,), 0.0))
     if rope_scaling is not None:
         tensors.append(("rope_freqs.weight", "F32", (head_dim // 2,), 0.0))
     q, kv = heads * head_dim, kv_heads * head_dim
-    shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
-              "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+    shapes = {
+        "attn_q": (q, hidden),
+        "attn_k": (kv, hidden),
+        "attn_v": (kv, hidden),
+        "attn_output": (hidden, q),
+        "ffn_gate": (intermediate, hidden),
+        "ffn_up": (intermediate, hidden),
+        "ffn_down": (hidden, intermediate),
+    }
     for i in range(layers):
-        tensors += [(f"blk.{i}.attn_norm.weight", "F32", (hidden,), 0.0), (f"blk.{i}.ffn_norm.weight", "F32", (hidden,), 0.0)]
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", "F32", (hidden,), 0.0),
+            (f"blk.{i}.ffn_norm.weight", "F32", (hidden,), 0.0),
+        ]
         if attention_bias:  # in llama.cpp's row order, like the weights
             roles = ("attn_q", "attn_k", "attn_v") + (("attn_output",) if o_bias else ())
             tensors += [(f"blk.{i}.{role}.bias", "F32", (shapes[role][0],), 0.5) for role in roles]
         # o and down 3x wider than 1/sqrt(K): the layers outweigh the token's own embedding in the
         # residual, so a tied head does not just repeat the last token
-        tensors += [(f"blk.{i}.{role}.weight", kind(role), shapes[role], (3.0 if role in ("attn_output", "ffn_down") else 1.0) / shapes[role][1] ** 0.5)
-                    for role in _BLOCK_ROLES]
+        tensors += [
+            (
+                f"blk.{i}.{role}.weight",
+                kind(role),
+                shapes[role],
+                (3.0 if role in ("attn_output", "ffn_down") else 1.0) / shapes[role][1] ** 0.5,
+            )
+            for role in _BLOCK_ROLES
+        ]
     for name, type_name, shape, std in tensors:
         if len(shape) == 1:
             if name == "rope_freqs.weight":
@@ -186,7 +248,9 @@ def _llama3_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarr
     freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / freqs
     smooth = (old / wavelen - low) / (high - low)
-    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    out = np.where(
+        wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth))
+    )
     return out.astype(np.float32)
 
 
@@ -204,8 +268,11 @@ def _copy_tokenizer(writer, src: str, vocab: int, pre: str | None = None) -> Non
             extra = vocab - len(value)
             if extra < 0:
                 raise ValueError(f"vocab {vocab} is smaller than {src}'s {len(value)} tokens")
-            fill = {"tokenizer.ggml.tokens": [f"<extra_{i}>" for i in range(extra)], "tokenizer.ggml.token_type": [4] * extra,
-                    "tokenizer.ggml.scores": [0.0] * extra}[key]
+            fill = {
+                "tokenizer.ggml.tokens": [f"<extra_{i}>" for i in range(extra)],
+                "tokenizer.ggml.token_type": [4] * extra,
+                "tokenizer.ggml.scores": [0.0] * extra,
+            }[key]
             value = list(value) + fill
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
@@ -213,9 +280,29 @@ def _copy_tokenizer(writer, src: str, vocab: int, pre: str | None = None) -> Non
 
 # -- Qwen2 from a transformers model, as llama.cpp's converter writes it -------------------------
 # A ChatML template written for these tests (Qwen2's own format: <|im_start|>role\n...<|im_end|>\n)
-CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-_TINY_WORDS = ("Ġthe", "Ġand", "Ġhello", "Ġworld", "ing", "Ġis", "Ġa", "12", "123", "2024", "Ġ1", "00", "ĊĊ", "Ġcat", "Ġdog", "er", "Ġto")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_TINY_WORDS = (
+    "Ġthe",
+    "Ġand",
+    "Ġhello",
+    "Ġworld",
+    "ing",
+    "Ġis",
+    "Ġa",
+    "12",
+    "123",
+    "2024",
+    "Ġ1",
+    "00",
+    "ĊĊ",
+    "Ġcat",
+    "Ġdog",
+    "er",
+    "Ġto",
+)
 _QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -240,8 +327,9 @@ def tiny_qwen2_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens + list(_QWEN2_SPECIALS), types, merges
 
 
-def write_hf_qwen2_gguf(path: str, model, *, type_name: str = "F32", chat_template: str | None = CHATML_TEMPLATE,
-                        eos: str = "<|im_end|>") -> str:
+def write_hf_qwen2_gguf(
+    path: str, model, *, type_name: str = "F32", chat_template: str | None = CHATML_TEMPLATE, eos: str = "<|im_end|>"
+) -> str:
     """``model`` (a transformers ``Qwen2ForCausalLM`` whose vocabulary is :func:`tiny_qwen2_vocab`'s
     size) as llama.cpp's converter writes a Qwen2 GGUF: ``qwen2.*`` keys (no vocab_size, no key
     length), ``blk.N.*`` tensors in Hugging Face's row order, q/k/v biases, no ``output.weight`` when
@@ -253,10 +341,22 @@ def write_hf_qwen2_gguf(path: str, model, *, type_name: str = "F32", chat_templa
     tokens, types, merges = tiny_qwen2_vocab()
     if cfg.vocab_size != len(tokens):
         raise ValueError(f"the model's vocab_size {cfg.vocab_size} != the tiny vocabulary's {len(tokens)}")
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    roles = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    roles = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_name("tiny-qwen2")
     writer.add_context_length(cfg.max_position_embeddings)

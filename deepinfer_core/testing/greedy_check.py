@@ -11,6 +11,7 @@ give tokens whole logits away from the reference's choice. :func:`mixed_prompts`
 :func:`run_arriving` make the batches such checks need (mixed lengths, requests arriving while
 others decode).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,10 @@ def check_greedy(reference, prompts: list[list[int]], outputs: list[list[int]], 
 
 def mixed_prompts(tokenizer, count: int, lengths: tuple[int, ...], text: str) -> list[list[int]]:
     """``count`` token windows 3 tokens apart over ``text`` repeated, lengths cycling through ``lengths``."""
-    ids = tokenizer.encode(text * (1 + (max(lengths) + 3 * count) // max(1, len(tokenizer.encode(text, add_special_tokens=False)))), add_special_tokens=False)
+    ids = tokenizer.encode(
+        text * (1 + (max(lengths) + 3 * count) // max(1, len(tokenizer.encode(text, add_special_tokens=False)))),
+        add_special_tokens=False,
+    )
     return [ids[i * 3 : i * 3 + lengths[i % len(lengths)]] for i in range(count)]
 
 
@@ -87,7 +91,9 @@ def run_arriving(llm, prompts: list[list[int]], new_tokens: int, waves: int) -> 
     return [outputs[i] for i in range(len(prompts))]
 
 
-def assert_same_or_near_tie(got: list[list[int]], want: list[list[int]], prompts: list[list[int]], hf, margin: float = 1e-4) -> None:
+def assert_same_or_near_tie(
+    got: list[list[int]], want: list[list[int]], prompts: list[list[int]], hf, margin: float = 1e-4
+) -> None:
     """Two engines' greedy token lists must be identical; where one pair parts, transformers'
     float32 model ``hf`` must call the two tokens at the first difference a near-tie (logits
     within ``margin``), else it is a bug, not rounding. (After a near-tie the two continue from
@@ -102,4 +108,6 @@ def assert_same_or_near_tie(got: list[list[int]], want: list[list[int]], prompts
         with torch.no_grad():
             logits = hf(torch.tensor([p + a[:j]])).logits[0, -1].double()
         gap = abs((logits[a[j]] - logits[b[j]]).item())
-        assert gap < margin, f"request {i} (prompt {len(p)} tokens) differs at token {j}: {a[j]} vs {b[j]}, transformers' margin {gap:.2e}"
+        assert gap < margin, (
+            f"request {i} (prompt {len(p)} tokens) differs at token {j}: {a[j]} vs {b[j]}, transformers' margin {gap:.2e}"
+        )

@@ -1,4 +1,5 @@
 """Checks on the hook specifications themselves, shared by the core's and plugins' tests."""
+
 from __future__ import annotations
 
 import inspect
@@ -10,11 +11,7 @@ from .. import hookspecs
 def hookspec_functions() -> dict[str, object]:
     """Every hook spec in :mod:`deepinfer_core.hookspecs`, by name."""
     marker = f"{hookspecs.PROJECT}_spec"
-    return {
-        name: fn
-        for name, fn in vars(hookspecs).items()
-        if inspect.isfunction(fn) and hasattr(fn, marker)
-    }
+    return {name: fn for name, fn in vars(hookspecs).items() if inspect.isfunction(fn) and hasattr(fn, marker)}
 
 
 def documentation_problems() -> list[str]:

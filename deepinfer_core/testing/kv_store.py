@@ -17,6 +17,7 @@ test); two stores opened in one test share it, as two processes sharing a disk w
 Every test checks an outcome that a broken backend would get wrong; none measures time
 (expiry is driven through ``gc(now=...)``).
 """
+
 from __future__ import annotations
 
 import os
@@ -159,7 +160,14 @@ class KVStoreSuite:
         try:
             with pytest.raises(ValueError):
                 store.read_into(lease, [[memoryview(bytearray(1))]] * 3)  # pieces must add up to a block
-            ok = store.read_into(lease, [[memoryview(p) for p in out[1]], [memoryview(p) for p in out[2]], [memoryview(bytearray(self.block_bytes))]])
+            ok = store.read_into(
+                lease,
+                [
+                    [memoryview(p) for p in out[1]],
+                    [memoryview(p) for p in out[2]],
+                    [memoryview(bytearray(self.block_bytes))],
+                ],
+            )
         finally:
             store.release(lease)
         assert ok == [True, True, False]

@@ -3,6 +3,7 @@
 Subclass :class:`ModelRegistrySuite` and override the ``plugin`` fixture with the plugin object
 (module or instance) whose ``deepinfer_register_models`` hook is under test.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -26,7 +27,10 @@ class ModelRegistrySuite:
         if hook is None:
             pytest.skip("plugin does not implement deepinfer_register_models")
         models, sources = [], []
-        callbacks = {"register": lambda n, f: models.append((n, f)), "register_source": lambda n, f: sources.append((n, f))}
+        callbacks = {
+            "register": lambda n, f: models.append((n, f)),
+            "register_source": lambda n, f: sources.append((n, f)),
+        }
         params = inspect.signature(hook).parameters
         hook(**{name: callbacks[name] for name in params})
         return models, sources

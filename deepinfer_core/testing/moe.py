@@ -9,11 +9,11 @@ per-choice loop that shares nothing with any dispatcher's permute / grouped-GEMM
 transformers' DeepSeek-V4 modules import, the V4 routers (learned ``sqrtsoftplus`` with a
 correction bias, and hash) and the clamped-SwiGLU experts are also checked against them.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec
 from .platform import usable_device
@@ -42,9 +42,14 @@ def _hf_v4(spec: MoESpec, vocab: int):
     """transformers' DeepSeek-V4 modeling module and a config matching ``spec``."""
     modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     config = modeling.DeepseekV4Config(
-        vocab_size=vocab, hidden_size=spec.hidden_size, moe_intermediate_size=spec.intermediate_size,
-        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.top_k, num_hidden_layers=1,
-        routed_scaling_factor=spec.routed_scaling, swiglu_limit=spec.swiglu_limit or 10.0,
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        moe_intermediate_size=spec.intermediate_size,
+        n_routed_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k,
+        num_hidden_layers=1,
+        routed_scaling_factor=spec.routed_scaling,
+        swiglu_limit=spec.swiglu_limit or 10.0,
     )
     config._experts_implementation = "eager"  # the per-expert loop; standalone modules have none set
     return modeling, config
@@ -145,7 +150,9 @@ class MoEDispatcherSuite:
         torch.testing.assert_close(weights.double().cpu(), expect, atol=1e-5, rtol=1e-5)
 
     def test_unnormalised_weights_are_scaled_scores(self, dispatcher, spec, device):
-        spec, logits, ids, weights = self.routed(dispatcher, spec, device, scoring="sigmoid", normalize_topk=False, routed_scaling=1.5)
+        spec, logits, ids, weights = self.routed(
+            dispatcher, spec, device, scoring="sigmoid", normalize_topk=False, routed_scaling=1.5
+        )
         expect = 1.5 * reference_scores("sigmoid", logits.cpu()).gather(1, ids.cpu())
         torch.testing.assert_close(weights.double().cpu(), expect, atol=1e-5, rtol=1e-5)
 
@@ -167,7 +174,11 @@ class MoEDispatcherSuite:
 
         spec = replace(spec, scoring="sigmoid", num_groups=4, topk_groups=2)
         logits = self.logits(spec, device, tokens=64, seed=5)
-        bias = (torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1).to(device) if with_bias else None
+        bias = (
+            (torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1).to(device)
+            if with_bias
+            else None
+        )
         ids, _ = dispatcher.select_experts(spec, logits, bias)
         choice = reference_scores("sigmoid", logits.cpu())
         if bias is not None:
@@ -274,11 +285,18 @@ class MoEDispatcherSuite:
         spec = replace(spec, swiglu_limit=swiglu_limit)
         experts = self.experts(spec, device)
         logits = self.logits(spec, device)
-        hidden = torch.randn(logits.shape[0], spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(device, self.dtype)
+        hidden = torch.randn(logits.shape[0], spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(
+            device, self.dtype
+        )
         ids, weights = dispatcher.select_experts(spec, logits)
         out = dispatcher.forward(spec, hidden, ids, weights, experts)
         assert out.shape == hidden.shape and out.dtype == hidden.dtype
-        torch.testing.assert_close(out.double().cpu(), naive_moe(spec, hidden.cpu(), ids.cpu(), weights.cpu(), experts), atol=self.atol, rtol=self.rtol)
+        torch.testing.assert_close(
+            out.double().cpu(),
+            naive_moe(spec, hidden.cpu(), ids.cpu(), weights.cpu(), experts),
+            atol=self.atol,
+            rtol=self.rtol,
+        )
 
     def test_expert_load_counts_routed_tokens(self, dispatcher, spec, device):
         experts = self.experts(spec, device)

@@ -14,6 +14,7 @@ were.
     block_tables  [[3, 6, 0],           (request 0's row padded with 0)
                    [0, 4, 1]]
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -64,7 +65,9 @@ class ScatteredBatch:
         pos = self.positions
         return self.block_tables[self.requests, pos // self.block_size].long() * self.block_size + pos % self.block_size
 
-    def metadata(self, device: torch.device | str, *, slot_mapping: torch.Tensor | None = None, **fields) -> AttentionMetadata:
+    def metadata(
+        self, device: torch.device | str, *, slot_mapping: torch.Tensor | None = None, **fields
+    ) -> AttentionMetadata:
         """The step's ``AttentionMetadata`` on ``device``. ``slot_mapping`` defaults to the
         tokens' slots (a caller whose backend never writes there may pass its own); ``fields``
         sets the optional ones (``state_slots``, ``num_context_tokens``, ...) as given."""
@@ -86,7 +89,9 @@ def scattered_batch(
     lens = [int(n) for n in lens]
     news = [int(new)] * len(lens) if isinstance(new, int) else [int(q) for q in new]
     if not lens or len(news) != len(lens):
-        raise ValueError(f"lens and new: one entry per request, at least one request (got {len(lens)} lens, {len(news)} new)")
+        raise ValueError(
+            f"lens and new: one entry per request, at least one request (got {len(lens)} lens, {len(news)} new)"
+        )
     if min(lens) < 1 or min(news) < 1:
         raise ValueError(f"lens and new must be >= 1 (got lens {lens}, new {news})")
     if block_size < 1 or spare_blocks < 0:
@@ -97,4 +102,6 @@ def scattered_batch(
     for r, n in enumerate(need):
         tables[r, :n] = torch.tensor(perm[:n], dtype=torch.int32)
         perm = perm[n:]
-    return ScatteredBatch(tables, block_size, sum(need) + spare_blocks, tuple(lens), tuple(min(q, n) for q, n in zip(news, lens)))
+    return ScatteredBatch(
+        tables, block_size, sum(need) + spare_blocks, tuple(lens), tuple(min(q, n) for q, n in zip(news, lens))
+    )

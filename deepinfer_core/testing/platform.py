@@ -11,6 +11,7 @@ The probe must answer on every machine (that is what ``deepinfer plugins`` shows
 tests always run; the device tests run only where the probe says the platform is usable, and
 are skipped with the probe's own reason elsewhere.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ Subclass :class:`VerificationPolicySuite` and override the ``policy`` fixture. P
 claim to maximise expected accepted tokens (DSpark's confidence scheduling) set
 ``maximises_survival = True``; they are then checked against a brute-force optimum computed here.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -8,6 +8,7 @@ the dequantized bytes, so that a loader which reads the file right reproduces it
 The quantization here is the format's definition (scale = amax / 448 per tile), written without
 the engine's loader code, so that tests check the loader against it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,7 +37,12 @@ SMALL_V3_CONFIG: dict[str, Any] = {
     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
     "max_position_embeddings": 1024, "initializer_range": 0.08,
 }  # fmt: skip
-FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def tiny_deepseek_v3(path, *, seed: int, router_gain: float | None = None, **config):

@@ -15,6 +15,7 @@ entries per query (some slots ``-1``), then runs the three-step schedule of the 
 (prefill, chunk + decode, decode) over a shuffled block table and shuffled state slots. The
 expected output is :func:`v4_dense_reference`, a float64 loop written here on purpose.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -193,13 +194,18 @@ class V4AttentionBackendSuite:
         assert callable(getattr(backend, "forward_v4", None))
 
     @pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "invariant"])
-    def test_matches_dense_reference_over_prefill_chunk_and_decode(self, backend, scenario, spec, device, batch_invariant):
+    def test_matches_dense_reference_over_prefill_chunk_and_decode(
+        self, backend, scenario, spec, device, batch_invariant
+    ):
         cache = V4Cache(spec, device)
         outs = self.run(backend, scenario, cache, range(len(SCHEDULE)), batch_invariant=batch_invariant)
         for step, out in enumerate(outs):
             assert out.shape == (scenario.batch(step, V4Cache(spec, device))[0].shape[0], spec.num_heads, spec.head_dim)
             torch.testing.assert_close(
-                out.double().cpu(), scenario.expected(step), atol=self.atol, rtol=self.rtol,
+                out.double().cpu(),
+                scenario.expected(step),
+                atol=self.atol,
+                rtol=self.rtol,
                 msg=lambda m, step=step: f"{spec.kind.value}, step {step + 1} of the schedule: {m}",
             )
 
@@ -224,5 +230,7 @@ class V4AttentionBackendSuite:
                 alone_cache.entries.copy_(snapshot[0])
                 alone_cache.window.copy_(snapshot[1])
                 alone = self.run(backend, scenario, alone_cache, [step], only=r, batch_invariant=True)[0]
-                assert torch.equal(alone, batched[start : start + count]), f"step {step + 1}, request {r}: not bitwise equal"
+                assert torch.equal(alone, batched[start : start + count]), (
+                    f"step {step + 1}, request {r}: not bitwise equal"
+                )
                 start += count

@@ -6,6 +6,7 @@ the released spelling (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_
 ``quantization_config`` + ``expert_dtype``), so that loaders meet what they will meet in the real
 files. ``scripts/make_tiny_v4_checkpoint.py`` is the command-line front end.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,52 +21,68 @@ from ..models.deepseek_v4_weights import released_tensors
 
 # Every layer kind (sliding, CSA, HCA), two hash layers, hyper-connections, one MTP block; dims
 # that give several FP8 tiles (256 = 2 x 128) and whole MXFP4 groups.
-TINY_V4_CONFIG: Mapping[str, Any] = MappingProxyType({
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 512,
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 64,
-    "o_groups": 2,
-    "o_lora_rank": 32,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "num_hash_layers": 2,
-    "compress_ratios": [0, 4, 128, 4, 0],  # the last entry is the MTP block's
-    "compress_rate_hca": 8,  # 128 in the release; 8 keeps several entries in short prompts
-    "sliding_window": 16,
-    "index_n_heads": 4,
-    "index_head_dim": 32,
-    "index_topk": 4,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 4096,
-    "num_nextn_predict_layers": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-})  # read-only: callers copy it (dict(TINY_V4_CONFIG) | overrides)
-FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+TINY_V4_CONFIG: Mapping[str, Any] = MappingProxyType(
+    {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 64,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "num_hash_layers": 2,
+        "compress_ratios": [0, 4, 128, 4, 0],  # the last entry is the MTP block's
+        "compress_rate_hca": 8,  # 128 in the release; 8 keeps several entries in short prompts
+        "sliding_window": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+)  # read-only: callers copy it (dict(TINY_V4_CONFIG) | overrides)
+FP8_QUANTIZATION = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
 
 
-def random_released_weights(config: Mapping, *, weights: str = "fp8", experts: str = "fp4", seed: int = 0) -> dict[str, torch.Tensor]:
+def random_released_weights(
+    config: Mapping, *, weights: str = "fp8", experts: str = "fp4", seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Released-name tensors for ``config``. ``weights``: ``bf16`` or ``fp8`` (dense projections);
     ``experts``: ``fp4``, ``fp8`` or ``bf16`` (routed experts; ``bf16`` when weights is bf16)."""
     if weights not in ("bf16", "fp8") or experts not in ("fp4", "fp8", "bf16"):
@@ -100,7 +117,15 @@ def random_released_weights(config: Mapping, *, weights: str = "fp8", experts: s
     return out
 
 
-def write_tiny_v4_checkpoint(path: str | os.PathLike, *, weights: str = "fp8", experts: str = "fp4", config: Mapping | None = None, seed: int = 0, shards: int = 2) -> dict:
+def write_tiny_v4_checkpoint(
+    path: str | os.PathLike,
+    *,
+    weights: str = "fp8",
+    experts: str = "fp4",
+    config: Mapping | None = None,
+    seed: int = 0,
+    shards: int = 2,
+) -> dict:
     """Write ``config.json``, ``shards`` safetensors files and their index to ``path``; return the
     config. Consecutive tensors go to alternating shards, so a weight and its scale can sit in
     different files (loaders must pair them by name)."""

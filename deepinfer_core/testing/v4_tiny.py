@@ -7,6 +7,7 @@ windows, compressed entries and 128-token KV blocks. transformers initialises so
 zero (sinks, position biases, mHC biases, the hash table); :func:`randomise_zero_initialised`
 draws them, so a mistake in how they are used changes the output.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,20 +16,50 @@ from typing import Any, Mapping
 
 import torch
 
-TINY_V4_KWARGS: Mapping[str, Any] = MappingProxyType(dict(
-    vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5,
-    num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25,
-    num_experts_per_tok=2, n_routed_experts=8, routed_scaling_factor=1.5, swiglu_limit=0.5,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention", "heavily_compressed_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
-    hc_mult=3, hc_sinkhorn_iters=6, sliding_window=16, o_groups=2, o_lora_rank=16,
-    index_n_heads=16, index_head_dim=16, index_topk=6, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                     "beta_fast": 32, "beta_slow": 1},
-    initializer_range=0.1, bos_token_id=0, eos_token_id=1,
-))  # fmt: skip  (read-only: tiny_v4_config(**overrides) copies it)
+TINY_V4_KWARGS: Mapping[str, Any] = MappingProxyType(
+    dict(
+        vocab_size=320,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        num_experts_per_tok=2,
+        n_routed_experts=8,
+        routed_scaling_factor=1.5,
+        swiglu_limit=0.5,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        hc_mult=3,
+        hc_sinkhorn_iters=6,
+        sliding_window=16,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=6,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+)  # fmt: skip  (read-only: tiny_v4_config(**overrides) copies it)
 
 
 def tiny_v4_config(**overrides: Any):

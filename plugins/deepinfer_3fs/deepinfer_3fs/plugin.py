@@ -2,6 +2,7 @@
 
 Entry point ``3fs = "deepinfer_3fs.plugin"`` in the group ``deepinfer``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,7 +51,9 @@ def probe_mount(mount: str | None) -> ProbeResult:
 @hookimpl
 def deepinfer_probe() -> ProbeResult:
     result = probe_mount(os.environ.get(MOUNT_ENV))
-    usrbio = "USRBIO available" if usrbio_importable() else f"USRBIO unavailable ({USRBIO_MODULE} not importable; POSIX I/O)"
+    usrbio = (
+        "USRBIO available" if usrbio_importable() else f"USRBIO unavailable ({USRBIO_MODULE} not importable; POSIX I/O)"
+    )
     return ProbeResult(result.usable, f"{result.reason}; {usrbio}")
 
 

@@ -15,6 +15,7 @@ store pointed at the mount, with a choice of data path:
 I/O layer (store option ``io``): ``"posix"`` (plain reads/writes through FUSE), ``"usrbio"``
 (``hf3fs_fuse.io`` rings, zero copy past FUSE), or ``"auto"`` (default: USRBIO when importable).
 """
+
 from __future__ import annotations
 
 import dataclasses

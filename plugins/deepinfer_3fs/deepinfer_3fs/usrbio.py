@@ -9,6 +9,7 @@ then renames it on the mount as usual. Reads mirror that.
 The client module is passed in (``hf3fs_fuse.io`` in production, a mock with the same
 interface in tests), so nothing here imports it at module load.
 """
+
 from __future__ import annotations
 
 import errno

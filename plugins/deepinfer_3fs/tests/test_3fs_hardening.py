@@ -1,4 +1,5 @@
 """3fs-specific defects found by fault injection: paths from config, USRBIO short writes."""
+
 from __future__ import annotations
 
 import errno

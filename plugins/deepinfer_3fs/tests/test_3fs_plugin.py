@@ -1,4 +1,5 @@
 """The plugin's hooks: probe reasons and the ``3fs`` registration through the core host."""
+
 from __future__ import annotations
 
 import sys

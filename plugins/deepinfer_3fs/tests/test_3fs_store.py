@@ -1,4 +1,5 @@
 """The 3fs store against the core conformance suite (POSIX and mock USRBIO), plus 3FS specifics."""
+
 from __future__ import annotations
 
 import errno
@@ -68,7 +69,9 @@ class TestThreeFSUsrbio(_ThreeFSSuite):
 
 
 def dataclass_with(config: KVStoreConfig, **options) -> KVStoreConfig:
-    return KVStoreConfig(config.namespace, config.block_bytes, config.path, config.capacity_blocks, {**config.options, **options})
+    return KVStoreConfig(
+        config.namespace, config.block_bytes, config.path, config.capacity_blocks, {**config.options, **options}
+    )
 
 
 # -- 3FS specifics --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ It checks the rules the real client enforces (an fd must be registered, a ring o
 direction it was made for, at most ``entries`` prepared I/Os, the iovec's mount matches) so
 that a store misusing USRBIO fails here too.
 """
+
 from __future__ import annotations
 
 import os

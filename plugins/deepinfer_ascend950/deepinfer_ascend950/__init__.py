@@ -1,4 +1,5 @@
 """deepinfer plugin for Huawei Ascend 950 NPUs (torch_npu is an optional extra)."""
+
 from __future__ import annotations
 
 from .platform import Ascend950Platform, interpret_report, run_probe_subprocess

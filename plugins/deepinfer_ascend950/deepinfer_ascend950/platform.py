@@ -6,6 +6,7 @@ Neither may happen in the host process, which may be a CPU or CUDA engine that m
 plugin installed. So the probe asks a fresh interpreter (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``,
 explicit ``import torch_npu``) and reads back one JSON line.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,16 @@ print(json.dumps(report))
 """
 
 
-def run_probe_subprocess(python: str = sys.executable, timeout: float = PROBE_TIMEOUT_S, env: dict | None = None) -> dict:
+def run_probe_subprocess(
+    python: str = sys.executable, timeout: float = PROBE_TIMEOUT_S, env: dict | None = None
+) -> dict:
     """Run :data:`PROBE_SCRIPT` in a child interpreter and return its report (never raises)."""
     child_env = dict(os.environ if env is None else env)
     child_env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     try:
-        done = subprocess.run([python, "-c", PROBE_SCRIPT], capture_output=True, text=True, timeout=timeout, env=child_env)
+        done = subprocess.run(
+            [python, "-c", PROBE_SCRIPT], capture_output=True, text=True, timeout=timeout, env=child_env
+        )
     except subprocess.TimeoutExpired:
         return {"probe_error": f"probe timed out after {timeout:.0f} s"}
     except OSError as exc:

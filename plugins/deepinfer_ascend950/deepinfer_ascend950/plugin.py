@@ -1,4 +1,5 @@
 """The hooks of the ``ascend950`` plugin (entry point group ``deepinfer``)."""
+
 from __future__ import annotations
 
 from deepinfer_core.attention import AttentionLayerSpec

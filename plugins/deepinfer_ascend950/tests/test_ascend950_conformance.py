@@ -1,15 +1,16 @@
 """The platform suite on this machine: the probe must answer honestly whatever is installed."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 
+from deepinfer_ascend950 import Ascend950Platform, plugin
 from deepinfer_core.attention import AttentionKind
 from deepinfer_core.plugin_host import PluginHost
 from deepinfer_core.testing.attention import AttentionBackendSuite
 from deepinfer_core.testing.platform import PlatformSuite
-from deepinfer_ascend950 import Ascend950Platform, plugin
 
 
 @pytest.fixture(scope="module")

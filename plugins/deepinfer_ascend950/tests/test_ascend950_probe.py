@@ -1,4 +1,5 @@
 """The probe's decisions, with a fake ``torch_npu`` package put on the child's path."""
+
 from __future__ import annotations
 
 import os
@@ -9,17 +10,29 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer_ascend950 import (
+    Ascend950Platform,
+    interpret_report,
+    plugin,
+    run_probe_subprocess,
+)
+from deepinfer_ascend950 import (
+    platform as platform_module,
+)
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
 from deepinfer_core.platform import PlatformRequest, ProbeResult, TorchPlatform
 from deepinfer_core.plugin_host import NoImplementationError, PluginHost
-from deepinfer_ascend950 import Ascend950Platform, interpret_report, platform as platform_module, plugin, run_probe_subprocess
 
 PLUGIN_ROOT = Path(plugin.__file__).parents[1]
-SPEC = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=4, num_kv_heads=1, head_dim=24, v_head_dim=16, scale=0.2, kv_shared=True)
+SPEC = AttentionLayerSpec(
+    AttentionKind.MLA, 0, num_heads=4, num_kv_heads=1, head_dim=24, v_head_dim=16, scale=0.2, kv_shared=True
+)
 
 
-def fake_torch_npu(tmp_path: Path, init: str = "", device_count: int = 1, name: str = "Ascend950PR_9599", version: int = 260) -> dict:
+def fake_torch_npu(
+    tmp_path: Path, init: str = "", device_count: int = 1, name: str = "Ascend950PR_9599", version: int = 260
+) -> dict:
     """A fake ``torch_npu`` package; returns the env that puts it first on the child's path."""
     pkg = tmp_path / "torch_npu"
     pkg.mkdir()
@@ -154,4 +167,7 @@ def test_missing_torch_npu_is_known_without_a_child(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     monkeypatch.setattr(platform_module, "run_probe_subprocess", lambda: pytest.fail("a child interpreter was started"))
     result = Ascend950Platform().probe()
-    assert not result.usable and result.reason == "torch_npu not importable (ModuleNotFoundError: No module named 'torch_npu')"
+    assert (
+        not result.usable
+        and result.reason == "torch_npu not importable (ModuleNotFoundError: No module named 'torch_npu')"
+    )

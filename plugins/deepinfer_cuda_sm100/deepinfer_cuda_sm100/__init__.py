@@ -1,4 +1,5 @@
 """deepinfer plugin for NVIDIA GPUs (SM100 target, SM90 through the portable path)."""
+
 from __future__ import annotations
 
 from .attention import PortableCudaAttention

@@ -1,6 +1,7 @@
 """Attention on CUDA: Triton paged-attention kernels where Triton is importable, else the
 core's torch reference running on the GPU (correct, not fast). Both use the reference cache
 layout, so either can read a cache the other wrote."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,7 +46,9 @@ class TritonV4Attention(TorchV4AttentionBackend):
         if spec.kind not in SUPPORTED_V4 or not supported_head_dim(spec.head_dim):
             return super().forward_v4(spec, q, kv, sinks, cache, meta, selected)
         if spec.kind is AttentionKind.COMPRESSED_SPARSE and selected is None:
-            raise ValueError(f"{self.name}: compressed_sparse layer {spec.layer_index} needs the indexer's `selected` entry ids")
+            raise ValueError(
+                f"{self.name}: compressed_sparse layer {spec.layer_index} needs the indexer's `selected` entry ids"
+            )
         return v4_attention(
             spec.kind.value, q.contiguous(), kv.contiguous(), sinks.contiguous(), cache.window,
             cache.entries if spec.compress_ratio else None, selected.contiguous() if selected is not None else None,
@@ -68,7 +71,9 @@ class TritonV4Attention(TorchV4AttentionBackend):
         )  # fmt: skip
         return True
 
-    def index_scores(self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta: AttentionMetadata):
+    def index_scores(
+        self, q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta: AttentionMetadata
+    ):
         """The CSA indexer's masked scores [T, n_max] for the whole batch in one launch
         (``V4AttentionBackend.index_scores``); the core's top-k follows."""
         from .kernels.v4_indexer import index_scores
@@ -97,7 +102,9 @@ class TritonAttention(TorchAttentionBackend):
         from .kernels.paged_attention import write_kv as write_kv_triton
 
         if kv_cache.dtype == k.dtype and kv_cache.is_contiguous():
-            write_kv_triton(k, None if spec.kv_shared else v, kv_cache, meta.slot_mapping, spec.head_dim, spec.v_head_dim)
+            write_kv_triton(
+                k, None if spec.kv_shared else v, kv_cache, meta.slot_mapping, spec.head_dim, spec.v_head_dim
+            )
         else:
             write_kv(spec, k, v, kv_cache, meta.slot_mapping)
 

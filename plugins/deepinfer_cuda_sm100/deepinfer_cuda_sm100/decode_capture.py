@@ -6,6 +6,7 @@ Padding is deliberately not here: the two differ in what a padded row of a bucke
 models: token 0 at position 0 writing to the scratch block; V4: a copy of row 0, because its
 state rings have no scratch slot), so each caller fills its padded rows itself.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -33,7 +34,16 @@ class StaticInputs:
     also hold each row's state-KV slot (DeepSeek-V4); then ``slots`` are never written (V4
     layers write no paged KV) and keep pointing at the scratch block."""
 
-    def __init__(self, rows: int, max_blocks: int, *, block_size: int, scratch_block: int, device: torch.device, state_slots: bool = False) -> None:
+    def __init__(
+        self,
+        rows: int,
+        max_blocks: int,
+        *,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+        state_slots: bool = False,
+    ) -> None:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.scratch_slot = scratch_block * block_size
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)

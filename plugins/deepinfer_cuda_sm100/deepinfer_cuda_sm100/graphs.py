@@ -13,6 +13,7 @@ after the replay were ~0.19 ms of a 1.17 ms step (benchmarks/README.md). Larger 
 head to the engine: their float32 logits would stay allocated per bucket (256 rows x 129,280
 is 132 MB) while the launches saved no longer matter next to the step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,16 @@ HEAD_ROWS = 64  # buckets up to here replay the LM head and the greedy argmax to
 
 
 class CudaDecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], *, block_size: int, scratch_block: int, max_num_seqs: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        scratch_block: int,
+        max_num_seqs: int,
+        max_blocks: int,
+    ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.max_blocks = block_size, max_blocks
         self.scratch_slot = scratch_block * block_size
@@ -41,11 +51,20 @@ class CudaDecodeGraphs:
             if hasattr(model, "forward_decode"):
                 from .v4_graphs import V4DecodeGraphs
 
-                self.v4 = V4DecodeGraphs(model, kv_caches, block_size=block_size, scratch_block=scratch_block, max_num_seqs=max_num_seqs, max_blocks=max_blocks)
+                self.v4 = V4DecodeGraphs(
+                    model,
+                    kv_caches,
+                    block_size=block_size,
+                    scratch_block=scratch_block,
+                    max_num_seqs=max_num_seqs,
+                    max_blocks=max_blocks,
+                )
                 return
             log.info("decode steps run eagerly: this model's KV cache layout is not captured in CUDA graphs")
             return
-        self.inputs = StaticInputs(self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=kv_caches[0].device)
+        self.inputs = StaticInputs(
+            self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=kv_caches[0].device
+        )
         self.outputs: dict[int, torch.Tensor] = {}
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids)
         blockers = uncapturable(model)
@@ -55,7 +74,9 @@ class CudaDecodeGraphs:
             self._capture_all()
 
     def _step(self, n: int) -> torch.Tensor:
-        return self.model.forward(self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
+        return self.model.forward(
+            self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n)
+        )
 
     def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The same ops the engine and its sampler would run on these rows, where bucket ``n`` has them."""
@@ -72,7 +93,10 @@ class CudaDecodeGraphs:
         self.graphs, self.outputs, self.heads = capture_buckets(self.buckets, self._step, self._head)
         log.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
-            len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start, (torch.cuda.memory_allocated() - before) / 2**20,
+            len(self.graphs),
+            ",".join(map(str, self.buckets)),
+            time.perf_counter() - start,
+            (torch.cuda.memory_allocated() - before) / 2**20,
         )
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -102,7 +126,14 @@ class CudaDecodeGraphs:
     def _bucket(self, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
-        if not self.graphs or meta.max_query_len != 1 or meta.batch_invariant or getattr(meta, "state_slots", None) is not None or n > self.buckets[-1] or width > self.max_blocks:
+        if (
+            not self.graphs
+            or meta.max_query_len != 1
+            or meta.batch_invariant
+            or getattr(meta, "state_slots", None) is not None
+            or n > self.buckets[-1]
+            or width > self.max_blocks
+        ):
             return None
         return smallest_bucket(self.buckets, n)
 

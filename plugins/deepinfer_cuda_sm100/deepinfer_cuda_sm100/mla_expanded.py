@@ -16,6 +16,7 @@ i.e. pairs > ~17 x (context tokens - new tokens): every prefill without a prefix
 over a long prefix (a 2,048 chunk over 30k cached tokens: 63M pairs against 30k x 17), but not a
 step of decode rows over long contexts (one pair per context token): :func:`wants_expanded`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,7 +47,9 @@ def wants_expanded(spec: AttentionLayerSpec, meta: AttentionMetadata, min_tokens
     )  # fmt: skip
 
 
-def context_entries(spec: AttentionLayerSpec, key: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def context_entries(
+    spec: AttentionLayerSpec, key: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(entries [K, latent + rope], key_start_loc [R+1])``: every request's context entries,
     request after request. Without a cached prefix (K == T) they are the new tokens' own entries
     (what the cache now holds when its dtype is the key's); else gathered from the cache."""
@@ -64,7 +67,14 @@ def context_entries(spec: AttentionLayerSpec, key: torch.Tensor, kv_cache: torch
     return rows.index_select(0, slots)[:, : spec.head_dim].to(key.dtype), key_start
 
 
-def expanded_attention(spec: AttentionLayerSpec, q: torch.Tensor, key: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def expanded_attention(
+    spec: AttentionLayerSpec,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
     """``q [T, H, n + r]``, ``key [T, 1, C + r]`` (already in the cache), ``kv_b_weight
     [H, n + v, C]`` -> ``[T, H, v]``: attention over each request's context, keys and values
     decompressed per head."""

@@ -1,5 +1,6 @@
 """MoE on CUDA: the reference router (a handful of row-wise torch ops, no host sync) and the
 fused Triton expert computation of :mod:`deepinfer_cuda_sm100.kernels.fused_moe`."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -63,7 +64,9 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
             self._load = counts if self._load is None else self._load + counts
         return out
 
-    def forward_with_shared(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights):
+    def forward_with_shared(
+        self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights
+    ):
         """Routed experts plus the shared expert, its output summed in float32 with the routed
         rows and rounded once (the separate path rounds the routed sum and the shared output,
         then adds). A few 16-bit decode rows: the shared expert is each token's last row of the
@@ -85,13 +88,17 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
             return None
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             return None
-        rows = moe_gemv(hidden.contiguous(), experts.gate_up, experts.down, topk_ids, topk_weights, None, gs, ds, shared=shared)
+        rows = moe_gemv(
+            hidden.contiguous(), experts.gate_up, experts.down, topk_ids, topk_weights, None, gs, ds, shared=shared
+        )
         counts = _counts(topk_ids, experts.gate_up.shape[0])
         if counts is not None:  # graph replays are not counted
             self._load = counts if self._load is None else self._load + counts
         return _sum_rows(rows, hidden, k + 1)
 
-    def _grouped_with_shared(self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights):
+    def _grouped_with_shared(
+        self, spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeights, shared: ExpertWeights
+    ):
         """The grouped-GEMM forward with the shared expert's output as one more addend of each
         token's fixed-order sum; 16-bit activations with 16-bit routed and shared weights of
         their dtype only (FP8 shared experts keep the caller's path)."""
@@ -99,13 +106,28 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         from .kernels.fused_moe import fused_moe
 
         dtype = hidden.dtype
-        if dtype not in (torch.bfloat16, torch.float16) or experts.gate_up_scale is not None or experts.gate_up.dtype != dtype:
+        if (
+            dtype not in (torch.bfloat16, torch.float16)
+            or experts.gate_up_scale is not None
+            or experts.gate_up.dtype != dtype
+        ):
             return None
-        if shared is None or shared.gate_up_scale is not None or shared.down_scale is not None or shared.gate_up.shape[0] != 1:
+        if (
+            shared is None
+            or shared.gate_up_scale is not None
+            or shared.down_scale is not None
+            or shared.gate_up.shape[0] != 1
+        ):
             return None
         w1, w2 = shared.gate_up[0], shared.down[0]  # [2I_s, D], [D, I_s]
         D = hidden.shape[1]
-        if w1.dtype != dtype or w2.dtype != dtype or w1.shape[1] != D or w2.shape[0] != D or w1.shape[0] != 2 * w2.shape[1]:
+        if (
+            w1.dtype != dtype
+            or w2.dtype != dtype
+            or w1.shape[1] != D
+            or w2.shape[0] != D
+            or w1.shape[0] != 2 * w2.shape[1]
+        ):
             return None
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             return None

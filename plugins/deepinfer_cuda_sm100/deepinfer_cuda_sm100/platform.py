@@ -4,6 +4,7 @@ SM100 (Blackwell, capability 10.x) is the target of the native kernels; SM90 (Ho
 the portable path; anything older is refused, because the kernels this plugin will ship (FP8
 block scales, TMA) do not exist there and the core's builtin torch path serves it anyway.
 """
+
 from __future__ import annotations
 
 from typing import Literal

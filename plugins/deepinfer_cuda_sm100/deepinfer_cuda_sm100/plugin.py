@@ -4,16 +4,24 @@ Kernel hooks answer only for CUDA platforms. With Triton importable they return 
 backends; without it, attention falls back to the portable torch path and MoE to the builtin.
 Nothing here imports Triton or touches the GPU at import time.
 """
+
 from __future__ import annotations
 
 from deepinfer_core.attention import AttentionLayerSpec
+from deepinfer_core.attention.v4_ref import SUPPORTED_V4
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.platform import Platform, PlatformRequest, ProbeResult
 
-from deepinfer_core.attention.v4_ref import SUPPORTED_V4
-
-from .attention import PORTABLE_KINDS, TRITON_KINDS, PortableCudaAttention, PortableCudaV4Attention, TritonAttention, TritonV4Attention, triton_available
+from .attention import (
+    PORTABLE_KINDS,
+    TRITON_KINDS,
+    PortableCudaAttention,
+    PortableCudaV4Attention,
+    TritonAttention,
+    TritonV4Attention,
+    triton_available,
+)
 from .moe import SCORINGS, TritonMoEDispatcher
 from .platform import CudaSM100Platform
 
@@ -75,7 +83,6 @@ def deepinfer_fused_ops(platform: Platform):
     if platform.device_type != "cuda" or not triton_available():
         return None
     from dataclasses import replace
-
     from functools import partial
 
     from .kernels.bf16_gemv import dense_linear, head_linear
@@ -85,9 +92,17 @@ def deepinfer_fused_ops(platform: Platform):
     from .kernels.logits import lm_logits
     from .kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
-    ops = replace(FUSED_OPS, hc_mix=hc_mix, hc_merge=hc_merge, logits=lm_logits, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope,
-                  v4_unweighted_rms_norm=v4_unweighted_rms_norm,  # logits: float32 from the 16-bit head
-                  dense_linear=partial(dense_linear, counters=SplitCounters()), head_linear=head_linear)  # 1-2 row GEMVs
+    ops = replace(
+        FUSED_OPS,
+        hc_mix=hc_mix,
+        hc_merge=hc_merge,
+        logits=lm_logits,
+        v4_rms_norm=v4_rms_norm,
+        v4_rope=v4_rope,
+        v4_unweighted_rms_norm=v4_unweighted_rms_norm,  # logits: float32 from the 16-bit head
+        dense_linear=partial(dense_linear, counters=SplitCounters()),
+        head_linear=head_linear,
+    )  # 1-2 row GEMVs
     # FP8 weights (kept FP8 by the loader when this is offered) where the chip converts e4m3;
     # decode GEMMs split along K sum their splits in-kernel (counters owned by this engine's ops)
     return replace(ops, fp8_linear=partial(fp8_linear, counters=SplitCounters())) if fp8_supported(platform) else ops

@@ -12,6 +12,7 @@ and the greedy argmax (``run_logits``), as graphs.py does for paged models.
 ``capture=False`` runs the same static-buffer step eagerly (no graph): how the tests check this
 module's buffer handling on a machine without CUDA.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,17 @@ log = logging.getLogger(__name__)
 
 
 class V4DecodeGraphs:
-    def __init__(self, model, kv_caches: list, *, block_size: int, scratch_block: int, max_num_seqs: int, max_blocks: int, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list,
+        *,
+        block_size: int,
+        scratch_block: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        capture: bool = True,
+    ) -> None:
         self.model, self.kv_caches, self.capture = model, kv_caches, capture
         self.block_size, self.max_blocks = block_size, max_blocks
         self.buckets = bucket_sizes(max_num_seqs)
@@ -37,7 +48,14 @@ class V4DecodeGraphs:
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids), as graphs.py
         self.enabled = False
         dev = kv_caches[0].window.device
-        self.inputs = StaticInputs(self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=dev, state_slots=True)
+        self.inputs = StaticInputs(
+            self.buckets[-1],
+            max_blocks,
+            block_size=block_size,
+            scratch_block=scratch_block,
+            device=dev,
+            state_slots=True,
+        )
         blockers = v4_uncapturable(model)
         if capture and blockers:
             log.info("DeepSeek-V4 decode steps run eagerly: %s cannot be captured in a CUDA graph", ", ".join(blockers))
@@ -47,7 +65,9 @@ class V4DecodeGraphs:
             self._capture_all()
 
     def _step(self, n: int) -> torch.Tensor:
-        return self.model.forward_decode(self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
+        return self.model.forward_decode(
+            self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n)
+        )
 
     def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The LM head and the greedy argmax the engine would run on these rows, where bucket ``n`` has them."""
@@ -62,7 +82,10 @@ class V4DecodeGraphs:
         self.graphs, self.outputs, self.heads = capture_buckets(self.buckets, self._step, self._head)
         log.info(
             "captured %d DeepSeek-V4 decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
-            len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start, (torch.cuda.memory_allocated() - before) / 2**20,
+            len(self.graphs),
+            ",".join(map(str, self.buckets)),
+            time.perf_counter() - start,
+            (torch.cuda.memory_allocated() - before) / 2**20,
         )
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """Without a CUDA device the Triton kernels run in Triton's interpreter (on CPU tensors), so
 CI checks every kernel's arithmetic; the variable must be set before Triton compiles anything."""
+
 from __future__ import annotations
 
 import os

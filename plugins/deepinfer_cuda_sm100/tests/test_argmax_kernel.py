@@ -1,5 +1,6 @@
 """The decode graphs' argmax kernel equals ``torch.argmax`` (ties to the lowest index, rows of
 -inf, widths that are not a multiple of the chunk), on the GPU or in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 float64 products of the same 16-bit operands, on the GPU when present, else in Triton's
 interpreter; split K summed in-kernel equals the separate sum; torch keeps batch-invariant
 forwards, float32 and larger batches."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,11 @@ def rel(got, want):
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("M,N,K,dtype", [(1, 200, 300, torch.bfloat16), (2, 130, 1024, torch.bfloat16), (1, 48, 2176, torch.float16)], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,dtype",
+    [(1, 200, 300, torch.bfloat16), (2, 130, 1024, torch.bfloat16), (1, 48, 2176, torch.float16)],
+    ids=str,
+)
 def test_dense_gemv_matches_the_float64_product(M, N, K, dtype, monkeypatch):
     """Ragged columns and K (tails of a column tile and of a K step), K split and summed in-kernel
     (counters) or by the separate launch: bit-identical and repeatable, within one 16-bit
@@ -132,7 +137,9 @@ def test_a_bf16_deepseek_v3_with_the_gemvs_installed_stays_as_close_to_transform
     launches = []
     real = module.gemv
     monkeypatch.setattr(module, "gemv", lambda x, w, *a, **k: launches.append(tuple(w.shape)) or real(x, w, *a, **k))
-    assert install(model, FusedOps(dense_linear=module.dense_linear, head_linear=module.head_linear)) == 2 + 2  # 2 MLA, dense + shared MLP
+    assert (
+        install(model, FusedOps(dense_linear=module.dense_linear, head_linear=module.head_linear)) == 2 + 2
+    )  # 2 MLA, dense + shared MLP
     attn = model.model.layers[0].self_attn
     both = attn.qkv_a_weight
     assert both.shape == (32 + 32 + 16, 64) and attn.q_a_proj.weight.data_ptr() == both.data_ptr()

@@ -6,6 +6,7 @@
   defaults gives the builtin reference path's float32 greedy tokens.
 Both are skipped without CUDA (CI has none); the CPU tests cover the same logic on the host.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,12 @@ def test_overlapped_steps_equal_serial_steps_on_cuda(tmp_path):
     assert on.engine.overlap and on.engine.runner.graphs is not None
     fed = []
     launch = on.engine.runner.launch
-    on.engine.runner.launch = lambda out, rows, replay=None, input_ids=None: fed.append(input_ids is not None) or launch(out, rows, replay, input_ids)
-    off = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, overlap_scheduling=False)
+    on.engine.runner.launch = lambda out, rows, replay=None, input_ids=None: (
+        fed.append(input_ids is not None) or launch(out, rows, replay, input_ids)
+    )
+    off = LLM(
+        str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, overlap_scheduling=False
+    )
     got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in on.generate(prompts, params)]
     want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, params)]
     assert got == want

@@ -1,5 +1,6 @@
 """CUDA-graph decode (``deepinfer_decode_graphs``): the hook answers for CUDA platforms only;
 on a GPU, replayed graphs (with padded buckets) give the eager engine's tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,10 +68,20 @@ def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_bloc
     host = PluginHost(load_entry_points=False, extra_plugins={"static": StaticPlugin()})
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 9, 12)]
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8, host=host)
+    llm = LLM(
+        str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8, host=host
+    )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert {(3, 4), (2, 2), (1, 1)} <= set(checked)  # 3 rows padded to the bucket of 4, then 2 and 1
-    eager = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, max_num_seqs=8, enforce_eager=True)
+    eager = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        kv_cache_blocks=16,
+        block_size=16,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
 
 
@@ -89,7 +100,9 @@ def test_graph_replay_matches_eager(tmp_path):
     graphed = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8)
     assert graphed.engine.runner.graphs is not None
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8, enforce_eager=True)
-    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in eager.generate(prompts, params)
+    ]
 
 
 def test_models_with_host_synchronising_kernels_are_not_captured():
@@ -106,7 +119,9 @@ def test_models_with_host_synchronising_kernels_are_not_captured():
 
     ours = torch.nn.ModuleList([Layer(TritonAttention(), TritonMoEDispatcher())])
     assert uncapturable(ours) == []
-    mixed = torch.nn.ModuleList([Layer(TritonAttention(), TorchMoEDispatcher()), Layer(TorchAttentionBackend(), TritonMoEDispatcher())])
+    mixed = torch.nn.ModuleList(
+        [Layer(TritonAttention(), TorchMoEDispatcher()), Layer(TorchAttentionBackend(), TritonMoEDispatcher())]
+    )
     assert uncapturable(mixed) == ["torch-reference"]
 
 
@@ -118,5 +133,14 @@ def test_a_model_with_per_request_state_kv_stays_eager():
 
     graphs = CudaDecodeGraphs(None, [object()], block_size=128, scratch_block=4, max_num_seqs=8, max_blocks=4)
     one = torch.zeros(1, dtype=torch.long)
-    meta = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32), one, one, torch.zeros(1, 1, dtype=torch.int32), 128, 1, 1)
+    meta = AttentionMetadata(
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        one,
+        one,
+        torch.zeros(1, 1, dtype=torch.int32),
+        128,
+        1,
+        1,
+    )
     assert graphs.run(one, meta) is None

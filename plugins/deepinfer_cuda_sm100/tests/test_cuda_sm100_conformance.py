@@ -1,5 +1,6 @@
 """The conformance suites, run on this machine: the probe always (it must answer honestly
 without a GPU), the device and attention tests wherever a usable CUDA device exists."""
+
 from __future__ import annotations
 
 import pytest

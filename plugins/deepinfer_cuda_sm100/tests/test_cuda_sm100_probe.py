@@ -1,4 +1,5 @@
 """The probe and hook logic with the GPU faked: what a user on each kind of machine sees."""
+
 from __future__ import annotations
 
 import re
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
-from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
+from deepinfer_core.moe import MoESpec, ParallelConfig
 from deepinfer_core.platform import PlatformRequest, TorchPlatform
 from deepinfer_core.plugin_host import NoImplementationError, PluginHost
 from deepinfer_cuda_sm100 import CudaSM100Platform, PortableCudaAttention, plugin, probe_capability
@@ -112,7 +113,9 @@ def test_listed_with_reason_by_the_host(fake_gpu):
     host = PluginHost(load_entry_points=False, extra_plugins={"cuda_sm100": plugin})
     info = {i.name: i for i in host.plugins()}["cuda_sm100"]
     assert not info.usable and info.reason == "compute capability 8.0 < 9.0"
-    assert {"deepinfer_probe", "deepinfer_platform", "deepinfer_attention_backend", "deepinfer_moe_dispatcher"} <= set(info.hooks)
+    assert {"deepinfer_probe", "deepinfer_platform", "deepinfer_attention_backend", "deepinfer_moe_dispatcher"} <= set(
+        info.hooks
+    )
 
 
 def test_never_imports_another_plugin():
@@ -156,7 +159,9 @@ def test_import_needs_neither_triton_nor_a_gpu():
     assert out.stdout.split() == ["PortableCudaAttention", "PortableCudaV4Attention", "None", "False"]
 
 
-@pytest.mark.parametrize("kind", [AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED])
+@pytest.mark.parametrize(
+    "kind", [AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED]
+)
 def test_deepseek_v4_layers_get_a_backend_with_the_v4_contract(kind):
     """V4 layers (state KV) must not get the paged kernels, which lack ``forward_v4`` (a V4
     model failed to build on the H200 because its sliding layers did): they get the Triton V4
@@ -166,4 +171,6 @@ def test_deepseek_v4_layers_get_a_backend_with_the_v4_contract(kind):
     spec = AttentionLayerSpec(kind, 0, num_heads=2, num_kv_heads=1, head_dim=8, v_head_dim=8, scale=0.3, window=4,
                               compress_ratio=0 if kind is AttentionKind.SLIDING else 4, index_topk=2 if kind is AttentionKind.COMPRESSED_SPARSE else 0, kv_shared=True, state_kv=True)  # fmt: skip
     backend = plugin.deepinfer_attention_backend(spec, CudaSM100Platform())
-    assert type(backend) is (TritonV4Attention if triton_available() else PortableCudaV4Attention) and hasattr(backend, "forward_v4")
+    assert type(backend) is (TritonV4Attention if triton_available() else PortableCudaV4Attention) and hasattr(
+        backend, "forward_v4"
+    )

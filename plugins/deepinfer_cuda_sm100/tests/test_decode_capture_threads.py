@@ -1,6 +1,7 @@
 """A decode graph captured while another thread of the process keeps using the GPU (another
 engine's KV-store copies, say) captures and replays correctly, and the other thread's calls do not
 fail. GPU only."""
+
 from __future__ import annotations
 
 import threading

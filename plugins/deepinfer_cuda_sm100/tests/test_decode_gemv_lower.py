@@ -3,6 +3,7 @@ per-row GEMVs with and without the shared expert's row, the router logits) lower
 DeepSeek-V3's shapes: Triton's ahead-of-time compile with an explicit target needs no GPU, so
 CI, which runs the kernels only in the interpreter, also proves they compile (the interpreter
 accepts code the compiler rejects, e.g. branches yielding different types)."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ GEMM and the fused MoE's FP8 path against float64 products with the dequantized 
 GPU when present, else in Triton's interpreter. float32 activations multiply the exact weights;
 bf16 activations are quantized per row and 128 channels (amax / 448, e4m3), DeepSeek's scheme,
 re-stated here in torch for the references."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,13 @@ def act_quant64(x):
 
 @pytest.mark.parametrize(
     "M,N,K,dtype",
-    [(1, 200, 300, torch.float32), (5, 256, 384, torch.bfloat16), (70, 130, 256, torch.bfloat16), (300, 136, 128, torch.bfloat16), (300, 136, 256, torch.float32)],
+    [
+        (1, 200, 300, torch.float32),
+        (5, 256, 384, torch.bfloat16),
+        (70, 130, 256, torch.bfloat16),
+        (300, 136, 128, torch.bfloat16),
+        (300, 136, 256, torch.float32),
+    ],
     ids=lambda v: str(v).replace("torch.", ""),
 )
 def test_fp8_linear_matches_dequantized_product(M, N, K, dtype):
@@ -189,16 +196,39 @@ def test_fused_moe_fp8_matches_dequantized_reference(T, dtype, prequant, monkeyp
     if prequant:
         monkeypatch.setattr(module, "PREQUANT_ROWS", 0)
     spec, hidden, ids, w, experts = _moe_case(T, dtype, seed=T)
-    plain = ExpertWeights(dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale))
+    plain = ExpertWeights(
+        dequant64(experts.gate_up, experts.gate_up_scale), dequant64(experts.down, experts.down_scale)
+    )
     exact = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, plain)
     want = exact if dtype == torch.float32 else quantized_moe64(hidden, ids, w, plain, dtype)
     if T * 2 <= 8 and dtype != torch.float32:  # decode rows, no explicit tiling: the per-row GEMVs (moe_gemv)
-        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
+        got, counts = fused_moe(
+            hidden,
+            experts.gate_up,
+            experts.down,
+            ids,
+            w,
+            gate_up_scale=experts.gate_up_scale,
+            down_scale=experts.down_scale,
+        )
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 4e-3, f"GEMV: relative error {err:.2e}"
         assert counts.sum().item() == T * 2
-    for cfg in (MoEConfig(16, 64, 64, 4, 3), MoEConfig(64, 128, 128, 4, 2), MoEConfig(128, 128, 64, 8, 3)):  # the prefill tile too
-        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
+    for cfg in (
+        MoEConfig(16, 64, 64, 4, 3),
+        MoEConfig(64, 128, 128, 4, 2),
+        MoEConfig(128, 128, 64, 8, 3),
+    ):  # the prefill tile too
+        got, counts = fused_moe(
+            hidden,
+            experts.gate_up,
+            experts.down,
+            ids,
+            w,
+            config=cfg,
+            gate_up_scale=experts.gate_up_scale,
+            down_scale=experts.down_scale,
+        )
         err = ((got.double() - want).norm() / want.norm()).item()
         # 16-bit: an expert output near a bf16 rounding boundary rounds apart from the float64
         # model's (both round it, as the reference dispatcher does): ~4e-3 seen, 1.6e-3 unrounded

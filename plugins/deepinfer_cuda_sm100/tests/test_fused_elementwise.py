@@ -2,6 +2,7 @@
 (deepinfer_core.fused_ops), on the GPU when present, else in Triton's interpreter on the CPU.
 bf16 results must equal the reference exactly where rounding points are the same (they are
 placed identically); float32 within rounding of a different summation order."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,25 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.fused_ops import FusedOps, add_rms_norm_reference, install, norm_rope_cat_reference, rms_norm_reference, rope_cat_reference, silu_and_mul_reference  # noqa: E402
+from deepinfer_core.fused_ops import (
+    FusedOps,
+    add_rms_norm_reference,
+    install,
+    norm_rope_cat_reference,
+    rms_norm_reference,
+    rope_cat_reference,
+    silu_and_mul_reference,
+)  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, norm_rope_cat, rms_norm, rope_cat, rotary, silu_and_mul  # noqa: E402
+from deepinfer_cuda_sm100.kernels.fused_elementwise import (
+    add_rms_norm,
+    norm_rope_cat,
+    rms_norm,
+    rope_cat,
+    rotary,
+    silu_and_mul,
+)  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +58,10 @@ def test_add_rms_norm_matches_the_reference(dtype, shape):
     g = torch.Generator().manual_seed(sum(shape) + 1)
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)
     r = (torch.randn(*shape, generator=g) * 5).to(DEVICE, dtype)
-    for w in ((torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype), (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE)):
+    for w in (
+        (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype),
+        (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE),
+    ):
         got, h = add_rms_norm(x, r, w, 1e-6)
         want, want_h = add_rms_norm_reference(x, r, w, 1e-6)
         assert h.dtype == dtype and torch.equal(h, want_h)
@@ -98,7 +117,12 @@ def test_hook_answers_for_cuda_platforms_and_installs_on_norms_and_mlps():
 
     assert plugin.deepinfer_fused_ops(TorchPlatform("cpu", "cpu")) is None
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert isinstance(ops, FusedOps) and ops.rms_norm is rms_norm and ops.silu_and_mul is silu_and_mul and ops.rope_cat is rope_cat
+    assert (
+        isinstance(ops, FusedOps)
+        and ops.rms_norm is rms_norm
+        and ops.silu_and_mul is silu_and_mul
+        and ops.rope_cat is rope_cat
+    )
     model = torch.nn.Sequential(RMSNorm(64), GatedMLP(64, 96), RMSNorm(64)).to(DEVICE)
     torch.manual_seed(0)
     for p in model.parameters():
@@ -120,19 +144,28 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
     hf = transformers.LlamaForCausalLM(cfg)
     hf.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True)
-    assert install(llm.engine.model, FUSED_OPS) == 2 * 3 + 1 + 1  # 2 norms and an MLP per layer, the final norm, the rotary table
+    assert (
+        install(llm.engine.model, FUSED_OPS) == 2 * 3 + 1 + 1
+    )  # 2 norms and an MLP per layer, the final norm, the rotary table
     prompts = [[5, 6, 7, 8], [9, 10, 11] * 5]
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ]
     hf = hf.to(DEVICE)
     for p, tokens in zip(prompts, got):
         ids = torch.tensor([p], device=DEVICE)
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert tokens == ref[0, len(p):].tolist()
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False
+        )
+        assert tokens == ref[0, len(p) :].tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("H,C,tiled", [(3, 40, False), (3, 40, True), (20, 300, True)], ids=["3heads", "3heads-tiled", "20heads-2tiles"])
+@pytest.mark.parametrize(
+    "H,C,tiled", [(3, 40, False), (3, 40, True), (20, 300, True)], ids=["3heads", "3heads-tiled", "20heads-2tiles"]
+)
 def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved, H, C, tiled, monkeypatch):
     """A program per (token, head) (decode-sized steps), or heads in tiles of up to 16 per program
     (prefill-sized: 20 heads give a full tile and a partial one, and a 300-channel latent is
@@ -144,7 +177,10 @@ def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved,
     T, n, r, P = 9, 8, 16, 300
     inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
     freqs = torch.outer(torch.arange(P).float(), inv)
-    cos, sin = (torch.cat([freqs, freqs], -1).cos() * 1.2).to(DEVICE), (torch.cat([freqs, freqs], -1).sin() * 1.2).to(DEVICE)
+    cos, sin = (
+        (torch.cat([freqs, freqs], -1).cos() * 1.2).to(DEVICE),
+        (torch.cat([freqs, freqs], -1).sin() * 1.2).to(DEVICE),
+    )
     positions = torch.randint(0, P, (T,), generator=g).to(DEVICE)
     q = torch.randn(T, H, n + r, generator=g).to(DEVICE, dtype)
     q_pe = q.split([n, r], dim=-1)[1]  # a strided view, as MLA splits it
@@ -155,9 +191,17 @@ def test_rope_cat_matches_the_reference_for_queries_and_keys(dtype, interleaved,
     _close(got, want, dtype)
     kv_a = torch.randn(T, C + r, generator=g).to(DEVICE, dtype)  # the key: one latent row, one rope head
     k_lat, k_pe = kv_a[:, :C][:, None, :], kv_a[:, C:].view(T, 1, r)
-    _close(rope_cat(k_lat, k_pe, positions, cos, sin, interleaved), rope_cat_reference(k_lat, k_pe, positions, cos, sin, interleaved), dtype)
+    _close(
+        rope_cat(k_lat, k_pe, positions, cos, sin, interleaved),
+        rope_cat_reference(k_lat, k_pe, positions, cos, sin, interleaved),
+        dtype,
+    )
     cos, sin = cos.to(dtype), sin.to(dtype)  # a bf16 model's tables are bf16 buffers (found on the H200)
-    _close(rope_cat(latent, q_pe, positions, cos, sin, interleaved), rope_cat_reference(latent, q_pe, positions, cos, sin, interleaved), dtype)
+    _close(
+        rope_cat(latent, q_pe, positions, cos, sin, interleaved),
+        rope_cat_reference(latent, q_pe, positions, cos, sin, interleaved),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -195,7 +239,9 @@ def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_a
 
     assert install(llm.engine.model, FUSED_OPS) >= 2 * 2 + 1 + 2  # norms, the dense and shared MLPs, both MLA layers
     mla = [m for m in llm.engine.model.modules() if type(m).__name__ == "MLAAttention"]
-    assert len(mla) == 2 and all(m.norm_rope_cat is FUSED_OPS.norm_rope_cat for m in mla)  # the key's norm inside its rope_cat
+    assert len(mla) == 2 and all(
+        m.norm_rope_cat is FUSED_OPS.norm_rope_cat for m in mla
+    )  # the key's norm inside its rope_cat
     prompt = [5, 9, 33, 7, 81, 2, 64, 17, 3, 99, 12]
     hf = hf.to(DEVICE)
     ids = torch.tensor([prompt], device=DEVICE)
@@ -203,6 +249,8 @@ def test_a_deepseek_v3_engine_with_the_fused_kernels_keeps_transformers_logits_a
         want = hf(ids).logits[0].float()
     got = llm.engine.prompt_logits(prompt).to(want.device)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
-    tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    tokens = (
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    )
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert tokens == ref[0, len(prompt):].tolist()
+    assert tokens == ref[0, len(prompt) :].tolist()

@@ -3,6 +3,7 @@ collapse in one launch equal the core's torch reference (``hc_mix_reference``), 
 with it, ``hc_merge``, ``v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens;
 ``hc_merge`` equals ``deepseek_v4_layers.hc_merge``.
 Without a GPU the kernel runs in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,14 +11,18 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference, hc_mix_reference  # noqa: E402
+from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference  # noqa: E402
+from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
 from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("hc,D,T,dtype,iters", [(4, 96, 5, torch.float32, 20), (3, 64, 2, torch.bfloat16, 6), (4, 2048, 1, torch.bfloat16, 20)])
+@pytest.mark.parametrize(
+    "hc,D,T,dtype,iters",
+    [(4, 96, 5, torch.float32, 20), (3, 64, 2, torch.bfloat16, 6), (4, 2048, 1, torch.bfloat16, 20)],
+)
 def test_hc_mix_equals_the_reference(hc, D, T, dtype, iters):
     g = torch.Generator().manual_seed(hc * 100 + D)
     n = (2 + hc) * hc
@@ -34,7 +39,9 @@ def test_hc_mix_equals_the_reference(hc, D, T, dtype, iters):
     assert not torch.allclose(got[1][0], want[1][0].t())  # comb is not symmetric: its layout is checked
 
 
-@pytest.mark.parametrize("hc,D,T,dtype", [(4, 96, 5, torch.float32), (3, 64, 2, torch.bfloat16), (4, 2048, 1, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "hc,D,T,dtype", [(4, 96, 5, torch.float32), (3, 64, 2, torch.bfloat16), (4, 2048, 1, torch.bfloat16)]
+)
 def test_hc_merge_equals_the_reference(hc, D, T, dtype):
     g = torch.Generator().manual_seed(hc * 10 + D)
     streams = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
@@ -53,28 +60,51 @@ def test_hc_merge_equals_the_reference(hc, D, T, dtype):
 def test_hc_mix_refuses_a_wrong_shape_by_name():
     streams = torch.zeros(2, 4, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"hc_mix: mixed must be \[T=2, 24\]"):
-        hc_mix(torch.zeros(2, 20, device=DEVICE), torch.zeros(24, device=DEVICE), torch.zeros(3, device=DEVICE), streams, 20, 1e-6)
+        hc_mix(
+            torch.zeros(2, 20, device=DEVICE),
+            torch.zeros(24, device=DEVICE),
+            torch.zeros(3, device=DEVICE),
+            streams,
+            20,
+            1e-6,
+        )
 
 
 def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     pytest.importorskip("transformers")
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.fused_ops import FusedOps, install
-    from deepinfer_core.testing.v4_tiny import save_tiny_v4
-
     from deepinfer_core.models.deepseek_v4 import V4Attention
     from deepinfer_core.models.deepseek_v4_layers import HyperConnection, V4RMSNorm
+    from deepinfer_core.testing.v4_tiny import save_tiny_v4
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope, ops.v4_unweighted_rms_norm) == (hc_mix, hc_merge, v4_rms_norm, v4_rope, v4_unweighted_rms_norm)
+    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope, ops.v4_unweighted_rms_norm) == (
+        hc_mix,
+        hc_merge,
+        v4_rms_norm,
+        v4_rope,
+        v4_unweighted_rms_norm,
+    )
     model = save_tiny_v4(tmp_path, 99, 5)
     prompt = list(range(3, 13))
     with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=4, do_sample=False)
+        want = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=4,
+            do_sample=False,
+        )
     llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", kv_cache_blocks=8, fused_ops=False, enforce_eager=True)
     fused = sum(isinstance(m, (HyperConnection, V4RMSNorm, V4Attention)) for m in llm.engine.model.modules())
-    every = FusedOps(hc_mix=hc_mix, hc_merge=hc_merge, v4_rms_norm=v4_rms_norm, v4_rope=v4_rope, v4_unweighted_rms_norm=v4_unweighted_rms_norm)
+    every = FusedOps(
+        hc_mix=hc_mix,
+        hc_merge=hc_merge,
+        v4_rms_norm=v4_rms_norm,
+        v4_rope=v4_rope,
+        v4_unweighted_rms_norm=v4_unweighted_rms_norm,
+    )
     assert install(llm.engine.model, every) == fused > 2 * model.config.num_hidden_layers
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
     assert got == want[0, len(prompt) :].tolist()

@@ -1,6 +1,7 @@
 """Batch-invariant ops (``deepinfer_batch_invariant_ops``): under the mode, matmuls (mm, addmm,
 bmm, hence F.linear and einsum) and last-dimension means equal torch's, and a row computed alone
 is bitwise the row computed inside a larger batch. GPU when present, else Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest

@@ -11,6 +11,7 @@ Skipped without CUDA (CI has none). ``DEEPINFER_KV_TIERS_TEST_DEVICE=cpu`` runs 
 on the host, to check the tests themselves where no GPU is at hand (the CPU path of the tiers
 has its own tests in tests/test_kv_tiers.py).
 """
+
 from __future__ import annotations
 
 import errno

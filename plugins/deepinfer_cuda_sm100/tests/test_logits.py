@@ -1,5 +1,6 @@
 """``FusedOps.logits`` (float32 logits from the 16-bit LM head) against a float64 product, and
 the LM head + greedy argmax captured in the decode graphs (``run_logits``) on a GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,10 @@ def test_logits_are_the_float32_product_not_rounded_to_bf16(rows):
     assert torch.allclose(got, logits_reference(hidden, weight), rtol=0, atol=1e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fixed-order kernel's compiled code needs a GPU (the interpreter runs this head for minutes; test_invariant_ops checks its arithmetic on the CPU)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="the fixed-order kernel's compiled code needs a GPU (the interpreter runs this head for minutes; test_invariant_ops checks its arithmetic on the CPU)",
+)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_batch_invariant_logits_do_not_depend_on_the_batch(rows):
     hidden, weight = _operands(rows, 40 + rows)
@@ -83,7 +87,10 @@ def test_small_buckets_replay_the_head_and_argmax_and_keep_the_eager_tokens(tmp_
     run_logits = graphs.run_logits
     graphs.run_logits = lambda ids, meta: calls.append(meta.num_requests) or run_logits(ids, meta)
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8, enforce_eager=True)
-    for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), SamplingParams(temperature=0.7, seed=11, max_tokens=20, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=20, ignore_eos=True),
+    ):
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
         assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert calls and set(calls) == {3}  # decode steps of 3 requests: bucket 4, head replayed

@@ -6,6 +6,7 @@ The absorbed reference is an independent computation of the same attention: it m
 queries into the latent space (``W_UK^T q_nope``) and the latent output by ``W_UV``, where the
 expanded form decompresses every context token's keys and values through ``kv_b_proj``. Without
 a GPU the kernels run in Triton's interpreter on the CPU (tiny shapes)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,9 @@ def _batch(spec, lens, new, nope, v_dim, dtype, block_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     H, C, r = spec.num_heads, spec.v_head_dim, spec.rope_dim
     batch = scattered_batch(lens, new, block_size=block_size, generator=g, spare_blocks=2)
-    cache = torch.randn(TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g)
+    cache = torch.randn(
+        TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g
+    )
     meta = batch.metadata(DEVICE, num_context_tokens=sum(lens), num_attention_pairs=batch.num_attention_pairs)
     slots = batch.slot_mapping
     key = cache.view(-1, cache.shape[-1])[slots][:, None, : C + r]  # the new tokens' entries, already in place
@@ -70,18 +73,26 @@ def test_expanded_attention_equals_the_absorbed_reference(case, v_dim):
     out = backend.forward_mla_expanded(spec, q, key, w_kv, cache, meta)
     assert torch.equal(cache, before)  # the new entries were written where they already were
     assert out.shape == (q.shape[0], 3, v_dim) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _absorbed_reference(spec, q, w_kv, cache, meta, nope), atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out.double(), _absorbed_reference(spec, q, w_kv, cache, meta, nope), atol=3e-5, rtol=1e-4
+    )
 
 
 def test_expanded_attention_writes_the_latent_entries_as_the_absorbed_path_does():
     spec, nope = _spec(heads=2, latent=32, rope=16), 16
     q, key, w_kv, cache, meta = _batch(spec, [20, 45], [20, 19], nope, 16, torch.float32, seed=5)
-    key = torch.randn(key.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)  # new entries not yet in the cache
+    key = torch.randn(key.shape, generator=torch.Generator().manual_seed(9)).to(
+        DEVICE
+    )  # new entries not yet in the cache
     want = cache.clone()
-    TorchAttentionBackend().forward(spec, torch.zeros(q.shape[0], 2, spec.head_dim, device=DEVICE), key, None, want, meta)
+    TorchAttentionBackend().forward(
+        spec, torch.zeros(q.shape[0], 2, spec.head_dim, device=DEVICE), key, None, want, meta
+    )
     out = TritonAttention(mla_expand_min_tokens=1).forward_mla_expanded(spec, q, key, w_kv, cache, meta)
     assert torch.equal(cache, want)
-    torch.testing.assert_close(out.double(), _absorbed_reference(spec, q, w_kv, cache, meta, nope), atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out.double(), _absorbed_reference(spec, q, w_kv, cache, meta, nope), atol=3e-5, rtol=1e-4
+    )
 
 
 def test_bf16_expanded_attention_is_close_to_the_reference():
@@ -102,9 +113,13 @@ def test_expanded_form_is_chosen_for_prefill_like_steps_only():
     backend = TritonAttention()
     assert backend.expand_mla(spec, meta)  # 350 new tokens, no prefix
     # the same 350 tokens after a 30,000-token prefix each: 10.5M more pairs for 30,000 more keys
-    assert backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=30350, num_attention_pairs=pairs + 350 * 30000))
+    assert backend.expand_mla(
+        spec, dataclasses.replace(meta, num_context_tokens=30350, num_attention_pairs=pairs + 350 * 30000)
+    )
     # ... next to 64 decode rows over 2,000 tokens each: 128,000 more keys, one pair each
-    assert not backend.expand_mla(spec, dataclasses.replace(meta, num_context_tokens=350 + 128000, num_attention_pairs=pairs + 128000))
+    assert not backend.expand_mla(
+        spec, dataclasses.replace(meta, num_context_tokens=350 + 128000, num_attention_pairs=pairs + 128000)
+    )
     # a 2M-token context at 2 heads: 4M decompressed (token, head) rows would be allowed, one more not
     long = dataclasses.replace(meta, num_context_tokens=2 * 2**20, num_attention_pairs=2**40)
     assert backend.expand_mla(spec, long)
@@ -122,7 +137,9 @@ def test_expanded_form_is_chosen_for_prefill_like_steps_only():
 def test_v3_shapes_bf16_on_the_gpu_are_close_to_the_reference(case):
     """DeepSeek-V3's widths (16 heads, latent 512, rope 64, nope 128, v 128) in bf16 with the
     GPU's 128-row tiles, block size 128 as the engine uses."""
-    lens, new = ([512, 300, 1000, 129], [512, 300, 1000, 129]) if case == "prefill" else ([700, 1500, 64], [300, 128, 64])
+    lens, new = (
+        ([512, 300, 1000, 129], [512, 300, 1000, 129]) if case == "prefill" else ([700, 1500, 64], [300, 128, 64])
+    )
     spec, nope = _spec(heads=16, latent=512, rope=64), 128
     q, key, w_kv, cache, meta = _batch(spec, lens, new, nope, 128, torch.bfloat16, block_size=128, seed=1)
     out = TritonAttention().forward_mla_expanded(spec, q, key, w_kv, cache, meta)

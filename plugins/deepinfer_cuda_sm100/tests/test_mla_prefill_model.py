@@ -8,6 +8,7 @@ transformers' (which decompresses keys and values as the expanded form does, but
 code; tests/test_engine_deepseek_v3.py checks the builtin path against it). On a GPU the
 plugin's own hooks and thresholds run and the tokens are the builtin path's on the same GPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -70,7 +71,14 @@ def checkpoint(tmp_path_factory):
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in LENS]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     if CUDA:
-        ref = LLM(str(path), device="cuda", dtype="float32", kv_cache_blocks=64, attention_backend="builtin", moe_backend="builtin")
+        ref = LLM(
+            str(path),
+            device="cuda",
+            dtype="float32",
+            kv_cache_blocks=64,
+            attention_backend="builtin",
+            moe_backend="builtin",
+        )
         want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
         del ref
         return str(path), prompts, want
@@ -91,7 +99,9 @@ def test_greedy_tokens_equal_the_reference_with_expanded_prefill(checkpoint, bud
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
     if CUDA:  # the plugin's own hooks and thresholds
         llm = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=64, block_size=16, **kw)
-        backends = {m.backend for m in llm.engine.model.modules() if isinstance(getattr(m, "backend", None), TritonAttention)}
+        backends = {
+            m.backend for m in llm.engine.model.modules() if isinstance(getattr(m, "backend", None), TritonAttention)
+        }
         assert len(backends) == 2
         calls = {"whole": 0, "prefix": 0}
         for b in backends:
@@ -107,7 +117,10 @@ def test_greedy_tokens_equal_the_reference_with_expanded_prefill(checkpoint, bud
         host = PluginHost(load_entry_points=False, extra_plugins={"expand": provider})
         llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, block_size=16, host=host, **kw)
         calls = provider.backend.calls
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    ]
     assert got == want
     assert calls["whole"] > 0
     if budget is not None:

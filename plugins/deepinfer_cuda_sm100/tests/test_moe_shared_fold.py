@@ -2,6 +2,7 @@
 forward_with_shared``, kernels/moe_gemv.py) against the float64 reference: routed experts
 through the core's reference dispatcher plus the shared expert as a plain SwiGLU MLP, in bf16
 and in DeepSeek's FP8 block format; on the GPU when present, else in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,7 +49,9 @@ def test_shared_expert_folded_matches_reference(fp8):
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < 6e-3, f"relative error {err:.2e}"
     assert torch.equal(ours.expert_load().cpu(), torch.bincount(ids.flatten().cpu(), minlength=E))
-    separate = ours.forward(spec, hidden, ids, w, experts).double()  # routed alone: the folded sum minus the shared part
+    separate = ours.forward(
+        spec, hidden, ids, w, experts
+    ).double()  # routed alone: the folded sum minus the shared part
     assert ((got.double() - separate).norm() / separate.norm()).item() > 1e-3  # the shared expert is in the sum
 
 
@@ -83,7 +86,9 @@ def test_shared_expert_added_in_the_grouped_sum_matches_reference(T):
     ours = TritonMoEDispatcher()
     got = ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (T, D)
-    want = torch.cat([reference(hidden[t : t + 1], ids[t : t + 1], w[t : t + 1], experts, shared, False) for t in range(T)])
+    want = torch.cat(
+        [reference(hidden[t : t + 1], ids[t : t + 1], w[t : t + 1], experts, shared, False) for t in range(T)]
+    )
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < 6e-3, f"relative error {err:.2e}"
     assert torch.equal(ours.expert_load().cpu(), torch.bincount(ids.flatten().cpu(), minlength=E))
@@ -109,7 +114,7 @@ def test_fold_declines_where_it_does_not_apply():
     assert ours.forward_with_shared(spec, x, ids, w, fp8_experts, fp8_shared) is None
     assert ours.forward_with_shared(spec, x[:1].float(), ids[:1], w[:1], experts, shared) is None
     assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x[:1], ids[:1], w[:1], experts, shared) is None
-    narrow = ExpertWeights(shared.gate_up[:, : I, :], shared.down[:, :, : I // 2].contiguous())
+    narrow = ExpertWeights(shared.gate_up[:, :I, :], shared.down[:, :, : I // 2].contiguous())
     assert ours.forward_with_shared(spec, x[:1], ids[:1], w[:1], experts, narrow) is None
     token = INVARIANT.set(True)
     try:
@@ -126,7 +131,16 @@ def test_deepseek_v3_moe_layer_folds_its_shared_expert(T):
     (router, routed experts and the shared MLP separately)."""
     from deepinfer_core.models.deepseek_v3 import DeepseekV3MoE
 
-    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", routed_scaling=2.5, num_shared_experts=1)
+    spec = MoESpec(
+        0,
+        num_experts=E,
+        top_k=K,
+        hidden_size=D,
+        intermediate_size=I,
+        scoring="sigmoid",
+        routed_scaling=2.5,
+        num_shared_experts=1,
+    )
     g = torch.Generator().manual_seed(21)
     ours = DeepseekV3MoE({}, spec, TritonMoEDispatcher())
     for p in ours.parameters():
@@ -134,7 +148,11 @@ def test_deepseek_v3_moe_layer_folds_its_shared_expert(T):
     ours = ours.to(DEVICE, torch.bfloat16)
     ours.gate.float()  # the router stays float32 (restore_float32)
     shared = ours.shared_weights()
-    assert shared is not None and shared.gate_up.shape == (1, 2 * I, D) and shared.gate_up.data_ptr() == ours.shared_experts.gate_up_proj.weight.data_ptr()
+    assert (
+        shared is not None
+        and shared.gate_up.shape == (1, 2 * I, D)
+        and shared.gate_up.data_ptr() == ours.shared_experts.gate_up_proj.weight.data_ptr()
+    )
     ref = DeepseekV3MoE({}, spec, TorchMoEDispatcher()).to(DEVICE)
     ref.load_state_dict(ours.state_dict())
     ref = ref.to(torch.bfloat16)

@@ -9,6 +9,7 @@ the block and split-KV thresholds.
 Hypothesis draws the small cases for Triton's interpreter (CI); the GPU variants (skipped
 without CUDA) take the sizes of real models and batches.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,13 +26,27 @@ from deepinfer_cuda_sm100.attention import TritonAttention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-gpu_only = pytest.mark.skipif(not CUDA, reason="the GPU variant needs a CUDA device (the interpreter runs the small cases)")
+gpu_only = pytest.mark.skipif(
+    not CUDA, reason="the GPU variant needs a CUDA device (the interpreter runs the small cases)"
+)
 
 
-def spec_of(kind: str, heads: int, kv_heads: int, head_dim: int, window: int | None = None, v_dim: int | None = None) -> AttentionLayerSpec:
+def spec_of(
+    kind: str, heads: int, kv_heads: int, head_dim: int, window: int | None = None, v_dim: int | None = None
+) -> AttentionLayerSpec:
     """A layer spec: ``mla`` is one latent KV head with V the first ``v_dim`` channels of K."""
     if kind == "mla":
-        return AttentionLayerSpec(AttentionKind.MLA, 0, heads, 1, head_dim, v_dim or head_dim - 16, scale=head_dim**-0.5, rope_dim=16, kv_shared=True)
+        return AttentionLayerSpec(
+            AttentionKind.MLA,
+            0,
+            heads,
+            1,
+            head_dim,
+            v_dim or head_dim - 16,
+            scale=head_dim**-0.5,
+            rope_dim=16,
+            kv_shared=True,
+        )
     k = AttentionKind.SLIDING if window is not None else AttentionKind.FULL
     return AttentionLayerSpec(k, 0, heads, kv_heads, head_dim, head_dim, scale=head_dim**-0.5, window=window)
 
@@ -41,7 +56,9 @@ def run_case(spec, cached, new, *, block_size, dtype, seed=0, spare_blocks=3):
     their blocks shuffled over a cache of random contents. Returns (ours, float64 reference,
     our cache, the reference's cache)."""
     g = torch.Generator().manual_seed(seed)
-    batch = scattered_batch([c + n for c, n in zip(cached, new)], new, block_size=block_size, generator=g, spare_blocks=spare_blocks)
+    batch = scattered_batch(
+        [c + n for c, n in zip(cached, new)], new, block_size=block_size, generator=g, spare_blocks=spare_blocks
+    )
     ref = TorchAttentionBackend()
     cache = torch.randn(ref.kv_cache_shape(spec, batch.num_blocks, block_size), generator=g)
     T = batch.num_tokens
@@ -49,7 +66,9 @@ def run_case(spec, cached, new, *, block_size, dtype, seed=0, spare_blocks=3):
     k = torch.randn(T, spec.num_kv_heads, spec.head_dim, generator=g)
     v = torch.randn(T, spec.num_kv_heads, spec.v_head_dim, generator=g)
     ours_cache = cache.to(DEVICE, dtype)
-    ours = TritonAttention().forward(spec, q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), ours_cache, batch.metadata(DEVICE))
+    ours = TritonAttention().forward(
+        spec, q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), ours_cache, batch.metadata(DEVICE)
+    )
     ref_cache = cache.to(DEVICE, dtype).double()  # the cache's own rounding, then exact arithmetic
     want = ref.forward(spec, *(x.to(DEVICE, dtype).double() for x in (q, k, v)), ref_cache, batch.metadata(DEVICE))
     return ours, want, ours_cache, ref_cache
@@ -166,9 +185,20 @@ F32, B16 = torch.float32, torch.bfloat16
     ids=lambda x: str(x).replace("torch.", ""),
 )  # fmt: skip
 def test_gpu_model_shapes_prefill_and_decode(kind, heads, kv_heads, head_dim, dtype):
-    spec = spec_of(kind, heads, kv_heads, head_dim, window=1000 if kind == "sliding" else None, v_dim=512 if kind == "mla" else None)
-    check(spec, [0, 130, 4000, 77, 1], [300, 129, 97, 1, 128], block_size=128, dtype=dtype)  # mixed prompts, cached prefixes
-    check(spec, [0, 126, 127, 128, 4094, 4096, 8191], [1] * 7, block_size=128, dtype=dtype)  # contexts 1, 127-129, 4095, 4097, 8192
+    spec = spec_of(
+        kind,
+        heads,
+        kv_heads,
+        head_dim,
+        window=1000 if kind == "sliding" else None,
+        v_dim=512 if kind == "mla" else None,
+    )
+    check(
+        spec, [0, 130, 4000, 77, 1], [300, 129, 97, 1, 128], block_size=128, dtype=dtype
+    )  # mixed prompts, cached prefixes
+    check(
+        spec, [0, 126, 127, 128, 4094, 4096, 8191], [1] * 7, block_size=128, dtype=dtype
+    )  # contexts 1, 127-129, 4095, 4097, 8192
 
 
 @gpu_only
@@ -199,7 +229,9 @@ def test_gpu_cache_plane_past_2_31_elements():
     out = paged_attention(q.cuda(), cache, used.int()[tables.long()].cuda(), qsl.cuda(), seq_lens.cuda(), max_query_len=1, max_seq_len=200,
                           scale=spec.scale, v_head_dim=64, kv_shared=True)  # fmt: skip
     shared = AttentionLayerSpec(AttentionKind.FULL, 0, 6, 3, 64, 64, scale=spec.scale, kv_shared=True)
-    meta = AttentionMetadata(qsl, seq_lens, (seq_lens - 1).long(), torch.zeros(0, dtype=torch.long), tables, 128, 1, 200)
+    meta = AttentionMetadata(
+        qsl, seq_lens, (seq_lens - 1).long(), torch.zeros(0, dtype=torch.long), tables, 128, 1, 200
+    )
     want = TorchAttentionBackend()._forward_decode(shared, q.double(), small.double(), meta)
     err = ((out.double().cpu() - want).norm() / want.norm()).item()
     assert err < 1e-2, f"relative error {err:.2e}"

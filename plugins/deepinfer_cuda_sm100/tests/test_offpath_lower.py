@@ -4,6 +4,7 @@ kernel padded them it failed to compile for the GPU while passing every interpre
 DeepSeek-V3's 128-head MLA, whose launches must fit an H200's shared memory (before head chunks
 a bf16 split-KV decode needed 256 KiB and failed on the H200 with OutOfResources; float32 451
 KiB). Triton's ahead-of-time compile needs no GPU (see test_v4_kernels_lower.py)."""
+
 from __future__ import annotations
 
 import pytest

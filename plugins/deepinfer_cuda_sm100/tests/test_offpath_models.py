@@ -13,6 +13,7 @@ near-tie in transformers' own logits (a margin under 1e-4), else the test fails.
 Skipped without CUDA: the plugin answers only for CUDA platforms (the kernels themselves run in
 Triton's interpreter in test_offpath_attention.py and test_offpath_moe.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -101,7 +102,11 @@ def test_llama_like_257_requests_graphs_and_chunked_prefill(tmp_path):
     prompts = mixed_prompts(257, 1001)
     kw = dict(device="cuda", dtype="float32", kv_cache_blocks=900, max_num_seqs=257, max_num_batched_tokens=1000)
     ours = LLM(str(tmp_path), **kw)
-    assert ours.engine.runner.graphs is not None and 256 in ours.engine.runner.graphs.graphs and 257 in ours.engine.runner.graphs.graphs
+    assert (
+        ours.engine.runner.graphs is not None
+        and 256 in ours.engine.runner.graphs.graphs
+        and 257 in ours.engine.runner.graphs.graphs
+    )
     got = generate(ours, prompts, greedy(257))
     del ours
     want = generate(LLM(str(tmp_path), **kw, **REFERENCE), prompts, greedy(257))
@@ -133,7 +138,9 @@ def test_llama_heads_8_wide(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "experts,top_k,groups,topk_groups", [(16, 3, 4, 2), (24, 3, 4, 2), (4, 4, 1, 1)], ids=["grouped", "grouped-24-torch-routing", "topk-all"]
+    "experts,top_k,groups,topk_groups",
+    [(16, 3, 4, 2), (24, 3, 4, 2), (4, 4, 1, 1)],
+    ids=["grouped", "grouped-24-torch-routing", "topk-all"],
 )  # 24 experts in 4 groups: not the fused routing kernel's power of two, the reference routing inside the graphs
 def test_deepseek_v3_tiny(tmp_path, experts, top_k, groups, topk_groups):
     hf = deepseek_v3(tmp_path, experts, top_k, groups, topk_groups)
@@ -181,7 +188,17 @@ def test_batch_invariant_alone_and_in_a_batch_of_65(tmp_path):
     llama_like(tmp_path, num_key_value_heads=5)
     prompts = mixed_prompts(65, 1001, seed=4, share=False)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_blocks=400, max_num_seqs=65, batch_invariant=True, enable_prefix_caching=False)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_blocks=400,
+        max_num_seqs=65,
+        batch_invariant=True,
+        enable_prefix_caching=False,
+    )
     batch = generate(llm, prompts, params)
     for i in (0, 3, 64):
-        assert generate(llm, [prompts[i]], params)[0] == batch[i], f"request {i} alone differs from its place in the batch"
+        assert generate(llm, [prompts[i]], params)[0] == batch[i], (
+            f"request {i} alone differs from its place in the batch"
+        )

@@ -5,6 +5,7 @@ powers of two or multiples of a tile, batches on both sides of each tile-size sw
 of the one-program alignment's row limit), and FP8 block-scaled experts whose hidden size is not a
 multiple of 128. Small cases run in Triton's interpreter (CI); GPU variants take real sizes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,13 +21,21 @@ from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-gpu_only = pytest.mark.skipif(not CUDA, reason="the GPU variant needs a CUDA device (the interpreter runs the small cases)")
+gpu_only = pytest.mark.skipif(
+    not CUDA, reason="the GPU variant needs a CUDA device (the interpreter runs the small cases)"
+)
 
 
 def experts_of(E, D, I, g, fp8=False):
     if not fp8:
-        return ExpertWeights((torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(DEVICE), (torch.randn(E, D, I, generator=g) / I**0.5).to(DEVICE))
-    gu, dn = (torch.randn(E, 2 * I, D, generator=g) * 2).to(torch.float8_e4m3fn), (torch.randn(E, D, I, generator=g) * 2).to(torch.float8_e4m3fn)
+        return ExpertWeights(
+            (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to(DEVICE),
+            (torch.randn(E, D, I, generator=g) / I**0.5).to(DEVICE),
+        )
+    gu, dn = (
+        (torch.randn(E, 2 * I, D, generator=g) * 2).to(torch.float8_e4m3fn),
+        (torch.randn(E, D, I, generator=g) * 2).to(torch.float8_e4m3fn),
+    )
     gus = torch.rand(E, -(-2 * I // 128), -(-D // 128), generator=g) * 0.02 / D**0.5 + 1e-3
     dns = torch.rand(E, -(-D // 128), -(-I // 128), generator=g) * 0.02 / I**0.5 + 1e-3
     return ExpertWeights(gu.to(DEVICE), dn.to(DEVICE), gus.to(DEVICE), dns.to(DEVICE))
@@ -49,11 +58,17 @@ def check(spec, T, *, seed=0, dtype=torch.float32, fp8=False, skew=False):
     same = (order.values == ref_order.values).all(-1)
     # scores computed by two float32 implementations: a row may flip where two candidates are
     # within an ulp (~1e-5 of the rows at 64 experts, more at 256); none at all below 250 tokens
-    assert int((~same).sum()) <= T // 250, f"the plugin chose other experts than the reference in {int((~same).sum())} of {T} rows"
-    torch.testing.assert_close(w.gather(1, order.indices)[same], ref_w.gather(1, ref_order.indices)[same], atol=1e-6, rtol=1e-5)
+    assert int((~same).sum()) <= T // 250, (
+        f"the plugin chose other experts than the reference in {int((~same).sum())} of {T} rows"
+    )
+    torch.testing.assert_close(
+        w.gather(1, order.indices)[same], ref_w.gather(1, ref_order.indices)[same], atol=1e-6, rtol=1e-5
+    )
     got = ours.forward(spec, hidden, ids, w, experts)
     assert got.dtype == dtype and got.shape == hidden.shape
-    plain = experts.dequantized(torch.float64) if fp8 else ExpertWeights(experts.gate_up.double(), experts.down.double())
+    plain = (
+        experts.dequantized(torch.float64) if fp8 else ExpertWeights(experts.gate_up.double(), experts.down.double())
+    )
     x = hidden.double()
     if fp8 and dtype != torch.float32:  # 16-bit activations go e4m3 per 128 channels: compare loosely
         want = ref.forward(spec, x, ids, w, plain)

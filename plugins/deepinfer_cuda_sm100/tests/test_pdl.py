@@ -2,6 +2,7 @@
 step's kernels launched with it (each starting before the previous one ends, the GEMVs loading
 their first weight slab before the wait) gives bit-identical results to plain launches, eagerly
 and replayed from a CUDA graph, where every kernel reads what the one before it just wrote."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ tensor descriptors (``MoEConfig.tma``); likewise the decode tiles (``DECODE_GATE
 ``DECODE_DOWN``) and the alignment kernel (a program per expert). The interpreter, which runs them in CI, accepts code
 the compiler rejects (and launches that overflow shared memory), so each must also compile and
 fit an H200's 227 KiB of shared memory per block."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The router-logits kernel (kernels/router.py) against the core reference
 ``TorchMoEDispatcher.router_logits`` (``F.linear`` of the widened rows and the float32 weight),
 on the GPU when present, else in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,16 @@ from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("T,E,D,dtype", [(1, 64, 2048, torch.bfloat16), (3, 7, 300, torch.float16), (16, 5, 1030, torch.bfloat16), (17, 9, 700, torch.float16), (64, 64, 2048, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "T,E,D,dtype",
+    [
+        (1, 64, 2048, torch.bfloat16),
+        (3, 7, 300, torch.float16),
+        (16, 5, 1030, torch.bfloat16),
+        (17, 9, 700, torch.float16),
+        (64, 64, 2048, torch.bfloat16),
+    ],
+)
 def test_router_logits_match_the_reference(T, E, D, dtype):
     """Odd expert counts and widths (tails of the expert block and of the 1,024-wide step), the
     1-16 and the 17-64 row launches;
@@ -74,7 +84,10 @@ def test_router_logits_keep_torch_for_float32_rows_mid_batches_and_invariant_mod
     w = torch.randn(8, 256, generator=g).to(DEVICE)
     ours, ref = TritonMoEDispatcher(), TorchMoEDispatcher()
     mid = (ROUTER_ROWS + 1, ROUTER_TILE_ROWS - 1)
-    xs = [torch.randn(2, 256, generator=g).to(DEVICE), torch.randn(ROUTER_TILE_ROWS, 256, generator=g).to(DEVICE, torch.float16)]
+    xs = [
+        torch.randn(2, 256, generator=g).to(DEVICE),
+        torch.randn(ROUTER_TILE_ROWS, 256, generator=g).to(DEVICE, torch.float16),
+    ]
     for x in xs + [torch.randn(t, 256, generator=g).to(DEVICE, torch.bfloat16) for t in mid]:
         assert torch.equal(ours.router_logits(x, w), ref.router_logits(x, w))
     token = INVARIANT.set(True)

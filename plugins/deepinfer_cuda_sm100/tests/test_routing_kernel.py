@@ -2,6 +2,7 @@
 the same experts for every token and the same weights (up to the normalising sum's order), for
 DeepSeek-V3's biased group-limited sigmoid routing and plain softmax / sigmoid top-k; on the GPU
 when present, else in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ from deepinfer_cuda_sm100.kernels.routing import fused_routing_supported, route 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = {
-    "v3-groups-bias": dict(num_experts=64, top_k=6, scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling=2.5, bias=True),
+    "v3-groups-bias": dict(
+        num_experts=64, top_k=6, scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling=2.5, bias=True
+    ),
     "sigmoid-nogroups": dict(num_experts=24, top_k=3, scoring="sigmoid", normalize_topk=False, bias=False),
     "softmax-groups-max": dict(num_experts=32, top_k=4, scoring="softmax", num_groups=4, topk_groups=2, bias=False),
     "softmax-bias-norm": dict(num_experts=10, top_k=2, scoring="softmax", bias=True),

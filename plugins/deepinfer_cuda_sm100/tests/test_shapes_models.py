@@ -10,6 +10,7 @@ the smallest sizes; on a GPU the plugin's own defaults run (graphs, overlap) on 
 Tokens must be identical; at a first difference transformers' float32 logits must call it a
 near-tie (< 1e-4), else it is a bug.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,9 @@ CONFIGS = {
 
 def checkpoint(path, name):
     # routing that matters: sharp gates, a correction bias
-    model = tiny_deepseek_v3(path, seed=7, router_gain=6.0, **CONFIGS[name], max_position_embeddings=1024, initializer_range=0.1)
+    model = tiny_deepseek_v3(
+        path, seed=7, router_gain=6.0, **CONFIGS[name], max_position_embeddings=1024, initializer_range=0.1
+    )
     return model, model.config
 
 
@@ -59,10 +62,24 @@ def plugin_on_cpu(monkeypatch):
     from deepinfer_cuda_sm100.moe import TritonMoEDispatcher
 
     attention, moe = PluginHost.attention_backend, PluginHost.moe_dispatcher
-    monkeypatch.setattr(PluginHost, "attention_backend", lambda self, layer, platform, name=None: TritonAttention() if name is None else attention(self, layer, platform, name))
-    monkeypatch.setattr(PluginHost, "moe_dispatcher", lambda self, m, platform, parallel=None, name=None: TritonMoEDispatcher() if name is None else moe(self, m, platform, parallel, name))
+    monkeypatch.setattr(
+        PluginHost,
+        "attention_backend",
+        lambda self, layer, platform, name=None: (
+            TritonAttention() if name is None else attention(self, layer, platform, name)
+        ),
+    )
+    monkeypatch.setattr(
+        PluginHost,
+        "moe_dispatcher",
+        lambda self, m, platform, parallel=None, name=None: (
+            TritonMoEDispatcher() if name is None else moe(self, m, platform, parallel, name)
+        ),
+    )
     monkeypatch.setattr(PluginHost, "fused_ops", lambda self, platform: replace(FUSED_OPS, logits=lm_logits))
-    monkeypatch.setattr(fused_elementwise, "ROPE_CAT_TILE_TOKENS", 0)  # rope_cat's per-token form: the interpreter's cost is per program
+    monkeypatch.setattr(
+        fused_elementwise, "ROPE_CAT_TILE_TOKENS", 0
+    )  # rope_cat's per-token form: the interpreter's cost is per program
 
 
 def run(path, prompts, params, **kw):
@@ -83,14 +100,18 @@ def test_unusual_deepseek_v3_on_the_plugin_kernels_in_the_interpreter(tmp_path, 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     kw = dict(device="cpu", kv_cache_blocks=8, max_num_seqs=4, block_size=16)
     got, ours = run(tmp_path, prompts, params, **kw)
-    kinds = {type(m) for m in ours.engine.model.modules()} | {type(getattr(m, "backend", None)) for m in ours.engine.model.modules()}
+    kinds = {type(m) for m in ours.engine.model.modules()} | {
+        type(getattr(m, "backend", None)) for m in ours.engine.model.modules()
+    }
     kinds |= {type(getattr(m, "dispatcher", None)) for m in ours.engine.model.modules()}
     assert TritonAttention in kinds and TritonMoEDispatcher in kinds, "the plugin's kernels were not in place"
     want, _ = run(tmp_path, prompts, params, **kw, **REFERENCE)
     assert_same_or_near_tie(got, want, prompts, hf)
 
 
-@pytest.mark.skipif(not CUDA, reason="the plugin's own defaults need a CUDA device (the interpreter variant runs above)")
+@pytest.mark.skipif(
+    not CUDA, reason="the plugin's own defaults need a CUDA device (the interpreter variant runs above)"
+)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_unusual_deepseek_v3_through_the_plugin_on_the_gpu(tmp_path, name):
     hf, cfg = checkpoint(tmp_path, name)

@@ -9,6 +9,7 @@ and the norms and SiLU-and-mul at widths that are not a power of two.
 Every expected value comes from the core's torch reference or a float64 product restated here;
 the GPU runs them as they are (prefgpu's series), CI in Triton's interpreter at tiny sizes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,12 @@ from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
 from deepinfer_cuda_sm100.moe import TritonMoEDispatcher  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FEW = settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FEW = settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def rel(got, want) -> float:
@@ -67,7 +73,12 @@ def test_routing_matches_the_reference_for_any_valid_setting(case, seed):
 
 
 @FEW
-@given(T=st.integers(1, 18), E=st.integers(1, 19), D=st.integers(1, 1100), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    T=st.integers(1, 18),
+    E=st.integers(1, 19),
+    D=st.integers(1, 1100),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_router_logits_on_both_sides_of_the_row_limit(T, E, D, dtype):
     g = torch.Generator().manual_seed(T * 1000 + E * 7 + D)
     x = torch.randn(T, D, generator=g).to(DEVICE, dtype)
@@ -90,7 +101,10 @@ def experts_of(E, D, I, g, fp8):
     if not fp8:
         gu, dn = torch.randn(E, 2 * I, D, generator=g) / D**0.5, torch.randn(E, D, I, generator=g) / I**0.5
         return ExpertWeights(gu.to(DEVICE, torch.bfloat16), dn.to(DEVICE, torch.bfloat16))
-    gu, dn = (torch.randn(E, 2 * I, D, generator=g) * 2).to(torch.float8_e4m3fn), (torch.randn(E, D, I, generator=g) * 2).to(torch.float8_e4m3fn)
+    gu, dn = (
+        (torch.randn(E, 2 * I, D, generator=g) * 2).to(torch.float8_e4m3fn),
+        (torch.randn(E, D, I, generator=g) * 2).to(torch.float8_e4m3fn),
+    )
     gus = torch.rand(E, -(-2 * I // 128), -(-D // 128), generator=g) * 0.02 / D**0.5 + 1e-3
     dns = torch.rand(E, -(-D // 128), -(-I // 128), generator=g) * 0.02 / I**0.5 + 1e-3
     return ExpertWeights(gu.to(DEVICE), dn.to(DEVICE), gus.to(DEVICE), dns.to(DEVICE))
@@ -131,7 +145,11 @@ def test_bf16_moe_rows_on_both_sides_of_the_gemv_threshold(case, seed):
     spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=D, intermediate_size=I, scoring="softmax")
     experts, shared = experts_of(E, D, I, g, fp8), experts_of(1, D, I, g, fp8)
     hidden = torch.randn(T, D, generator=g).to(DEVICE, torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    ids = (
+        torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        if T
+        else torch.zeros(0, k, dtype=torch.long)
+    )
     ids = ids.to(DEVICE)
     w = torch.rand(T, k, generator=g).to(DEVICE)
     wide = lambda e: e.dequantized(torch.float64) if fp8 else ExpertWeights(e.gate_up.double(), e.down.double())  # noqa: E731
@@ -141,7 +159,11 @@ def test_bf16_moe_rows_on_both_sides_of_the_gemv_threshold(case, seed):
         for c in range(k):
             want[t] += w[t, c].double() * swiglu64(x[t : t + 1], wide(experts), int(ids[t, c]), fp8)[0]
     ours = TritonMoEDispatcher()
-    got = ours.forward(spec, hidden, ids, w, experts) if not with_shared else ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
+    got = (
+        ours.forward(spec, hidden, ids, w, experts)
+        if not with_shared
+        else ours.forward_with_shared(spec, hidden, ids, w, experts, shared)
+    )
     if with_shared and got is None:  # declined (no rows, or more than the GEMVs take): the layer runs it apart
         assert T == 0 or T * (k + 1) > 8
         return
@@ -190,7 +212,12 @@ def test_fp8_linear_for_any_rows_and_widths(M, N, K, dtype, counters, lead):
 
 
 @FEW
-@given(N=st.integers(0, 4), V=st.integers(1, 3100), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@given(
+    N=st.integers(0, 4),
+    V=st.integers(1, 3100),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
 def test_argmax_over_any_vocabulary(N, V, dtype, seed):
     from deepinfer_cuda_sm100.kernels.argmax import argmax_rows
 
@@ -200,7 +227,12 @@ def test_argmax_over_any_vocabulary(N, V, dtype, seed):
 
 
 @FEW
-@given(rows=st.integers(0, 5), D=st.integers(1, 1500), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(0, 5),
+    D=st.integers(1, 1500),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
 def test_norms_and_silu_and_mul_at_any_width(rows, D, dtype, seed):
     from deepinfer_cuda_sm100.kernels.fused_elementwise import add_rms_norm, rms_norm, silu_and_mul
 
@@ -222,7 +254,13 @@ def test_norms_and_silu_and_mul_at_any_width(rows, D, dtype, seed):
 
 
 @FEW
-@given(T=st.integers(0, 4), H=st.integers(0, 3), D=st.integers(8, 600), data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    T=st.integers(0, 4),
+    H=st.integers(0, 3),
+    D=st.integers(8, 600),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
     """Any rope width the V4 config accepts (even, <= head_dim: e.g. 24 or 48, whose halves are
     not powers of two), any head width, any head count (2D rows for H = 0), empty batches."""
@@ -232,7 +270,9 @@ def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
     rope = 2 * data.draw(st.integers(1, D // 2))
     g = torch.Generator().manual_seed(T * 10007 + D * 31 + rope)
     x = torch.randn(T, *((H,) if H else ()), D, generator=g).to(DEVICE, dtype)
-    cos, sin = V4Rope(rope, {"rope_theta": 10000.0, "rope_type": "default"}, 4096, DEVICE).cos_sin(torch.randint(0, 4096, (T,), generator=g).to(DEVICE), dtype)
+    cos, sin = V4Rope(rope, {"rope_theta": 10000.0, "rope_type": "default"}, 4096, DEVICE).cos_sin(
+        torch.randint(0, 4096, (T,), generator=g).to(DEVICE), dtype
+    )
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(v4_rope(x, cos, sin), V4Rope.apply(x, cos, sin), rtol=tol, atol=tol)
     norm = V4RMSNorm(D, 1e-6).to(DEVICE)
@@ -243,19 +283,32 @@ def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
 
 
 @FEW
-@given(hc=st.integers(1, 6), D=st.integers(1, 1300), T=st.integers(0, 3), iters=st.integers(1, 20), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    hc=st.integers(1, 6),
+    D=st.integers(1, 1300),
+    T=st.integers(0, 3),
+    iters=st.integers(1, 20),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_hyper_connections_at_any_stream_count_and_width(hc, D, T, iters, dtype):
     """hc_mix (the Sinkhorn weights and collapse) and hc_merge for any number of streams (V4
     uses 4), widths past one 512 / 1,024-wide step, empty batches."""
-    from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference, hc_mix_reference
+    from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference
+    from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference
     from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix
 
     g = torch.Generator().manual_seed(hc * 1000 + D + T)
     n = (2 + hc) * hc
-    mixed, base, scale = (torch.randn(T, n, generator=g) * 2).to(DEVICE), torch.randn(n, generator=g).to(DEVICE), (torch.rand(3, generator=g) + 0.5).to(DEVICE)
+    mixed, base, scale = (
+        (torch.randn(T, n, generator=g) * 2).to(DEVICE),
+        torch.randn(n, generator=g).to(DEVICE),
+        (torch.rand(3, generator=g) + 0.5).to(DEVICE),
+    )
     streams = torch.randn(T, hc, D, generator=g).to(DEVICE, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for a, b in zip(hc_mix(mixed, base, scale, streams, iters, 1e-6), hc_mix_reference(mixed, base, scale, streams, iters, 1e-6)):
+    for a, b in zip(
+        hc_mix(mixed, base, scale, streams, iters, 1e-6), hc_mix_reference(mixed, base, scale, streams, iters, 1e-6)
+    ):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     out = torch.randn(T, D, generator=g).to(DEVICE, dtype)
@@ -280,7 +333,9 @@ def test_paged_attention_with_wide_groups_and_heads(kv_heads, groups, head_dim, 
     from deepinfer_core.testing.paged_batch import scattered_batch
     from deepinfer_cuda_sm100.attention import TritonAttention
 
-    spec = AttentionLayerSpec(AttentionKind.FULL, 0, kv_heads * groups, kv_heads, head_dim, head_dim, scale=head_dim**-0.5)
+    spec = AttentionLayerSpec(
+        AttentionKind.FULL, 0, kv_heads * groups, kv_heads, head_dim, head_dim, scale=head_dim**-0.5
+    )
     g = torch.Generator().manual_seed(seed)
     cached = [int(c) for c in torch.randint(0, 40, (2,), generator=g)]
     new = [1, 1] if decode else [int(n) for n in torch.randint(1, 9, (2,), generator=g)]
@@ -291,7 +346,9 @@ def test_paged_attention_with_wide_groups_and_heads(kv_heads, groups, head_dim, 
     ours_cache = cache.clone().to(DEVICE)
     got = TritonAttention().forward(spec, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), ours_cache, batch.metadata(DEVICE))
     ref_cache = cache.double().to(DEVICE)
-    want = ref.forward(spec, q.double().to(DEVICE), k.double().to(DEVICE), v.double().to(DEVICE), ref_cache, batch.metadata(DEVICE))
+    want = ref.forward(
+        spec, q.double().to(DEVICE), k.double().to(DEVICE), v.double().to(DEVICE), ref_cache, batch.metadata(DEVICE)
+    )
     assert torch.equal(ours_cache.double(), ref_cache)
     torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=1e-4)
 
@@ -314,15 +371,21 @@ def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, pr
     new = [int(n) for n in torch.randint(1, 40, (2,), generator=g)]
     lens = [n + (int(torch.randint(1, 30, (1,), generator=g)) if prefix else 0) for n in new]
     batch = scattered_batch(lens, new, block_size=16, generator=g, spare_blocks=2)
-    cache = torch.randn(TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, 16), generator=g).to(DEVICE)
+    cache = torch.randn(
+        TorchAttentionBackend().kv_cache_shape(spec, int(batch.block_tables.max()) + 1, 16), generator=g
+    ).to(DEVICE)
     meta = batch.metadata(DEVICE, num_context_tokens=sum(lens), num_attention_pairs=batch.num_attention_pairs)
-    key = cache.view(-1, cache.shape[-1])[batch.slot_mapping.to(DEVICE)][:, None, : latent + rope]  # the new entries, already in place
+    key = cache.view(-1, cache.shape[-1])[batch.slot_mapping.to(DEVICE)][
+        :, None, : latent + rope
+    ]  # the new entries, already in place
     q = torch.randn(batch.num_tokens, heads, nope + rope, generator=g).to(DEVICE)
     w_kv = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent**0.5).to(DEVICE)
     got = TritonAttention(mla_expand_min_tokens=1).forward_mla_expanded(spec, q, key, w_kv, cache, meta)
     qd, wd = q.double(), w_kv.double()
     query = torch.cat([torch.einsum("thn,hnc->thc", qd[..., :nope], wd[:, :nope]), qd[..., nope:]], dim=-1)
-    want = torch.einsum("thc,hvc->thv", TorchAttentionBackend()._forward_padded(spec, query, cache.double(), meta), wd[:, nope:])
+    want = torch.einsum(
+        "thc,hvc->thv", TorchAttentionBackend()._forward_padded(spec, query, cache.double(), meta), wd[:, nope:]
+    )
     assert got.shape == (batch.num_tokens, heads, v_dim)
     torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=1e-4)
 
@@ -344,7 +407,11 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
     from deepinfer_core.testing.paged_batch import scattered_batch
     from deepinfer_cuda_sm100.attention import TritonV4Attention
 
-    k_ = {"sliding": AttentionKind.SLIDING, "csa": AttentionKind.COMPRESSED_SPARSE, "hca": AttentionKind.HEAVILY_COMPRESSED}[kind]
+    k_ = {
+        "sliding": AttentionKind.SLIDING,
+        "csa": AttentionKind.COMPRESSED_SPARSE,
+        "hca": AttentionKind.HEAVILY_COMPRESSED,
+    }[kind]
     ratio = {"sliding": 0, "csa": 4, "hca": ratio}[kind]
     D, bs = 32, 32
     spec = AttentionLayerSpec(k_, 0, num_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, scale=D**-0.5, rope_dim=8, kv_shared=True,
@@ -354,13 +421,20 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
     lens = [n + int(c) for n, c in zip(new, torch.randint(0, 80, (3,), generator=g))]
     batch = scattered_batch(lens, new, block_size=bs, generator=g, spare_blocks=2)
     width = D + (16 if kind == "csa" else 0)
-    cache = V4LayerCache(torch.randn(int(batch.block_tables.max()) + 1, bs // ratio if ratio else 0, width, generator=g).to(DEVICE),
-                         torch.randn(5, max(1, window - 1), D, generator=g).to(DEVICE), torch.zeros(5, 0, 0, device=DEVICE))  # fmt: skip (rows as V4LayerCache sizes them)
+    cache = V4LayerCache(
+        torch.randn(int(batch.block_tables.max()) + 1, bs // ratio if ratio else 0, width, generator=g).to(DEVICE),
+        torch.randn(5, max(1, window - 1), D, generator=g).to(DEVICE),
+        torch.zeros(5, 0, 0, device=DEVICE),
+    )  # fmt: skip (rows as V4LayerCache sizes them)
     selected = None
     if kind == "csa":
         rows = [torch.randperm((p + 1) // ratio, generator=g)[:topk].tolist() for p in batch.positions.tolist()]
         selected = torch.tensor([r + [-1] * (topk - len(r)) for r in rows], dtype=torch.long, device=DEVICE)
-    meta = batch.metadata(DEVICE, slot_mapping=torch.zeros_like(batch.positions), state_slots=torch.randperm(5, generator=g)[:3].to(DEVICE))
+    meta = batch.metadata(
+        DEVICE,
+        slot_mapping=torch.zeros_like(batch.positions),
+        state_slots=torch.randperm(5, generator=g)[:3].to(DEVICE),
+    )
     q = torch.randn(batch.num_tokens, heads, D, generator=g).to(DEVICE)
     kv = torch.randn(batch.num_tokens, D, generator=g).to(DEVICE)
     sinks = torch.randn(heads, generator=g).to(DEVICE)
@@ -372,7 +446,13 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
 
 
 @FEW
-@given(overlap=st.booleans(), ratio=st.sampled_from([2, 4, 8, 16, 32]), dim=st.sampled_from([16, 32, 64]), data=st.data(), seed=st.integers(0, 2**16))
+@given(
+    overlap=st.booleans(),
+    ratio=st.sampled_from([2, 4, 8, 16, 32]),
+    dim=st.sampled_from([16, 32, 64]),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
 def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, data, seed):
     """One compressor's decode step in one launch (TritonV4Attention.compress_decode) for
     compression ratios 2-32 (a block of 32 holding 16 entries down to 1), overlapping or not,
@@ -404,19 +484,26 @@ def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, d
     decode_update_entries([(comp, 4)], raw, want, batch, rope)
     got = V4LayerCache(cache.entries.clone(), cache.window, cache.tail.clone())
     calls = []
-    decode_update_entries([(comp, 4)], raw, got, batch, rope, lambda *a: calls.append(1) or TritonV4Attention().compress_decode(*a))
+    decode_update_entries(
+        [(comp, 4)], raw, got, batch, rope, lambda *a: calls.append(1) or TritonV4Attention().compress_decode(*a)
+    )
     assert calls == [1]
     torch.testing.assert_close(got.tail, want.tail, rtol=0, atol=0)
     torch.testing.assert_close(got.entries, want.entries, rtol=1e-5, atol=1e-5)
 
 
 @FEW
-@given(heads=st.integers(1, 20), di=st.sampled_from([16, 32]), topk=st.integers(1, 9), decode=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    heads=st.integers(1, 20),
+    di=st.sampled_from([16, 32]),
+    topk=st.integers(1, 9),
+    decode=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
     """The CSA indexer's masked scores (TritonV4Attention.index_scores) for indexer head counts
     that are not powers of two, widths 16 / 32, any top-k, decode and prefill over a prefix,
     against a float64 loop over each token's visible entries."""
-    import functools
 
     from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch
     from deepinfer_core.models.deepseek_v4_config import parse_config
@@ -451,19 +538,37 @@ def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
 
     x = torch.randn(paged.num_tokens, cfg.hidden_size, generator=g).to(DEVICE)
     q_res = torch.randn(paged.num_tokens, cfg.q_lora_rank, generator=g).to(DEVICE)
-    indexer.select(x, q_res, positions, cache, batch, V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, DEVICE), D, scorer)
+    indexer.select(
+        x,
+        q_res,
+        positions,
+        cache,
+        batch,
+        V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, DEVICE),
+        D,
+        scorer,
+    )
     q, weights, ents, key_col, pos, _b, r, n_max, scale = seen["args"]
     want = torch.full((q.shape[0], n_max), float("-inf"), dtype=torch.float64)
     for req, (a, b) in enumerate(batch.token_ranges):
         for t in range(a, b):
             for w in range((int(pos[t]) + 1) // r):
-                key = ents[int(batch.block_tables[req, w // (block // r)]), w % (block // r), key_col : key_col + di].double()
+                key = ents[
+                    int(batch.block_tables[req, w // (block // r)]), w % (block // r), key_col : key_col + di
+                ].double()
                 want[t, w] = float((weights[t].double() * (q[t].double() @ key).clamp_min(0)).sum()) * scale
     torch.testing.assert_close(seen["out"].double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @FEW
-@given(B=st.integers(1, 2), M=st.integers(1, 70), N=st.integers(1, 70), K=st.integers(1, 100), D=st.integers(1, 600), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 2),
+    M=st.integers(1, 70),
+    N=st.integers(1, 70),
+    K=st.integers(1, 100),
+    D=st.integers(1, 600),
+    seed=st.integers(0, 2**16),
+)
 def test_batch_invariant_matmul_and_row_sums_at_any_shape(B, M, N, K, D, seed):
     """The batch-invariant bmm (tails of its 64 x 64 x 32 tiles, a bias) and last-dimension
     sum / mean (tails of the 256-wide step) in float32 against float64, and (on a GPU) a row
@@ -479,6 +584,8 @@ def test_batch_invariant_matmul_and_row_sums_at_any_shape(B, M, N, K, D, seed):
     if DEVICE == "cuda":
         assert torch.equal(bmm(a[:, -1:], b, bias, beta=0.5, alpha=2.0), got[:, -1:])
     x = torch.randn(M, D, generator=g).to(DEVICE)
-    torch.testing.assert_close(row_reduce(x, True, True).double(), x.double().mean(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        row_reduce(x, True, True).double(), x.double().mean(-1, keepdim=True), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(row_reduce(x, False, False).double(), x.double().sum(-1), atol=1e-4, rtol=1e-5)
     assert torch.equal(row_reduce(x[-1:], False, False), row_reduce(x, False, False)[-1:])

@@ -2,6 +2,7 @@
 (prefill, chunked prefill with a cached prefix, decode, batch invariance), on a real GPU when
 there is one and in Triton's interpreter on the CPU otherwise; plus split-KV and bf16 checks
 against the core's torch reference backend."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,9 @@ def _batch(spec, lens, new, dtype, block_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     batch = scattered_batch(lens, new, block_size=block_size, generator=g, spare_blocks=2)
     backend = TorchAttentionBackend()
-    cache = torch.randn(backend.kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g).to(dtype)
+    cache = torch.randn(backend.kv_cache_shape(spec, int(batch.block_tables.max()) + 1, block_size), generator=g).to(
+        dtype
+    )
     meta = batch.metadata(DEVICE, slot_mapping=torch.zeros(0, dtype=torch.long))  # no K/V write here
     q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, generator=g).to(DEVICE, dtype)
     return q, cache.to(DEVICE), meta
@@ -46,10 +49,24 @@ def _batch(spec, lens, new, dtype, block_size=16, seed=0):
 def _reference(spec, q, cache, meta):
     ref = TorchAttentionBackend()
     q64 = q.double()
-    return ref._forward_padded(spec, q64, cache.double(), meta) if meta.max_query_len > 1 else ref._forward_decode(spec, q64, cache.double(), meta)
+    return (
+        ref._forward_padded(spec, q64, cache.double(), meta)
+        if meta.max_query_len > 1
+        else ref._forward_decode(spec, q64, cache.double(), meta)
+    )
 
 
-MLA = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=16, num_kv_heads=1, head_dim=80, v_head_dim=64, scale=0.1, rope_dim=16, kv_shared=True)
+MLA = AttentionLayerSpec(
+    AttentionKind.MLA,
+    0,
+    num_heads=16,
+    num_kv_heads=1,
+    head_dim=80,
+    v_head_dim=64,
+    scale=0.1,
+    rope_dim=16,
+    kv_shared=True,
+)
 GQA = AttentionLayerSpec(AttentionKind.FULL, 0, num_heads=9, num_kv_heads=3, head_dim=64, v_head_dim=64, scale=0.125)
 
 

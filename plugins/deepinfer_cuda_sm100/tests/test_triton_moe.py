@@ -1,5 +1,6 @@
 """The fused Triton MoE against the core's reference dispatcher (the MoE conformance suite's
 dense reference too), on the GPU when present, else in Triton's interpreter on the CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,12 +55,17 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
 
     spec, hidden, experts, logits = _case(70, E=4, k=2, D=64, I=48, dtype=torch.bfloat16, seed=2)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
-    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    want = TorchMoEDispatcher().forward(
+        spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double())
+    )
     for cfg, down_cfg in (
         (MoEConfig(16, 64, 64, 4, 3), None),
         (MoEConfig(64, 32, 32, 4, 2), None),
         (MoEConfig(128, 128, 64, 8, 3), None),
-        (MoEConfig(16, 16, 32, 4, 2, group_m=2), MoEConfig(16, 32, 16, 4, 2, group_m=3)),  # grouped order, own down tiles
+        (
+            MoEConfig(16, 16, 32, 4, 2, group_m=2),
+            MoEConfig(16, 32, 16, 4, 2, group_m=3),
+        ),  # grouped order, own down tiles
         (MoEConfig(32, 16, 16, 4, 2, group_m=1), MoEConfig(32, 64, 32, 4, 2)),
     ):
         got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=down_cfg)
@@ -67,7 +73,15 @@ def test_bf16_and_prefill_tiles_are_close_to_reference():
         assert err < 1e-2, f"{cfg} {down_cfg}: relative error {err:.2e}"
         assert counts.sum().item() == 70 * 2
     with pytest.raises(ValueError, match="down_config.block_m"):
-        fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=MoEConfig(16, 64, 64, 4, 3), down_config=MoEConfig(64, 64, 64, 4, 3))
+        fused_moe(
+            hidden,
+            experts.gate_up,
+            experts.down,
+            ids,
+            w,
+            config=MoEConfig(16, 64, 64, 4, 3),
+            down_config=MoEConfig(64, 64, 64, 4, 3),
+        )
 
 
 def test_default_prefill_tiles_are_close_to_reference():
@@ -79,8 +93,14 @@ def test_default_prefill_tiles_are_close_to_reference():
     spec, hidden, experts, logits = _case(600, E=2, k=1, D=128, I=128, dtype=torch.bfloat16, seed=8)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
     gu, dn = choose_config(600, 2), choose_down_config(600, 2)
-    assert (gu.block_m, gu.block_n, gu.group_m, gu.tma) == (128, 128, 8, True) and (dn.block_n, dn.group_m, dn.tma) == (128, 8, True)
-    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    assert (gu.block_m, gu.block_n, gu.group_m, gu.tma) == (128, 128, 8, True) and (dn.block_n, dn.group_m, dn.tma) == (
+        128,
+        8,
+        True,
+    )
+    want = TorchMoEDispatcher().forward(
+        spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double())
+    )
     got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w)
     err = (got.double() - want).norm() / want.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
@@ -102,14 +122,18 @@ def test_decode_batches_take_the_decode_tiles():
     assert fm.decode_configs(33, 4, hidden, experts.gate_up, None) is None  # past 8 rows an expert
     assert fm.decode_configs(24, 4, hidden.float(), experts.gate_up.float(), None) is None
     assert fm.decode_configs(24, 4, hidden, experts.gate_up.to(torch.float8_e4m3fn), torch.ones(1)) is None
-    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    want = TorchMoEDispatcher().forward(
+        spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double())
+    )
     got, counts = fm.fused_moe(hidden, experts.gate_up, experts.down, ids, w)
     err = (got.double() - want).norm() / want.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
     assert counts.sum().item() == 24
     if DEVICE == "cuda":  # the interpreter's float32 dots round per K step: equal on the GPU only
         old = fm.MoEConfig(16, 64, 64, 4, 3)
-        assert torch.equal(got, fm.fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=old, down_config=old)[0])
+        assert torch.equal(
+            got, fm.fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=old, down_config=old)[0]
+        )
 
 
 def test_copy_engine_tiles_give_the_pointer_loads_numbers():
@@ -124,14 +148,24 @@ def test_copy_engine_tiles_give_the_pointer_loads_numbers():
 
     spec, hidden, experts, logits = _case(36, E=4, k=2, D=80, I=48, dtype=torch.bfloat16, seed=11)
     ids, w = TorchMoEDispatcher().select_experts(spec, logits)
-    want = TorchMoEDispatcher().forward(spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double()))
+    want = TorchMoEDispatcher().forward(
+        spec, hidden.double(), ids, w, ExpertWeights(experts.gate_up.double(), experts.down.double())
+    )
     for cfg, down_cfg in (
         (MoEConfig(16, 16, 64, 4, 2), MoEConfig(16, 16, 32, 4, 2)),
         (MoEConfig(64, 16, 32, 4, 2, group_m=2), MoEConfig(64, 16, 64, 4, 2, group_m=2)),
         (MoEConfig(16, 32, 64, 4, 2), MoEConfig(16, 32, 32, 4, 2)),  # 48 % 32, 80 % 32: pointer loads
     ):
         base, _ = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=down_cfg)
-        got, counts = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=replace(cfg, tma=True), down_config=replace(down_cfg, tma=True))
+        got, counts = fused_moe(
+            hidden,
+            experts.gate_up,
+            experts.down,
+            ids,
+            w,
+            config=replace(cfg, tma=True),
+            down_config=replace(down_cfg, tma=True),
+        )
         assert torch.equal(got, base), cfg
         err = (got.double() - want).norm() / want.norm()
         assert err < 1e-2, f"{cfg}: relative error {err:.2e}"
@@ -149,7 +183,15 @@ def test_grouped_order_and_own_down_tiles_give_the_same_numbers():
     for group_m in (1, 2, 3):
         cfg = MoEConfig(16, 16, 16, 4, 2, group_m)
         assert torch.equal(fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg)[0], base), group_m
-        got, _ = fused_moe(hidden, experts.gate_up, experts.down, ids, w, config=cfg, down_config=MoEConfig(16, 16 << group_m, 16, 4, 2, group_m))
+        got, _ = fused_moe(
+            hidden,
+            experts.gate_up,
+            experts.down,
+            ids,
+            w,
+            config=cfg,
+            down_config=MoEConfig(16, 16 << group_m, 16, 4, 2, group_m),
+        )
         torch.testing.assert_close(got, base, atol=1e-6, rtol=1e-6)
 
 
@@ -212,7 +254,15 @@ def test_batch_invariant_routing_is_in_expert_order_and_equals_reference():
 
 @pytest.mark.parametrize(
     "T,k,E,block_m,kernel",
-    [(700, 6, 64, 128, False), (50, 3, 300, 16, False), (9, 2, 5, 32, False), (9, 2, 5, 32, True), (200, 2, 5, 16, True), (64, 6, 64, 16, True), (1000, 2, 3, 128, True)],
+    [
+        (700, 6, 64, 128, False),
+        (50, 3, 300, 16, False),
+        (9, 2, 5, 32, False),
+        (9, 2, 5, 32, True),
+        (200, 2, 5, 16, True),
+        (64, 6, 64, 16, True),
+        (1000, 2, 3, 128, True),
+    ],
 )
 def test_align_follows_its_definition(T, k, E, block_m, kernel):
     """The tensor-op alignment (large batches: two-byte sort keys, counts from the sorted keys'
@@ -242,7 +292,9 @@ def test_align_follows_its_definition(T, k, E, block_m, kernel):
     assert got.counts.cpu().tolist() == [flat.count(e) for e in range(E)]
 
 
-@pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 64, 16), (64, 6, 64, 16), (300, 6, 64, 64), (3, 2, 5, 128), (10, 8, 256, 16)])
+@pytest.mark.parametrize(
+    "T,k,E,block_m", [(1, 6, 64, 16), (64, 6, 64, 16), (300, 6, 64, 64), (3, 2, 5, 128), (10, 8, 256, 16)]
+)
 def test_align_kernel_equals_the_torch_sort(T, k, E, block_m):
     """The decode-sized alignment kernel (a program per expert) against the tensor-op version (stable sort by expert,
     padding, tile owners, totals, counts): identical outputs."""

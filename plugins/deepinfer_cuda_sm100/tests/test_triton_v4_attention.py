@@ -2,6 +2,7 @@
 suite's float64 loop, and against the core's torch reference backend (``v4_ref``) on the same
 cache for decode with split-KV, bf16 prefill over a ring, and the ring it leaves behind. On a
 real GPU when there is one, in Triton's interpreter on the CPU otherwise."""
+
 from __future__ import annotations
 
 import pytest
@@ -70,7 +71,9 @@ def _case(spec, lens, new, dtype, seed=0, block_size=32):
             rows.append(pick + [-1] * (spec.index_topk - len(pick)))
         selected = torch.tensor(rows, dtype=torch.long, device=DEVICE)
     # V4 keys go to the rings and entries, never to slot_mapping
-    meta = batch.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.randperm(R + 2, generator=g)[:R].to(DEVICE))
+    meta = batch.metadata(
+        DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.randperm(R + 2, generator=g)[:R].to(DEVICE)
+    )
     q = torch.randn(batch.num_tokens, spec.num_heads, D, generator=g).to(DEVICE, dtype)
     kv = torch.randn(batch.num_tokens, D, generator=g).to(DEVICE, dtype)
     sinks = torch.randn(spec.num_heads, generator=g).to(DEVICE)

@@ -2,6 +2,7 @@
 written here, and the core's ``Indexer.select`` choosing the same entries with the kernel's
 scores as with its own torch path (prefill over a cached prefix and decode, several requests
 over a shuffled block table). Interpreter on the CPU, compiled on a GPU."""
+
 from __future__ import annotations
 
 import functools
@@ -39,7 +40,9 @@ def _setup(ends, news, seed=0, dtype=torch.float32):
     starts = tuple(e - n for e, n in zip(ends, news))
     batch = V4Batch(ranges, starts, tuple(range(len(ends))), tables.to(DEVICE), BLOCK, prompt_lens=tuple(ends))
     positions = paged.positions.to(DEVICE)
-    meta = paged.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(len(ends), device=DEVICE))
+    meta = paged.metadata(
+        DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(len(ends), device=DEVICE)
+    )
     scorer = functools.partial(TritonV4Attention().index_scores, meta=meta)
     x = torch.randn(paged.num_tokens, cfg.hidden_size, generator=g).to(DEVICE, dtype)
     q_residual = torch.randn(paged.num_tokens, cfg.q_lora_rank, generator=g).to(DEVICE, dtype)
@@ -65,14 +68,18 @@ def test_scores_match_a_float64_loop():
             for w in range((int(pos[t]) + 1) // ratio):
                 block = int(batch.block_tables[r, w // (BLOCK // RATIO)])
                 key = entries[block, w % (BLOCK // RATIO), key_col : key_col + q.shape[-1]].double()
-                want[t, w] = sum(float(weights[t, h]) * max(0.0, float(q[t, h].double() @ key)) * scale for h in range(q.shape[1]))
+                want[t, w] = sum(
+                    float(weights[t, h]) * max(0.0, float(q[t, h].double() @ key)) * scale for h in range(q.shape[1])
+                )
     torch.testing.assert_close(seen["out"].double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_select_chooses_the_same_entries_with_the_kernel_scores(dtype):
     for ends, news in (([37, 9, 64], [37, 1, 20]), ([41, 80, 13], [1, 1, 1])):
-        indexer, cache, batch, positions, x, q_residual, rope, scorer = _setup(ends, news, seed=len(news) + sum(news), dtype=dtype)
+        indexer, cache, batch, positions, x, q_residual, rope, scorer = _setup(
+            ends, news, seed=len(news) + sum(news), dtype=dtype
+        )
         want = indexer.select(x, q_residual, positions, cache, batch, rope, D)
         got = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer)
         assert (want >= 0).any()

@@ -8,6 +8,7 @@ for CUDA), and the tokens are transformers' (whose equality with the builtin pat
 tests/test_deepseek_v4.py checks). On a GPU the plugin's own hooks run and the tokens are the
 builtin reference path's on the same GPU (CPU and GPU float32 sums differ in the last bits).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,18 @@ def checkpoint(tmp_path_factory):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in LENS]
     if CUDA:
-        ref = LLM(str(path), device="cuda", dtype="float32", kv_cache_blocks=16, attention_backend="builtin", moe_backend="builtin")
-        want = [o.outputs[0].token_ids for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+        ref = LLM(
+            str(path),
+            device="cuda",
+            dtype="float32",
+            kv_cache_blocks=16,
+            attention_backend="builtin",
+            moe_backend="builtin",
+        )
+        want = [
+            o.outputs[0].token_ids
+            for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        ]
         del ref
         return str(path), prompts, want
     want = []
@@ -67,7 +78,9 @@ def _llm(path, **kw):
 
 
 def _backends(llm) -> set[str]:
-    return {m.backend.name for m in llm.engine.model.modules() if hasattr(m, "backend") and hasattr(m.backend, "forward_v4")}
+    return {
+        m.backend.name for m in llm.engine.model.modules() if hasattr(m, "backend") and hasattr(m.backend, "forward_v4")
+    }
 
 
 # CPU (interpreter, ~14 s a run): the chunked run only; its 9-token prompt is prefilled whole
@@ -77,5 +90,8 @@ def test_greedy_tokens_equal_the_reference(checkpoint, budget):
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
     llm = _llm(path, **kw)
     assert _backends(llm) == {"cuda-sm100-triton-v4"}
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    ]
     assert got == want

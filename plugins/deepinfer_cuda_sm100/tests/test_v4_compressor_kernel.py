@@ -4,6 +4,7 @@ in one launch leaves the state tails and compressed entries as the core's torch 
 with window 0's missing first half) and HCA compressors, requests that close a window and
 requests that do not, a row repeated as graph padding repeats it. Without a GPU the kernel runs
 in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,7 +50,9 @@ def _setup(overlap: bool, ratio: int, dim: int, dtype, seed: int):
     return comp, cache, batch, x, rope
 
 
-@pytest.mark.parametrize("overlap,ratio,dim", [(True, 4, 32), (False, 16, 64), (True, 8, 16)], ids=["csa", "hca", "indexer"])
+@pytest.mark.parametrize(
+    "overlap,ratio,dim", [(True, 4, 32), (False, 16, 64), (True, 8, 16)], ids=["csa", "hca", "indexer"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compress_decode_equals_the_torch_form(overlap, ratio, dim, dtype):
     comp, cache, batch, x, rope = _setup(overlap, ratio, dim, dtype, ratio * 7 + dim)

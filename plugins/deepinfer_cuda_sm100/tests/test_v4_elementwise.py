@@ -3,6 +3,7 @@ equal the core's torch ops (``V4RMSNorm``, ``unweighted_rms_norm``, ``V4Rope.app
 key-, output- and hyper-connection-shaped tensors, float32 and bf16, strided inputs included; wrong shapes are refused by name. (A tiny V4 with them installed
 keeps transformers' tokens: test_hyper_connection_kernel.py.) Without a GPU the kernels run in
 Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest

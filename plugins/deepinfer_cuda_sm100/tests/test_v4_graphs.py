@@ -11,6 +11,7 @@ their compressors through the plugin's kernel (``compress_decode``), layers 1 an
 core's torch form.
 On a GPU: captured graphs give the eager engine's greedy tokens (float32).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -152,7 +153,13 @@ def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoin
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             for layer, (a, b) in enumerate(zip(caches, copy)):
                 for name in ("entries", "window", "tail"):
-                    torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-4, msg=lambda m: f"layer {layer} {name}: {m}")
+                    torch.testing.assert_close(
+                        getattr(a, name),
+                        getattr(b, name),
+                        rtol=1e-4,
+                        atol=1e-4,
+                        msg=lambda m: f"layer {layer} {name}: {m}",
+                    )
             checked.append(int(meta.num_requests))
             return got
 
@@ -173,6 +180,8 @@ def test_v4_graph_replay_matches_eager(checkpoint):
     graphed = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8)
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.v4 is not None and graphs.v4.graphs, "V4 decode was not captured"
-    assert set(graphs.v4.heads) == set(graphs.v4.buckets)  # max_num_seqs 8 <= HEAD_ROWS: every bucket replays the LM head + argmax
+    assert set(graphs.v4.heads) == set(
+        graphs.v4.buckets
+    )  # max_num_seqs 8 <= HEAD_ROWS: every bucket replays the LM head + argmax
     eager = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, enforce_eager=True)
     assert _generate(graphed, prompts) == _generate(eager, prompts)

@@ -4,6 +4,7 @@ shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an ex
 needs no GPU, so CI, which runs the kernels only in the interpreter, also proves they compile
 (the interpreter accepts code that the compiler rejects, e.g. branches yielding different types).
 """
+
 from __future__ import annotations
 
 import pytest

@@ -13,6 +13,7 @@ into OpenAI-style function tools, the form encodings render. Thinking: ``enabled
 which the server honours for every model: true gives at most one ``tool_use`` block, the
 output cut after the first complete call (``deepinfer_core.serve.tool_calls.FirstCallOnly``).
 """
+
 from __future__ import annotations
 
 import json
@@ -87,7 +88,10 @@ def _assistant_message(content, where: str) -> Message:
         else:
             raise v.fail(f"{at}.type", f"unsupported block type {kind!r} in an assistant message")
     return Message(
-        role="assistant", content="".join(texts), reasoning="".join(reasoning) if reasoning else None, tool_calls=tuple(calls)
+        role="assistant",
+        content="".join(texts),
+        reasoning="".join(reasoning) if reasoning else None,
+        tool_calls=tuple(calls),
     )
 
 
@@ -172,7 +176,9 @@ class AnthropicMessagesCodec:
             extra["parallel_tool_calls"] = not choice["disable_parallel_tool_use"]
         effort = None
         if (config := body.get("output_config")) is not None:
-            effort = v.get_choice(v.require_object(config, "output_config"), "effort", EFFORT_NAMES, param="output_config.effort")
+            effort = v.get_choice(
+                v.require_object(config, "output_config"), "effort", EFFORT_NAMES, param="output_config.effort"
+            )
         return ConversationRequest(
             messages=tuple(messages),
             model=model,
@@ -192,14 +198,22 @@ class AnthropicMessagesCodec:
     @staticmethod
     def _usage(usage: dict) -> dict:
         cached = int(usage.get("cached_tokens", 0))
-        out = {"input_tokens": max(0, int(usage.get("prompt_tokens", 0)) - cached), "output_tokens": int(usage.get("completion_tokens", 0))}
+        out = {
+            "input_tokens": max(0, int(usage.get("prompt_tokens", 0)) - cached),
+            "output_tokens": int(usage.get("completion_tokens", 0)),
+        }
         if "cached_tokens" in usage:
             out["cache_read_input_tokens"] = cached
         return out
 
     @staticmethod
     def _tool_use(call: ToolCall) -> dict:
-        return {"type": "tool_use", "id": call.id or v.new_id("toolu_"), "name": call.name, "input": json.loads(call.arguments or "{}")}
+        return {
+            "type": "tool_use",
+            "id": call.id or v.new_id("toolu_"),
+            "name": call.name,
+            "input": json.loads(call.arguments or "{}"),
+        }
 
     def render(self, request: ConversationRequest, result: ParsedOutput, usage: dict, finish_reason: str) -> dict:
         content: list[dict] = []

@@ -10,6 +10,7 @@ Anthropic streams each content block separately::
 
 so the stream keeps one open block and closes it whenever the kind of delta changes.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ from .common import anthropic_stop_reason, sse_event
 
 
 class MessageStream:
-    def __init__(self, request: ConversationRequest, usage: Callable[[dict], dict], tool_use: Callable[[ToolCall], dict]):
+    def __init__(
+        self, request: ConversationRequest, usage: Callable[[dict], dict], tool_use: Callable[[ToolCall], dict]
+    ):
         self.request = request
         self._usage = usage
         self._tool_use = tool_use
@@ -34,7 +37,9 @@ class MessageStream:
     def _start(self, block: dict) -> str:
         self._index += 1
         self._open = block["type"]
-        return sse_event("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        return sse_event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
 
     def _delta(self, delta: dict) -> str:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
@@ -50,7 +55,11 @@ class MessageStream:
     def _switch(self, kind: str) -> Iterator[str]:
         if self._open != kind:
             yield from self._close()
-            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+            block = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
             yield self._start(block)
 
     def frames(self, events: Iterable[ParsedOutput]) -> Iterator[str]:
@@ -87,16 +96,23 @@ class MessageStream:
                 block = self._tool_use(call)
                 arguments = block["input"]
                 yield self._start({**block, "input": {}})
-                yield self._delta({"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)})
+                yield self._delta(
+                    {"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}
+                )
                 yield from self._close_tool()
                 calls += 1
             finish_reason = event.finish_reason or finish_reason
             stop_sequence = event.stop_sequence or stop_sequence
             usage = event.usage if event.usage is not None else usage
         yield from self._close()
-        delta = {"stop_reason": anthropic_stop_reason(finish_reason, calls > 0),
-                 "stop_sequence": stop_sequence if finish_reason == "stop_sequence" else None}
-        yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": self._usage(usage)["output_tokens"]}})
+        delta = {
+            "stop_reason": anthropic_stop_reason(finish_reason, calls > 0),
+            "stop_sequence": stop_sequence if finish_reason == "stop_sequence" else None,
+        }
+        yield sse_event(
+            "message_delta",
+            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": self._usage(usage)["output_tokens"]}},
+        )
         yield sse_event("message_stop", {"type": "message_stop"})
 
     def _pieces(self, event: ParsedOutput, only: set[str] | None, skip: set[str] = frozenset()):

@@ -5,6 +5,7 @@ neutral: ``stop`` (end of sequence), ``stop_sequence``, ``length``, ``tool_calls
 ``content_filter``. Each codec maps them onto its own vocabulary; a ``stop`` with tool calls
 becomes the protocol's tool-use reason.
 """
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ an explicit stack, and refuses all of these with a :class:`ProtocolError` (400) 
 place and the limit. :func:`loads_strict` is the same policy for JSON text (tool-call arguments
 in a request, parameter values in the model's output).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,9 @@ def check_string(text: str, param: str, limits: JsonLimits = LIMITS) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _fail(param, f"contains a lone surrogate (U+{ord(text[exc.start]):04X}); text must be valid Unicode") from None
+        raise _fail(
+            param, f"contains a lone surrogate (U+{ord(text[exc.start]):04X}); text must be valid Unicode"
+        ) from None
 
 
 def check_body(body: Any, param: str = "", limits: JsonLimits = LIMITS) -> None:

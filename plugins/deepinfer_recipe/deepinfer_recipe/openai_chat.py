@@ -6,6 +6,7 @@ Request extensions DeepSeek's API adds and we accept (and vLLM's ``min_tokens``)
 levels here (``minimal``/``low`` -> low, ``medium``/``high``/``xhigh`` -> high, ``max``;
 ``none`` turns thinking off), so encodings only ever see ``low | high | max``.
 """
+
 from __future__ import annotations
 
 import time
@@ -113,7 +114,9 @@ def _thinking(body: dict) -> tuple[bool | None, str | None]:
     raw = body.get("thinking")
     if raw is not None:
         v.require_object(raw, "thinking")
-        thinking = v.get_choice(raw, "type", ("enabled", "disabled"), param="thinking.type", required=True) != "disabled"
+        thinking = (
+            v.get_choice(raw, "type", ("enabled", "disabled"), param="thinking.type", required=True) != "disabled"
+        )
     effort = v.get_choice(body, "reasoning_effort", EFFORT_NAMES + ("none",))
     if effort == "none":
         return False, None
@@ -170,7 +173,11 @@ class OpenAIChatCodec:
 
     # -- responses --------------------------------------------------------------------------
     def _tool_call_json(self, call: ToolCall, index: int | None = None) -> dict:
-        out = {"id": call.id or v.new_id("call_"), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        out = {
+            "id": call.id or v.new_id("call_"),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
         return out if index is None else {"index": index, **out}
 
     def _usage(self, usage: dict) -> dict:
@@ -183,7 +190,10 @@ class OpenAIChatCodec:
         return out
 
     def render(self, request: ConversationRequest, result: ParsedOutput, usage: dict, finish_reason: str) -> dict:
-        message: dict = {"role": "assistant", "content": result.content if (result.content or not result.tool_calls) else None}
+        message: dict = {
+            "role": "assistant",
+            "content": result.content if (result.content or not result.tool_calls) else None,
+        }
         if result.reasoning:
             message["reasoning_content"] = result.reasoning
         if result.tool_calls:
@@ -193,12 +203,14 @@ class OpenAIChatCodec:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": request.model,
-            "choices": [{
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(finish_reason, bool(result.tool_calls)),
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": openai_finish_reason(finish_reason, bool(result.tool_calls)),
+                }
+            ],
             "usage": self._usage(usage),
         }
 
@@ -230,7 +242,12 @@ class OpenAIChatCodec:
             for piece in event.tool_call_deltas:
                 if piece.id not in streamed:
                     streamed[piece.id], calls = calls, calls + 1
-                    call = {"index": streamed[piece.id], "id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": piece.arguments}}
+                    call = {
+                        "index": streamed[piece.id],
+                        "id": piece.id,
+                        "type": "function",
+                        "function": {"name": piece.name, "arguments": piece.arguments},
+                    }
                 elif not piece.arguments:
                     continue
                 else:

@@ -6,6 +6,7 @@ next assistant turn's reasoning; ``function_call`` items join the assistant turn
 the system text. ``reasoning.effort`` carries the effort (``none`` = thinking off).
 ``previous_response_id`` is rejected: nothing is stored server side, send the whole history.
 """
+
 from __future__ import annotations
 
 import time
@@ -74,7 +75,13 @@ def _input_messages(items: list) -> list[Message]:
             output = item.get("output")
             if output is None:
                 raise v.fail(f"{where}.output", "is required")
-            messages.append(Message(role="tool", tool_call_id=call_id, content=_parts_text(output, f"{where}.output", ("input_text",), "\n\n")))
+            messages.append(
+                Message(
+                    role="tool",
+                    tool_call_id=call_id,
+                    content=_parts_text(output, f"{where}.output", ("input_text",), "\n\n"),
+                )
+            )
         else:
             raise v.fail(f"{where}.type", f"unsupported input item {kind!r}")
     return messages
@@ -116,8 +123,10 @@ def _response_format(text) -> dict | None:
     kind = v.get_choice(fmt, "type", ("text", "json_object", "json_schema"), param="text.format.type")
     if kind != "json_schema":
         return {"type": kind} if kind else None
-    schema = {"name": v.get_str(fmt, "name", required=True, param="text.format.name"),
-              "schema": v.require_object(fmt.get("schema"), "text.format.schema")}
+    schema = {
+        "name": v.get_str(fmt, "name", required=True, param="text.format.name"),
+        "schema": v.require_object(fmt.get("schema"), "text.format.schema"),
+    }
     if isinstance(fmt.get("strict"), bool):
         schema["strict"] = fmt["strict"]
     return {"type": "json_schema", "json_schema": schema}
@@ -131,7 +140,9 @@ class OpenAIResponsesCodec:
         v.check_request(body)
         model = v.get_str(body, "model", required=True)
         if body.get("previous_response_id") is not None:
-            raise v.fail("previous_response_id", "is not supported (nothing is stored): send the whole conversation in input")
+            raise v.fail(
+                "previous_response_id", "is not supported (nothing is stored): send the whole conversation in input"
+            )
         if v.get_int(body, "top_logprobs", lo=0) not in (None, 0):  # refused, not silently answered without them
             raise v.fail("top_logprobs", "is not supported (this server returns no log probabilities)")
         raw = body.get("input")
@@ -144,7 +155,9 @@ class OpenAIResponsesCodec:
             messages.insert(0, Message(role="system", content=instructions))
         thinking, effort = None, None
         if (reasoning := body.get("reasoning")) is not None:
-            name = v.get_choice(v.require_object(reasoning, "reasoning"), "effort", EFFORT_NAMES + ("none",), param="reasoning.effort")
+            name = v.get_choice(
+                v.require_object(reasoning, "reasoning"), "effort", EFFORT_NAMES + ("none",), param="reasoning.effort"
+            )
             thinking, effort = (False, None) if name == "none" else (None, effort_level(name))
         tools = v.get_list(body, "tools") or []
         extra = {"echo_tools": tools, "echo_tool_choice": body.get("tool_choice", "auto")}
@@ -169,7 +182,9 @@ class OpenAIResponsesCodec:
         )
 
     # -- responses --------------------------------------------------------------------------
-    def response(self, request: ConversationRequest, output: list[dict], usage: dict, finish_reason: str | None, response_id: str) -> dict:
+    def response(
+        self, request: ConversationRequest, output: list[dict], usage: dict, finish_reason: str | None, response_id: str
+    ) -> dict:
         """The ``response`` object; ``finish_reason`` None means still in progress (stream start)."""
         incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(finish_reason or "")
         prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
@@ -190,7 +205,9 @@ class OpenAIResponsesCodec:
             "temperature": request.temperature,
             "top_p": request.top_p,
             "max_output_tokens": request.max_tokens,
-            "usage": None if finish_reason is None else {
+            "usage": None
+            if finish_reason is None
+            else {
                 "input_tokens": prompt,
                 "input_tokens_details": {
                     "cached_tokens": int(usage.get("cached_tokens", 0)),
@@ -215,4 +232,13 @@ class OpenAIResponsesCodec:
 
     def error_frame(self, error: ProtocolError) -> str:
         body = self.render_error(error)[1]["error"]
-        return sse_event("error", {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"], "sequence_number": 0})
+        return sse_event(
+            "error",
+            {
+                "type": "error",
+                "code": body["code"],
+                "message": body["message"],
+                "param": body["param"],
+                "sequence_number": 0,
+            },
+        )

@@ -11,6 +11,7 @@ framed by ``response.created`` / ``response.in_progress`` and ``response.complet
 ``response.incomplete``), every event numbered by ``sequence_number``. One item is open at a
 time; a change of delta kind closes it, as the model's output is reasoning, then text, then calls.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -36,7 +37,14 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
 
 def call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict:
     call_id = call.id or "call_" + item_id.removeprefix("fc_")
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": call.name, "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": call.name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def output_items(result: ParsedOutput) -> list[dict]:
@@ -81,7 +89,10 @@ class ResponseEventStream:
             item, part = reasoning_item(self._item_id, None, "in_progress"), {"type": "reasoning_text", "text": ""}
         else:
             self._item_id = v.new_id("msg_")
-            item, part = message_item(self._item_id, None, "in_progress"), {"type": "output_text", "text": "", "annotations": []}
+            item, part = (
+                message_item(self._item_id, None, "in_progress"),
+                {"type": "output_text", "text": "", "annotations": []},
+            )
         yield self._event("response.output_item.added", output_index=len(self.output), item=item)
         yield self._event("response.content_part.added", **self._where(), content_index=0, part=part)
 
@@ -102,7 +113,9 @@ class ResponseEventStream:
             yield self._event("response.reasoning_text.done", **self._where(), content_index=0, text=self._text)
         else:
             item = message_item(self._item_id, self._text, "completed")
-            yield self._event("response.output_text.done", **self._where(), content_index=0, text=self._text, logprobs=[])
+            yield self._event(
+                "response.output_text.done", **self._where(), content_index=0, text=self._text, logprobs=[]
+            )
         yield self._event("response.content_part.done", **self._where(), content_index=0, part=item["content"][0])
         yield self._event("response.output_item.done", output_index=len(self.output), item=item)
         self.output.append(item)
@@ -112,7 +125,11 @@ class ResponseEventStream:
         yield from self._close()
         self._item_id = v.new_id("fc_")
         where = self._where()
-        yield self._event("response.output_item.added", output_index=where["output_index"], item=call_item(self._item_id, call, "", "in_progress"))
+        yield self._event(
+            "response.output_item.added",
+            output_index=where["output_index"],
+            item=call_item(self._item_id, call, "", "in_progress"),
+        )
         yield self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
         yield self._event("response.function_call_arguments.done", **where, arguments=call.arguments, name=call.name)
         item = call_item(self._item_id, call, call.arguments, "completed")
@@ -139,7 +156,11 @@ class ResponseEventStream:
             yield from self._close()
             self._open, self._text, self._item_id = "call", "", v.new_id("fc_")
             self._streaming = ToolCall(piece.name, "", piece.id)
-            yield self._event("response.output_item.added", output_index=len(self.output), item=call_item(self._item_id, self._streaming, "", "in_progress"))
+            yield self._event(
+                "response.output_item.added",
+                output_index=len(self.output),
+                item=call_item(self._item_id, self._streaming, "", "in_progress"),
+            )
         if piece.arguments:
             self._text += piece.arguments
             yield self._event("response.function_call_arguments.delta", **self._where(), delta=piece.arguments)
@@ -171,4 +192,6 @@ class ResponseEventStream:
             usage = event.usage if event.usage is not None else usage
         yield from self._close()
         final = self.codec.response(self.request, self.output, usage, finish_reason, self.response_id)
-        yield self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+        yield self._event(
+            "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+        )

@@ -3,6 +3,7 @@
 Registers the HTTP protocol codecs, the DeepSeek V4 prompt encoding and its output parser.
 Everything heavy (the 7 MB tokenizer) loads lazily on first use, so discovery stays cheap.
 """
+
 from __future__ import annotations
 
 from typing import Callable

@@ -4,6 +4,7 @@ Every failure raises :class:`ProtocolError` naming the offending parameter (dott
 ``messages[2].content``), so each codec can render it in its own error shape. ``bool`` is not
 accepted where a number is expected (in Python ``True`` is an ``int``; in JSON it is not).
 """
+
 from __future__ import annotations
 
 import json
@@ -89,7 +90,9 @@ def get_list(body: dict, key: str, *, required: bool = False, non_empty: bool = 
     return value
 
 
-def get_choice(body: dict, key: str, choices: Sequence[str], param: str | None = None, *, required: bool = False) -> str | None:
+def get_choice(
+    body: dict, key: str, choices: Sequence[str], param: str | None = None, *, required: bool = False
+) -> str | None:
     value = get_str(body, key, param=param, required=required)
     if value is not None and value not in choices:
         raise fail(param or key, f"must be one of {', '.join(choices)}; got {value!r}")
@@ -114,7 +117,10 @@ def stop_list(value: Any, param: str, limit: int | None = None, *, allow_string:
         raise fail(param, f"at most {limit} stop sequences (limit)")
     for i, item in enumerate(items):
         if len(item) > MAX_STOP_LENGTH:
-            raise fail(f"{param}[{i}]" if isinstance(value, list) else param, f"longer than {MAX_STOP_LENGTH} characters (limit)")
+            raise fail(
+                f"{param}[{i}]" if isinstance(value, list) else param,
+                f"longer than {MAX_STOP_LENGTH} characters (limit)",
+            )
     return tuple(items)
 
 

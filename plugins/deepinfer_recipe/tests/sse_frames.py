@@ -1,4 +1,5 @@
 """Reading SSE frames back (test helper; a uniquely named module, see recipe_testdata)."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Anthropic Messages codec, checked against the anthropic SDK's pydantic types and its own
 stream accumulator, and end to end against golden prompts."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,11 @@ MINIMAL = {"model": "deepseek-v4", "max_tokens": 64, "messages": [{"role": "user
 LOOKUP = {
     "name": "lookup",
     "description": "Look up a fact.",
-    "input_schema": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}, "required": ["q"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"q": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["q"],
+    },
 }
 EVENT = TypeAdapter(RawMessageStreamEvent)
 
@@ -72,29 +77,44 @@ def test_errors_name_the_parameter_and_validate(codec):
     status, body = codec.render_error(info.value)
     error = ErrorResponse.model_validate({**body, "request_id": None})
     assert status == 400 and error.error.type == "invalid_request_error" and "temperature" in error.error.message
-    for status, kind in ((401, "authentication_error"), (429, "rate_limit_error"), (529, "overloaded_error"), (503, "api_error")):
+    for status, kind in (
+        (401, "authentication_error"),
+        (429, "rate_limit_error"),
+        (529, "overloaded_error"),
+        (503, "api_error"),
+    ):
         assert codec.render_error(ProtocolError("x", status=status))[1]["error"]["type"] == kind
 
 
 def test_blocks_map_onto_the_conversation(codec):
-    request = codec.parse_request({
-        **MINIMAL,
-        "system": [{"type": "text", "text": "You help."}],
-        "tools": [LOOKUP],
-        "tool_choice": {"type": "tool", "name": "lookup"},
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
-        "max_tokens": 4096,
-        "output_config": {"effort": "max"},
-        "messages": [
-            {"role": "user", "content": "q"},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "hmm", "signature": "sig"},
-                {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "x"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "42"}]},
-                {"type": "text", "text": "thanks"}]},
-        ],
-    })
+    request = codec.parse_request(
+        {
+            **MINIMAL,
+            "system": [{"type": "text", "text": "You help."}],
+            "tools": [LOOKUP],
+            "tool_choice": {"type": "tool", "name": "lookup"},
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "max_tokens": 4096,
+            "output_config": {"effort": "max"},
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                        {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "x"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "42"}]},
+                        {"type": "text", "text": "thanks"},
+                    ],
+                },
+            ],
+        }
+    )
     roles = [m.role for m in request.messages]
     assert roles == ["system", "user", "assistant", "tool", "user"]
     assistant, tool = request.messages[2], request.messages[3]
@@ -107,10 +127,17 @@ def test_blocks_map_onto_the_conversation(codec):
 
 GOLDEN_AS_ANTHROPIC = {
     "chat_tools_call_and_result": {
-        "system": "You help.", "thinking": {"type": "disabled"}, "tools": [LOOKUP],
+        "system": "You help.",
+        "thinking": {"type": "disabled"},
+        "tools": [LOOKUP],
         "messages": [
             {"role": "user", "content": "Find the height of Everest, 2 results."},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "lookup", "input": {"q": "Everest height", "n": 2}}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "c1", "name": "lookup", "input": {"q": "Everest height", "n": 2}}
+                ],
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "8849 m"}]},
         ],
     },
@@ -118,13 +145,21 @@ GOLDEN_AS_ANTHROPIC = {
         "tools": [LOOKUP],
         "messages": [
             {"role": "user", "content": "Look up A and B."},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "Two lookups.", "signature": ""},
-                {"type": "tool_use", "id": "a", "name": "lookup", "input": {"q": "A"}},
-                {"type": "tool_use", "id": "b", "name": "lookup", "input": {"q": "B"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "b", "content": "result B"},
-                {"type": "tool_result", "tool_use_id": "a", "content": "result A"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Two lookups.", "signature": ""},
+                    {"type": "tool_use", "id": "a", "name": "lookup", "input": {"q": "A"}},
+                    {"type": "tool_use", "id": "b", "name": "lookup", "input": {"q": "B"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "b", "content": "result B"},
+                    {"type": "tool_result", "tool_use_id": "a", "content": "result A"},
+                ],
+            },
         ],
     },
 }
@@ -140,17 +175,25 @@ def test_golden_prompt_through_anthropic_codec(codec, name):
 
 def test_render_is_a_valid_message(codec):
     request = codec.parse_request({**MINIMAL, "tools": [LOOKUP]})
-    result = ParsedOutput(content="Let me check.", reasoning="Need data.", tool_calls=(ToolCall("lookup", '{"q": "北京"}'),))
+    result = ParsedOutput(
+        content="Let me check.", reasoning="Need data.", tool_calls=(ToolCall("lookup", '{"q": "北京"}'),)
+    )
     body = codec.render(request, result, {"prompt_tokens": 20, "completion_tokens": 7, "cached_tokens": 16}, "stop")
     message = Message.model_validate(body)
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[0].thinking == "Need data." and message.content[1].text == "Let me check."
     assert message.content[2].input == {"q": "北京"} and message.content[2].id.startswith("toolu_")
     assert message.stop_reason == "tool_use"
-    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens, message.usage.output_tokens) == (4, 16, 7)
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens, message.usage.output_tokens) == (
+        4,
+        16,
+        7,
+    )
 
 
-@pytest.mark.parametrize(("reason", "expected"), [("stop", "end_turn"), ("length", "max_tokens"), ("stop_sequence", "stop_sequence")])
+@pytest.mark.parametrize(
+    ("reason", "expected"), [("stop", "end_turn"), ("length", "max_tokens"), ("stop_sequence", "stop_sequence")]
+)
 def test_stop_reason_mapping(codec, reason, expected):
     body = codec.render(codec.parse_request(MINIMAL), ParsedOutput(content="x"), {}, reason)
     assert Message.model_validate(body).stop_reason == expected
@@ -177,7 +220,9 @@ def test_stream_events_validate_and_accumulate(codec):
     assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use"]
     assert snapshot.content[0].thinking == "Need data." and snapshot.content[1].text == "Checking…"
     assert snapshot.content[2].input == {"q": "x", "n": 2}
-    assert snapshot.stop_reason == "tool_use" and snapshot.usage.input_tokens == 11 and snapshot.usage.output_tokens == 30
+    assert (
+        snapshot.stop_reason == "tool_use" and snapshot.usage.input_tokens == 11 and snapshot.usage.output_tokens == 30
+    )
     indexes = [d["index"] for n, d in frames if n == "content_block_start"]
     assert indexes == [0, 1, 2]
 
@@ -188,9 +233,17 @@ def test_a_tool_use_streamed_piece_by_piece_validates_and_one_cut_short_is_close
     request = codec.parse_request({**MINIMAL, "stream": True, "tools": [LOOKUP]})
     events = [
         ParsedOutput(content="Check.", usage={"prompt_tokens": 11, "completion_tokens": 0}),
-        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", name="lookup"), ToolCallDelta("call_1", arguments='{"q"'))),
-        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_1", arguments=': "x"}'),), tool_calls=(ToolCall("lookup", '{"q": "x"}', "call_1"),), content="Then."),
-        ParsedOutput(tool_call_deltas=(ToolCallDelta("call_2", name="lookup"), ToolCallDelta("call_2", arguments='{"q": "y'))),
+        ParsedOutput(
+            tool_call_deltas=(ToolCallDelta("call_1", name="lookup"), ToolCallDelta("call_1", arguments='{"q"'))
+        ),
+        ParsedOutput(
+            tool_call_deltas=(ToolCallDelta("call_1", arguments=': "x"}'),),
+            tool_calls=(ToolCall("lookup", '{"q": "x"}', "call_1"),),
+            content="Then.",
+        ),
+        ParsedOutput(
+            tool_call_deltas=(ToolCallDelta("call_2", name="lookup"), ToolCallDelta("call_2", arguments='{"q": "y'))
+        ),
         ParsedOutput(finish_reason="length", usage={"prompt_tokens": 11, "completion_tokens": 30}),
     ]
     frames = parse_frames(list(codec.stream(request, events)))
@@ -198,14 +251,22 @@ def test_a_tool_use_streamed_piece_by_piece_validates_and_one_cut_short_is_close
     for _, data in frames:
         snapshot = accumulate_event(event=EVENT.validate_python(data), current_snapshot=snapshot, json_bufs=json_bufs)
     assert [b.type for b in snapshot.content] == ["text", "tool_use", "text", "tool_use"]
-    assert snapshot.content[1].input == {"q": "x"} and snapshot.content[1].id == "call_1" and snapshot.content[2].text == "Then."
+    assert (
+        snapshot.content[1].input == {"q": "x"}
+        and snapshot.content[1].id == "call_1"
+        and snapshot.content[2].text == "Then."
+    )
     assert snapshot.stop_reason == "max_tokens"
     starts = [n for n, _ in frames].count("content_block_start")
     assert starts == [n for n, _ in frames].count("content_block_stop") == 4
-    assert [d["delta"]["partial_json"] for n, d in frames if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"] == ['{"q"', ': "x"}', '{"q": "y']
+    assert [
+        d["delta"]["partial_json"]
+        for n, d in frames
+        if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
+    ] == ['{"q"', ': "x"}', '{"q": "y']
 
 
 def test_stream_error_frame(codec):
-    (name, data), = parse_frames([codec.error_frame(ProtocolError("overloaded", status=529))])
+    ((name, data),) = parse_frames([codec.error_frame(ProtocolError("overloaded", status=529))])
     assert name == "error" and data["error"] == {"type": "overloaded_error", "message": "overloaded"}
     assert json.dumps(data)

@@ -6,6 +6,7 @@ argument pieces join to exactly its arguments, its name on the first piece.
 The outputs are DeepSeek's golden completions and generated DSML blocks with hostile values:
 quotes, backslashes, control characters, emoji, pieces and whole copies of the markers,
 repeated parameter names, parameters left open, JSON and non-JSON ``string="false"`` values."""
+
 from __future__ import annotations
 
 import functools
@@ -22,9 +23,32 @@ from deepinfer_recipe.deepseek_v4.tokens import find_tokenizer_json
 D = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
 PARSE = {v["name"]: v for v in GOLDEN["parse"]}
-FRAGMENTS = ['a', 'b c', '"', '\\', '\n', '\t', '\x01', '<', '</', '>', '｜', '{', '}', 'é', '🌍', '北京', f'<{D}', f'</{D}',
-             f'</{D}parameter', f'</{D}parameter>', f'</{D}invoke>', f'<{D}parameter name="x" string="true">', f'</{D}tool_calls>']
-JSON_VALUES = ['3', '[1, 2]', '{"k": "v"}', 'nan', 'tru', '"s"', ' 4 ', '-0.5e3', '{"a": [']
+FRAGMENTS = [
+    "a",
+    "b c",
+    '"',
+    "\\",
+    "\n",
+    "\t",
+    "\x01",
+    "<",
+    "</",
+    ">",
+    "｜",
+    "{",
+    "}",
+    "é",
+    "🌍",
+    "北京",
+    f"<{D}",
+    f"</{D}",
+    f"</{D}parameter",
+    f"</{D}parameter>",
+    f"</{D}invoke>",
+    f'<{D}parameter name="x" string="true">',
+    f"</{D}tool_calls>",
+]
+JSON_VALUES = ["3", "[1, 2]", '{"k": "v"}', "nan", "tru", '"s"', " 4 ", "-0.5e3", '{"a": [']
 
 
 @functools.cache
@@ -68,8 +92,12 @@ def completions(draw) -> tuple[str, bool]:
 def parse(pieces: list[str], thinking: bool, streamed: bool) -> tuple[str, str, list, list]:
     parser = make_parser({"thinking": thinking}) if streamed else new_parser(thinking=thinking, accelerate=False)
     outs = [parser.push(p) for p in pieces] + [parser.finish()]
-    return ("".join(o.content for o in outs), "".join(o.reasoning for o in outs),
-            [c for o in outs for c in o.tool_calls], [d for o in outs for d in o.tool_call_deltas])
+    return (
+        "".join(o.content for o in outs),
+        "".join(o.reasoning for o in outs),
+        [c for o in outs for c in o.tool_calls],
+        [d for o in outs for d in o.tool_call_deltas],
+    )
 
 
 def check(text: str, thinking: bool, cuts: list[int]) -> list:
@@ -110,9 +138,12 @@ def test_golden_completions_token_by_token(name):
 
 
 def test_every_single_cut_of_a_long_argument():
-    text = (f'\n\n<{D}tool_calls>\n<{D}invoke name="write">\n<{D}parameter name="text" string="true">'
-            + 'line "one"\n\\two </b> ｜ <｜x 🌍' * 3 + f'</{D}parameter>\n<{D}parameter name="n" string="false">[1, {{"a": 2}}]'
-            f'</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}')
+    text = (
+        f'\n\n<{D}tool_calls>\n<{D}invoke name="write">\n<{D}parameter name="text" string="true">'
+        + 'line "one"\n\\two </b> ｜ <｜x 🌍' * 3
+        + f'</{D}parameter>\n<{D}parameter name="n" string="false">[1, {{"a": 2}}]'
+        f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}"
+    )
     for cut in range(len(text) + 1):
         check(text, False, [cut])
     deltas = check(text, False, list(range(len(text))))  # one character at a time
@@ -121,9 +152,11 @@ def test_every_single_cut_of_a_long_argument():
 
 def test_repeated_name_keeps_the_first_value_and_an_open_parameter_ends_at_the_close():
     """Rules where DeepSeek's reference raises, chosen so that a value can stream."""
-    text = (f'<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="a" string="true">1</{D}parameter>\n'
-            f'<{D}parameter name="a" string="true">2</{D}parameter>\n<{D}parameter name="b" string="false">[3]\n'
-            f'</{D}invoke>\n</{D}tool_calls>{EOS}')
+    text = (
+        f'<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="a" string="true">1</{D}parameter>\n'
+        f'<{D}parameter name="a" string="true">2</{D}parameter>\n<{D}parameter name="b" string="false">[3]\n'
+        f"</{D}invoke>\n</{D}tool_calls>{EOS}"
+    )
     for streamed in (False, True):
         _, _, calls, _ = parse(list(text), False, streamed)
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": "1", "b": [3]})]
@@ -139,9 +172,11 @@ def test_an_overlong_head_or_header_stops_streaming_and_the_call_still_comes_who
     long = "n" * (LONGEST_HEADER + 10) + ">"  # a '>' in the name: the header is tried when it arrives
     call = long if where == "head" else "f"
     param = "a" if where == "head" else long
-    text = (f'<{D}tool_calls>\n<{D}invoke name="{call}">\n<{D}parameter name="b" string="true">first</{D}parameter>\n'
-            f'<{D}parameter name="{param}" string="true">value</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}')
-    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    text = (
+        f'<{D}tool_calls>\n<{D}invoke name="{call}">\n<{D}parameter name="b" string="true">first</{D}parameter>\n'
+        f'<{D}parameter name="{param}" string="true">value</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}'
+    )
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
     _, _, (whole,), _ = parse([text], False, streamed=False)
     _, _, (got,), deltas = parse(pieces, False, streamed=True)
     assert (got.name, json.loads(got.arguments)) == (call, {"b": "first", param: "value"})
@@ -151,4 +186,4 @@ def test_an_overlong_head_or_header_stops_streaming_and_the_call_still_comes_who
     else:
         check(text, False, list(range(7, len(text), 7)))  # the pieces join to the arguments
         assert {d.id for d in deltas} == {got.id} and len(deltas) > 3
-        assert deltas[-1].arguments == whole.arguments[whole.arguments.index(', "n'):]  # the rest, at the close
+        assert deltas[-1].arguments == whole.arguments[whole.arguments.index(', "n') :]  # the rest, at the close

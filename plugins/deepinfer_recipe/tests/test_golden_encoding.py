@@ -1,14 +1,14 @@
 """The V4 encoding against DeepSeek's reference encoder output (golden vectors) and against the
 default ``tokenizers`` encoder of the real tokenizer.json."""
+
 from __future__ import annotations
 
 import pytest
+from recipe_testdata import GOLDEN
 from tokenizers import Tokenizer
 
 from deepinfer_recipe.deepseek_v4 import DeepSeekV4Encoding, conversation_from_reference
 from deepinfer_recipe.openai_chat import OpenAIChatCodec
-
-from recipe_testdata import GOLDEN
 
 pytestmark = pytest.mark.golden
 ENCODE = {v["name"]: v for v in GOLDEN["encode"]}
@@ -85,7 +85,11 @@ def _openai_body(vector) -> dict | None:
         body["tools"] = messages[0].pop("tools")
     if messages and "response_format" in messages[0]:
         body["response_format"] = messages[0].pop("response_format")
-    if any(m["role"] not in ("system", "user", "assistant", "tool") or set(m) - {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"} for m in messages):
+    if any(
+        m["role"] not in ("system", "user", "assistant", "tool")
+        or set(m) - {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"}
+        for m in messages
+    ):
         return None
     body["messages"] = messages
     body["thinking"] = {"type": "enabled" if vector["thinking_mode"] == "thinking" else "disabled"}

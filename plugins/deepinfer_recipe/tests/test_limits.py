@@ -1,6 +1,7 @@
 """Request limits and JSON hygiene (issue 7): deep nesting, lone surrogates and non-finite numbers
 are refused with a 400 naming the place and the limit, in every codec; NaN written by the model
 never reaches a JSON reply."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,11 @@ def responses(**extra):
     return {"model": "m", "input": "hi", **extra}
 
 
-CODECS = {"chat": (OpenAIChatCodec, chat), "anthropic": (AnthropicMessagesCodec, anthropic), "responses": (OpenAIResponsesCodec, responses)}
+CODECS = {
+    "chat": (OpenAIChatCodec, chat),
+    "anthropic": (AnthropicMessagesCodec, anthropic),
+    "responses": (OpenAIResponsesCodec, responses),
+}
 SCHEMA_TOOLS = {
     "chat": lambda schema: [{"type": "function", "function": {"name": "f", "parameters": schema}}],
     "anthropic": lambda schema: [{"name": "f", "input_schema": schema}],
@@ -59,18 +64,30 @@ def test_deep_tool_schema_is_a_400_naming_the_limit(name):
 
 
 def test_deep_anthropic_tool_use_input():
-    body = anthropic(messages=[
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": nested()}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}])
+    body = anthropic(
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": nested()}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]},
+        ]
+    )
     error = refused(AnthropicMessagesCodec(), body)
     assert error.param.startswith("messages[1].content[0].input") and "levels (limit)" in error.message
 
 
-@pytest.mark.parametrize("arguments", ["[" * DEPTH + "]" * DEPTH, '{"a": ' * DEPTH + "1" + "}" * DEPTH, '{"a": ' * 200 + "1" + "}" * 200])
+@pytest.mark.parametrize(
+    "arguments", ["[" * DEPTH + "]" * DEPTH, '{"a": ' * DEPTH + "1" + "}" * DEPTH, '{"a": ' * 200 + "1" + "}" * 200]
+)
 def test_deep_tool_call_arguments_text(arguments):
-    body = chat(messages=[{"role": "user", "content": "q"},
-                          {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}])
+    body = chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+            },
+        ]
+    )
     error = refused(OpenAIChatCodec(), body)
     assert error.param.startswith("messages[1].tool_calls[0].function.arguments") and "levels (limit)" in error.message
     body = responses(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments}])
@@ -92,8 +109,17 @@ def test_lone_surrogates_are_refused(name, text):
 
 
 def test_escaped_surrogate_inside_arguments_json_is_refused():
-    body = chat(messages=[{"role": "user", "content": "q"},
-                          {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"q": "\\ud800"}'}}]}])
+    body = chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"q": "\\ud800"}'}}
+                ],
+            },
+        ]
+    )
     assert "surrogate" in refused(OpenAIChatCodec(), body).message
 
 
@@ -121,12 +147,18 @@ def test_non_string_keys_are_refused():
 
 def test_limits_hold_for_wide_bodies_without_recursion():
     # one wide, shallow body is fine: the walk is iterative and counts values
-    ok = chat(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2000)])
+    ok = chat(
+        tools=[
+            {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2000)
+        ]
+    )
     assert len(OpenAIChatCodec().parse_request(ok).tools) == 2000
 
 
-NAN_OUTPUT = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">NaN</｜DSML｜parameter>\n'
-              '<｜DSML｜parameter name="y" string="false">-Infinity</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+NAN_OUTPUT = (
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">NaN</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="y" string="false">-Infinity</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+)
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))

@@ -1,5 +1,6 @@
 """OpenAI Chat Completions codec, checked against the openai SDK's own pydantic types and its
 stream accumulator."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,12 @@ from deepinfer_core.testing.codecs import ProtocolCodecSuite
 from deepinfer_recipe.openai_chat import OpenAIChatCodec
 
 MINIMAL = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}]}
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+    }
+]
 
 
 class TestOpenAIChatConformance(ProtocolCodecSuite):
@@ -35,7 +41,10 @@ class TestOpenAIChatConformance(ProtocolCodecSuite):
             {**minimal_body, "messages": [{"role": "wizard", "content": "x"}]},
             {**minimal_body, "messages": [{"role": "user"}]},
             {**minimal_body, "messages": [{"role": "tool", "content": "r"}]},  # no tool_call_id
-            {**minimal_body, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            {
+                **minimal_body,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
             {**minimal_body, "temperature": 2.5},
             {**minimal_body, "temperature": -0.1},
             {**minimal_body, "temperature": True},
@@ -49,9 +58,23 @@ class TestOpenAIChatConformance(ProtocolCodecSuite):
             {**minimal_body, "response_format": {"type": "yaml"}},
             {**minimal_body, "thinking": {}},
             {**minimal_body, "thinking": {"type": "sometimes"}},
-            {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]},
-            {**minimal_body, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
-            {**minimal_body, "messages": [{"role": "assistant", "content": "a", "prefix": True}, {"role": "user", "content": "x"}]},
+            {
+                **minimal_body,
+                "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}],
+            },
+            {
+                **minimal_body,
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}],
+                    }
+                ],
+            },
+            {
+                **minimal_body,
+                "messages": [{"role": "assistant", "content": "a", "prefix": True}, {"role": "user", "content": "x"}],
+            },
         ]
 
 
@@ -81,7 +104,14 @@ def test_errors_name_the_parameter(codec, patch, param):
 
 @pytest.mark.parametrize(
     ("effort", "thinking", "level"),
-    [("minimal", None, "low"), ("low", None, "low"), ("medium", None, "high"), ("xhigh", None, "high"), ("max", None, "max"), ("none", False, None)],
+    [
+        ("minimal", None, "low"),
+        ("low", None, "low"),
+        ("medium", None, "high"),
+        ("xhigh", None, "high"),
+        ("max", None, "max"),
+        ("none", False, None),
+    ],
 )
 def test_reasoning_effort_mapping(codec, effort, thinking, level):
     request = codec.parse_request({**MINIMAL, "reasoning_effort": effort})
@@ -89,23 +119,44 @@ def test_reasoning_effort_mapping(codec, effort, thinking, level):
 
 
 def test_thinking_switch_and_sampling_fields(codec):
-    request = codec.parse_request({
-        **MINIMAL, "thinking": {"type": "disabled"}, "temperature": 0.7, "top_p": 0.9, "max_completion_tokens": 64,
-        "stop": "END", "seed": 5, "tools": TOOLS, "tool_choice": "auto", "stream": True,
-    })
+    request = codec.parse_request(
+        {
+            **MINIMAL,
+            "thinking": {"type": "disabled"},
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "max_completion_tokens": 64,
+            "stop": "END",
+            "seed": 5,
+            "tools": TOOLS,
+            "tool_choice": "auto",
+            "stream": True,
+        }
+    )
     assert request.thinking is False and request.temperature == 0.7 and request.top_p == 0.9
     assert request.max_tokens == 64 and request.stop == ("END",) and request.seed == 5 and request.stream
     assert request.tools == tuple(TOOLS) and request.tool_choice == "auto"
 
 
 def test_history_with_tool_calls_and_content_parts(codec):
-    request = codec.parse_request({"model": "m", "messages": [
-        {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "result"},
-    ]})
+    request = codec.parse_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "r",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "result"},
+            ],
+        }
+    )
     system, _, assistant, tool = request.messages
     assert system.content == "Be brief."
     assert assistant.tool_calls == (ToolCall("lookup", '{"q": "x"}', "c1"),) and assistant.reasoning == "r"
@@ -140,7 +191,9 @@ def test_length_finish_reason(codec):
 
 
 def test_stream_frames_are_valid_chunks_and_accumulate(codec):
-    request = codec.parse_request({**MINIMAL, "stream": True, "stream_options": {"include_usage": True}, "tools": TOOLS})
+    request = codec.parse_request(
+        {**MINIMAL, "stream": True, "stream_options": {"include_usage": True}, "tools": TOOLS}
+    )
     events = [
         ParsedOutput(reasoning="think "),
         ParsedOutput(reasoning="more"),
@@ -159,7 +212,10 @@ def test_stream_frames_are_valid_chunks_and_accumulate(codec):
     final = state.get_final_completion()
     choice = final.choices[0]
     assert choice.message.content == "Hello" and choice.finish_reason == "tool_calls"
-    assert [(t.function.name, t.function.arguments) for t in choice.message.tool_calls] == [("lookup", '{"q": "a"}'), ("lookup", '{"q": "b"}')]
+    assert [(t.function.name, t.function.arguments) for t in choice.message.tool_calls] == [
+        ("lookup", '{"q": "a"}'),
+        ("lookup", '{"q": "b"}'),
+    ]
     assert final.usage.completion_tokens == 9 and chunks[-1].choices == []
     reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
     assert reasoning == "think more"

@@ -1,4 +1,5 @@
 """The DeepSeek V4 output parser: golden parses, chunking invariance, held-back markers."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ def run(chunks, thinking: bool, **options) -> dict:
         "content": "".join(o.content for o in outs),
         "reasoning_content": "".join(o.reasoning for o in outs),
         "tool_calls": [
-            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for o in outs for c in o.tool_calls
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for o in outs
+            for c in o.tool_calls
         ],
     }
 
@@ -78,7 +81,10 @@ def test_newlines_before_think_close_kept_two_before_dsml_dropped():
     """As the reference parser (reference_behaviour.json: newlines_before_think_close_kept,
     three_newlines_before_tool_block)."""
     assert run(["idea\n\n", "</think>line1\n\nline2\n"], True) == {
-        "role": "assistant", "content": "line1\n\nline2\n", "reasoning_content": "idea\n\n", "tool_calls": []
+        "role": "assistant",
+        "content": "line1\n\nline2\n",
+        "reasoning_content": "idea\n\n",
+        "tool_calls": [],
     }
     block = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     out = run(["ok", "\n", "\n", block[2:]], False)
@@ -96,7 +102,9 @@ def test_unterminated_tool_call_is_dropped_not_half_reported():
 
 def test_tool_call_emitted_as_soon_as_its_invoke_closes():
     parser = make_parser({"thinking": False})
-    parser.push('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">7</｜DSML｜parameter>\n')
+    parser.push(
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">7</｜DSML｜parameter>\n'
+    )
     out = parser.push("</｜DSML｜invoke>\n")
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"n": 7})]
 
@@ -114,14 +122,29 @@ class TestDeepSeekV4ParserConformance(OutputParserSuite):
 
     @pytest.fixture
     def sample_outputs(self):
-        return [v["completion"] for v in GOLDEN["parse"]] + ["plain 🌍 text\n", "a</think>b\n\n<｜DSML｜tool_calls></｜DSML｜tool_calls>"]
+        return [v["completion"] for v in GOLDEN["parse"]] + [
+            "plain 🌍 text\n",
+            "a</think>b\n\n<｜DSML｜tool_calls></｜DSML｜tool_calls>",
+        ]
 
 
 PIECES = [
-    "plain words ", "\n", "\n\n", "中文 ", "🌍", "</think>", "</thi", "<｜DSML", "｜DSML｜", "<｜end▁of▁sentence｜>",
+    "plain words ",
+    "\n",
+    "\n\n",
+    "中文 ",
+    "🌍",
+    "</think>",
+    "</thi",
+    "<｜DSML",
+    "｜DSML｜",
+    "<｜end▁of▁sentence｜>",
     '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x\ny</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
     '<｜DSML｜invoke name="g">\n<｜DSML｜parameter name="n" string="false">[1, {"k": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
-    "</｜DSML｜tool_calls>", "<", "</", "tool_calls>",
+    "</｜DSML｜tool_calls>",
+    "<",
+    "</",
+    "tool_calls>",
 ]
 
 
@@ -157,15 +180,26 @@ def test_long_arguments_with_bars_streamed_in_small_pieces(seed):
     """Long argument text with full-width bars and near-markers (the streaming fast path turns
     on and off): any chunking gives the one-shot parse."""
     rng = random.Random(seed)
-    words = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "</｜DSML｜tool_call", "中文 "]
+    words = [
+        "lorem ipsum dolor sit amet ",
+        "｜",
+        "a｜b ",
+        "</｜DSML｜invok",
+        "<｜end▁of▁sent",
+        "\n",
+        "</｜DSML｜tool_call",
+        "中文 ",
+    ]
     value = "".join(rng.choice(words) for _ in range(rng.randint(20, 200)))
-    text = (f'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">{value}</｜DSML｜parameter>\n'
-            f'</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail')
+    text = (
+        f'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">{value}</｜DSML｜parameter>\n'
+        f'</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
+    )
     whole = run([text], False)
     assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"a": value}
     pieces, i = [], 0
     while i < len(text):
         step = rng.randint(1, 7)
-        pieces.append(text[i:i + step])
+        pieces.append(text[i : i + step])
         i += step
     assert run(pieces, False) == whole

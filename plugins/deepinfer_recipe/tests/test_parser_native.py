@@ -6,6 +6,7 @@ parser with its C front and the parser alone (pure-Python quiet push) must give 
 one-shot parse for any text and any chunking, including pieces the front hands back to Python
 (bars, lone surrogates, ``str`` subclasses) and non-ASCII text it stores as UTF-8.
 """
+
 from __future__ import annotations
 
 import gc
@@ -30,8 +31,22 @@ needs_helper = pytest.mark.skipif(
 )
 
 HEAD = 'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">'
-TAIL = '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
-WORDS = ["lorem ipsum dolor sit amet ", "｜", "a｜b ", "</｜DSML｜invok", "<｜end▁of▁sent", "\n", "中文 ", "🌍", "é ", "\ud800", "x" * 40]
+TAIL = (
+    '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
+)
+WORDS = [
+    "lorem ipsum dolor sit amet ",
+    "｜",
+    "a｜b ",
+    "</｜DSML｜invok",
+    "<｜end▁of▁sent",
+    "\n",
+    "中文 ",
+    "🌍",
+    "é ",
+    "\ud800",
+    "x" * 40,
+]
 
 
 def parse(pieces, accelerate: bool) -> tuple:
@@ -55,8 +70,8 @@ def test_long_quiet_run_is_stored_by_the_c_front():
     for piece in [HEAD] + ["abcd"] * 20:
         front.push(piece)
     assert front._q_on and len(front.logic._pieces) < 10  # the parser holds the first few pieces,
-    stored = front._take()                                 # the front the rest
-    assert "".join(front.logic._pieces) + stored == HEAD[HEAD.index("\n<｜DSML｜invoke"):] + "abcd" * 20
+    stored = front._take()  # the front the rest
+    assert "".join(front.logic._pieces) + stored == HEAD[HEAD.index("\n<｜DSML｜invoke") :] + "abcd" * 20
     python = new_parser(thinking=False, accelerate=False)
     assert isinstance(python, DeepSeekV4Parser)
     for piece in [HEAD] + ["abcd"] * 20:
@@ -75,7 +90,7 @@ def test_c_front_and_python_quiet_push_equal_the_one_shot_parse(seed):
     pieces, i = [], 0
     while i < len(text):
         step = rng.choice((1, 2, 4, 4, 4, 7, 30))
-        pieces.append(text[i:i + step])
+        pieces.append(text[i : i + step])
         i += step
     assert parse(pieces, accelerate=True) == whole
     assert parse(pieces, accelerate=False) == whole

@@ -1,5 +1,6 @@
 """The plugin as the engine reaches it: entry-point discovery, registries, probe, and the
 prompt-encoding conformance suite on the registered factory."""
+
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,12 @@ def host():
 def test_discovered_through_entry_point(host):
     info = {i.name: i for i in host.plugins()}["recipe"]
     assert info.distribution == "deepinfer-recipe" and not info.builtin
-    assert {"deepinfer_probe", "deepinfer_register_protocols", "deepinfer_register_prompt_encodings",
-            "deepinfer_register_output_parsers"} <= set(info.hooks)
+    assert {
+        "deepinfer_probe",
+        "deepinfer_register_protocols",
+        "deepinfer_register_prompt_encodings",
+        "deepinfer_register_output_parsers",
+    } <= set(info.hooks)
 
 
 def test_registries(host, tokenizer_path):
@@ -58,9 +63,17 @@ def test_probe_says_why_without_tokenizer(monkeypatch, tmp_path):
 def test_never_imports_another_plugin():
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
-                assert not name.startswith("deepinfer_") or name.startswith(("deepinfer_core", "deepinfer_recipe")), f"{path}: {name}"
+                assert not name.startswith("deepinfer_") or name.startswith(("deepinfer_core", "deepinfer_recipe")), (
+                    f"{path}: {name}"
+                )
 
 
 def test_modules_stay_small():

@@ -7,6 +7,7 @@ aborted, not run to its end). Requests that cannot end by themselves use ``/v1/c
 ``ignore_eos``; the protocol routes share the same exchange code, and each is also closed before
 its first event and while it waits in the queue.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,17 @@ from serve_harness import ENGINE_ARGS, MODEL
 
 LONG = 900  # tokens a request asks for: far more than it gets before it is abandoned
 BODIES = {
-    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": LONG},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": LONG,
+    },
     "/v1/responses": {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": LONG},
-    "/v1/messages": {"model": MODEL, "max_tokens": LONG, "messages": [{"role": "user", "content": "Tell me a long story."}]},
+    "/v1/messages": {
+        "model": MODEL,
+        "max_tokens": LONG,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    },
     "/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True},
 }
 ENDLESS = BODIES["/v1/completions"]
@@ -46,12 +55,16 @@ def assert_idle(served, before: dict, abandoned: int) -> None:
         time.sleep(0.05)
     after = metrics(served.base_url)
     assert health["kv_usage"] == 0.0, health
-    assert after[("deepinfer:num_requests_running", "")] == 0 and after[("deepinfer:num_requests_waiting", "")] == 0, after
+    assert after[("deepinfer:num_requests_running", "")] == 0 and after[("deepinfer:num_requests_waiting", "")] == 0, (
+        after
+    )
     assert after[("deepinfer:kv_cache_usage_perc", "")] == 0.0
     if served.server is not None:  # in-process: the front's own count, not only what /health says
         assert served.server.front.in_flight == 0
     generated = after[("deepinfer:generation_tokens_total", "")] - before[("deepinfer:generation_tokens_total", "")]
-    assert not abandoned or generated < abandoned * LONG, f"{abandoned} abandoned requests generated {generated} tokens: not aborted"
+    assert not abandoned or generated < abandoned * LONG, (
+        f"{abandoned} abandoned requests generated {generated} tokens: not aborted"
+    )
     key = ("deepinfer:request_success_total", "abort")
     assert after.get(key, 0) - before.get(key, 0) == abandoned, "every abandoned request is counted as aborted"
 
@@ -59,7 +72,10 @@ def assert_idle(served, before: dict, abandoned: int) -> None:
 @contextlib.contextmanager
 def open_stream(base_url: str, path: str, body: dict | None = None):
     """An SSE response whose headers have arrived; closing the block hangs up."""
-    with httpx.Client(base_url=base_url, timeout=300) as client, client.stream("POST", path, json={**(body or BODIES[path]), "stream": True}) as response:
+    with (
+        httpx.Client(base_url=base_url, timeout=300) as client,
+        client.stream("POST", path, json={**(body or BODIES[path]), "stream": True}) as response,
+    ):
         assert response.status_code == 200
         yield response
 
@@ -98,7 +114,10 @@ def test_stream_closed_while_still_waiting(served, path):
 
 def test_non_streamed_client_that_hangs_up(served):
     before = metrics(served.base_url)
-    with httpx.Client(base_url=served.base_url, timeout=httpx.Timeout(300, read=3)) as client, pytest.raises(httpx.ReadTimeout):
+    with (
+        httpx.Client(base_url=served.base_url, timeout=httpx.Timeout(300, read=3)) as client,
+        pytest.raises(httpx.ReadTimeout),
+    ):
         client.post("/v1/completions", json=ENDLESS)
     assert_idle(served, before, abandoned=1)
 
@@ -134,10 +153,15 @@ def test_engine_failing_to_add_a_request(served, monkeypatch):
 
     monkeypatch.setattr(engine, "add_request", add_once)
     before = metrics(served.base_url)
-    response = httpx.post(f"{served.base_url}/v1/chat/completions", json={**BODIES["/v1/chat/completions"], "max_tokens": 2}, timeout=60)
+    response = httpx.post(
+        f"{served.base_url}/v1/chat/completions", json={**BODIES["/v1/chat/completions"], "max_tokens": 2}, timeout=60
+    )
     assert response.status_code == 500 and "injected" in response.json()["error"]["message"], response.text
     assert_idle(served, before, abandoned=0)
-    assert httpx.post(f"{served.base_url}/v1/completions", json={**ENDLESS, "max_tokens": 2}, timeout=300).status_code == 200
+    assert (
+        httpx.post(f"{served.base_url}/v1/completions", json={**ENDLESS, "max_tokens": 2}, timeout=300).status_code
+        == 200
+    )
 
 
 def test_health_and_metrics_answer_while_the_engine_is_busy(served):

@@ -2,6 +2,7 @@
 
 Every refusal must leave the server serving: each test ends with the server idle and a normal
 request still answered."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,7 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serve_harness import MAX_QUEUE, MODEL, ENGINE_ARGS, start_subprocess
+from serve_harness import ENGINE_ARGS, MAX_QUEUE, MODEL, start_subprocess
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 BODIES = {
@@ -52,7 +53,9 @@ def still_serving(served, http):
 
 @pytest.mark.parametrize("path", list(BODIES))
 def test_bad_json(http, path):
-    error = assert_error_shape(path, http.post(path, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
+    error = assert_error_shape(
+        path, http.post(path, content=b'{"model": ', headers={"content-type": "application/json"}), 400
+    )
     assert "JSON" in error["message"]
 
 
@@ -72,9 +75,13 @@ def test_unknown_model(http, path):
 
 def test_unknown_model_through_the_sdks(served):
     with pytest.raises(openai.NotFoundError):
-        openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="x", max_retries=0).chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+        openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "Hi"}]
+        )
     with pytest.raises(anthropic.NotFoundError):
-        anthropic.Anthropic(base_url=served.base_url, api_key="x", max_retries=0).messages.create(model="nope", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        anthropic.Anthropic(base_url=served.base_url, api_key="x", max_retries=0).messages.create(
+            model="nope", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -97,7 +104,12 @@ def test_prompt_too_long_through_the_sdk(served):
     assert info.value.code == "context_length_exceeded"
 
 
-OUTPUT_LIMIT = {"/v1/chat/completions": "max_completion_tokens", "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens", "/v1/completions": "max_tokens"}
+OUTPUT_LIMIT = {
+    "/v1/chat/completions": "max_completion_tokens",
+    "/v1/responses": "max_output_tokens",
+    "/v1/messages": "max_tokens",
+    "/v1/completions": "max_tokens",
+}
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -124,7 +136,9 @@ def test_output_limit_past_the_context_is_refused(http, path):
 
 def test_output_limit_past_the_context_through_the_sdks(oai, claude):
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5000)
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5000
+        )
     assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_completion_tokens")
     with pytest.raises(anthropic.BadRequestError) as refused:
         claude.messages.create(model=MODEL, max_tokens=5000, messages=[{"role": "user", "content": "Hi"}])
@@ -133,8 +147,13 @@ def test_output_limit_past_the_context_through_the_sdks(oai, claude):
 
 
 def test_schema_xgrammar_cannot_compile(http):
-    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}
-    error = assert_error_shape("/v1/chat/completions", http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400)
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+    }
+    error = assert_error_shape(
+        "/v1/chat/completions", http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400
+    )
     assert error["param"] == "response_format.json_schema.schema"
     assert "cannot be compiled" in error["message"]
 
@@ -228,7 +247,10 @@ def test_sigterm_drains_and_exits_zero():
     (at any depth) outlives it."""
     proc, url = start_subprocess()
     try:
-        with httpx.Client(base_url=url, timeout=120) as client, client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}) as response:
+        with (
+            httpx.Client(base_url=url, timeout=120) as client,
+            client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}) as response,
+        ):
             assert response.status_code == 200
             children = _descendants(proc.pid)  # whatever the server runs while it serves
             proc.send_signal(signal.SIGTERM)  # mid-stream: the stream still finishes
@@ -236,7 +258,9 @@ def test_sigterm_drains_and_exits_zero():
         assert text.rstrip().endswith("data: [DONE]")
         assert proc.wait(120) == 0
         table = _process_table()
-        survivors = {pid for pid, start in children.items() if pid in table and table[pid][1] == start}  # same pid and start: the same process
+        survivors = {
+            pid for pid, start in children.items() if pid in table and table[pid][1] == start
+        }  # same pid and start: the same process
         assert not survivors, f"processes the server started are still running: {survivors}"
         assert not _descendants(proc.pid)
     finally:
@@ -246,22 +270,28 @@ def test_sigterm_drains_and_exits_zero():
 
 def test_serve_without_protocol_plugins_exits_at_once():
     proc = subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", "1"], env={**os.environ, "DEEPINFER_PLUGINS": "none-installed"},
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", "1"],
+        env={**os.environ, "DEEPINFER_PLUGINS": "none-installed"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "deepinfer-recipe" in lines[0], proc.stderr
 
 
-@pytest.mark.parametrize(("path", "change", "param"), [
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 10**9}, "top_logprobs"),
-    ("/v1/responses", {"top_logprobs": 5}, "top_logprobs"),
-    ("/v1/chat/completions", {"seed": 2**200}, "seed"),
-    ("/v1/messages", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 10**9}, "top_logprobs"),
+        ("/v1/responses", {"top_logprobs": 5}, "top_logprobs"),
+        ("/v1/chat/completions", {"seed": 2**200}, "seed"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ],
+)
 def test_fields_the_server_cannot_honour_are_refused_by_name(http, path, change, param):
     """Asked-for log probabilities were silently left out (200 with ``logprobs: null``); a seed
     out of range named no field; an empty Anthropic content list gave a message about lists."""

@@ -1,6 +1,7 @@
 """Property test over HTTP: random and mutated request bodies on every endpoint are served
 (200) or refused with the protocol's 4xx, never a 5xx; a stream started before the storm
 finishes normally. Example counts stay small enough for CI (a few hundred requests)."""
+
 from __future__ import annotations
 
 import copy
@@ -19,13 +20,55 @@ VALID = {
     "/v1/messages": {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
     "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 3},
 }
-KNOWN_KEYS = ["model", "messages", "input", "prompt", "role", "content", "stream", "temperature", "top_p", "top_k", "stop", "tools",
-              "tool_choice", "response_format", "text", "thinking", "reasoning_effort", "seed", "n", "system", "instructions", "type",
-              "stream_options", "metadata", "tool_calls", "tool_call_id", "name", "json_schema", "schema", "presence_penalty"]
+KNOWN_KEYS = [
+    "model",
+    "messages",
+    "input",
+    "prompt",
+    "role",
+    "content",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "text",
+    "thinking",
+    "reasoning_effort",
+    "seed",
+    "n",
+    "system",
+    "instructions",
+    "type",
+    "stream_options",
+    "metadata",
+    "tool_calls",
+    "tool_call_id",
+    "name",
+    "json_schema",
+    "schema",
+    "presence_penalty",
+]
 LIMIT_KEYS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 
-scalars = st.none() | st.booleans() | st.integers(-5, 10**9) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KNOWN_KEYS) | st.text(max_size=6), inner, max_size=3), max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 10**9)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(KNOWN_KEYS) | st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
 def _paths(value, prefix=()):
@@ -75,8 +118,13 @@ def stream_in_flight(served):
 
     def run() -> None:
         with httpx.Client(base_url=served.base_url, timeout=600) as client:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-                    "max_tokens": 300, "temperature": 0, "stream": True}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+                "max_tokens": 300,
+                "temperature": 0,
+                "stream": True,
+            }
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 result["status"] = response.status_code
                 result["frames"] = [line for line in response.iter_lines() if line.startswith("data: ")]

@@ -1,5 +1,6 @@
 """``deepinfer serve --kv-store``: a prompt served by one server process is served from the
 store by the next one, and the official ``openai`` SDK reads the cached tokens in ``usage``."""
+
 from __future__ import annotations
 
 import signal
@@ -37,5 +38,7 @@ def test_usage_reports_tokens_cached_by_the_previous_server_process(tmp_path):
     prompt_tokens = first.usage.prompt_tokens
     assert 600 < prompt_tokens < 1000 and second.usage.prompt_tokens == prompt_tokens
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // BLOCK * BLOCK >= 0.9 * prompt_tokens
+    assert (
+        second.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // BLOCK * BLOCK >= 0.9 * prompt_tokens
+    )
     assert second.choices[0].text == first.choices[0].text and first.usage.completion_tokens == 6

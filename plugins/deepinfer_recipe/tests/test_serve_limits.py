@@ -6,6 +6,7 @@
 * a grammar-constrained request and unconstrained ones in one engine step: the constrained
   output validates and each free output equals the same request's greedy output alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,22 +32,29 @@ def v4_preparer(context: int, kv_tokens: int) -> ConversationPreparer:
     of ``context`` tokens and ``kv_tokens`` of KV cache (the prompt comes from the real V4
     encoding and tokenizer; nothing here runs a model)."""
     engine = SimpleNamespace(
-        tokenizer=None, model=SimpleNamespace(config={"model_type": "deepseek_v4"}, vocab_size=129280),
-        max_model_len=context, num_blocks=kv_tokens // 128, config=SimpleNamespace(block_size=128),
+        tokenizer=None,
+        model=SimpleNamespace(config={"model_type": "deepseek_v4"}, vocab_size=129280),
+        max_model_len=context,
+        num_blocks=kv_tokens // 128,
+        config=SimpleNamespace(block_size=128),
     )
     return ConversationPreparer(engine, default_host())
 
 
-@pytest.mark.parametrize(("codec", "body", "limit"), [
-    (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "none"}, 8192),
-    (OpenAIChatCodec, {"messages": ASK, "thinking": {"type": "disabled"}}, 8192),
-    (OpenAIChatCodec, {"messages": ASK}, 65536),  # DeepSeek's default: thinking on
-    (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "high"}, 65536),
-    (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "max"}, 131072),
-    (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "none"}}, 8192),
-    (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "medium"}}, 65536),
-    (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "max"}}, 131072),
-], ids=lambda x: json.dumps(x) if isinstance(x, dict) else str(x))
+@pytest.mark.parametrize(
+    ("codec", "body", "limit"),
+    [
+        (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "none"}, 8192),
+        (OpenAIChatCodec, {"messages": ASK, "thinking": {"type": "disabled"}}, 8192),
+        (OpenAIChatCodec, {"messages": ASK}, 65536),  # DeepSeek's default: thinking on
+        (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "high"}, 65536),
+        (OpenAIChatCodec, {"messages": ASK, "reasoning_effort": "max"}, 131072),
+        (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "none"}}, 8192),
+        (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "medium"}}, 65536),
+        (OpenAIResponsesCodec, {"input": "Hello", "reasoning": {"effort": "max"}}, 131072),
+    ],
+    ids=lambda x: json.dumps(x) if isinstance(x, dict) else str(x),
+)
 def test_default_output_limit_by_mode(tokenizer_path, codec, body, limit):
     preparer = v4_preparer(context=1 << 20, kv_tokens=1 << 20)
     prepared = preparer.prepare(codec().parse_request({"model": "m", **body}))
@@ -60,7 +68,8 @@ def test_default_output_limit_is_capped_by_the_context_and_the_kv_cache(tokenize
     by_kv = v4_preparer(context=1 << 20, kv_tokens=12_800).prepare(request)
     assert by_kv.params.max_tokens == 12_800 - len(by_kv.prompt_token_ids)
     asked = v4_preparer(context=1 << 20, kv_tokens=1 << 20).prepare(
-        AnthropicMessagesCodec().parse_request({"model": "m", "messages": ASK, "max_tokens": 77}))
+        AnthropicMessagesCodec().parse_request({"model": "m", "messages": ASK, "max_tokens": 77})
+    )
     assert asked.params.max_tokens == 77  # a client's own limit is kept
 
 
@@ -82,8 +91,12 @@ def test_the_served_engine_receives_the_context_capped_default(served, monkeypat
     assert submission.params.max_tokens == ENGINE_ARGS["max_model_len"] - len(submission.prompt_token_ids)
 
 
-SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "people": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["city", "people"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "people": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "people"],
+    "additionalProperties": False,
+}
 FREE = ["The sea is", "Write a haiku about rain:", "1, 2, 3, 4,"]
 
 
@@ -93,7 +106,9 @@ def test_grammar_and_free_requests_in_one_step():
     from deepinfer_core.engine.sampling_params import SamplingParams
     from deepinfer_core.serve.grammar import GrammarCompiler
 
-    engine = LLMEngine(EngineConfig(model=MODEL, max_model_len=256, kv_cache_blocks=32, block_size=32, max_num_seqs=8), default_host())
+    engine = LLMEngine(
+        EngineConfig(model=MODEL, max_model_len=256, kv_cache_blocks=32, block_size=32, max_num_seqs=8), default_host()
+    )
     tok = engine.tokenizer
     grammar = GrammarCompiler(tok, engine.model.vocab_size, tuple(tok.stop_token_ids))
     free_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -111,7 +126,9 @@ def test_grammar_and_free_requests_in_one_step():
 
     prompts = {f"free{i}": tok.encode(text) for i, text in enumerate(FREE)}
     solo = {rid: run({rid: (ids, free_params)})[0][rid] for rid, ids in prompts.items()}
-    constrained = SamplingParams(temperature=0, max_tokens=60, logits_processors=[grammar.json_schema(SCHEMA, "schema")])
+    constrained = SamplingParams(
+        temperature=0, max_tokens=60, logits_processors=[grammar.json_schema(SCHEMA, "schema")]
+    )
     ask = tok.encode("Where are you going, and with how many people? Answer in JSON: ")
     batched, steps = run({"json": (ask, constrained), **{rid: (ids, free_params) for rid, ids in prompts.items()}})
     assert any(step >= {"json", *prompts} for step in steps)  # all four generated in the same step

@@ -1,6 +1,7 @@
 """The official ``openai`` and ``anthropic`` SDKs, unmodified, against ``deepinfer serve`` on
 SmolLM2-135M-Instruct: non-streamed and streamed calls on every endpoint, tool calls with a
 tool-result round trip, the Responses API, legacy completions and the model list."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,19 @@ QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {
     "name": "get_weather",
     "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False},
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
 
 
 def test_chat_completion(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=30)
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=30
+    )
     choice = reply.choices[0]
     assert "Paris" in choice.message.content
     assert choice.finish_reason == "stop"
@@ -30,7 +38,11 @@ def test_chat_completion(oai):
 
 def test_chat_completion_stream(oai):
     stream = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=30, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=30,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -38,7 +50,10 @@ def test_chat_completion_stream(oai):
     assert "Paris" in text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert chunks[-1].usage.completion_tokens in (len(content_chunks), len(content_chunks) + 1)  # + the end-of-turn token
+    assert chunks[-1].usage.completion_tokens in (
+        len(content_chunks),
+        len(content_chunks) + 1,
+    )  # + the end-of-turn token
 
 
 def test_usage_reports_prefix_cache_hits(oai):
@@ -62,25 +77,37 @@ def test_messages_usage_reports_prefix_cache_hits(claude):
 
 
 def test_messages(claude):
-    reply = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
+    reply = claude.messages.create(
+        model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}]
+    )
     assert reply.stop_reason == "end_turn"
     assert "Paris" in reply.content[0].text
     assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 10 and reply.usage.output_tokens > 0
 
 
 def test_messages_stream(claude):
-    with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}]) as stream:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}]
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert "Paris" in text
     assert final.content[0].text == text
     assert final.stop_reason == "end_turn"
-    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 10  # message_start carried the prompt usage
+    assert (
+        final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 10
+    )  # message_start carried the prompt usage
 
 
 def test_messages_name_the_stop_sequence_that_ended_them(claude):
     """Anthropic's ``stop_sequence`` names the matched stop (it was always null)."""
-    kwargs = dict(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}], stop_sequences=["zzz", "Paris"])
+    kwargs = dict(
+        model=MODEL,
+        max_tokens=30,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": QUESTION}],
+        stop_sequences=["zzz", "Paris"],
+    )
     reply = claude.messages.create(**kwargs)
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == "Paris"
     assert "Paris" not in reply.content[0].text
@@ -106,10 +133,18 @@ def test_responses_stream(oai):
 
 
 def test_completions(oai):
-    reply = oai.completions.create(model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0)
+    reply = oai.completions.create(
+        model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0
+    )
     assert "Paris" in reply.choices[0].text
     assert reply.choices[0].finish_reason == "length"
-    streamed = "".join(c.choices[0].text for c in oai.completions.create(model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in oai.completions.create(
+            model=MODEL, prompt="The capital of France is the city of", max_tokens=4, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == reply.choices[0].text
 
 
@@ -121,8 +156,14 @@ def test_models(oai, claude):
 def test_chat_tool_call_and_result_round_trip(oai):
     tools = [{"type": "function", "function": WEATHER_TOOL}]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=60,
-                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        temperature=0,
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]
@@ -140,8 +181,13 @@ def test_chat_tool_call_and_result_round_trip(oai):
 
 def test_chat_tool_call_streamed(oai):
     stream = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Tokyo?"}], tools=[{"type": "function", "function": WEATHER_TOOL}],
-        tool_choice="required", temperature=0, max_tokens=60, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Tokyo?"}],
+        tools=[{"type": "function", "function": WEATHER_TOOL}],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=60,
+        stream=True,
     )
     chunks = [c for c in stream if c.choices]
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
@@ -153,18 +199,34 @@ def test_chat_tool_call_streamed(oai):
 
 
 def test_messages_tool_use_and_result_round_trip(claude):
-    tool = {"name": "get_weather", "description": WEATHER_TOOL["description"], "input_schema": WEATHER_TOOL["parameters"]}
+    tool = {
+        "name": "get_weather",
+        "description": WEATHER_TOOL["description"],
+        "input_schema": WEATHER_TOOL["parameters"],
+    }
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    reply = claude.messages.create(model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, messages=messages)
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        extra_body=GREEDY,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=messages,
+    )
     assert reply.stop_reason == "tool_use"
     use = [b for b in reply.content if b.type == "tool_use"][0]
     assert use.name == "get_weather"
     jsonschema.validate(use.input, WEATHER_TOOL["parameters"])
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny and 22 degrees Celsius."}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny and 22 degrees Celsius."}],
+        },
     ]
-    with claude.messages.stream(model=MODEL, max_tokens=40, extra_body=GREEDY, tools=[tool], messages=messages) as stream:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=40, extra_body=GREEDY, tools=[tool], messages=messages
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens")
     assert final.content[0].type == "text" and final.content[0].text.strip()
@@ -172,14 +234,27 @@ def test_messages_tool_use_and_result_round_trip(claude):
 
 def test_responses_function_call_round_trip(oai):
     tool = {"type": "function", **WEATHER_TOOL}
-    reply = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=60)
+    reply = oai.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=60,
+    )
     call = [item for item in reply.output if item.type == "function_call"][0]
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
     follow_up = oai.responses.create(
-        model=MODEL, tools=[tool], temperature=0, max_output_tokens=40,
-        input=[{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(exclude_none=True),
-               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny and 22 degrees Celsius."}],
+        model=MODEL,
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=40,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny and 22 degrees Celsius."},
+        ],
     )
     assert follow_up.output_text.strip()
 
@@ -190,11 +265,15 @@ def test_unset_sampling_fields_take_the_models_recommendation(oai, claude, serve
     plain SDK call a new user writes mostly gets a sensible answer. A value the request sends wins."""
     seen = []
     add = served.server.engine.add_request
-    monkeypatch.setattr(served.server.engine, "add_request", lambda ids, params, **kw: seen.append(params) or add(ids, params, **kw))
+    monkeypatch.setattr(
+        served.server.engine, "add_request", lambda ids, params, **kw: seen.append(params) or add(ids, params, **kw)
+    )
 
     def answers(**sampling):  # 8 seeds at once (one batch)
         def ask(seed):
-            reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, seed=seed, **sampling)
+            reply = oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, seed=seed, **sampling
+            )
             return reply.choices[0].message.content
 
         with ThreadPoolExecutor(8) as pool:
@@ -236,7 +315,13 @@ def test_non_streamed_calls_get_no_snapshot_per_step_and_the_streamed_text(oai, 
         assert len(outputs) == 1
         return result, next(iter(outputs.values()))
 
-    plain, plain_outs = one_call(lambda: oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30).choices[0].message.content)
+    plain, plain_outs = one_call(
+        lambda: (
+            oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30)
+            .choices[0]
+            .message.content
+        )
+    )
     streamed, streamed_outs = one_call(lambda: "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=30, stream=True) if c.choices))  # fmt: skip
     tokens = len(plain_outs[-1].outputs[0].token_ids)
@@ -244,7 +329,9 @@ def test_non_streamed_calls_get_no_snapshot_per_step_and_the_streamed_text(oai, 
     assert [o.finished for o in plain_outs] == [False, True] and len(plain_outs[0].outputs[0].token_ids) == 1
     assert len(streamed_outs) == tokens  # one snapshot per token
     assert streamed_outs[-1].outputs[0].token_ids == plain_outs[-1].outputs[0].token_ids
-    reply, claude_outs = one_call(lambda: claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=messages).content[0].text)
+    reply, claude_outs = one_call(
+        lambda: claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=messages).content[0].text
+    )
 
     def claude_stream():
         with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=messages) as stream:
@@ -252,4 +339,6 @@ def test_non_streamed_calls_get_no_snapshot_per_step_and_the_streamed_text(oai, 
 
     text, claude_streamed = one_call(claude_stream)
     assert reply == text == plain
-    assert [o.finished for o in claude_outs] == [False, True] and len(claude_streamed) == len(claude_streamed[-1].outputs[0].token_ids)
+    assert [o.finished for o in claude_outs] == [False, True] and len(claude_streamed) == len(
+        claude_streamed[-1].outputs[0].token_ids
+    )

@@ -7,17 +7,18 @@ start of a call (the five tokens of ``<tool_call>``); from there the real model 
 and arguments under the grammar, and the server must stream a call that validates against the
 tool's schema, with no markup in the content.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import httpx
-import jsonschema
 import hypothesis
+import jsonschema
 import pytest
-from hypothesis import strategies as st
 import torch
+from hypothesis import strategies as st
 from serve_harness import MODEL
 
 from deepinfer_core.serve.tool_calls import HermesToolParser
@@ -38,8 +39,11 @@ BOOKING = {
     },
     "strict": True,
 }
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]},
+}
 TOOLS = [{"type": "function", "function": BOOKING}, {"type": "function", "function": WEATHER}]
 SCHEMAS = {"book_table": BOOKING["parameters"], "get_weather": WEATHER["parameters"]}
 ASK = "Book a table for two in Paris at eight tonight."
@@ -70,7 +74,9 @@ def start_with_call(served, monkeypatch):
     def prepare(self, conversation):
         prepared = real(self, conversation)
         assert prepared.params.logits_processors, "a tool request without a grammar"
-        params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)])
+        params = dataclasses.replace(
+            prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)]
+        )
         return dataclasses.replace(prepared, params=params)
 
     monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
@@ -83,8 +89,10 @@ def check_call(name: str, arguments) -> None:
 
 # -- the parser, alone -----------------------------------------------------------------------
 def test_parser_split_at_every_character():
-    text = ('Sure.\n<tool_call>\n{"name": "book_table", "arguments": {"city": "Paris", "note": "窓際 🌍 <b>"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nDone. a < b <tool')
+    text = (
+        'Sure.\n<tool_call>\n{"name": "book_table", "arguments": {"city": "Paris", "note": "窓際 🌍 <b>"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nDone. a < b <tool'
+    )
     want_content = "Sure.\nDone. a < b <tool"
     want_calls = [("book_table", {"city": "Paris", "note": "窓際 🌍 <b>"}), ("get_weather", {})]
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
@@ -102,16 +110,23 @@ def test_parser_split_at_every_character():
 
 def test_parser_gives_back_what_is_not_a_call():
     parser = HermesToolParser()
-    out = parser.push("<tool_call>\nnot json\n</tool_call> then <tool_call>\n{\"name\": \"x\", \"argu")
+    out = parser.push('<tool_call>\nnot json\n</tool_call> then <tool_call>\n{"name": "x", "argu')
     end = parser.finish()
-    assert out.content + end.content == "<tool_call>\nnot json\n</tool_call> then<tool_call>\n{\"name\": \"x\", \"argu"
+    assert out.content + end.content == '<tool_call>\nnot json\n</tool_call> then<tool_call>\n{"name": "x", "argu'
     assert not out.tool_calls and not end.tool_calls
 
 
 # -- through the server ---------------------------------------------------------------------
 def test_chat_auto_strict_call_streamed(oai, start_with_call):
-    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS, tool_choice="auto",
-                                         temperature=0, max_tokens=80, stream=True)
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": ASK}],
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=80,
+        stream=True,
+    )
     content, calls, finish = "", {}, None
     for chunk in stream:
         delta = chunk.choices[0].delta
@@ -139,10 +154,23 @@ def test_chat_auto_call_not_streamed_then_result(oai, start_with_call):
 
 
 def test_messages_auto_strict_tool_use_streamed(claude, start_with_call):
-    tools = [{"name": BOOKING["name"], "description": BOOKING["description"], "input_schema": BOOKING["parameters"], "strict": True},
-             {"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}]
-    with claude.messages.stream(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=tools, tool_choice={"type": "auto"},
-                                messages=[{"role": "user", "content": ASK}]) as stream:
+    tools = [
+        {
+            "name": BOOKING["name"],
+            "description": BOOKING["description"],
+            "input_schema": BOOKING["parameters"],
+            "strict": True,
+        },
+        {"name": WEATHER["name"], "input_schema": WEATHER["parameters"]},
+    ]
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=80,
+        extra_body={"temperature": 0},
+        tools=tools,
+        tool_choice={"type": "auto"},
+        messages=[{"role": "user", "content": ASK}],
+    ) as stream:
         final = stream.get_final_message()
     uses = [b for b in final.content if b.type == "tool_use"]
     assert uses and final.stop_reason == "tool_use"
@@ -152,9 +180,15 @@ def test_messages_auto_strict_tool_use_streamed(claude, start_with_call):
 
 
 def test_responses_auto_strict_function_call_streamed(oai, start_with_call):
-    tools = [{"type": "function", "name": BOOKING["name"], "parameters": BOOKING["parameters"], "strict": True},
-             {"type": "function", "name": WEATHER["name"], "parameters": WEATHER["parameters"]}]
-    events = list(oai.responses.create(model=MODEL, input=ASK, tools=tools, tool_choice="auto", temperature=0, max_output_tokens=80, stream=True))
+    tools = [
+        {"type": "function", "name": BOOKING["name"], "parameters": BOOKING["parameters"], "strict": True},
+        {"type": "function", "name": WEATHER["name"], "parameters": WEATHER["parameters"]},
+    ]
+    events = list(
+        oai.responses.create(
+            model=MODEL, input=ASK, tools=tools, tool_choice="auto", temperature=0, max_output_tokens=80, stream=True
+        )
+    )
     final = [e for e in events if e.type == "response.completed"][-1].response
     calls = [item for item in final.output if item.type == "function_call"]
     assert calls
@@ -167,8 +201,13 @@ def test_responses_auto_strict_function_call_streamed(oai, start_with_call):
 
 def test_auto_left_to_the_model_never_leaks_markup(oai):
     """No forcing: whatever SmolLM2 writes, a call is parsed and valid, and text has no tags."""
-    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                        tools=TOOLS, temperature=0, max_tokens=60)
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=60,
+    )
     message = reply.choices[0].message
     assert "<tool_call>" not in (message.content or "") and "</tool_call>" not in (message.content or "")
     for call in message.tool_calls or ():
@@ -176,9 +215,18 @@ def test_auto_left_to_the_model_never_leaks_markup(oai):
 
 
 def test_required_on_messages_uses_a_declared_tool(claude):
-    tools = [{"name": WEATHER["name"], "input_schema": WEATHER["parameters"]}, {"name": BOOKING["name"], "input_schema": BOOKING["parameters"], "strict": True}]
-    reply = claude.messages.create(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=tools, tool_choice={"type": "any"},
-                                   messages=[{"role": "user", "content": "Is it raining in Oslo?"}])
+    tools = [
+        {"name": WEATHER["name"], "input_schema": WEATHER["parameters"]},
+        {"name": BOOKING["name"], "input_schema": BOOKING["parameters"], "strict": True},
+    ]
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=80,
+        extra_body={"temperature": 0},
+        tools=tools,
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Is it raining in Oslo?"}],
+    )
     uses = [b for b in reply.content if b.type == "tool_use"]
     assert uses and reply.stop_reason == "tool_use"
     for use in uses:
@@ -187,8 +235,12 @@ def test_required_on_messages_uses_a_declared_tool(claude):
 
 def test_strict_schema_that_cannot_compile_is_a_400_naming_tools(served):
     bad = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}]}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}],
+    }
     refused = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "tools" and "'f'" in refused.json()["error"]["message"]
@@ -199,7 +251,7 @@ def test_strict_schema_that_cannot_compile_is_a_400_naming_tools(served):
 # -- a template that renders tools itself ----------------------------------------------------
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{%- endif %}'
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{%- for c in m.tool_calls | default([]) %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
     "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
@@ -220,40 +272,75 @@ def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them():
     smol = Tokenizer.from_gguf(smollm2_gguf())
     assert not template_renders_tools(smol.chat_template)  # SmolLM2's template: the generic prompt
     assert template_renders_tools(HERMES_TEMPLATE)
-    ours = Tokenizer(smol.backend, bos_token_id=smol.bos_token_id, eos_token_id=smol.eos_token_id, chat_template=HERMES_TEMPLATE)
-    request = ConversationRequest(messages=(
-        Message(role="user", content=ASK),
-        Message(role="assistant", tool_calls=(ToolCall(name="book_table", arguments='{"city": "Paris", "guests": 2, "time": "20:00"}', id="c1"),)),
-        Message(role="tool", content="Booked.", tool_call_id="c1"),
-    ), tools=tuple(TOOLS), tool_choice="auto")
+    ours = Tokenizer(
+        smol.backend, bos_token_id=smol.bos_token_id, eos_token_id=smol.eos_token_id, chat_template=HERMES_TEMPLATE
+    )
+    request = ConversationRequest(
+        messages=(
+            Message(role="user", content=ASK),
+            Message(
+                role="assistant",
+                tool_calls=(
+                    ToolCall(name="book_table", arguments='{"city": "Paris", "guests": 2, "time": "20:00"}', id="c1"),
+                ),
+            ),
+            Message(role="tool", content="Booked.", tool_call_id="c1"),
+        ),
+        tools=tuple(TOOLS),
+        tool_choice="auto",
+    )
     messages, variables = template_messages(request, native=True)
     _, text = encode_chat(ours, messages, add_generation_prompt=True, **variables)
 
     reference = PreTrainedTokenizerFast(tokenizer_object=smol.backend, chat_template=HERMES_TEMPLATE)
     hf_messages = [
         {"role": "user", "content": ASK},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "book_table", "arguments": {"city": "Paris", "guests": 2, "time": "20:00"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "book_table", "arguments": {"city": "Paris", "guests": 2, "time": "20:00"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "Booked."},
     ]
     assert text == reference.apply_chat_template(hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert '"name": "book_table"' in text and "Tools:" in text
 
 
-@pytest.mark.parametrize(("tools", "choice", "status"), [
-    ([{"name": 'say "hi"\n', "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}], "required", 200),  # name JSON-escaped
-    ([{"name": "", "parameters": {"type": "object"}}], "auto", 200),
-    ([{"name": "f"}, {"name": "f"}], "auto", 400),  # declared twice
-    ([{"name": "f"}], {"type": "function", "function": {"name": "g"}}, 400),
-    ([{"name": "f", "parameters": {"type": "object"}, "strict": "yes"}], "auto", 400),
-])
+@pytest.mark.parametrize(
+    ("tools", "choice", "status"),
+    [
+        (
+            [{"name": 'say "hi"\n', "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}],
+            "required",
+            200,
+        ),  # name JSON-escaped
+        ([{"name": "", "parameters": {"type": "object"}}], "auto", 200),
+        ([{"name": "f"}, {"name": "f"}], "auto", 400),  # declared twice
+        ([{"name": "f"}], {"type": "function", "function": {"name": "g"}}, 400),
+        ([{"name": "f", "parameters": {"type": "object"}, "strict": "yes"}], "auto", 400),
+    ],
+)
 def test_odd_tool_declarations_are_served_or_refused_never_500(served, tools, choice, status):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
-            "tools": [{"type": "function", "function": f} for f in tools], "tool_choice": choice}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "tools": [{"type": "function", "function": f} for f in tools],
+        "tool_choice": choice,
+    }
     reply = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == status, reply.text
     if status == 200 and choice == "required":
         (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
-        assert call["function"]["name"] == tools[0]["name"] and isinstance(json.loads(call["function"]["arguments"]), dict)
+        assert call["function"]["name"] == tools[0]["name"] and isinstance(
+            json.loads(call["function"]["arguments"]), dict
+        )
 
 
 def test_parser_streams_a_call_piece_by_piece_at_every_split():
@@ -281,8 +368,10 @@ def test_parser_streams_a_call_piece_by_piece_at_every_split():
     assert len(deltas) > 20  # one character at a time: streamed in many pieces
 
 
-CHUNKED = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "deep": [{"x": "}"}, 2]}   }\n</tool_call>\n'
-           '<tool_call>{"name": "raw", "arguments": "a string"}</tool_call>  \n<tool_call>\n{"name": "cut", "arguments": {"a": 1')
+CHUNKED = (
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "deep": [{"x": "}"}, 2]}   }\n</tool_call>\n'
+    '<tool_call>{"name": "raw", "arguments": "a string"}</tool_call>  \n<tool_call>\n{"name": "cut", "arguments": {"a": 1'
+)
 CHUNKED_CALLS = [("get_weather", '{"city": "Paris", "deep": [{"x": "}"}, 2]}'), ("raw", "a string"), ("cut", None)]
 
 
@@ -297,7 +386,11 @@ def test_parser_any_chunking_gives_the_same_calls_and_streams(cuts):
     parser, content, calls, deltas = HermesToolParser(), "", [], []
     for piece in [*pieces, None]:
         out = parser.push(piece) if piece is not None else parser.finish()
-        content, calls, deltas = content + out.content, calls + list(out.tool_calls), deltas + list(out.tool_call_deltas)
+        content, calls, deltas = (
+            content + out.content,
+            calls + list(out.tool_calls),
+            deltas + list(out.tool_call_deltas),
+        )
     assert content == 'Let me look.<tool_call>\n{"name": "cut", "arguments": {"a": 1'
     assert [(c.name, c.arguments) for c in calls] == CHUNKED_CALLS[:2]
     streamed = "".join(d.arguments for d in deltas if d.id == calls[0].id)
@@ -308,7 +401,10 @@ def test_parser_any_chunking_gives_the_same_calls_and_streams(cuts):
         assert streamed in ("", CHUNKED_CALLS[0][1])
     names = {d.id: d.name for d in deltas if d.name}
     assert set(names.values()) <= {"get_weather", "raw", "cut"} and "cut" in names.values()
-    assert "".join(d.arguments for d in deltas if names[d.id] == "raw") in ("", "a string")  # a string: whole, at its end
+    assert "".join(d.arguments for d in deltas if names[d.id] == "raw") in (
+        "",
+        "a string",
+    )  # a string: whole, at its end
     assert "".join(d.arguments for d in deltas if names[d.id] == "cut") == '{"a": 1'  # cut short: streamed what it had
 
 
@@ -317,13 +413,18 @@ def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_repl
     carry the arguments in several pieces; joined, they are the non-streamed reply's."""
     chat = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS, temperature=0, max_tokens=80)
     whole = oai.chat.completions.create(**chat).choices[0].message.tool_calls[0].function
-    pieces = [c.choices[0].delta.tool_calls[0] for c in oai.chat.completions.create(**chat, stream=True)
-              if c.choices and c.choices[0].delta.tool_calls]
+    pieces = [
+        c.choices[0].delta.tool_calls[0]
+        for c in oai.chat.completions.create(**chat, stream=True)
+        if c.choices and c.choices[0].delta.tool_calls
+    ]
     assert pieces[0].function.name == whole.name and len(pieces) > 3
     assert "".join(p.function.arguments or "" for p in pieces) == whole.arguments
     check_call(whole.name, whole.arguments)
 
-    tools = [{"type": "function", "name": f["function"]["name"], "parameters": f["function"]["parameters"]} for f in TOOLS]
+    tools = [
+        {"type": "function", "name": f["function"]["name"], "parameters": f["function"]["parameters"]} for f in TOOLS
+    ]
     resp = dict(model=MODEL, input=ASK, tools=tools, temperature=0, max_output_tokens=80)
     whole_r = [i for i in oai.responses.create(**resp).output if i.type == "function_call"][0]
     events = list(oai.responses.create(**resp, stream=True))
@@ -332,10 +433,20 @@ def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_repl
     assert len(deltas) > 3 and "".join(deltas) == whole_r.arguments == done[0].arguments
 
     ant_tools = [{"name": f["function"]["name"], "input_schema": f["function"]["parameters"]} for f in TOOLS]
-    msg = dict(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, tools=ant_tools, messages=[{"role": "user", "content": ASK}])
+    msg = dict(
+        model=MODEL,
+        max_tokens=80,
+        extra_body={"temperature": 0},
+        tools=ant_tools,
+        messages=[{"role": "user", "content": ASK}],
+    )
     whole_m = [b for b in claude.messages.create(**msg).content if b.type == "tool_use"][0]
     with claude.messages.stream(**msg) as stream:
-        partial = [e.delta.partial_json for e in stream if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        partial = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
         final = stream.get_final_message()
     assert len(partial) > 3 and json.loads("".join(partial)) == whole_m.input
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(whole_m.name, whole_m.input)]
@@ -353,7 +464,9 @@ def test_a_client_gone_mid_tool_call_stream_and_a_bad_request_leave_the_others_a
         prepared = real(self, conversation)
         if not conversation.tools:
             return prepared
-        params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)])
+        params = dataclasses.replace(
+            prepared.params, logits_processors=[*prepared.params.logits_processors, ForcedStart(ids)]
+        )
         return dataclasses.replace(prepared, params=params)
 
     monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
@@ -362,7 +475,14 @@ def test_a_client_gone_mid_tool_call_stream_and_a_bad_request_leave_the_others_a
     solo = oai.chat.completions.create(**free).choices[0].message.content
 
     def hang_up() -> int:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "tools": TOOLS, "temperature": 0, "max_tokens": 80, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": ASK}],
+            "tools": TOOLS,
+            "temperature": 0,
+            "max_tokens": 80,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", json=body, timeout=300) as reply:
             for line in reply.iter_lines():
                 if '"tool_calls"' in line and '"arguments": "{' in line.replace('\\"', '"'):
@@ -370,7 +490,11 @@ def test_a_client_gone_mid_tool_call_stream_and_a_bad_request_leave_the_others_a
         return -1
 
     def bad() -> int:
-        return httpx.post(f"{served.base_url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": 5}]}, timeout=300).status_code
+        return httpx.post(
+            f"{served.base_url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            timeout=300,
+        ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         gone, refused = pool.submit(hang_up), pool.submit(bad)

@@ -8,6 +8,7 @@ tokenized one character at a time: so the stream carries the DSML markers split 
 character boundary, and multi-byte characters (CJK, the full-width bar of ``｜DSML｜``, emoji)
 split across byte tokens, one token per step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,13 @@ from deepinfer_recipe.deepseek_v4.tokens import find_tokenizer_json
 NAME = "tiny-deepseek-v4"
 PARSE = {v["name"]: v for v in GOLDEN["parse"]}
 EOS = "<｜end▁of▁sentence｜>"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,15 @@ def v4(tmp_path_factory):
     write_tiny_v4_checkpoint(path, weights="bf16", config=config, shards=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_json.parent / name, path / name)
-    running = start_in_thread(model=str(path), model_name=NAME, max_num_seqs=4, kv_cache_blocks=64, block_size=128,
-                              max_model_len=4096, dtype="float32")
+    running = start_in_thread(
+        model=str(path),
+        model_name=NAME,
+        max_num_seqs=4,
+        kv_cache_blocks=64,
+        block_size=128,
+        max_model_len=4096,
+        dtype="float32",
+    )
     running.tokenizer = tokenizer
     yield running
     running.stop()
@@ -87,13 +101,17 @@ def force(v4, monkeypatch):
         if ids is None and by_character:
             ids = character_tokens(v4.tokenizer, text)
         elif ids is None:  # the tokenizer's own split (fewer steps)
-            ids = v4.tokenizer.encode(text.removesuffix(EOS), add_special_tokens=False).ids + [v4.tokenizer.token_to_id(EOS)]
+            ids = v4.tokenizer.encode(text.removesuffix(EOS), add_special_tokens=False).ids + [
+                v4.tokenizer.token_to_id(EOS)
+            ]
         real = type(preparer).prepare
         eos = v4.tokenizer.token_to_id(EOS)
 
         def prepare(self, conversation):
             prepared = real(self, conversation)
-            params = dataclasses.replace(prepared.params, logits_processors=[*prepared.params.logits_processors, Forced(ids, eos)])
+            params = dataclasses.replace(
+                prepared.params, logits_processors=[*prepared.params.logits_processors, Forced(ids, eos)]
+            )
             return dataclasses.replace(prepared, params=params)
 
         monkeypatch.setattr(preparer, "prepare", prepare.__get__(preparer))
@@ -125,8 +143,12 @@ def test_chat_stream_of_a_tool_call_split_at_every_character(v4, force, vector, 
     force(completion, V4_TAGS if spelling == "v4" else V4_1_TAGS)
     thinking = golden["thinking_mode"] == "thinking"
     stream = oai(v4).chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "What's the weather in Beijing?"}], tools=[WEATHER], temperature=0,
-        stream=True, reasoning_effort="high" if thinking else "none",
+        model=NAME,
+        messages=[{"role": "user", "content": "What's the weather in Beijing?"}],
+        tools=[WEATHER],
+        temperature=0,
+        stream=True,
+        reasoning_effort="high" if thinking else "none",
     )
     content, reasoning, calls, chunks = "", "", {}, 0
     for chunk in stream:
@@ -137,7 +159,9 @@ def test_chat_stream_of_a_tool_call_split_at_every_character(v4, force, vector, 
         raw = delta.model_dump_json()
         assert "\ufffd" not in raw and "\\ufffd" not in raw, raw
         content += delta.content or ""
-        reasoning += getattr(delta, "reasoning_content", None) or (delta.model_extra or {}).get("reasoning_content") or ""
+        reasoning += (
+            getattr(delta, "reasoning_content", None) or (delta.model_extra or {}).get("reasoning_content") or ""
+        )
         for call in delta.tool_calls or ():
             entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
             entry["name"] += call.function.name or ""
@@ -151,9 +175,18 @@ def test_chat_stream_of_a_tool_call_split_at_every_character(v4, force, vector, 
 @pytest.mark.parametrize("spelling", ["v4", "v4.1"])
 def test_chat_tool_call_not_streamed(v4, force, spelling):
     golden = PARSE["chat_answer_with_tool"]
-    force(golden["completion"] if spelling == "v4" else v41(golden["completion"]), V4_TAGS if spelling == "v4" else V4_1_TAGS, by_character=False)
-    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Look it up."}], tools=[WEATHER],
-                                            temperature=0, reasoning_effort="none")
+    force(
+        golden["completion"] if spelling == "v4" else v41(golden["completion"]),
+        V4_TAGS if spelling == "v4" else V4_1_TAGS,
+        by_character=False,
+    )
+    reply = oai(v4).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Look it up."}],
+        tools=[WEATHER],
+        temperature=0,
+        reasoning_effort="none",
+    )
     message = reply.choices[0].message
     assert message.content == golden["parsed"]["content"]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected_calls(golden)
@@ -164,8 +197,13 @@ def test_messages_stream_of_a_tool_call_split_at_every_character(v4, force):
     golden = PARSE["thinking_tool_call"]
     force(golden["completion"])
     client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
-    with client.messages.stream(model=NAME, max_tokens=1500, tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
-                                messages=[{"role": "user", "content": "Weather?"}], thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+    with client.messages.stream(
+        model=NAME,
+        max_tokens=1500,
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        messages=[{"role": "user", "content": "Weather?"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    ) as stream:
         for event in stream:
             assert "\ufffd" not in event.model_dump_json(), event
         message = stream.get_final_message()
@@ -179,8 +217,16 @@ def test_messages_stream_of_a_tool_call_split_at_every_character(v4, force):
 def test_responses_stream_of_a_tool_call(v4, force):
     golden = PARSE["chat_answer_with_tool"]
     force(golden["completion"], by_character=False)
-    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
-    events = list(oai(v4).responses.create(model=NAME, input="Look it up.", tools=[tool], reasoning={"effort": "none"}, stream=True))
+    tool = {
+        "type": "function",
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    }
+    events = list(
+        oai(v4).responses.create(
+            model=NAME, input="Look it up.", tools=[tool], reasoning={"effort": "none"}, stream=True
+        )
+    )
     final = [e for e in events if e.type == "response.completed"][-1].response
     calls = [(item.name, json.loads(item.arguments)) for item in final.output if item.type == "function_call"]
     text = "".join(part.text for item in final.output if item.type == "message" for part in item.content)
@@ -189,9 +235,11 @@ def test_responses_stream_of_a_tool_call(v4, force):
 
 
 D = "｜DSML｜"
-LONG_CALL = (f'I will look.\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="location" string="true">'
-             f'Beijing, "the capital", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n</{D}parameter>\n'
-             f'<{D}parameter name="days" string="false">[1, 2, 3]</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}')
+LONG_CALL = (
+    f'I will look.\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="location" string="true">'
+    f'Beijing, "the capital", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n</{D}parameter>\n'
+    f'<{D}parameter name="days" string="false">[1, 2, 3]</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}'
+)
 
 
 def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_reply(v4, force):
@@ -201,24 +249,47 @@ def test_arguments_stream_piece_by_piece_on_every_api_and_join_to_the_whole_repl
     non-streamed reply's arguments."""
     force(LONG_CALL, by_character=False)
     client = oai(v4)
-    chat = dict(model=NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], temperature=0, reasoning_effort="none")
+    chat = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        temperature=0,
+        reasoning_effort="none",
+    )
     whole = client.chat.completions.create(**chat).choices[0].message.tool_calls[0].function
-    assert json.loads(whole.arguments) == {"location": "Beijing, \"the capital\", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n", "days": [1, 2, 3]}
-    pieces = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**chat, stream=True)
-              if c.choices and c.choices[0].delta.tool_calls]
+    assert json.loads(whole.arguments) == {
+        "location": 'Beijing, "the capital", 北京 — and its suburbs: Haidian, Chaoyang, Fengtai\n',
+        "days": [1, 2, 3],
+    }
+    pieces = [
+        c.choices[0].delta.tool_calls[0]
+        for c in client.chat.completions.create(**chat, stream=True)
+        if c.choices and c.choices[0].delta.tool_calls
+    ]
     assert pieces[0].function.name == whole.name == "get_weather" and len(pieces) > 5
     assert "".join(p.function.arguments or "" for p in pieces) == whole.arguments
 
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
-    events = list(client.responses.create(model=NAME, input="Weather?", tools=[tool], reasoning={"effort": "none"}, stream=True))
+    events = list(
+        client.responses.create(model=NAME, input="Weather?", tools=[tool], reasoning={"effort": "none"}, stream=True)
+    )
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(deltas) > 5 and "".join(deltas) == done[0].arguments == whole.arguments
 
     claude = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
-    with claude.messages.stream(model=NAME, max_tokens=500, tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
-                                messages=[{"role": "user", "content": "Weather?"}], thinking={"type": "disabled"}) as stream:
-        partial = [e.delta.partial_json for e in stream if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    with claude.messages.stream(
+        model=NAME,
+        max_tokens=500,
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        messages=[{"role": "user", "content": "Weather?"}],
+        thinking={"type": "disabled"},
+    ) as stream:
+        partial = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
         message = stream.get_final_message()
     assert len(partial) > 5 and "".join(partial) == whole.arguments
     assert [b.input for b in message.content if b.type == "tool_use"] == [json.loads(whole.arguments)]
@@ -235,8 +306,13 @@ def test_emoji_and_cjk_never_stream_a_replacement_character(v4, force):
     assert any("\ufffd" in v4.tokenizer.decode([i]) for i in ids)  # some tokens are partial characters
     force(None, ids=ids + [v4.tokenizer.token_to_id(EOS)])
     pieces = []
-    for chunk in oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say hello."}], temperature=0,
-                                                 stream=True, reasoning_effort="none"):
+    for chunk in oai(v4).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Say hello."}],
+        temperature=0,
+        stream=True,
+        reasoning_effort="none",
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     assert all("\ufffd" not in p for p in pieces), pieces
@@ -252,13 +328,23 @@ def test_a_stop_sequence_the_parser_finds_is_a_stop_not_an_abort(v4, force):
 
     def counts() -> dict[str, float]:
         text = httpx.get(f"{v4.base_url}/metrics", timeout=10).text
-        return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text)
-                for s in f.samples if s.name == "deepinfer:request_success_total"}
+        return {
+            s.labels["finished_reason"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "deepinfer:request_success_total"
+        }
 
     force("Paris is lovely. END and then a long ramble that never stops" * 4 + EOS, by_character=False)
     before = counts()
-    stream = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0, stream=True,
-                                             reasoning_effort="none", stop=["END"])
+    stream = oai(v4).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        stream=True,
+        reasoning_effort="none",
+        stop=["END"],
+    )
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Paris is lovely. "
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -278,19 +364,35 @@ def test_a_non_streamed_request_ends_at_the_stop_sequence_not_at_max_tokens(v4, 
     text = "Paris is lovely. END and then a long ramble that never stops" * 8 + EOS
     force(text, by_character=False)
     total = len(v4.tokenizer.encode(text.removesuffix(EOS), add_special_tokens=False).ids)
-    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0,
-                                            reasoning_effort="none", stop=["END"], max_tokens=1000)
+    reply = oai(v4).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        reasoning_effort="none",
+        stop=["END"],
+        max_tokens=1000,
+    )
     assert reply.choices[0].message.content == "Paris is lovely. "
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens < 12 < total, (reply.usage, total)
     client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
-    message = client.messages.create(model=NAME, max_tokens=1000, messages=[{"role": "user", "content": "Hi"}], stop_sequences=["END"],
-                                     thinking={"type": "disabled"})
+    message = client.messages.create(
+        model=NAME,
+        max_tokens=1000,
+        messages=[{"role": "user", "content": "Hi"}],
+        stop_sequences=["END"],
+        thinking={"type": "disabled"},
+    )
     assert [b.text for b in message.content if b.type == "text"] == ["Paris is lovely. "]
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "END"
     assert message.usage.output_tokens < 12
-    with client.messages.stream(model=NAME, max_tokens=1000, messages=[{"role": "user", "content": "Hi"}], stop_sequences=["never", "END"],
-                                thinking={"type": "disabled"}) as stream:
+    with client.messages.stream(
+        model=NAME,
+        max_tokens=1000,
+        messages=[{"role": "user", "content": "Hi"}],
+        stop_sequences=["never", "END"],
+        thinking={"type": "disabled"},
+    ) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == "END"
     assert v4.wait_idle()["kv_usage"] == 0.0
@@ -304,8 +406,17 @@ def test_disable_parallel_tool_use_gives_one_tool_use_block(v4, force):
     force(golden["completion"], by_character=False)
     first = expected_calls(golden)[:1]
     client = anthropic.Anthropic(base_url=v4.base_url, api_key="unused", max_retries=0, timeout=300)
-    tools = [{"name": "lookup", "input_schema": {"type": "object"}}, {"name": "noargs", "input_schema": {"type": "object"}}]
-    kwargs = dict(model=NAME, max_tokens=500, messages=[{"role": "user", "content": "Look it up."}], tools=tools, thinking={"type": "disabled"})
+    tools = [
+        {"name": "lookup", "input_schema": {"type": "object"}},
+        {"name": "noargs", "input_schema": {"type": "object"}},
+    ]
+    kwargs = dict(
+        model=NAME,
+        max_tokens=500,
+        messages=[{"role": "user", "content": "Look it up."}],
+        tools=tools,
+        thinking={"type": "disabled"},
+    )
     both = client.messages.create(**kwargs, tool_choice={"type": "auto"})
     assert [(b.name, b.input) for b in both.content if b.type == "tool_use"] == expected_calls(golden)
     one = client.messages.create(**kwargs, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
@@ -315,8 +426,14 @@ def test_disable_parallel_tool_use_gives_one_tool_use_block(v4, force):
         streamed = stream.get_final_message()
     assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == first
     assert streamed.stop_reason == "tool_use"
-    reply = oai(v4).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Look it up."}], tools=[WEATHER],
-                                            temperature=0, reasoning_effort="none", parallel_tool_calls=False)
+    reply = oai(v4).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Look it up."}],
+        tools=[WEATHER],
+        temperature=0,
+        reasoning_effort="none",
+        parallel_tool_calls=False,
+    )
     assert [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls] == first
     assert reply.choices[0].finish_reason == "tool_calls"
     assert v4.wait_idle()["kv_usage"] == 0.0

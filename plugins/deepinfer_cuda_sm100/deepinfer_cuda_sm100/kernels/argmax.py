@@ -6,6 +6,7 @@ program picks the best chunk. Ties go to the lowest index, as ``torch.argmax`` d
 keeps its leftmost maximum, chunks are compared left to right). NaN counts as +inf (torch ranks
 NaN above every number; either way such a row is a broken step, not a choice).
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,6 +52,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return out
     vals = torch.empty(N, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(N, chunks)](logits, vals, idx, V, logits.stride(0), chunks, BLOCK=CHUNK, **launch_kw(logits), num_warps=4)
-    _pick_chunk_kernel[(N,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), **launch_kw(logits), num_warps=4)
+    _chunk_argmax_kernel[(N, chunks)](
+        logits, vals, idx, V, logits.stride(0), chunks, BLOCK=CHUNK, **launch_kw(logits), num_warps=4
+    )
+    _pick_chunk_kernel[(N,)](
+        vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), **launch_kw(logits), num_warps=4
+    )
     return out

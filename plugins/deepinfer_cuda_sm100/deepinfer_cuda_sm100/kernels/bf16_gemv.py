@@ -14,6 +14,7 @@ Only the order of the float32 sums differs from cuBLAS (which also accumulates i
 row's result can differ from it in the last bit: batch-invariant forwards and float32 never come
 here (:func:`dense_linear` and :func:`head_linear` hand them to torch).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,12 +73,29 @@ def _load_w(w_rows, rk, n_ok, k_end, stride_wk, EVEN_N: tl.constexpr, EVEN_K: tl
     elif EVEN_K:
         w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None], other=0.0).to(tl.float32)
     else:
-        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < k_end)[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < k_end)[None, :], other=0.0).to(
+            tl.float32
+        )
     return w
 
 
 @triton.jit
-def _gemv_step(acc, w, rk, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr):
+def _gemv_step(
+    acc,
+    w,
+    rk,
+    x_base,
+    stride_xm,
+    nw_ptr,
+    inv,
+    rows,
+    M,
+    k_end,
+    x_ty: tl.constexpr,
+    ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """acc[r] += slab w against x's row r at K offsets ``rk`` (normalised first with ``NORM``)."""
     for r in tl.static_range(ROWS):
         if r < M:
@@ -99,11 +117,35 @@ def _gemv_step(acc, w, rk, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, nw_ptr, eps, M, N, K, K_PER,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_ob, stride_om, stride_split,
-    final_ptr, cnt_ptr, stride_fb, stride_fm,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FIXUP: tl.constexpr,
-    NORM: tl.constexpr, PDL: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    nw_ptr,
+    eps,
+    M,
+    N,
+    K,
+    K_PER,
+    stride_xb,
+    stride_xm,
+    stride_wb,
+    stride_wn,
+    stride_wk,
+    stride_ob,
+    stride_om,
+    stride_split,
+    final_ptr,
+    cnt_ptr,
+    stride_fb,
+    stride_fm,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FIXUP: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (n, s, b): output columns n * BLOCK_N.. of stack entry b, K from s * K_PER (whole
     steps); ``out`` is the result (one split) or split s's float32 partial (``stride_split``
@@ -135,13 +177,30 @@ def _gemv_kernel(
                     a = tl.load(x_base + r * stride_xm + k1 + rk0, mask=k1 + rk0 < K, other=0.0).to(tl.float32)
                     sq += a * a
                 inv = tl.where(rows == r, 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps), inv)
-    acc = _gemv_step(acc, w_first, k_first + rk0, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty, ROWS, EVEN_K, NORM)
+    acc = _gemv_step(
+        acc, w_first, k_first + rk0, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty, ROWS, EVEN_K, NORM
+    )
     for k0 in range(k_first + BLOCK_K, k_end, BLOCK_K):
         rk = k0 + rk0
         w = _load_w(w_rows, rk, n_ok, k_end, stride_wk, EVEN_N, EVEN_K)
         acc = _gemv_step(acc, w, rk, x_base, stride_xm, nw_ptr, inv, rows, M, k_end, x_ty, ROWS, EVEN_K, NORM)
     # FIXUP only with one stack entry (b == 0): the last split of each column tile sums them in split order
-    _gemv_epilogue(acc, out_ptr + pid_b * stride_ob, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP)
+    _gemv_epilogue(
+        acc,
+        out_ptr + pid_b * stride_ob,
+        final_ptr,
+        cnt_ptr,
+        rows,
+        rn,
+        n_ok,
+        M,
+        pid_n,
+        pid_s,
+        stride_om,
+        stride_split,
+        stride_fm,
+        FIXUP,
+    )
 
 
 def gemv_splits(N: int, K: int, cfg: Bf16GemvConfig, stack: int = 1) -> int:
@@ -151,8 +210,14 @@ def gemv_splits(N: int, K: int, cfg: Bf16GemvConfig, stack: int = 1) -> int:
     return max(1, min(steps, cfg.split or triton.cdiv(cfg.target_programs, tiles)))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, counters: SplitCounters | None = None, cfg: Bf16GemvConfig | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    counters: SplitCounters | None = None,
+    cfg: Bf16GemvConfig | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
     """``out[b] = x[b] @ weight[b]^T`` for ``x [B, M, K]`` (contiguous along K), ``weight
     [B, N, K]`` and ``out [B, M, N]`` (any other strides), ``1 <= M <= GEMV_ROWS``; with ``norm
     = (g [K], eps)`` x's rows RMS-normalised first (B == 1). K splits only for one stack entry
@@ -181,7 +246,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, counters: Spl
         FIXUP=cnt is not None, NORM=norm is not None, **launch_kw(x), num_warps=cfg.warps, num_stages=2,
     )  # fmt: skip
     if split > 1 and cnt is None:  # out is [1, M, N]: contiguous in the partials' order when its rows are
-        flat = out if out.stride(1) == N and out.stride(2) == 1 else torch.empty(1, M, N, dtype=out.dtype, device=out.device)
+        flat = (
+            out
+            if out.stride(1) == N and out.stride(2) == 1
+            else torch.empty(1, M, N, dtype=out.dtype, device=out.device)
+        )
         _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dest, flat, M * N, SPLIT=split, BLOCK=1024, num_warps=4)
         if flat is not out:
             out.copy_(flat)
@@ -197,8 +266,13 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     )  # fmt: skip
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, counters: SplitCounters | None = None, cfg: Bf16GemvConfig | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counters: SplitCounters | None = None,
+    cfg: Bf16GemvConfig | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
     """``FusedOps.dense_linear``: ``x [..., K] @ weight [N, K]^T`` -> ``[..., N]`` in x's dtype,
     with ``norm = (g, eps)`` of ``rms_norm(x, g, eps)`` (the plugin's norm: one launch fewer);
     the GEMV for 1 to GEMV_ROWS 16-bit rows (not in batch-invariant mode), else the norm kernel

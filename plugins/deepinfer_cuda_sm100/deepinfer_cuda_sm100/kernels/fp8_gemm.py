@@ -13,6 +13,7 @@ One tile configuration per row count class; a batch-invariant forward keeps one 
 for every row count (the rows of a tile never interact, so a row's result then depends on that
 row alone).
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,17 +73,38 @@ def act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x2.device)
     scale = torch.empty(M, -(-K // FP8_BLOCK), dtype=torch.float32, device=x2.device)
     if M:
-        _act_quant_kernel[(triton.cdiv(M, 16), scale.shape[1])](x2, q, scale, M, K, x2.stride(0), q.stride(0), scale.stride(0), UPCAST=interpreting(), num_warps=4)
+        _act_quant_kernel[(triton.cdiv(M, 16), scale.shape[1])](
+            x2, q, scale, M, K, x2.stride(0), q.stride(0), scale.stride(0), UPCAST=interpreting(), num_warps=4
+        )
     return q, scale
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER,
-    stride_xm, stride_xs, stride_wn, stride_sn, stride_om, stride_split,
-    final_ptr, cnt_ptr, stride_fm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, A_MODE: tl.constexpr, FIXUP: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PER,
+    stride_xm,
+    stride_xs,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    stride_split,
+    final_ptr,
+    cnt_ptr,
+    stride_fm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    A_MODE: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     """A_MODE 0: float32 x, the weight widened (exact); 1: 16-bit x quantized here per K step
     (few rows: nothing repeats much); 2: x already e4m3 with scales ``xs`` (:func:`act_quant`).
@@ -103,8 +125,12 @@ def _fp8_linear_kernel(
     for k0 in range(pid_s * K_PER, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < k_end
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
         s = tl.load(s_ptr + (rn // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
         if A_MODE == 0:  # float32 activations: the weight widened exactly, products in float32
             part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -134,7 +160,11 @@ def _fp8_linear_kernel(
             for j in range(1, tl.num_programs(2)):
                 total += tl.load(ws + j * stride_split + tile_offs, mask=tile_ok, other=0.0, cache_modifier=".cg")
             f_ty = final_ptr.dtype.element_ty
-            tl.store(final_ptr + rm[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=tile_ok)
+            tl.store(
+                final_ptr + rm[:, None].to(tl.int64) * stride_fm + rn[None, :],
+                _round(total, f_ty).to(f_ty),
+                mask=tile_ok,
+            )
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays too)
 
 
@@ -207,7 +237,9 @@ def _config(M: int, N: int, invariant: bool) -> tuple[int, int, int, int, int]:
     return 128, 128, 128, 8, 3
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, counters: SplitCounters | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, counters: SplitCounters | None = None
+) -> torch.Tensor:
     """``x [..., K]`` (bf16 / fp16 / float32) times ``weight [N, K]`` (float8_e4m3fn) with
     ``scale_inv [ceil(N/128), ceil(K/128)]`` (float32, "multiply") -> ``[..., N]`` in x's dtype
     (16-bit x quantized per row and 128 channels as :func:`quantize_activations` states).
@@ -248,7 +280,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, c
         # split's 64 x 64 tile cost more than the separate launch (H200, V3-mini FP8 at 64
         # requests: dense FP8 GEMMs 0.61 vs 0.45 ms a step; at 1 request 0.32 vs 0.31 ms with 47
         # fewer launches)
-        cnt = counters.get(x.device, grid[0] * grid[1]) if counters is not None and split > 1 and M <= FIXUP_ROWS else None
+        cnt = (
+            counters.get(x.device, grid[0] * grid[1])
+            if counters is not None and split > 1 and M <= FIXUP_ROWS
+            else None
+        )
         _fp8_linear_kernel[grid](
             x2, xs, weight, scale_inv, dest, M, N, K, k_per,
             x2.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0), N if split > 1 else out.stride(0), M * N,

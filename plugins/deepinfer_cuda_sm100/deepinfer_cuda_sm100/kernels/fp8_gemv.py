@@ -16,6 +16,7 @@ the float32 sums differs from the tiled GEMM, so a row's result can differ from 
 bits: a batch-invariant forward never comes here (``fp8_linear`` keeps one tiling for every row
 count there).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,10 +49,27 @@ class GemvConfig:
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-    final_ptr, cnt_ptr, stride_fm,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, UPCAST: tl.constexpr, FIXUP: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PER,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    stride_split,
+    final_ptr,
+    cnt_ptr,
+    stride_fm,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     """Program (n, s): output columns n * BLOCK_N.., K from s * K_PER (whole groups); ``out`` is
     the result (one split) or split s's float32 partial (``stride_split`` apart)."""
@@ -70,7 +88,11 @@ def _fp8_gemv_kernel(
         k_ok = rk < k_end
         w = tl.load(w_rows + rk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
         g_ok = k0 + rg * 128 < k_end
-        sw = tl.load(s_ptr + (rn // 128)[:, None] * stride_sn + (k0 // 128 + rg)[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+        sw = tl.load(
+            s_ptr + (rn // 128)[:, None] * stride_sn + (k0 // 128 + rg)[None, :],
+            mask=n_ok[:, None] & g_ok[None, :],
+            other=0.0,
+        )
         for r in tl.static_range(ROWS):
             if r < M:
                 a = tl.load(x_ptr + r * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)
@@ -78,11 +100,28 @@ def _fp8_gemv_kernel(
                 dots = tl.sum(w * q.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_N, GROUPS], exact products
                 part = tl.sum(dots * sw * sa[None, :], axis=1)
                 acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    _gemv_epilogue(acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP)
+    _gemv_epilogue(
+        acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP
+    )
 
 
 @triton.jit
-def _gemv_epilogue(acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, pid_s, stride_om, stride_split, stride_fm, FIXUP: tl.constexpr):
+def _gemv_epilogue(
+    acc,
+    out_ptr,
+    final_ptr,
+    cnt_ptr,
+    rows,
+    rn,
+    n_ok,
+    M,
+    pid_n,
+    pid_s,
+    stride_om,
+    stride_split,
+    stride_fm,
+    FIXUP: tl.constexpr,
+):
     """A GEMV program's end (this kernel's and ``bf16_gemv``'s): rows ``rows < M`` x columns
     ``rn`` of ``acc`` stored, rounded to ``out``'s dtype, as split ``pid_s``'s result
     (``stride_split`` apart; the result itself when K is not split). ``FIXUP``: the last split of
@@ -100,7 +139,9 @@ def _gemv_epilogue(acc, out_ptr, final_ptr, cnt_ptr, rows, rn, n_ok, M, pid_n, p
             for j in range(1, tl.num_programs(1)):
                 total += tl.load(out_ptr + j * stride_split + offs, mask=ok, other=0.0, cache_modifier=".cg")
             f_ty = final_ptr.dtype.element_ty
-            tl.store(final_ptr + rows[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=ok)
+            tl.store(
+                final_ptr + rows[:, None].to(tl.int64) * stride_fm + rn[None, :], _round(total, f_ty).to(f_ty), mask=ok
+            )
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (graph replays too)
 
 
@@ -111,7 +152,14 @@ def gemv_splits(N: int, K: int, cfg: GemvConfig) -> int:
     return max(1, min(steps, cfg.split or triton.cdiv(cfg.target_programs, tiles)))
 
 
-def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor, counters: SplitCounters | None = None, cfg: GemvConfig = GemvConfig()) -> torch.Tensor:
+def fp8_gemv(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    counters: SplitCounters | None = None,
+    cfg: GemvConfig = GemvConfig(),
+) -> torch.Tensor:
     """``out [M, N] = x2 [M, K] @ dequant(weight)^T`` for ``1 <= M <= GEMV_ROWS`` 16-bit rows
     (contiguous along K); shapes are checked by the caller (``fp8_linear``)."""
     M, K = x2.shape

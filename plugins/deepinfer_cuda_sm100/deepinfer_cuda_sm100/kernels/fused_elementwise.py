@@ -7,6 +7,7 @@ never depends on the batch), and writes once, rounding exactly where the referen
 :mod:`deepinfer_core.fused_ops` round (normalised value to the input dtype, then the product
 with the weight to the output dtype).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,7 +46,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK: t
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _add_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    h_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_h,
+    D,
+    eps,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """The residual add (rounded to the residual's dtype, as torch adds) stored, then the norm of
     that sum as :func:`_rms_norm_kernel` computes it: one read of each input row, two writes."""
     gdc_enter(PDL)
@@ -79,9 +94,27 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
 
 @triton.jit
 def _rope_cat_kernel(
-    lat_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-    s_lt, s_lh, s_pt, s_ph, s_ot, s_oh, s_cos, H, C, HALF,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
+    lat_ptr,
+    pe_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    s_lt,
+    s_lh,
+    s_pt,
+    s_ph,
+    s_ot,
+    s_oh,
+    s_cos,
+    H,
+    C,
+    HALF,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token's ``BLOCK_H`` heads: the token's cos/sin row is read once for all of them and
     each load is a [heads, channels] tile (a program per (token, head) ran 16 x more programs of
@@ -122,8 +155,24 @@ def _rope_cat_kernel(
 
 @triton.jit
 def _norm_rope_cat_kernel(
-    lat_ptr, w_ptr, pe_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, s_lt, s_pt, s_ot, s_cos, C, HALF, eps,
-    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
+    lat_ptr,
+    w_ptr,
+    pe_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    s_lt,
+    s_pt,
+    s_ot,
+    s_cos,
+    C,
+    HALF,
+    eps,
+    INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token's MLA cache entry: :func:`_rms_norm_kernel`'s row (the same loads, float32
     reduction and rounding points) stored as the latent part, then :func:`_rope_cat_kernel`'s
@@ -187,7 +236,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """``x [T, H, d]`` (rows may be strided, e.g. a slice of a fused QKV output) rotated with
     ``cos``/``sin [T, 1, d]`` in x's dtype: one launch instead of ~5 torch ops per layer."""
     T, H, d = x.shape
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or d % 2 or cos.dtype != x.dtype or sin.dtype != x.dtype:
+    if (
+        x.stride(-1) != 1
+        or cos.stride(-1) != 1
+        or sin.stride(-1) != 1
+        or d % 2
+        or cos.dtype != x.dtype
+        or sin.dtype != x.dtype
+    ):
         from deepinfer_core.fused_ops import rotary_reference
 
         return rotary_reference(x, cos, sin)
@@ -203,7 +259,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 ROPE_CAT_TILE_TOKENS = 256  # from this many tokens rope_cat puts up to 16 heads in a program
 
 
-def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope_cat(
+    latent: torch.Tensor,
+    pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
     T, H, C = latent.shape[0], pe.shape[1], latent.shape[-1]
     r = pe.shape[-1]
     if latent.stride(-1) != 1:
@@ -226,7 +289,16 @@ def rope_cat(latent: torch.Tensor, pe: torch.Tensor, positions: torch.Tensor, co
     return out
 
 
-def norm_rope_cat(latent: torch.Tensor, weight: torch.Tensor, eps: float, pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def norm_rope_cat(
+    latent: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
     """``rope_cat(rms_norm(latent, weight, eps)[:, None], pe, ...)`` (MLA's key: ``latent [T, C]``,
     ``pe [T, 1, r]``) in one launch instead of two, the same values (FusedOps.norm_rope_cat)."""
     T, C, r = latent.shape[0], latent.shape[-1], pe.shape[-1]
@@ -262,11 +334,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK=block, **launch_kw(x2), num_warps=warps, enable_fp_fusion=False)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            weight,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            D,
+            eps,
+            BLOCK=block,
+            **launch_kw(x2),
+            num_warps=warps,
+            enable_fp_fusion=False,
+        )
     return out.view(*x.shape[:-1], D)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(residual + x), residual + x)`` in one launch (inputs of one dtype and shape;
     anything else takes the two separate ops)."""
     if x.dtype != residual.dtype or x.shape != residual.shape:
@@ -292,8 +378,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, **launch_kw(x2), num_warps=4, enable_fp_fusion=False)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](
+            x2, out, x2.stride(0), out.stride(0), I, BLOCK=block, **launch_kw(x2), num_warps=4, enable_fp_fusion=False
+        )
     return out.view(*x.shape[:-1], I)
 
 
-FUSED_OPS = FusedOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_cat=rope_cat, norm_rope_cat=norm_rope_cat, add_rms_norm=add_rms_norm, rotary=rotary)
+FUSED_OPS = FusedOps(
+    rms_norm=rms_norm,
+    silu_and_mul=silu_and_mul,
+    rope_cat=rope_cat,
+    norm_rope_cat=norm_rope_cat,
+    add_rms_norm=add_rms_norm,
+    rotary=rotary,
+)

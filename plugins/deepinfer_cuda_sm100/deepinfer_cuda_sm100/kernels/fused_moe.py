@@ -12,6 +12,7 @@ is computed by the same tile program whatever else is in the batch, and the fina
 token's k rows is a fixed-order reduction: results do not depend on the batch's composition
 as long as the tile configuration is the same (``choose_block_m`` keeps decode batches on one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -43,13 +44,39 @@ def _tile_of(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, xs_ptr,
-    num_rows, top_k, D, I,
-    stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_xs,
-    limit, num_tiles_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    w_desc,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    total_ptr,
+    s_ptr,
+    xs_ptr,
+    num_rows,
+    top_k,
+    D,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    stride_se,
+    stride_sn,
+    stride_xs,
+    limit,
+    num_tiles_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    PREQ: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -73,8 +100,12 @@ def _gate_up_kernel(
                 wg = w_desc.load([row0, k0]).T
                 wu = w_desc.load([row0 + I, k0]).T
             else:
-                wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                wu = tl.load(w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                wg = tl.load(
+                    w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
+                wu = tl.load(
+                    w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
             if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
                 s_base = s_ptr + e * stride_se + k0 // 128
                 if PREQ:  # x already e4m3 (act_quant), one scale per token and group
@@ -84,8 +115,16 @@ def _gate_up_kernel(
                     q, sa = _quant_rows(a.to(tl.float32), UPCAST)
                 if UPCAST:
                     q, wg, wu = q.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-                pg = tl.dot(q, wg) * sa[:, None] * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
-                pu = tl.dot(q, wu) * sa[:, None] * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                pg = (
+                    tl.dot(q, wg)
+                    * sa[:, None]
+                    * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                )
+                pu = (
+                    tl.dot(q, wu)
+                    * sa[:, None]
+                    * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                )
             else:
                 if UPCAST:
                     a = a.to(tl.float32)
@@ -109,17 +148,46 @@ def _gate_up_kernel(
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
         act = _round(gate / (1.0 + tl.exp(-gate)) * up, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(
+            out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :],
+            act.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & n_ok[None, :],
+        )
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, h_desc, w_desc, out_ptr, sorted_ptr, expert_ptr, total_ptr, s_ptr, hs_ptr,
-    num_rows, D, I,
-    stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_hs, num_tiles_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, QUANT_A: tl.constexpr, PREQ: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    h_desc,
+    w_desc,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    total_ptr,
+    s_ptr,
+    hs_ptr,
+    num_rows,
+    D,
+    I,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    stride_se,
+    stride_sn,
+    stride_hs,
+    num_tiles_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    PREQ: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -140,8 +208,14 @@ def _down_kernel(
                 a = h_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
                 w = w_desc.load([(e * D + pid_n * BLOCK_N).to(tl.int32), k0]).T
             else:
-                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                a = tl.load(
+                    h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
             if FP8 and QUANT_A:
                 if PREQ:
                     q = a
@@ -161,15 +235,35 @@ def _down_kernel(
                 else:
                     part = tl.dot(a, w)
                 if FP8:
-                    part = part * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[None, :]
+                    part = (
+                        part
+                        * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[
+                            None, :
+                        ]
+                    )
             acc += part
         # the product rounded to the activation dtype, as the unfused reference rounds it; the
         # routing weight is applied in the sum (half the bytes of float32 rows in 16-bit models)
-        tl.store(out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(
+            out_ptr + flat[:, None].to(tl.int64) * stride_ot + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & n_ok[None, :],
+        )
 
 
 @triton.jit
-def _sum_rows_kernel(rows_ptr, weights_ptr, add_ptr, out_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_rows_kernel(
+    rows_ptr,
+    weights_ptr,
+    add_ptr,
+    out_ptr,
+    D,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """out[t] = ((r0 + r1) + r2) + ... in float32, as the unfused loop added them; with
     ``HAS_W`` each row is first widened and times its routing weight (r_j = y_j w_j, the product
     rounded to float32 before the add: launched without FMA fusion); with ``HAS_ADD`` the row
@@ -234,7 +328,9 @@ DECODE_GATE_UP = MoEConfig(16, 64, 128, 4, 3, tma=True)
 DECODE_DOWN = MoEConfig(16, 64, 128, 4, 3)
 
 
-def decode_configs(num_rows: int, num_experts: int, hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> tuple[MoEConfig, MoEConfig] | None:
+def decode_configs(
+    num_rows: int, num_experts: int, hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None
+) -> tuple[MoEConfig, MoEConfig] | None:
     """``(gate/up, down)`` tiles for a decode-sized batch of 16-bit activations and experts of
     their dtype (few rows an expert: the GEMMs stream the expert weights, so deeper K steps keep
     more bytes in flight), or None: FP8 experts (``_fp8_tiles``), float32 activations (wider A
@@ -257,8 +353,18 @@ class Alignment:
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, expert_ptr, total_ptr, counts_ptr, num_rows, capacity, num_experts,
-    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    ids_ptr,
+    sorted_ptr,
+    expert_ptr,
+    total_ptr,
+    counts_ptr,
+    num_rows,
+    capacity,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    E_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """moe_align for decode-sized batches, one program per expert (~25 small torch launches per
     MoE layer become one): every program counts the rows of every expert (the ids are a few KB,
@@ -391,7 +497,9 @@ def fused_moe(
     k = topk_ids.shape[1]
     num_rows = T * k
     explicit = config is not None
-    decode = None if explicit or down_config is not None else decode_configs(num_rows, E, hidden, gate_up, gate_up_scale)
+    decode = (
+        None if explicit or down_config is not None else decode_configs(num_rows, E, hidden, gate_up, gate_up_scale)
+    )
     if decode is not None:
         config, down_config = decode
     if down_config is None:  # FP8 and float32 (wider A tiles, more shared memory) keep one tiling
@@ -399,7 +507,9 @@ def fused_moe(
         down_config = config or (choose_down_config(num_rows, E) if plain16 else choose_config(num_rows, E))
     config = config or choose_config(num_rows, E)
     if down_config.block_m != config.block_m:
-        raise ValueError(f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): both GEMMs walk one alignment")
+        raise ValueError(
+            f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): both GEMMs walk one alignment"
+        )
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None) or (fp8 and inter % 128):
         raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
@@ -410,7 +520,9 @@ def fused_moe(
     if _use_gemv(explicit, num_rows, hidden, gate_up):  # a few decode rows: per-row GEMVs, no alignment
         from .moe_gemv import moe_gemv
 
-        rows_out = moe_gemv(hidden.contiguous(), gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale)
+        rows_out = moe_gemv(
+            hidden.contiguous(), gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale
+        )
         return _sum_rows(rows_out, hidden, k, addend=addend), _counts(topk_ids, E)
     preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
     gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
@@ -438,7 +550,9 @@ def fused_moe(
     h_in, h_scale = act_quant(act) if preq else (act, gs)
     dc = down_config
     dn_desc = _descriptors(dc, fp8, hidden, down, D)
-    h_desc = _descriptors(replace(dc, block_n=dc.block_m), fp8, hidden, act, dc.block_m) if dn_desc is not None else None
+    h_desc = (
+        _descriptors(replace(dc, block_n=dc.block_m), fp8, hidden, act, dc.block_m) if dn_desc is not None else None
+    )
     _down_kernel[(tiles * triton.cdiv(D, dc.block_n),)](
         h_in, down, down if h_desc is None else h_desc, down if dn_desc is None else dn_desc, rows_out, align.sorted_rows, align.block_expert, align.total, ds, h_scale,
         num_rows, D, inter,
@@ -458,7 +572,12 @@ def _descriptors(config: MoEConfig, fp8: bool, hidden: torch.Tensor, rows: torch
     and base need 16-byte alignment."""
     if not config.tma or fp8 or hidden.dtype not in (torch.bfloat16, torch.float16) or rows.dtype != hidden.dtype:
         return None
-    if n_span % config.block_n or not rows.is_contiguous() or (rows.shape[-1] * rows.element_size()) % 16 or rows.data_ptr() % 16:
+    if (
+        n_span % config.block_n
+        or not rows.is_contiguous()
+        or (rows.shape[-1] * rows.element_size()) % 16
+        or rows.data_ptr() % 16
+    ):
         return None
     rows = rows.reshape(-1, rows.shape[-1])
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -466,7 +585,13 @@ def _descriptors(config: MoEConfig, fp8: bool, hidden: torch.Tensor, rows: torch
     return TensorDescriptor.from_tensor(rows, [config.block_n, config.block_k])
 
 
-def _sum_rows(rows_out: torch.Tensor, hidden: torch.Tensor, k: int, weights: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+def _sum_rows(
+    rows_out: torch.Tensor,
+    hidden: torch.Tensor,
+    k: int,
+    weights: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A token's k rows summed in float32 in a fixed order, whatever the batch; one launch, not
     2k-1. ``weights [T, k]``: rows are unweighted expert outputs, each times its routing weight
     first; None: rows already weighted (float32). ``addend [T, D]``: added last, before the
@@ -490,7 +615,9 @@ def _use_gemv(explicit: bool, num_rows: int, hidden: torch.Tensor, gate_up: torc
     from .moe_gemv import MOE_GEMV_ROWS
 
     wide = hidden.dtype in (torch.bfloat16, torch.float16)
-    return not explicit and 0 < num_rows <= MOE_GEMV_ROWS and wide and gate_up.dtype in (hidden.dtype, torch.float8_e4m3fn)
+    return (
+        not explicit and 0 < num_rows <= MOE_GEMV_ROWS and wide and gate_up.dtype in (hidden.dtype, torch.float8_e4m3fn)
+    )
 
 
 def _counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ token keeps the ``hc x hc`` matrix in registers through every iteration and then
 token's ``hc`` rows once. Same operations and order as
 :func:`deepinfer_core.models.deepseek_v4_layers.hc_mix_reference`, in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,11 +34,15 @@ def _hc_mix_kernel(
     comb_s = tl.load(scale_ptr + 2)
     row = mixed_ptr + t * stride_m
     pre = tl.sigmoid(tl.load(row + i, mask=ok, other=0.0) * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0)) + eps
-    post = 2 * tl.sigmoid(tl.load(row + HC + i, mask=ok, other=0.0) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0))
+    post = 2 * tl.sigmoid(
+        tl.load(row + HC + i, mask=ok, other=0.0) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0)
+    )
     tl.store(post_ptr + t * HC + i, post, mask=ok)
     cell = i[:, None] * HC + i[None, :]
     both = ok[:, None] & ok[None, :]
-    logits = tl.load(row + 2 * HC + cell, mask=both, other=0.0) * comb_s + tl.load(base_ptr + 2 * HC + cell, mask=both, other=0.0)
+    logits = tl.load(row + 2 * HC + cell, mask=both, other=0.0) * comb_s + tl.load(
+        base_ptr + 2 * HC + cell, mask=both, other=0.0
+    )
     logits = tl.where(both, logits, float("-inf"))
     top = tl.where(ok, tl.max(logits, axis=1), 0.0)  # padding rows (hc not a power of two): no inf - inf
     e = tl.where(both, tl.exp(logits - top[:, None]), 0.0)
@@ -51,7 +56,9 @@ def _hc_mix_kernel(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < D
-        x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+        x = tl.load(
+            streams_ptr + t * stride_st + i[:, None] * stride_sh + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0
+        )
         acc = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
         tl.store(out_ptr + t * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
 

@@ -11,6 +11,7 @@ fixed-order loop over the row: a row's result depends on that row alone.
 routing weights) to these kernels (everything else passes through)
 and tells the fused MoE to keep one tile configuration.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -29,11 +30,33 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit(do_not_specialize=["M"])
 def _bmm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_xb, s_xm, s_xn,
-    alpha, beta,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    s_ab,
+    s_am,
+    s_ak,
+    s_bb,
+    s_bk,
+    s_bn,
+    s_cb,
+    s_cm,
+    s_cn,
+    s_xb,
+    s_xm,
+    s_xn,
+    alpha,
+    beta,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -43,8 +66,16 @@ def _bmm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + batch * s_ab + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + batch * s_bb + rk[:, None] * s_bk + rn[None, :].to(tl.int64) * s_bn, mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(
+            a_ptr + batch * s_ab + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak,
+            mask=(rm[:, None] < M) & (rk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + batch * s_bb + rk[:, None] * s_bk + rn[None, :].to(tl.int64) * s_bn,
+            mask=(rk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         if IEEE:
@@ -53,9 +84,15 @@ def _bmm_kernel(
             acc += tl.dot(a, b)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
-        x = tl.load(bias_ptr + batch * s_xb + rm[:, None].to(tl.int64) * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0)
+        x = tl.load(
+            bias_ptr + batch * s_xb + rm[:, None].to(tl.int64) * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0
+        )
         acc = beta * x.to(tl.float32) + alpha * acc
-    tl.store(c_ptr + batch * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        c_ptr + batch * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -71,7 +108,14 @@ def _row_reduce_kernel(x_ptr, out_ptr, D, s_x, MEAN: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + row, total.to(out_ptr.dtype.element_ty))
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def bmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``beta * bias + alpha * (a @ b)`` for ``a [B, M, K]``, ``b [B, K, N]`` (any strides), in
     ``out_dtype`` (default a's: the float32 accumulator rounded once at the store)."""
     B, M, K = a.shape
@@ -127,7 +171,13 @@ class BatchInvariantOps(TorchDispatchMode):
             return bmm(args[0], args[1])
         if func is aten.addmm.default and _ours(*args[:3]):
             bias, m1, m2 = args[:3]
-            return bmm(m1[None], m2[None], bias[None] if bias.dim() == 2 else bias, kwargs.get("beta", 1), kwargs.get("alpha", 1))[0]
+            return bmm(
+                m1[None],
+                m2[None],
+                bias[None] if bias.dim() == 2 else bias,
+                kwargs.get("beta", 1),
+                kwargs.get("alpha", 1),
+            )[0]
         if func in (aten.mean.dim, aten.sum.dim_IntList) and _ours(args[0]) and not kwargs.get("dtype"):
             x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -137,4 +187,7 @@ class BatchInvariantOps(TorchDispatchMode):
 
 
 def _ours(*tensors) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.dtype in FLOATS and (t.is_cuda or interpreting()) for t in tensors) and len({t.dtype for t in tensors}) == 1
+    return (
+        all(isinstance(t, torch.Tensor) and t.dtype in FLOATS and (t.is_cuda or interpreting()) for t in tensors)
+        and len({t.dtype for t in tensors}) == 1
+    )

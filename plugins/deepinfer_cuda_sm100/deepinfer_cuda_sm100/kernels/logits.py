@@ -8,6 +8,7 @@ output (``torch.mm(..., out_dtype=torch.float32)``) keeps those bits for the pri
 Inside a batch-invariant forward the fixed-order matmul writes float32 instead, so a row's
 logits still do not depend on its batch.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ H200's shared memory). Triton's ahead-of-time compile for an explicit target (SM
 no GPU, so the plugin's tests use it to prove the kernels lower. It must run in a process where
 the interpreter is off (``TRITON_INTERPRET`` replaces the compiler): :func:`run_script`.
 """
+
 from __future__ import annotations
 
 import inspect

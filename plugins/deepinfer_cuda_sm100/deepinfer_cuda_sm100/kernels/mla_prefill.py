@@ -19,6 +19,7 @@ Layout (one batch, ``R`` requests; ``K`` context tokens in all, request ``r``'s 
 One program computes ``BLOCK_M`` query rows of one request and one head; keys left of the
 tile's first query are visited without a mask, the diagonal band with the causal mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,15 +34,42 @@ from .paged_attention import _pow2, interpreting
 
 @triton.jit
 def _key_tile(
-    qn, qr, kn_base, kr_ptr, v_base, k_start, start, hi, qpos, m_i, l_i, acc, s_knt, s_krt, s_vt, scale_log2,
-    dn, dr, dv, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    qn,
+    qr,
+    kn_base,
+    kr_ptr,
+    v_base,
+    k_start,
+    start,
+    hi,
+    qpos,
+    m_i,
+    l_i,
+    acc,
+    s_knt,
+    s_krt,
+    s_vt,
+    scale_log2,
+    dn,
+    dr,
+    dv,
+    DN: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One ``BLOCK_N`` run of keys folded into the online softmax (base-2 exponent)."""
     kpos = start + tl.arange(0, BLOCK_N)
     k_ok = kpos < hi
     krow = k_start + kpos.to(tl.int64)
-    kn = tl.load(kn_base + krow[:, None] * s_knt + dn[None, :], mask=k_ok[:, None] & (dn < DN)[None, :], other=0.0).to(qn.dtype)
-    kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :], mask=k_ok[:, None] & (dr < DR)[None, :], other=0.0).to(qn.dtype)
+    kn = tl.load(kn_base + krow[:, None] * s_knt + dn[None, :], mask=k_ok[:, None] & (dn < DN)[None, :], other=0.0).to(
+        qn.dtype
+    )
+    kr = tl.load(kr_ptr + krow[:, None] * s_krt + dr[None, :], mask=k_ok[:, None] & (dr < DR)[None, :], other=0.0).to(
+        qn.dtype
+    )
     if IEEE:
         s = tl.dot(qn, tl.trans(kn), input_precision="ieee")
         s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
@@ -56,7 +84,9 @@ def _key_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    vv = tl.load(v_base + krow[:, None] * s_vt + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :], other=0.0).to(qn.dtype)
+    vv = tl.load(v_base + krow[:, None] * s_vt + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :], other=0.0).to(
+        qn.dtype
+    )
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), vv, input_precision="ieee")
     else:
@@ -66,12 +96,35 @@ def _key_tile(
 
 @triton.jit
 def _mla_prefill_kernel(
-    q_ptr, kn_ptr, kr_ptr, v_ptr, out_ptr, qsl_ptr, ksl_ptr, seqlen_ptr,
-    s_qt, s_qh, s_knt, s_knh, s_krt, s_vt, s_vh, s_ot, s_oh,
-    scale_log2, tiles_per_req,
-    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
-    BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    kn_ptr,
+    kr_ptr,
+    v_ptr,
+    out_ptr,
+    qsl_ptr,
+    ksl_ptr,
+    seqlen_ptr,
+    s_qt,
+    s_qh,
+    s_knt,
+    s_knh,
+    s_krt,
+    s_vt,
+    s_vh,
+    s_ot,
+    s_oh,
+    scale_log2,
+    tiles_per_req,
+    DN: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BDN: tl.constexpr,
+    BDR: tl.constexpr,
+    BDV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,7 +145,9 @@ def _mla_prefill_kernel(
         qn = tl.load(q_rows[:, None] + dn[None, :], mask=row_ok[:, None] & (dn < DN)[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter computes bf16 dots wrongly: test them in float32
             qn = qn.to(tl.float32)
-        qr = tl.load(q_rows[:, None] + DN + dr[None, :], mask=row_ok[:, None] & (dr < DR)[None, :], other=0.0).to(qn.dtype)
+        qr = tl.load(q_rows[:, None] + DN + dr[None, :], mask=row_ok[:, None] & (dr < DR)[None, :], other=0.0).to(
+            qn.dtype
+        )
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -154,7 +209,9 @@ def mla_prefill_attention(
     DN = k_nope.shape[-1]
     DR, DV = DQ - DN, v.shape[-1]
     if k_pe.shape[-1] != DR:
-        raise ValueError(f"mla_prefill_attention: q is {DQ} wide and k_nope {DN}, so k_pe must be {DR} wide, got {k_pe.shape[-1]}")
+        raise ValueError(
+            f"mla_prefill_attention: q is {DQ} wide and k_nope {DN}, so k_pe must be {DR} wide, got {k_pe.shape[-1]}"
+        )
     if any(x.stride(-1) != 1 for x in (q, k_nope, k_pe, v)):
         raise ValueError("mla_prefill_attention: q, k_nope, k_pe and v need a contiguous last dimension")
     out = torch.empty(T, H, DV, dtype=q.dtype, device=q.device)

@@ -16,6 +16,7 @@ down product kept float32 times the routing weight, a token's k rows summed by
 row's result depends on that row alone, but the tiled path handles larger batches, so a
 batch-invariant forward (an explicit tiling) never comes here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,9 +71,30 @@ def _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we,
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at, limit,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    act_ptr,
+    sh_w_ptr,
+    sh_s_ptr,
+    top_k,
+    D,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_at,
+    limit,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (j, n): row j (``_expert_base``), act[j, n-slab] = silu(gate) * up."""
     gdc_enter(PDL)
@@ -81,7 +103,9 @@ def _gate_up_gemv_kernel(
     n_ok = rn < I
     rg = tl.arange(0, GROUPS)
     rc = tl.arange(0, 128)
-    t, flat, w_base, s_base = _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS)
+    t, flat, w_base, s_base = _expert_base(
+        j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS
+    )
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     g_rows = w_base + rn.to(tl.int64)[:, None, None] * stride_wn
     u_rows = g_rows + I * stride_wn
@@ -116,9 +140,29 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sh_w_ptr, sh_s_ptr, top_k, D, I,
-    stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    sh_w_ptr,
+    sh_s_ptr,
+    top_k,
+    D,
+    I,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (j, n): out[j, n-slab] = routing weight (1 for the shared expert) * act[j] @
     W_down[n-slab]^T, float32."""
@@ -128,7 +172,9 @@ def _down_gemv_kernel(
     n_ok = rn < D
     rg = tl.arange(0, GROUPS)
     rc = tl.arange(0, 128)
-    t, flat, w_base, s_base = _expert_base(j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS)
+    t, flat, w_base, s_base = _expert_base(
+        j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS
+    )
     h_row = h_ptr + j.to(tl.int64) * stride_ht
     w_rows = w_base + rn.to(tl.int64)[:, None, None] * stride_wn
     s_rows = s_base + (rn // 128)[:, None] * stride_sn
@@ -140,13 +186,17 @@ def _down_gemv_kernel(
         a = tl.load(h_row + rk, mask=k_ok, other=0.0).to(tl.float32)
         s = s_rows
         if FP8:
-            s = tl.load(s_rows + (k0 // 128 + rg)[None, :], mask=n_ok[:, None] & (k0 + rg * 128 < I)[None, :], other=0.0)
+            s = tl.load(
+                s_rows + (k0 // 128 + rg)[None, :], mask=n_ok[:, None] & (k0 + rg * 128 < I)[None, :], other=0.0
+            )
         acc += _dot_rows(w, a, s, FP8, UPCAST)
     weight = tl.where(flat < 0, 1.0, tl.load(weights_ptr + tl.maximum(flat, 0)))  # the shared expert: 1
     tl.store(out_ptr + j.to(tl.int64) * stride_ot + rn, acc * weight, mask=n_ok)
 
 
-def moe_gemv(hidden, gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale, shared=None) -> torch.Tensor:
+def moe_gemv(
+    hidden, gate_up, down, topk_ids, topk_weights, swiglu_limit, gate_up_scale, down_scale, shared=None
+) -> torch.Tensor:
     """The routed rows ``[T * k, D]`` (float32, routing weight applied) for 16-bit ``hidden``;
     with ``shared`` (an ``ExpertWeights`` of one expert, shaped as one of ``gate_up`` / ``down``,
     checked by :func:`shared_fits`) ``[T * (k + 1), D]``, each token's last row its shared
@@ -189,7 +239,9 @@ def shared_fits(shared, gate_up, down, gate_up_scale, down_scale) -> bool:
         return False
     same = shared.gate_up.shape[1:] == gate_up.shape[1:] and shared.down.shape[1:] == down.shape[1:]
     same = same and shared.gate_up.dtype == gate_up.dtype and shared.down.dtype == down.dtype
-    same = same and shared.gate_up.stride()[1:] == gate_up.stride()[1:] and shared.down.stride()[1:] == down.stride()[1:]
+    same = (
+        same and shared.gate_up.stride()[1:] == gate_up.stride()[1:] and shared.down.stride()[1:] == down.stride()[1:]
+    )
     if gate_up_scale is None:
         return same and shared.gate_up_scale is None
     scales = shared.gate_up_scale is not None and shared.down_scale is not None

@@ -17,6 +17,7 @@ tiles; each split writes a normalised partial output and its log-sum-exp, merged
 The split count depends only on what the caller passes (never on the data), and batch-invariant
 callers pass one fixed configuration, so a request's arithmetic never depends on its batch.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,17 +32,45 @@ from .pdl import gdc_enter, launch_kw
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, cache_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh,
-    stride_os, stride_ot, stride_oh,
-    stride_ls, stride_lt,
-    stride_cp, stride_ch, stride_cs,
+    q_ptr,
+    cache_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    stride_cp,
+    stride_ch,
+    stride_cs,
     stride_bt,
-    scale, block_size, window, tiles_per_req, num_splits,
-    G: tl.constexpr, TPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DA: tl.constexpr, DA_OK: tl.constexpr, BLOCK_DB: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DV: tl.constexpr, V_PLANE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    scale,
+    block_size,
+    window,
+    tiles_per_req,
+    num_splits,
+    G: tl.constexpr,
+    TPT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DA: tl.constexpr,
+    DA_OK: tl.constexpr,
+    BLOCK_DB: tl.constexpr,
+    DB: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr,
+    V_PLANE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     gdc_enter(PDL)
     pid = tl.program_id(0)
@@ -67,7 +96,9 @@ def _paged_attention_kernel(
             qa = qa.to(tl.float32)
         if BLOCK_DB > 0:
             db = tl.arange(0, BLOCK_DB)
-            qb = tl.load(q_rows[:, None] + DA + db[None, :], mask=row_ok[:, None] & (db < DB)[None, :], other=0.0).to(qa.dtype)
+            qb = tl.load(q_rows[:, None] + DA + db[None, :], mask=row_ok[:, None] & (db < DB)[None, :], other=0.0).to(
+                qa.dtype
+            )
         dv = tl.arange(0, BLOCK_DV)
 
         last = tl.minimum(qlen, (t + 1) * TPT) - 1
@@ -90,13 +121,17 @@ def _paged_attention_kernel(
             page = tl.load(bt_ptr + r * stride_bt + kpos // block_size, mask=k_ok, other=0)
             slot = page.to(tl.int64) * block_size + kpos % block_size
             k_rows = head_base + slot * stride_cs
-            ka = tl.load(k_rows[:, None] + da[None, :], mask=k_ok[:, None] & (da < DA_OK)[None, :], other=0.0).to(qa.dtype)
+            ka = tl.load(k_rows[:, None] + da[None, :], mask=k_ok[:, None] & (da < DA_OK)[None, :], other=0.0).to(
+                qa.dtype
+            )
             if IEEE:
                 s = tl.dot(qa, tl.trans(ka), input_precision="ieee")
             else:
                 s = tl.dot(qa, tl.trans(ka))
             if BLOCK_DB > 0:
-                kb = tl.load(k_rows[:, None] + DA + db[None, :], mask=k_ok[:, None] & (db < DB)[None, :], other=0.0).to(qa.dtype)
+                kb = tl.load(k_rows[:, None] + DA + db[None, :], mask=k_ok[:, None] & (db < DB)[None, :], other=0.0).to(
+                    qa.dtype
+                )
                 if IEEE:
                     s += tl.dot(qb, tl.trans(kb), input_precision="ieee")
                 else:
@@ -121,7 +156,13 @@ def _paged_attention_kernel(
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        o_ptrs = out_ptr + split * stride_os + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        o_ptrs = (
+            out_ptr
+            + split * stride_os
+            + (q_start + tok).to(tl.int64)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + dv[None, :]
+        )
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
         if SPLIT:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
@@ -181,7 +222,16 @@ def head_chunk(groups: int, head_dim: int, v_head_dim: int, element_size: int, s
     return max(1, 1 << (rows.bit_length() - 1))
 
 
-def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: int, max_seq_len: int, batch_invariant: bool, sms: int = 132, element_size: int = 2) -> LaunchConfig:
+def choose_config(
+    groups: int,
+    head_dim: int,
+    max_query_len: int,
+    num_programs: int,
+    max_seq_len: int,
+    batch_invariant: bool,
+    sms: int = 132,
+    element_size: int = 2,
+) -> LaunchConfig:
     """A launch configuration from shapes only. Batch-invariant mode always returns the same
     one for a layer (so a request computes identically alone and in any batch)."""
     wide = head_dim > 256
@@ -194,7 +244,9 @@ def choose_config(groups: int, head_dim: int, max_query_len: int, num_programs: 
         if num_programs < sms:
             splits = max(1, min(16, -(-2 * sms // max(num_programs, 1)), -(-max_seq_len // 256)))
         block_m = max(16, _pow2(groups))
-        if wide and block_m == 16 and num_programs >= 64 and element_size == 2:  # 16-bit MLA at 16 heads, 64+ requests: 4 warps
+        if (
+            wide and block_m == 16 and num_programs >= 64 and element_size == 2
+        ):  # 16-bit MLA at 16 heads, 64+ requests: 4 warps
             # (benchmarks/decode64_sweep.py, H200, 64 requests x 161 tokens of V3-mini: 0.0132-0.0135
             # ms at 3-4 splits vs 0.0195 ms with 8 warps, merge included)
             warps = 4
@@ -227,7 +279,9 @@ def paged_attention(
     R = seq_lens.shape[0]
     auto = config is None
     if auto:
-        config = choose_config(groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant, element_size=q.element_size())
+        config = choose_config(
+            groups, D, max_query_len, R * hkv, max_seq_len, batch_invariant, element_size=q.element_size()
+        )
     chunk = head_chunk(groups, D, v_head_dim, q.element_size(), config.num_splits > 1) if auto else groups
     if chunk < groups:  # one launch per KV head and run of `chunk` query heads
         out = torch.empty(T, H, v_head_dim, dtype=q.dtype, device=q.device)
@@ -273,9 +327,22 @@ def paged_attention(
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    s_kt, s_kh, s_vt, s_vh, s_cp, s_ch, s_cs,
-    D: tl.constexpr, DV: tl.constexpr, HAS_V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_cp,
+    s_ch,
+    s_cs,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token t, KV head h: K (and V, into the second plane) stored at the token's slot, cast to
     the cache dtype; one launch for both planes where the reference scatters each separately."""
@@ -292,7 +359,14 @@ def _write_kv_kernel(
         tl.store(dst + s_cp + offs, v.to(cache_ptr.dtype.element_ty), mask=offs < DV)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, head_dim: int, v_head_dim: int) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    head_dim: int,
+    v_head_dim: int,
+) -> None:
     """``k [T, Hkv, head_dim]`` (and ``v [T, Hkv, v_head_dim]`` unless the layer shares K and V)
     into ``kv_cache [planes, Hkv, blocks, block_size, W]`` at ``slot_mapping [T]``, as
     ``deepinfer_core.attention.torch_ref.write_kv`` does, in one launch."""
@@ -314,8 +388,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, sl
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, num_splits, stride_ps, stride_ls,
-    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ps,
+    stride_ls,
+    DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One (token, head) row per program: the split weights ``softmax_s(lse_s)`` (empty splits
     carry -inf and weigh 0) and the weighted sum of the partial outputs, in float32, rounded
@@ -332,7 +414,11 @@ def _merge_splits_kernel(
     total = tl.maximum(tl.sum(w, 0), 1e-30)
     dv = tl.arange(0, BLOCK_DV)
     d_ok = dv < DV
-    p = tl.load(part_ptr + s[:, None] * stride_ps + row.to(tl.int64) * DV + dv[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    p = tl.load(
+        part_ptr + s[:, None] * stride_ps + row.to(tl.int64) * DV + dv[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     o = tl.sum(p * w[:, None], 0) / total
     tl.store(out_ptr + row.to(tl.int64) * DV + dv, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 

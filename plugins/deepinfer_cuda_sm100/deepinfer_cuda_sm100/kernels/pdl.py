@@ -20,6 +20,7 @@ dependency as a programmatic edge when captured (CUDA 12.3+).
 Off (plain launches, no wait compiled in) under Triton's interpreter, on GPUs below SM90, where
 this Triton cannot launch with PDL (probed once), and with ``DEEPINFER_PDL=0``.
 """
+
 from __future__ import annotations
 
 import functools

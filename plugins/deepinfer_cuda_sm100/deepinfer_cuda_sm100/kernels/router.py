@@ -19,6 +19,7 @@ significant bits), multiplying each on the tensor cores with float32 accumulatio
 bf16 x bf16 product is exact in float32, so the result is the float32 product up to the order
 of the sums and the weight's last bit, like the reference's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,19 @@ BLOCK_D = 1024
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _router_logits_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    E,
+    D,
+    stride_xt,
+    stride_we,
+    stride_ot,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Program (expert block, token): BLOCK_E logits of one token."""
     gdc_enter(PDL)
     re = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -46,13 +59,29 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we, str
         rd = d0 + tl.arange(0, BLOCK_D)
         d_ok = rd < D
         x = tl.load(x_ptr + t * stride_xt + rd, mask=d_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + re.to(tl.int64)[:, None] * stride_we + rd[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + re.to(tl.int64)[:, None] * stride_we + rd[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0
+        )
         acc += w * x[None, :]
     tl.store(out_ptr + t * stride_ot + re, tl.sum(acc, axis=1), mask=e_ok)
 
 
 @triton.jit
-def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we, stride_ot, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+def _router_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    E,
+    D,
+    stride_xt,
+    stride_we,
+    stride_ot,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Program (token block, expert block): ``x @ w.T`` with the float32 weight tile split into
     three bf16 parts, each multiplied exactly and accumulated in float32. ``UPCAST``: the parts
     multiplied as float32 (Triton's interpreter, whose bf16 ``tl.dot`` is wrong)."""
@@ -83,7 +112,9 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we, st
     tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_ot + re[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
-def router_gemm(x: torch.Tensor, weight: torch.Tensor, block_t: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def router_gemm(
+    x: torch.Tensor, weight: torch.Tensor, block_t: int | None = None, num_warps: int = 4, num_stages: int = 3
+) -> torch.Tensor:
     """The tiled kernel for bf16 rows ``x [T, D]`` and a float32 weight ``[E, D]`` (both with a
     contiguous last dimension) -> float32 ``[T, E]``. ``block_t`` default: 64-token blocks below
     16,384 tokens (more programs: 0.041 vs 0.051 ms at 8,192), 128 from there (0.070 vs 0.097
@@ -116,5 +147,18 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # experts x 2048: 0.0039 ms vs 0.0057 for the 1-16 row launch and 0.0109 for the cast + cuBLAS's
     # float32 GEMM, which in the 64-request decode graph was 3 kernels of ~11 us a MoE layer)
     be, warps = (BLOCK_E, 4) if T <= 16 else (4, 2)
-    _router_logits_kernel[(triton.cdiv(E, be), T)](x, weight, out, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=be, BLOCK_D=BLOCK_D, **launch_kw(x), num_warps=warps)
+    _router_logits_kernel[(triton.cdiv(E, be), T)](
+        x,
+        weight,
+        out,
+        E,
+        D,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_E=be,
+        BLOCK_D=BLOCK_D,
+        **launch_kw(x),
+        num_warps=warps,
+    )
     return out

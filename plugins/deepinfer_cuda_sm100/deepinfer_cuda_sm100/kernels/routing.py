@@ -8,6 +8,7 @@ launches, not arithmetic, are the cost. The experts chosen are the reference's (
 scores and masks; ties go to the lower expert index); ids come best first and the weights are
 the same numbers up to the order of the normalising sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,23 @@ from .pdl import gdc_enter, launch_kw
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
-    E_P: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, SQRTSOFTPLUS: tl.constexpr = False, PDL: tl.constexpr = False,
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    w_ptr,
+    E,
+    stride_l,
+    scaling,
+    E_P: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SQRTSOFTPLUS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     gdc_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -34,7 +49,9 @@ def _route_kernel(
     elif SQRTSOFTPLUS:  # DeepSeek-V4: sqrt(softplus(x)), softplus as torch's (x itself above 20)
         y = tl.exp(tl.minimum(logit, 20.0))
         u = 1.0 + y
-        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p(y) to float32 accuracy
+        log1p = tl.where(
+            u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0))
+        )  # log1p(y) to float32 accuracy
         scores = tl.sqrt(tl.where(logit > 20.0, logit, log1p))
     else:
         scores = 1.0 / (1.0 + tl.exp(-logit))

@@ -23,6 +23,7 @@ callers get one split, so a request's arithmetic never depends on its batch.
 The ring write happens after the attention, in its own small kernel: a new key at ``p``
 overwrites the ring row of ``p - rows``, which queries of the same step still read.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,13 +35,49 @@ from .paged_attention import LaunchConfig, _pow2, interpreting, merge_splits
 
 @triton.jit
 def _v4_attention_kernel(
-    q_ptr, kv_ptr, ring_ptr, ent_ptr, sel_ptr, sink_ptr, bt_ptr, qsl_ptr, seqlen_ptr, slot_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kvt,
-    stride_rs, stride_rr, stride_eb, stride_ee, stride_st, stride_bt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    scale, window, ring_rows, ratio, per_block, num_sel, tiles_per_req, num_splits,
-    H: tl.constexpr, TPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    MODE: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    ring_ptr,
+    ent_ptr,
+    sel_ptr,
+    sink_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    slot_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_rs,
+    stride_rr,
+    stride_eb,
+    stride_ee,
+    stride_st,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    scale,
+    window,
+    ring_rows,
+    ratio,
+    per_block,
+    num_sel,
+    tiles_per_req,
+    num_splits,
+    H: tl.constexpr,
+    TPT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    MODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # MODE: 0 sliding, 1 heavily compressed (every visible entry), 2 compressed sparse (selected)
     pid = tl.program_id(0)
@@ -132,7 +169,13 @@ def _v4_attention_kernel(
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
-        o_ptrs = out_ptr + split * stride_os + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        o_ptrs = (
+            out_ptr
+            + split * stride_os
+            + (q_start + tok).to(tl.int64)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + d[None, :]
+        )
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if SPLIT:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
@@ -141,7 +184,15 @@ def _v4_attention_kernel(
 
 @triton.jit
 def _ring_write_kernel(
-    kv_ptr, ring_ptr, qsl_ptr, seqlen_ptr, slot_ptr, stride_kvt, stride_rs, stride_rr, ring_rows,
+    kv_ptr,
+    ring_ptr,
+    qsl_ptr,
+    seqlen_ptr,
+    slot_ptr,
+    stride_kvt,
+    stride_rs,
+    stride_rr,
+    ring_rows,
     D: tl.constexpr,
 ):
     """Request ``r``'s new keys whose position is among its last ``ring_rows`` go to the ring."""

@@ -10,6 +10,7 @@ per request does the tail write and, only where a window closes, the pooling wit
 softmax over the rows (float32), the norm and the rope, and the entry write. Rounding follows
 the torch form: pooled value, normed value and roped value each rounded to the model dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,7 +58,9 @@ def _compress_decode_kernel(
                 prev = jj < RATIO
                 col = tl.where(prev, 0, 2 * DH)  # previous window: first half of the columns, current: second
                 pb_row = tl.where(prev, jj, jj - RATIO)
-                ok = in_span & ((jj >= RATIO) | ((jj * 0 + w) >= 1))  # a tensor compare: the interpreter makes a scalar bool mix int32
+                ok = in_span & (
+                    (jj >= RATIO) | ((jj * 0 + w) >= 1)
+                )  # a tensor compare: the interpreter makes a scalar bool mix int32
             else:
                 col = tl.zeros((BLOCK_R,), tl.int32)
                 pb_row = jj
@@ -68,13 +71,27 @@ def _compress_decode_kernel(
             ce = 2 * i[None, :]
             take_old = (ok & (p != s))[:, None] & (ce >= 0)
             take_new = (ok & (p == s))[:, None] & (ce >= 0)
-            kv_e = tl.load(old + ce, mask=take_old, other=0.0).to(tl.float32) + tl.load(fresh + ce, mask=take_new, other=0.0).to(tl.float32)
-            kv_o = tl.load(old + ce + 1, mask=take_old, other=0.0).to(tl.float32) + tl.load(fresh + ce + 1, mask=take_new, other=0.0).to(tl.float32)
-            g_e = tl.load(old + W + ce, mask=take_old, other=0.0).to(tl.float32) + tl.load(fresh + W + ce, mask=take_new, other=0.0).to(tl.float32)
-            g_o = tl.load(old + W + ce + 1, mask=take_old, other=0.0).to(tl.float32) + tl.load(fresh + W + ce + 1, mask=take_new, other=0.0).to(tl.float32)
+            kv_e = tl.load(old + ce, mask=take_old, other=0.0).to(tl.float32) + tl.load(
+                fresh + ce, mask=take_new, other=0.0
+            ).to(tl.float32)
+            kv_o = tl.load(old + ce + 1, mask=take_old, other=0.0).to(tl.float32) + tl.load(
+                fresh + ce + 1, mask=take_new, other=0.0
+            ).to(tl.float32)
+            g_e = tl.load(old + W + ce, mask=take_old, other=0.0).to(tl.float32) + tl.load(
+                fresh + W + ce, mask=take_new, other=0.0
+            ).to(tl.float32)
+            g_o = tl.load(old + W + ce + 1, mask=take_old, other=0.0).to(tl.float32) + tl.load(
+                fresh + W + ce + 1, mask=take_new, other=0.0
+            ).to(tl.float32)
             pb = pb_ptr + pb_row[:, None] * W + col[:, None] + ce
-            g_e = tl.where(ok[:, None], _round(g_e, dtype) + tl.load(pb, mask=ok[:, None] & (ce >= 0), other=0.0), float("-inf"))
-            g_o = tl.where(ok[:, None], _round(g_o, dtype) + tl.load(pb + 1, mask=ok[:, None] & (ce >= 0), other=0.0), float("-inf"))
+            g_e = tl.where(
+                ok[:, None], _round(g_e, dtype) + tl.load(pb, mask=ok[:, None] & (ce >= 0), other=0.0), float("-inf")
+            )
+            g_o = tl.where(
+                ok[:, None],
+                _round(g_o, dtype) + tl.load(pb + 1, mask=ok[:, None] & (ce >= 0), other=0.0),
+                float("-inf"),
+            )
             n_e = tl.maximum(m_e, tl.max(g_e, axis=0))
             n_o = tl.maximum(m_o, tl.max(g_o, axis=0))
             p_e = tl.exp(g_e - n_e[None, :])
@@ -126,7 +143,9 @@ def compress_decode(
     width = two_w // 2
     dim = width // 2 if overlap else width
     if dim % 2 or dim & (dim - 1) or tail.stride(-1) != 1 or entries.stride(-1) != 1:
-        raise ValueError(f"compress_decode: the compressed width must be an even power of two and the caches contiguous rows (dim {dim})")
+        raise ValueError(
+            f"compress_decode: the compressed width must be an even power of two and the caches contiguous rows (dim {dim})"
+        )
     new, position_bias, norm_weight = new.contiguous(), position_bias.contiguous(), norm_weight.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     span = 2 * ratio if overlap else ratio

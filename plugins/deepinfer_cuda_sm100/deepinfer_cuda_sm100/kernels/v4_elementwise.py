@@ -9,6 +9,7 @@ multiplies the float32 normalised row before the one rounding
 (:class:`deepinfer_core.models.deepseek_v4_layers.V4RMSNorm`), and the rope rotates interleaved
 pairs of the trailing channels in float32 then rounds once (``V4Rope.apply``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,9 @@ def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        _v4_rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=max(16, _pow2(D)), num_warps=4)
+        _v4_rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=max(16, _pow2(D)), num_warps=4
+        )
     return out.view(x.shape)
 
 
@@ -50,7 +53,9 @@ def _v4_unweighted_rms_norm_kernel(x_ptr, out_ptr, stride_x, stride_o, D, eps, B
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     ty = out_ptr.dtype.element_ty
-    rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)).to(ty).to(tl.float32)  # rounded to x's dtype first, as the reference
+    rms = (
+        (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)).to(ty).to(tl.float32)
+    )  # rounded to x's dtype first, as the reference
     tl.store(out_ptr + row * stride_o + offs, (x * rms).to(ty), mask=mask)
 
 
@@ -64,7 +69,9 @@ def v4_unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = max(16, _pow2(D))
-        _v4_unweighted_rms_norm_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=block, num_warps=8 if block >= 4096 else 4)
+        _v4_unweighted_rms_norm_kernel[(rows.shape[0],)](
+            rows, out, rows.stride(0), out.stride(0), D, float(eps), BLOCK=block, num_warps=8 if block >= 4096 else 4
+        )
     return out.view(x.shape)
 
 
@@ -95,7 +102,9 @@ def v4_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     channels rotated in pairs (0, 1), (2, 3), ...; a new tensor."""
     T, D, half = x.shape[0], x.shape[-1], cos.shape[-1]
     if cos.shape != (T, half) or sin.shape != (T, half) or 2 * half > D:
-        raise ValueError(f"v4_rope: cos and sin must be [T={T}, r/2] with r <= {D}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"v4_rope: cos and sin must be [T={T}, r/2] with r <= {D}; got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()

@@ -12,6 +12,7 @@ follows stays the core's (its tie-breaking is part of the model's contract).
 Float32 inputs use IEEE dots (the reference's float32 matmul); bf16 inputs multiply exactly into
 float32 accumulators, as the reference's ``.float()`` products do.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,32 @@ from .paged_attention import _pow2, interpreting
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, ent_ptr, bt_ptr, qsl_ptr, pos_ptr, out_ptr,
-    stride_qt, stride_qh, stride_wt, stride_eb, stride_ee, stride_bt, stride_ot,
-    key_col, heads, ratio, per_block, n_max, scale, num_requests,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DI: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    w_ptr,
+    ent_ptr,
+    bt_ptr,
+    qsl_ptr,
+    pos_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_eb,
+    stride_ee,
+    stride_bt,
+    stride_ot,
+    key_col,
+    heads,
+    ratio,
+    per_block,
+    n_max,
+    scale,
+    num_requests,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DI: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     tile = tl.program_id(1)
@@ -36,7 +59,9 @@ def _index_scores_kernel(
     visible = (tl.load(pos_ptr + t) + 1) // ratio
     w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if tile * BLOCK_N >= visible:  # a tile past the token's entries (CUDA graphs score every slot the table addresses)
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + w, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=w < n_max)
+        tl.store(
+            out_ptr + t.to(tl.int64) * stride_ot + w, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=w < n_max
+        )
         return
     h = tl.arange(0, BLOCK_H)
     h_ok = h < heads
@@ -45,7 +70,11 @@ def _index_scores_kernel(
     wts = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=h_ok, other=0.0).to(tl.float32)
     ok = w < visible
     page = tl.load(bt_ptr + r * stride_bt + w // per_block, mask=ok, other=0).to(tl.int64)
-    k = tl.load(ent_ptr + page[:, None] * stride_eb + (w % per_block)[:, None] * stride_ee + key_col + d[None, :], mask=ok[:, None], other=0.0)
+    k = tl.load(
+        ent_ptr + page[:, None] * stride_eb + (w % per_block)[:, None] * stride_ee + key_col + d[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    )
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:

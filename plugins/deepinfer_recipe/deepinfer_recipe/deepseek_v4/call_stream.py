@@ -23,13 +23,14 @@ invoke closed), and a parameter still open at the invoke's close ends there. A c
 Costs time linear in the text: only the new text and a held-back tail shorter than a marker
 are searched, the head and a header are matched once each (a header when a ``>`` arrives).
 """
+
 from __future__ import annotations
 
 import json
 import re
 import secrets
-from json.encoder import encode_basestring
 from dataclasses import dataclass, replace
+from json.encoder import encode_basestring
 
 from deepinfer_core.codecs import ToolCall, ToolCallDelta
 
@@ -74,7 +75,11 @@ class CallStreamer:
 
     def __init__(self, tags: DsmlTags) -> None:
         self.invoke_tag, self.param_tag = f"<{DSML}{tags.invoke}", f"<{DSML}{tags.parameter}"
-        self.param_close, self.invoke_close, self.calls_close = tags.parameter_close, tags.invoke_close, tags.calls_close
+        self.param_close, self.invoke_close, self.calls_close = (
+            tags.parameter_close,
+            tags.invoke_close,
+            tags.calls_close,
+        )
         self.finished: dict[int, Streamed] = {}
         self.closed = 0  # invokes closed so far
         self.state = ENDED
@@ -102,7 +107,7 @@ class CallStreamer:
             pos, marker = hit
             before = "".join(self._region) + window[:pos] if self._region else window[:pos]
             self._region, self._size = [], 0
-            window = self._on_marker(before, marker, window[pos + len(marker):], out)
+            window = self._on_marker(before, marker, window[pos + len(marker) :], out)
             if self.state == ENDED:
                 self._held = ""
                 return out
@@ -124,7 +129,7 @@ class CallStreamer:
         streamed = self.finished.pop(index, None)
         if streamed is None or not call.arguments.startswith(streamed.arguments):
             return replace(call, id="call_" + secrets.token_hex(12)), []  # comes whole
-        rest = call.arguments[len(streamed.arguments):]
+        rest = call.arguments[len(streamed.arguments) :]
         return replace(call, id=streamed.id), [ToolCallDelta(streamed.id, arguments=rest)] if rest else []
 
     # -- internals ----------------------------------------------------------------------------
@@ -174,10 +179,16 @@ class CallStreamer:
         if name in self._keys:
             self.state = SKIP_PARAM
             return ""
-        self._emit(out, ("{" if not self._keys else ", ") + json.dumps(name, ensure_ascii=False) + ": " + ('"' if self._flag == "true" else ""))
+        self._emit(
+            out,
+            ("{" if not self._keys else ", ")
+            + json.dumps(name, ensure_ascii=False)
+            + ": "
+            + ('"' if self._flag == "true" else ""),
+        )
         self._keys.add(name)
         self.state = VALUE
-        return region[match.end():]
+        return region[match.end() :]
 
     def _on_marker(self, before: str, marker: str, after: str, out: list[ToolCallDelta]) -> str:
         """``marker`` complete after ``before`` (the region's whole text); returns the text to go

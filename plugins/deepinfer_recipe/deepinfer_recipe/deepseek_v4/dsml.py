@@ -13,6 +13,7 @@ V4 layout (golden vectors ``official_1``, ``thinking_tool_call``)::
 other value. ``｜DSML｜`` is one special token; the rest of each tag is ordinary text. V4.1 spells
 the tag names with a leading space (``<｜DSML｜ calls>``, `` invoke``, `` parameter``).
 """
+
 from __future__ import annotations
 
 import json
@@ -111,7 +112,13 @@ def render_tool_calls(calls: tuple[ToolCall, ...], tags: DsmlTags = V4_TAGS) -> 
         parts += ["\n<" if k else "<", mark, f'{tags.invoke} name="{call.name}">\n']
         for j, (key, value) in enumerate(call_parameters(call.arguments).items()):
             flag, text = encode_value(value)
-            parts += ["\n<" if j else "<", mark, f'{tags.parameter} name="{key}" string="{flag}">{text}</', mark, f"{tags.parameter}>"]
+            parts += [
+                "\n<" if j else "<",
+                mark,
+                f'{tags.parameter} name="{key}" string="{flag}">{text}</',
+                mark,
+                f"{tags.parameter}>",
+            ]
         parts += ["\n</", mark, f"{tags.invoke}>"]
     parts += ["\n</", mark, f"{tags.calls}>"]
     return parts

@@ -9,6 +9,7 @@ thinking off. Only ``max`` changes the prompt (an instruction right after BOS, i
 only, as in the reference). The parser starts in reasoning exactly when the prompt ends with
 ``<think>`` (not after a prefix continuation, a task token or a trailing reminder's text).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from deepinfer_core.codecs import ConversationRequest, EncodedPrompt, OutputParser
 
 from ..common import EFFORT_LEVELS
-
 from .dsml import V4_TAGS, DsmlTags
 from .parser import new_parser
 from .prompt import RenderOptions, attach_request_level, opens_thinking, render_parts
@@ -32,7 +32,9 @@ def normalize_effort(effort: str | None) -> str:
     try:
         return EFFORT_LEVELS[effort]
     except KeyError:
-        raise ValueError(f"unknown reasoning effort {effort!r}; expected one of {', '.join(EFFORT_LEVELS)}, none") from None
+        raise ValueError(
+            f"unknown reasoning effort {effort!r}; expected one of {', '.join(EFFORT_LEVELS)}, none"
+        ) from None
 
 
 def render_options(conversation: ConversationRequest, tags: DsmlTags = V4_TAGS) -> RenderOptions:
@@ -100,4 +102,6 @@ def make_parser(options: dict) -> OutputParser:
     from .dsml import V4_1_TAGS
 
     tags = V4_1_TAGS if options.get("dsml_calls_tag") == V4_1_TAGS.calls else V4_TAGS
-    return new_parser(thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())), stream_calls=True)
+    return new_parser(
+        thinking=bool(options.get("thinking", True)), tags=tags, stop=tuple(options.get("stop", ())), stream_calls=True
+    )

@@ -11,6 +11,7 @@ all but the three most recently used older ones (``deepinfer_core.build_cache``)
 required: without a compiler or headers, or with ``DEEPINFER_NATIVE_PARSER=0``, the parser uses
 its pure-Python quiet push, which behaves the same.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,7 +57,9 @@ def enabled() -> bool:
 def load() -> QuietHelper:
     """Compile (first time) and import the helper; cached for the process. Never raises."""
     if sys.platform == "win32" or sys.implementation.name != "cpython":
-        return QuietHelper(None, f"only built for CPython on POSIX (this is {sys.implementation.name} on {sys.platform})")
+        return QuietHelper(
+            None, f"only built for CPython on POSIX (this is {sys.implementation.name} on {sys.platform})"
+        )
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         return QuietHelper(None, "no C compiler found (set CC or install gcc/clang)")
@@ -76,8 +79,13 @@ def load() -> QuietHelper:
             fd, tmp = tempfile.mkstemp(suffix=suffix, dir=cache_dir())
             os.close(fd)
             try:
-                subprocess.run([compiler, *_FLAGS, f"-I{include}", "-o", tmp, _SOURCE],
-                               check=True, capture_output=True, text=True, timeout=120)
+                subprocess.run(
+                    [compiler, *_FLAGS, f"-I{include}", "-o", tmp, _SOURCE],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 os.replace(tmp, target)  # atomic: a concurrent builder never sees half a file
             finally:
                 if os.path.exists(tmp):
@@ -100,4 +108,3 @@ def _import(target: str) -> QuietHelper:
     except Exception as exc:  # ImportError; or a warning raised as an error (a free-threaded build, -W error)
         return QuietHelper(None, f"loading {target} failed: {type(exc).__name__}: {exc}")
     return QuietHelper(module)
-

@@ -31,6 +31,7 @@ A tool call is emitted once its ``</｜DSML｜invoke>`` has arrived. With ``stre
 arguments that join to the call's arguments, under the call's id (every piece is read: no quiet
 state, no C front).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -38,8 +39,12 @@ from typing import Callable
 from deepinfer_core.codecs import OutputParser, ParsedOutput, ToolCall, ToolCallDelta
 
 from . import native
-from .call_stream import HEAD as _HEAD, LOOSE_HEAD as _LOOSE_HEAD, PARAMETER as _PARAMETER
-from .call_stream import CallStreamer, earliest as _earliest, held_suffix as _held_suffix
+from .call_stream import HEAD as _HEAD
+from .call_stream import LOOSE_HEAD as _LOOSE_HEAD
+from .call_stream import PARAMETER as _PARAMETER
+from .call_stream import CallStreamer
+from .call_stream import earliest as _earliest
+from .call_stream import held_suffix as _held_suffix
 from .dsml import V4_TAGS, DsmlTags, argument_json, arguments_text
 from .tokens import DSML, EOS, THINK_CLOSE
 
@@ -65,7 +70,9 @@ class DeepSeekV4Parser:
     :func:`new_parser` (what ``make_parser`` uses) puts the C front of ``native`` before it where
     that was built; used alone, quiet pieces take a pure-Python closure. Same results."""
 
-    def __init__(self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), stream_calls: bool = False) -> None:
+    def __init__(
+        self, *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), stream_calls: bool = False
+    ) -> None:
         self.tags = tags
         self._streamer = CallStreamer(tags) if stream_calls else None
         self._deltas: list[ToolCallDelta] = []  # streamed pieces not yet returned
@@ -141,6 +148,7 @@ class DeepSeekV4Parser:
         """The pure-Python quiet push: while an argument streams in and no closing marker can be
         in progress, only test for the bar and store the piece (no attribute lookups). A piece
         with a bar removes this shadowing instance attribute and takes the general path."""
+
         def quiet_push(text: str, append=self._append, bar="｜", nothing=NOTHING) -> ParsedOutput:
             # defaults, not globals or closure cells: the fastest lookups CPython has
             if bar in text:
@@ -174,12 +182,13 @@ class DeepSeekV4Parser:
     def _park(self) -> None:
         """After draining: still inside a block, keep the buffer as one piece."""
         if self._shadowed:  # (a flag, not self.__dict__: touching that would cost every push a
-            del self.push   # dictionary lookup, as CPython stops specializing the method lookup)
+            del self.push  # dictionary lookup, as CPython stops specializing the method lookup)
             self._shadowed = False
         self._since_bar = 0
         if self.state == TOOL_CALLS and self._buf:
             self._append(self._buf)
             self._buf = ""
+
     def _drain(self, *, final: bool) -> ParsedOutput:
         reasoning: list[str] = []
         content: list[str] = []
@@ -201,10 +210,10 @@ class DeepSeekV4Parser:
                 if self.state == CONTENT:
                     safe = _drop_newlines(safe, keep=True)
                 sink.append(safe)
-                self._buf = self._buf[len(safe):]
+                self._buf = self._buf[len(safe) :]
                 break
             pos, marker = hit
-            before, self._buf = self._buf[:pos], self._buf[pos + len(marker):]
+            before, self._buf = self._buf[:pos], self._buf[pos + len(marker) :]
             sink.append(_drop_newlines(before, keep=False) if marker == self.tags.calls_open else before)
             if marker == EOS:
                 self.state = DONE
@@ -221,8 +230,14 @@ class DeepSeekV4Parser:
         finish, self._finish = self._finish, None
         hit, self._stop_hit = self._stop_hit, None
         deltas, self._deltas = tuple(self._deltas), []
-        return ParsedOutput(content="".join(content), reasoning="".join(reasoning), tool_calls=tuple(calls), finish_reason=finish,
-                            stop_sequence=hit, tool_call_deltas=deltas)
+        return ParsedOutput(
+            content="".join(content),
+            reasoning="".join(reasoning),
+            tool_calls=tuple(calls),
+            finish_reason=finish,
+            stop_sequence=hit,
+            tool_call_deltas=deltas,
+        )
 
     def _drain_tool_calls(self, calls: list[ToolCall], final: bool) -> bool:
         """Emit every complete invoke; True when the block ended (state changed)."""
@@ -232,13 +247,13 @@ class DeepSeekV4Parser:
             if close != -1 and (end is None or close < end[0]):
                 call = self._parse_invoke(self._buf[:close])
                 self._invokes += 1
-                self._buf = self._buf[close + len(self.tags.invoke_close):]
+                self._buf = self._buf[close + len(self.tags.invoke_close) :]
                 if call is not None:
                     calls.append(call)
                 continue
             if end is not None:
                 pos, marker = end
-                self._buf = self._buf[pos + len(marker):]
+                self._buf = self._buf[pos + len(marker) :]
                 self.state = DONE if marker == EOS else CONTENT
                 return True
             if final:  # an unterminated call is dropped: its arguments may be incomplete
@@ -272,7 +287,7 @@ class DeepSeekV4Parser:
                 end = len(segment)
             match = _PARAMETER.match(segment, start, end)
             if match is not None and match.group(1) not in params:  # a repeated name keeps its first value
-                params[match.group(1)] = argument_json(match.group(2), segment[match.end():end])
+                params[match.group(1)] = argument_json(match.group(2), segment[match.end() : end])
             pos = end + len(close)
         call = ToolCall(name=head.group(1), arguments=arguments_text(params))
         if self._streamer is None:
@@ -283,7 +298,11 @@ class DeepSeekV4Parser:
 
 
 def new_parser(
-    *, thinking: bool = True, tags: DsmlTags = V4_TAGS, stop: tuple[str, ...] = (), accelerate: bool | None = None,
+    *,
+    thinking: bool = True,
+    tags: DsmlTags = V4_TAGS,
+    stop: tuple[str, ...] = (),
+    accelerate: bool | None = None,
     stream_calls: bool = False,
 ) -> OutputParser:
     """A V4 parser; ``accelerate`` (None: unless ``DEEPINFER_NATIVE_PARSER=0``) puts the C front

@@ -26,6 +26,7 @@ arguments that are not a JSON object render like non-JSON text (see :mod:`.dsml`
 Request-level tools / response format (the codecs' form) attach to the first system message,
 created empty when there is none.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -35,7 +36,19 @@ from deepinfer_core.codecs import Message
 
 from . import templates
 from .dsml import V4_TAGS, DsmlTags, render_tool_calls
-from .tokens import ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_CLOSE, THINK_OPEN, USER, Marker, Part, split_trusted, task_marker
+from .tokens import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    LATEST_REMINDER,
+    THINK_CLOSE,
+    THINK_OPEN,
+    USER,
+    Marker,
+    Part,
+    split_trusted,
+    task_marker,
+)
 from .turns import USER_ROLES, Turn, conversation_turns, last_user_index
 
 
@@ -46,7 +59,9 @@ class RenderOptions:
     tags: DsmlTags = V4_TAGS
 
 
-def attach_request_level(messages: Sequence[Message], tools: Sequence[dict], response_format: dict | None) -> tuple[Message, ...]:
+def attach_request_level(
+    messages: Sequence[Message], tools: Sequence[dict], response_format: dict | None
+) -> tuple[Message, ...]:
     """Move request-level tools / response format onto the first system message, unless some
     message already carries its own (then the request-level copy would be a duplicate)."""
     msgs = list(messages)

@@ -6,6 +6,7 @@ messages, the ``latest_reminder`` role and a per-message ``task``. The golden ve
 in that form; this converter lets them (and offline tooling) drive the encoding directly. HTTP
 requests go through the protocol codecs instead, which validate their own formats.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -29,7 +30,9 @@ def _text(content: Any, where: str, *, tool_result: bool = False) -> str:
         if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
             raise ValueError(f"{where}[{j}] must be a content part object with string text, got {part!r:.80}")
     if tool_result:  # the reference joins a result's parts with blank lines, naming the others
-        return "\n\n".join(p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]" for p in parts)
+        return "\n\n".join(
+            p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]" for p in parts
+        )
     return "".join(part.get("text", "") for part in parts)
 
 
@@ -52,7 +55,9 @@ def message_from_reference(raw: dict, index: int = 0) -> Message:
     if not isinstance(calls, list | tuple):
         raise ValueError(f"{where}.tool_calls must be a list, got {type(calls).__name__}")
     if not isinstance(raw.get("reasoning_content"), str | None):
-        raise ValueError(f"{where}.reasoning_content must be a string or null, got {type(raw['reasoning_content']).__name__}")
+        raise ValueError(
+            f"{where}.reasoning_content must be a string or null, got {type(raw['reasoning_content']).__name__}"
+        )
     return Message(
         role=raw["role"],
         content=_text(raw.get("content"), f"{where}.content", tool_result=raw["role"] == "tool"),

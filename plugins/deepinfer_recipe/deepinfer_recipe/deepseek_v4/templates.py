@@ -5,6 +5,7 @@ These strings are pinned byte for byte by the golden vectors (``official_1``,
 and its tests agree on one source. They are trusted template text: the marker strings they
 mention (``<think>``, ``｜DSML｜``) are tokenized as specials, as the reference encoder does.
 """
+
 from __future__ import annotations
 
 import json

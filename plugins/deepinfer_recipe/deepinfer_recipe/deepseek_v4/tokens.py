@@ -8,6 +8,7 @@ tokens. Adjacent text parts are joined before encoding, so the only split points
 markers, exactly as the default encoder splits; on a prompt whose user text contains no marker
 strings both give the same ids.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,7 +69,7 @@ def split_trusted(text: str) -> list[Part]:
         if pos:
             parts.append(rest[:pos])
         parts.append(Marker(marker))
-        rest = rest[pos + len(marker):]
+        rest = rest[pos + len(marker) :]
     return parts
 
 

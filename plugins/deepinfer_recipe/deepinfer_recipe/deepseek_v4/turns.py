@@ -14,6 +14,7 @@ run before rendering, in the reference's order (each pinned by ``reference_behav
 3. **history** - in thinking mode with no tools anywhere, assistant turns before the last
    user/developer turn lose their reasoning and developer turns there are dropped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
