@@ -21,7 +21,7 @@ import torch
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
 from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
 from deepinfer_core.testing.paged_batch import scattered_batch
 
 

@@ -30,8 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.models import deepseek_v4
-from deepinfer_core.models import deepseek_v4_compress as now
+from deepinfer_core.models.deepseek_v4 import compress as now
+from deepinfer_core.models.deepseek_v4 import model as deepseek_v4
 
 BEFORE = "e0a468e"  # main before the batching: per-request compressor loops, per-position indexer top-k
 SHAPES = {"8 x 512": [512] * 8, "32 x 160": [160] * 32, "mixed 9": [3, 16, 100, 257, 300, 512, 700, 1000, 1500]}
@@ -48,7 +48,7 @@ def load_before(rev: str):
     """``deepseek_v4_compress`` as it was at ``rev``, as a module of the installed package."""
     root = Path(__file__).resolve().parent.parent
     src = subprocess.run(
-        ["git", "show", f"{rev}:deepinfer_core/models/deepseek_v4_compress.py"],
+        ["git", "show", f"{rev}:deepinfer_core/models/deepseek_v4/compress.py"],
         cwd=root,
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.models import deepseek_v4 as m4  # noqa: E402
+from deepinfer_core.models.deepseek_v4 import model as m4  # noqa: E402
 from deepinfer_core.testing.v4_tiny import save_tiny_v4, tiny_v4_config  # noqa: E402
 
 LAYOUT = (

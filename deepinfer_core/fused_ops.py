@@ -153,9 +153,9 @@ def norm_rope_cat_reference(
 def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
     """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
     use a fused kernel."""
-    from .models.deepseek_v3_mla import MLAAttention
-    from .models.deepseek_v4 import V4Attention
-    from .models.deepseek_v4_layers import HyperConnection, V4RMSNorm
+    from .models.deepseek_v3.mla import MLAAttention
+    from .models.deepseek_v4.layers import HyperConnection, V4RMSNorm
+    from .models.deepseek_v4.model import V4Attention
     from .models.fp8 import Fp8Linear
     from .models.layers import GatedMLP, RMSNorm, Rotary
 
@@ -214,7 +214,7 @@ def _install_linear(module: torch.nn.Module, ops: FusedOps) -> bool:
     """``ops.dense_linear`` / ``head_linear`` on an MLA layer or gated MLP (their plain
     linears use it, see models.layers.project); for MLA with 16-bit bias-free q_a and kv_a, the
     two weights moved into one tensor (the parameters become views of it, no second copy)."""
-    from .models.deepseek_v3_mla import MLAAttention
+    from .models.deepseek_v3.mla import MLAAttention
     from .models.layers import GatedMLP, plain_linear
 
     if ops.dense_linear is None or not isinstance(module, (MLAAttention, GatedMLP)):

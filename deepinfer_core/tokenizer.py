@@ -92,7 +92,7 @@ class Tokenizer:
         """Byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata: a path, the metadata as
         plain values (``models.gguf_index``'s mapping) or a ``gguf.GGUFReader``."""
         if isinstance(source, (str, os.PathLike)):
-            from .models.gguf_index import read_index
+            from .models.loaders.gguf_index import read_index
 
             source = read_index(os.fspath(source), lambda key: key.startswith("tokenizer.")).metadata
         if isinstance(source, Mapping):

@@ -22,8 +22,8 @@ from safetensors.torch import save_file  # noqa: E402
 from deepinfer_core.attention import AttentionMetadata  # noqa: E402
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from deepinfer_core.models import CausalLM, ModelContext, WeightsError  # noqa: E402
-from deepinfer_core.models.deepseek_v3 import build  # noqa: E402
-from deepinfer_core.models.hf_loader import open_hf_dir  # noqa: E402
+from deepinfer_core.models.deepseek_v3.model import build  # noqa: E402
+from deepinfer_core.models.loaders.hf import open_hf_dir  # noqa: E402
 from deepinfer_core.moe.torch_ref import TorchMoEDispatcher  # noqa: E402
 
 BLOCK = 128
@@ -248,7 +248,7 @@ def test_shared_expert_views_are_derived_once_after_loading(saved, monkeypatch):
     """A dispatcher offering forward_with_shared gets the shared expert's views derived once
     after the weights load (not rebuilt per forward), and they read the loaded weights: the
     logits equal transformers'."""
-    from deepinfer_core.models import deepseek_v3
+    from deepinfer_core.models.deepseek_v3 import model as deepseek_v3
 
     hf, path = saved
     calls = []
@@ -360,7 +360,7 @@ def test_real_v3_rope_config_matches_transformers():
     our tables and softmax scale must equal transformers' for it, not just for tiny configs."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-    from deepinfer_core.models.deepseek_v3_mla import build_rotary, softmax_scale
+    from deepinfer_core.models.deepseek_v3.mla import build_rotary, softmax_scale
 
     legacy = {
         "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,

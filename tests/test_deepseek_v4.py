@@ -149,7 +149,7 @@ def test_prefix_hit_with_a_new_suffix_matches_transformers(checkpoint):
     ],
 )
 def test_bad_config_is_named_before_anything_is_built(edit, names):
-    from deepinfer_core.models.deepseek_v4_config import parse_config
+    from deepinfer_core.models.deepseek_v4.config import parse_config
 
     config = tiny_v4_config().to_dict() | edit
     with pytest.raises(ValueError) as err:
@@ -158,7 +158,7 @@ def test_bad_config_is_named_before_anything_is_built(edit, names):
 
 
 def test_block_size_must_hold_whole_compression_windows():
-    from deepinfer_core.models.deepseek_v4_kv import v4_kv_layout
+    from deepinfer_core.models.deepseek_v4.kv import v4_kv_layout
 
     with pytest.raises(ValueError, match="compresses every 16 tokens.*block size 24"):
         v4_kv_layout(tiny_v4_config().to_dict(), torch.float32, block_size=24)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch
-from deepinfer_core.models.deepseek_v4_config import parse_config
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
-from deepinfer_core.models.deepseek_v4_layers import V4Rope
+from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch
+from deepinfer_core.models.deepseek_v4.config import parse_config
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
+from deepinfer_core.models.deepseek_v4.layers import V4Rope
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.models.deepseek_v4_compress import Compressor, Indexer, V4Batch, update_entries
-from deepinfer_core.models.deepseek_v4_config import parse_config
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
-from deepinfer_core.models.deepseek_v4_layers import V4Rope
+from deepinfer_core.models.deepseek_v4.compress import Compressor, Indexer, V4Batch, update_entries
+from deepinfer_core.models.deepseek_v4.config import parse_config
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
+from deepinfer_core.models.deepseek_v4.layers import V4Rope
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG
 
 CFG = parse_config(dict(TINY_V4_CONFIG) | {"index_n_heads": 2, "index_topk": 3})
@@ -117,8 +117,8 @@ def test_layers_of_one_kind_share_the_forwards_plans(monkeypatch):
     """One StepPlans per forward: the second layer of a kind reuses the window plan the first
     built (one plan per kind and step, not per layer), and writes what it writes with a plan of
     its own."""
-    from deepinfer_core.models import deepseek_v4_compress
-    from deepinfer_core.models.deepseek_v4_compress import StepPlans
+    from deepinfer_core.models.deepseek_v4 import compress as deepseek_v4_compress
+    from deepinfer_core.models.deepseek_v4.compress import StepPlans
 
     built = []
     real = deepseek_v4_compress.window_plan
@@ -155,7 +155,7 @@ def test_the_step_layout_comes_from_the_host_copies_the_batch_builder_attaches()
 
     from deepinfer_core.engine.batch_build import build
     from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput
-    from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     reqs = (
         ScheduledRequest("decode", (7,), start_position=40, block_ids=(0, 1, 2), sample=True, seed=0, prompt_len=30),

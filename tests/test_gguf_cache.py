@@ -1,4 +1,4 @@
-"""The GGUF start-up cache (deepinfer_core.models.gguf_cache) is invisible: a cached open gives
+"""The GGUF start-up cache (deepinfer_core.models.loaders.gguf_cache) is invisible: a cached open gives
 exactly what parsing and dequantizing the file gives (config, fingerprint, sampling keys, every
 float and packed tensor bit for bit, tokenizer ids and chat prompt, special ids) without reading
 the GGUF's header again; a damaged, stale or other-format entry is rebuilt from the file, and the
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer_core.models import gguf_loader
-from deepinfer_core.models.gguf_cache import cache_key
-from deepinfer_core.models.gguf_loader import open_gguf
+from deepinfer_core.models.loaders import gguf as gguf_loader
+from deepinfer_core.models.loaders.gguf import open_gguf
+from deepinfer_core.models.loaders.gguf_cache import cache_key
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.testing.gguf_files import write_tiny_llama_gguf
 

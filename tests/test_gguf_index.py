@@ -1,4 +1,4 @@
-"""The tensor-index reader (deepinfer_core.models.gguf_index) against the ``gguf`` library's own
+"""The tensor-index reader (deepinfer_core.models.loaders.gguf_index) against the ``gguf`` library's own
 ``GGUFReader``: the same data offset, the same metadata values, every tensor's name, type,
 shape and bytes identical, on the embedded SmolLM2 file and on a file written here by
 ``gguf.GGUFWriter`` with Q4_0/Q4_1/Q8_0 (the library's quantizers), K-quant and float tensors
@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from deepinfer_core.models.gguf_index import read_index
+from deepinfer_core.models.loaders.gguf_index import read_index
 from deepinfer_core.models.sources import smollm2_gguf
 
 Q = gguf.GGMLQuantizationType

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from deepinfer_core.models import gguf_index
-from deepinfer_core.models.gguf_loader import open_gguf
+from deepinfer_core.models.loaders import gguf_index
+from deepinfer_core.models.loaders.gguf import open_gguf
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
 from deepinfer_core.testing.gguf_files import write_tiny_llama_gguf

@@ -149,7 +149,7 @@ class V4AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D] roped queries
         kv: torch.Tensor,  # [T, D] the new tokens' roped key (= value)
         sinks: torch.Tensor,  # [H] float32 sink logits
-        cache,  # deepinfer_core.models.deepseek_v4_kv.V4LayerCache
+        cache,  # deepinfer_core.models.deepseek_v4.kv.V4LayerCache
         meta: AttentionMetadata,
         selected: torch.Tensor | None = None,  # [T, k] entry ids (-1: none), COMPRESSED_SPARSE only
     ) -> torch.Tensor:  # [T, H, D]

@@ -23,7 +23,9 @@ def deepinfer_register_spec_policies(register_verification):
 
 @hookimpl(trylast=True)
 def deepinfer_register_models(register, register_source):
-    from ..models import deepseek_v3, deepseek_v4, llama
+    from ..models.deepseek_v3 import model as deepseek_v3
+    from ..models.deepseek_v4 import model as deepseek_v4
+    from ..models.llama import model as llama
     from ..models.sources import smollm2_gguf
 
     register("LlamaForCausalLM", llama.build)

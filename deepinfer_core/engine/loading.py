@@ -15,7 +15,7 @@ from ..lowbit.llama_decode import prefill_enabled
 from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
-from ..models.files import ModelFiles, open_model_files
+from ..models.loaders.files import ModelFiles, open_model_files
 from ..platform import Platform
 from ..plugin_host import PluginHost
 from .fast_init import skip_random_init

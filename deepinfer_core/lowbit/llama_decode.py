@@ -269,11 +269,11 @@ class LlamaDecodePlan:
 
 
 def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
-    """A plan for a :class:`~deepinfer_core.models.llama.LlamaForCausalLM` whose every layer is
+    """A plan for a :class:`~deepinfer_core.models.llama.model.LlamaForCausalLM` whose every layer is
     the plain Llama layer on packed weights with the paged-decode backend; None otherwise (or
     when the switch is off or the kernels are not built)."""
     from ..models.layers import GatedMLP, RMSNorm
-    from ..models.llama import LlamaAttention, LlamaDecoderLayer
+    from ..models.llama.model import LlamaAttention, LlamaDecoderLayer
 
     lib = load().lib
     if not enabled() or lib is None:

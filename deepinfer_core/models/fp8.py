@@ -31,7 +31,7 @@ def _grid(n: int) -> int:
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """float8 ``[.., N, K]`` x ``[.., ceil(N/128), ceil(K/128)]`` scales -> float32."""
-    from .deepseek_v4_quant import dequant_fp8_block
+    from .quant import dequant_fp8_block
 
     return dequant_fp8_block(weight, scale_inv)
 
@@ -118,7 +118,7 @@ def swap_in_fp8(model: nn.Module, fp8_names: frozenset[str] | set[str]) -> set[s
     are all FP8 (``fp8_names``: ``X.weight`` names that come with ``X.weight_scale_inv``) by its
     FP8 module, on the device of the parameter it replaces. Returns the checkpoint weight names
     now kept FP8 (the loader dequantizes every other FP8 tensor)."""
-    from .deepseek_v3 import StackedExperts
+    from .deepseek_v3.model import StackedExperts
     from .layers import FusedLinear
 
     kept: set[str] = set()

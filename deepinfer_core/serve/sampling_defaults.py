@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..models.files import ModelFiles
+    from ..models.loaders.files import ModelFiles
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _from_gguf_keys(stored: dict) -> dict | None:
 def _read_gguf_keys(path: str) -> dict:
     """The ``general.sampling.*`` keys of ``path``'s header, the other values stepped over
     (no vocabulary is decoded); {} for a file that cannot be read."""
-    from ..models.gguf_index import read_index
+    from ..models.loaders.gguf_index import read_index
 
     try:
         return read_index(path, lambda key: key in _GGUF_KEYS).metadata

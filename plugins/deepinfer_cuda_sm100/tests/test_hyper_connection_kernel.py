@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference  # noqa: E402
-from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference
+from deepinfer_core.models.deepseek_v4.layers import hc_merge as hc_merge_reference  # noqa: E402
+from deepinfer_core.models.deepseek_v4.layers import hc_mix_reference
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
 from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix  # noqa: E402
 
@@ -74,8 +74,8 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     pytest.importorskip("transformers")
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.fused_ops import FusedOps, install
-    from deepinfer_core.models.deepseek_v4 import V4Attention
-    from deepinfer_core.models.deepseek_v4_layers import HyperConnection, V4RMSNorm
+    from deepinfer_core.models.deepseek_v4.layers import HyperConnection, V4RMSNorm
+    from deepinfer_core.models.deepseek_v4.model import V4Attention
     from deepinfer_core.testing.v4_tiny import save_tiny_v4
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 

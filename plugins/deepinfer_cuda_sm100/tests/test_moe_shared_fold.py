@@ -129,7 +129,7 @@ def test_deepseek_v3_moe_layer_folds_its_shared_expert(T):
     routed + shared expert in the per-row GEMVs for one decode token, the shared output added in
     the grouped GEMMs' sum for 24) against the same layer on the core reference dispatcher
     (router, routed experts and the shared MLP separately)."""
-    from deepinfer_core.models.deepseek_v3 import DeepseekV3MoE
+    from deepinfer_core.models.deepseek_v3.model import DeepseekV3MoE
 
     spec = MoESpec(
         0,

@@ -264,7 +264,7 @@ def test_norms_and_silu_and_mul_at_any_width(rows, D, dtype, seed):
 def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
     """Any rope width the V4 config accepts (even, <= head_dim: e.g. 24 or 48, whose halves are
     not powers of two), any head width, any head count (2D rows for H = 0), empty batches."""
-    from deepinfer_core.models.deepseek_v4_layers import V4RMSNorm, V4Rope, unweighted_rms_norm
+    from deepinfer_core.models.deepseek_v4.layers import V4RMSNorm, V4Rope, unweighted_rms_norm
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
     rope = 2 * data.draw(st.integers(1, D // 2))
@@ -293,8 +293,8 @@ def test_v4_norms_and_rope_at_any_width(T, H, D, data, dtype):
 def test_hyper_connections_at_any_stream_count_and_width(hc, D, T, iters, dtype):
     """hc_mix (the Sinkhorn weights and collapse) and hc_merge for any number of streams (V4
     uses 4), widths past one 512 / 1,024-wide step, empty batches."""
-    from deepinfer_core.models.deepseek_v4_layers import hc_merge as hc_merge_reference
-    from deepinfer_core.models.deepseek_v4_layers import hc_mix_reference
+    from deepinfer_core.models.deepseek_v4.layers import hc_merge as hc_merge_reference
+    from deepinfer_core.models.deepseek_v4.layers import hc_mix_reference
     from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix
 
     g = torch.Generator().manual_seed(hc * 1000 + D + T)
@@ -403,7 +403,7 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
     against the core's V4 reference backend in float64 on the same cache."""
     from deepinfer_core.attention import AttentionKind, AttentionLayerSpec
     from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend
-    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
+    from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
     from deepinfer_core.testing.paged_batch import scattered_batch
     from deepinfer_cuda_sm100.attention import TritonV4Attention
 
@@ -458,10 +458,10 @@ def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, d
     compression ratios 2-32 (a block of 32 holding 16 entries down to 1), overlapping or not,
     and any even rope width up to the compressed width (halves that are not powers of two),
     against the core's torch form; requests closing their window and not."""
-    from deepinfer_core.models.deepseek_v4_compress import Compressor
-    from deepinfer_core.models.deepseek_v4_decode import V4DecodeBatch, decode_update_entries
-    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
-    from deepinfer_core.models.deepseek_v4_layers import V4Rope
+    from deepinfer_core.models.deepseek_v4.compress import Compressor
+    from deepinfer_core.models.deepseek_v4.decode import V4DecodeBatch, decode_update_entries
+    from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
+    from deepinfer_core.models.deepseek_v4.layers import V4Rope
     from deepinfer_cuda_sm100.attention import TritonV4Attention
 
     rope_dim = 2 * data.draw(st.integers(1, dim // 2))
@@ -505,10 +505,10 @@ def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
     that are not powers of two, widths 16 / 32, any top-k, decode and prefill over a prefix,
     against a float64 loop over each token's visible entries."""
 
-    from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch
-    from deepinfer_core.models.deepseek_v4_config import parse_config
-    from deepinfer_core.models.deepseek_v4_kv import V4LayerCache
-    from deepinfer_core.models.deepseek_v4_layers import V4Rope
+    from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch
+    from deepinfer_core.models.deepseek_v4.config import parse_config
+    from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
+    from deepinfer_core.models.deepseek_v4.layers import V4Rope
     from deepinfer_core.testing.paged_batch import scattered_batch
     from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG
     from deepinfer_cuda_sm100.attention import TritonV4Attention

@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 
 from deepinfer_core.attention import AttentionKind, AttentionLayerSpec  # noqa: E402
 from deepinfer_core.attention.v4_ref import TorchV4AttentionBackend  # noqa: E402
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache  # noqa: E402
 from deepinfer_core.platform import TorchPlatform  # noqa: E402
 from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_core.testing.v4_attention import V4AttentionBackendSuite  # noqa: E402

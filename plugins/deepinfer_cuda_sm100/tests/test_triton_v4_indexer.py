@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_compress import Indexer, V4Batch  # noqa: E402
-from deepinfer_core.models.deepseek_v4_config import parse_config  # noqa: E402
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
-from deepinfer_core.models.deepseek_v4_layers import V4Rope  # noqa: E402
+from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch  # noqa: E402
+from deepinfer_core.models.deepseek_v4.config import parse_config  # noqa: E402
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache  # noqa: E402
+from deepinfer_core.models.deepseek_v4.layers import V4Rope  # noqa: E402
 from deepinfer_core.testing.paged_batch import scattered_batch  # noqa: E402
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonV4Attention  # noqa: E402

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_compress import Compressor  # noqa: E402
-from deepinfer_core.models.deepseek_v4_decode import V4DecodeBatch, decode_update_entries  # noqa: E402
-from deepinfer_core.models.deepseek_v4_kv import V4LayerCache  # noqa: E402
-from deepinfer_core.models.deepseek_v4_layers import V4Rope  # noqa: E402
+from deepinfer_core.models.deepseek_v4.compress import Compressor  # noqa: E402
+from deepinfer_core.models.deepseek_v4.decode import V4DecodeBatch, decode_update_entries  # noqa: E402
+from deepinfer_core.models.deepseek_v4.kv import V4LayerCache  # noqa: E402
+from deepinfer_core.models.deepseek_v4.layers import V4Rope  # noqa: E402
 from deepinfer_cuda_sm100.attention import TritonV4Attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

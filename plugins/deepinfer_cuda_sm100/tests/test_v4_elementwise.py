@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4_layers import V4RMSNorm, V4Rope, unweighted_rms_norm  # noqa: E402
+from deepinfer_core.models.deepseek_v4.layers import V4RMSNorm, V4Rope, unweighted_rms_norm  # noqa: E402
 from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

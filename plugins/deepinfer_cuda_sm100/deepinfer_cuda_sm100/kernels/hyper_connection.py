@@ -7,7 +7,7 @@ dozen numbers: ~90 launches per call, 16 calls per step of an 8-layer model, mor
 of a 1-request decode step together (counted in benchmarks/README.md). Here one program per
 token keeps the ``hc x hc`` matrix in registers through every iteration and then streams the
 token's ``hc`` rows once. Same operations and order as
-:func:`deepinfer_core.models.deepseek_v4_layers.hc_mix_reference`, in float32.
+:func:`deepinfer_core.models.deepseek_v4.layers.hc_mix_reference`, in float32.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention in Triton: sliding window, heavily compressed (HCA) and compressed
 sparse (CSA) layers, prefill, chunked prefill and decode, in one kernel over the engine's V4
-cache (``deepinfer_core.models.deepseek_v4_kv.V4LayerCache``).
+cache (``deepinfer_core.models.deepseek_v4.kv.V4LayerCache``).
 
 Per query position ``p`` of request ``r`` the keys (K = V, one head shared by all query heads) are
 

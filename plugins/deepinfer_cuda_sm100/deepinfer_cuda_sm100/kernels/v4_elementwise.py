@@ -6,7 +6,7 @@ attention, three ropes (queries, key, un-roped output; ~9 kernels each) - togeth
 ~1,400 launches left in a 1-request V4-mini step (benchmarks/README.md, ``v4_step_kernels.py``).
 V4 rounds differently from Llama, so :mod:`.fused_elementwise`'s norm does not serve: the weight
 multiplies the float32 normalised row before the one rounding
-(:class:`deepinfer_core.models.deepseek_v4_layers.V4RMSNorm`), and the rope rotates interleaved
+(:class:`deepinfer_core.models.deepseek_v4.layers.V4RMSNorm`), and the rope rotates interleaved
 pairs of the trailing channels in float32 then rounds once (``V4Rope.apply``).
 """
 

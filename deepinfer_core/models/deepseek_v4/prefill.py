@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..engine.batch_build import arrays_to_device
+from ...engine.batch_build import arrays_to_device
 
 if TYPE_CHECKING:
-    from .deepseek_v4_compress import V4Batch
+    from .compress import V4Batch
 
 
 def _upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ from .files import ModelFiles
 from .gguf_index import TensorInfo
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ...tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer.gguf_cache")
 
@@ -116,7 +116,7 @@ def read_entry(entry: str) -> GGUFParts | None:
 def _read_entry(entry: str) -> GGUFParts:
     import tokenizers
 
-    from ..tokenizer import Tokenizer
+    from ...tokenizer import Tokenizer
 
     with open(os.path.join(entry, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)

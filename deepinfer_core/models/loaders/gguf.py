@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from ..lowbit.formats import FLOAT_TYPES, from_gguf
+from ...lowbit.formats import FLOAT_TYPES, from_gguf
 from . import gguf_cache
 from .files import ModelFiles
 from .gguf_cache import GGUFParts
@@ -73,7 +73,7 @@ def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
 def parse_gguf(path: str) -> GGUFParts:
     """Everything a start-up needs from the file's header (the cold path: the metadata walk
     and the tokenizer build)."""
-    from ..tokenizer import Tokenizer
+    from ...tokenizer import Tokenizer
 
     index = read_index(path)
     meta = index.metadata

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from . import ModelFilesNotFound
+from .. import ModelFilesNotFound
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ...tokenizer import Tokenizer
 
 WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -65,17 +65,17 @@ def open_model_files(path: str) -> ModelFiles:
         raise ModelFilesNotFound(f"model path {path!r} does not exist (expected a .gguf file or a model directory)")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            from .gguf_loader import open_gguf
+            from .gguf import open_gguf
 
             return open_gguf(path)
         raise ValueError(f"{path!r} is not a model: expected a .gguf file or a directory with config.json")
     if os.path.isfile(os.path.join(path, "config.json")):
-        from .hf_loader import open_hf_dir  # imported lazily: only HF directories need it
+        from .hf import open_hf_dir  # imported lazily: only HF directories need it
 
         return open_hf_dir(path)
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
-        from .gguf_loader import open_gguf
+        from .gguf import open_gguf
 
         return open_gguf(os.path.join(path, ggufs[0]))
     if len(ggufs) > 1:

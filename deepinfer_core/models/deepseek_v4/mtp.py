@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .deepseek_v4_config import V4Config
+from .config import V4Config
 
 
 def with_mtp_layers(cfg: V4Config) -> V4Config:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .layers import RMSNorm, Rotary, plain_linear, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
+from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from ..layers import RMSNorm, Rotary, plain_linear, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
 
 
 def rope_parameters(config: dict) -> dict:

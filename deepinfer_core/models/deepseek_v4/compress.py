@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .deepseek_v4_config import V4Config
-from .deepseek_v4_kv import V4LayerCache
-from .deepseek_v4_layers import V4RMSNorm, V4Rope
-from .deepseek_v4_prefill import choose, topk_plan, torch_scores, update_entries_batched, window_plan
+from .config import V4Config
+from .kv import V4LayerCache
+from .layers import V4RMSNorm, V4Rope
+from .prefill import choose, topk_plan, torch_scores, update_entries_batched, window_plan
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from . import WeightsError
-from .layers import fused_targets
+from .. import WeightsError
+from ..layers import fused_targets
 
 _EXPERT = re.compile(
     r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"

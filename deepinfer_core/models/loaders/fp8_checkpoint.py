@@ -16,8 +16,8 @@ from typing import Iterator
 
 import torch
 
-from . import WeightsError
-from .fp8 import FP8_BLOCK, dequantize
+from .. import WeightsError
+from ..fp8 import FP8_BLOCK, dequantize
 
 SCALE = "_scale_inv"
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..moe import ExpertWeights, MoEDispatcher, MoESpec
-from .deepseek_v4_config import V4Config
-from .layers import FusedLinear, yarn_rope_inv_freq
+from ...moe import ExpertWeights, MoEDispatcher, MoESpec
+from ..layers import FusedLinear, yarn_rope_inv_freq
+from .config import V4Config
 
 # Kept in float32 whatever the model dtype: transformers' ``_keep_in_fp32_modules_strict`` for
 # DeepSeek-V4 (mHC mixing, sinks, compressor position biases, router bias, every RMSNorm weight),

@@ -35,8 +35,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from . import WeightsError
-from .deepseek_v4_quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
+from .. import WeightsError
+from ..quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
 
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 _FLOAT = {"BF16", "F16", "F32"}

@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from ..engine.fast_init import materialize
-from ..lowbit import llama_decode
-from ..lowbit import ops as lowbit_ops
-from ..lowbit.formats import QuantWeight
-from ..lowbit.modules import LowBitEmbedding, LowBitLinear
-from . import ModelContext, WeightsError
-from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
+from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from ...engine.fast_init import materialize
+from ...lowbit import llama_decode
+from ...lowbit import ops as lowbit_ops
+from ...lowbit.formats import QuantWeight
+from ...lowbit.modules import LowBitEmbedding, LowBitLinear
+from .. import ModelContext, WeightsError
+from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

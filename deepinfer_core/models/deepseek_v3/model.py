@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from ..engine.fast_init import materialize
-from ..moe import ExpertWeights, MoEDispatcher, MoESpec
-from . import ModelContext
-from .deepseek_v3_mla import MLAAttention, build_rotary, mla_spec
-from .deepseek_v3_weights import load_hf_weights
-from .layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
+from ...attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from ...engine.fast_init import materialize
+from ...moe import ExpertWeights, MoEDispatcher, MoESpec
+from .. import ModelContext
+from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
+from .mla import MLAAttention, build_rotary, mla_spec
+from .weights import load_hf_weights
 
 
 def is_moe_layer(config: dict, index: int) -> bool:
@@ -113,7 +113,7 @@ class DeepseekV3MoE(nn.Module):
         """The shared expert as a one-expert stack (views of its weights, FP8 with scales), for a
         dispatcher's ``forward_with_shared``; None without one or where its projections are not
         plain bias-free linears (e.g. packed low-bit modules)."""
-        from .fp8 import Fp8Linear
+        from ..fp8 import Fp8Linear
 
         mlp = self.shared_experts
         if mlp is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .deepseek_v4_config import CSA, HCA, V4Config, parse_config
+from .config import CSA, HCA, V4Config, parse_config
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .deepseek_v4_kv import V4LayerCache
-from .deepseek_v4_layers import V4Rope
+from .kv import V4LayerCache
+from .layers import V4Rope
 
 
 @dataclass(frozen=True)

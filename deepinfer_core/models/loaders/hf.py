@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from . import ModelFilesNotFound
+from .. import ModelFilesNotFound
 from .files import ModelFiles
 
 CONFIG = "config.json"
@@ -75,7 +75,7 @@ def _checkpoint_reader(config: dict, paths: list[str]):
     names) is checked against the config from the headers now, before any model is built, and
     dequantized under transformers' names while streaming."""
     if "DeepseekV4ForCausalLM" in (config.get("architectures") or []):
-        from .deepseek_v4_weights import check_checkpoint, iter_weights, read_headers
+        from ..deepseek_v4.weights import check_checkpoint, iter_weights, read_headers
 
         headers = read_headers(paths)
         check_checkpoint(config, headers)
@@ -141,7 +141,7 @@ def _load_tokenizer(root: str):
     if not os.path.isfile(os.path.join(root, "tokenizer.json")):
         return None
     try:
-        from ..tokenizer import Tokenizer
+        from ...tokenizer import Tokenizer
     except ImportError:
         return None
     return Tokenizer.from_hf_dir(root)

@@ -24,15 +24,15 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionLayerSpec, AttentionMetadata
-from ..engine.fast_init import materialize
-from . import ModelContext
-from .deepseek_v3_weights import load_hf_weights
-from .deepseek_v4_compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
-from .deepseek_v4_config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
-from .deepseek_v4_decode import V4DecodeBatch, decode_select, decode_update_entries
-from .deepseek_v4_kv import V4KVLayout, V4LayerCache, v4_kv_layout
-from .deepseek_v4_layers import (
+from ...attention import AttentionLayerSpec, AttentionMetadata
+from ...engine.fast_init import materialize
+from .. import ModelContext
+from ..deepseek_v3.weights import load_hf_weights
+from .compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
+from .config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
+from .decode import V4DecodeBatch, decode_select, decode_update_entries
+from .kv import V4KVLayout, V4LayerCache, v4_kv_layout
+from .layers import (  # fmt: skip
     GroupedLinear,
     HyperConnection,
     HyperHead,
@@ -42,9 +42,9 @@ from .deepseek_v4_layers import (
     keep_float32,
     moe_spec,
     unweighted_rms_norm,
-)  # fmt: skip
-from .deepseek_v4_mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
-from .deepseek_v4_weights import renamed
+)
+from .mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
+from .weights import renamed
 
 
 def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> AttentionLayerSpec:

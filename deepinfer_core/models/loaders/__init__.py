@@ -1,0 +1,3 @@
+"""Model files on disk -> :class:`~deepinfer_core.models.loaders.files.ModelFiles`: GGUF files
+(``gguf``, with its start-up cache ``gguf_cache`` and tensor index ``gguf_index``) and Hugging Face
+directories (``hf``, FP8 block checkpoints through ``fp8_checkpoint``)."""
