@@ -207,7 +207,8 @@ def refuse_tensor_reads(monkeypatch) -> None:
         ),
         (
             lambda t: t.pop("layers.3.ffn.experts.5.w3.scale", None),
-            r"without scales tensors: layers\.3\.ffn\.experts\.5\.w3\.weight: MXFP4 weight has no scale tensor layers\.3\.ffn\.experts\.5\.w3\.scale",
+            r"without scales tensors: layers\.3\.ffn\.experts\.5\.w3\.weight: MXFP4 weight has no scale tensor "
+            r"layers\.3\.ffn\.experts\.5\.w3\.scale",
         ),
         (
             lambda t: (

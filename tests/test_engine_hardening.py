@@ -194,7 +194,8 @@ def test_max_tokens_past_the_context_is_refused_not_capped(model_dir):
     fits, long = {"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 50}
     with pytest.raises(
         ValueError,
-        match=r"max_tokens=15: the prompt has 50 tokens.*maximum context length of 64 tokens; set max_tokens to at most 14",
+        match=r"max_tokens=15: the prompt has 50 tokens.*maximum context length of 64 tokens; set max_tokens to at "
+        r"most 14",
     ):
         small.generate([fits, long], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     assert not small.engine.has_unfinished_requests() and small.engine.kv.pool.num_free == free

@@ -45,8 +45,10 @@ def examples(n: int):
 BACKGROUND = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "{{ x }}", "{% if %}", "\ud800", "\x00"]
 
-junk = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.binary(max_size=3), st.just(math.nan), st.just(math.inf),
-                 st.just(-math.inf), st.integers(), st.floats(), st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))  # fmt: skip
+junk = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.binary(max_size=3), st.just(math.nan),
+                 st.just(math.inf), st.just(-math.inf), st.integers(), st.floats(),
+                 st.lists(st.integers(-3, 3), max_size=3),
+                 st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))  # fmt: skip
 
 
 def either(good):
@@ -78,7 +80,8 @@ VALID = {
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.01, 100), "seed": st.integers(0, 2**63),
     "max_tokens": st.one_of(st.none(), st.integers(1, 80)), "min_tokens": st.integers(0, 1),
-    "stop": st.one_of(st.none(), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    "stop": st.one_of(st.none(), st.text(min_size=1, max_size=3),
+                      st.lists(st.text(min_size=1, max_size=3), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
     "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(),
 }  # fmt: skip
@@ -92,7 +95,9 @@ texts = st.one_of(
 token_lists = st.lists(st.one_of(st.integers(-5, 50000), st.integers(), junk), max_size=70)
 prompts = st.one_of(
     texts, token_lists, st.integers(), st.none(),
-    st.fixed_dictionaries({}, optional={"prompt": st.one_of(texts, junk), "prompt_token_ids": st.one_of(token_lists, junk)}),
+    st.fixed_dictionaries({},
+                          optional={"prompt": st.one_of(texts, junk),
+                                    "prompt_token_ids": st.one_of(token_lists, junk)}),
     st.lists(st.one_of(texts, st.lists(st.integers(0, 300), min_size=1, max_size=5)), max_size=3),
 )  # fmt: skip
 valid_prompts = st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 49151), min_size=1, max_size=40))

@@ -77,7 +77,8 @@ def test_idle_executor_workers_do_not_hold_the_exit():
     (``deepinfer serve --kv-store`` did not end on SIGTERM). The reference is the same child
     ending with ``sys.exit``; the submitted job must have run in both."""
     body = (
-        "import sys\nfrom concurrent.futures import ThreadPoolExecutor\nfrom deepinfer_core.fast_exit import exit_process\n"
+        "import sys\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "from deepinfer_core.fast_exit import exit_process\n"
         "pool = ThreadPoolExecutor(1)\npool.submit(print, 'job ran').result()\n"
     )
     for ending in ("sys.exit(0)", "exit_process(0)"):

@@ -191,14 +191,18 @@ def test_cuda_overlapped_steps_with_stalled_copies_equal_serial_steps(tmp_path, 
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.engine import model_runner
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13], [20, 21] * 7, [30] * 40, list(range(2, 90)) * 2]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), SamplingParams(temperature=0.9, top_k=10, seed=4, max_tokens=33),
-              SamplingParams(temperature=0, max_tokens=25), SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=37, min_tokens=5),
-              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[50, 51, 52]), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=10, seed=4, max_tokens=33),
+              SamplingParams(temperature=0, max_tokens=25),
+              SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=37, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[50, 51, 52]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]  # fmt: skip
     kw = dict(device="cuda", dtype="float32", kv_cache_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
     off = LLM(str(tmp_path), overlap_scheduling=False, **kw)
     want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, params)]

@@ -61,7 +61,8 @@ llm.engine.tiers.flush()
 req = Request("keys", list(cfg["prompt"]), SamplingParams(), seed=0)
 llm.engine.kv._update_keys(req)
 host = llm.engine.tiers.host
-digests = {k.hex(): hashlib.sha256(bytes(host.get(k).numpy())).hexdigest() for k in req.block_keys if host.get(k) is not None}
+digests = {k.hex(): hashlib.sha256(bytes(host.get(k).numpy())).hexdigest()
+           for k in req.block_keys if host.get(k) is not None}
 stats = llm.engine.stats()["kv_tiers"]
 print(json.dumps({"tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens, "digests": digests,
                   "loaded": stats.get("store_blocks_loaded", 0), "written": stats.get("blocks_written", 0)}))

@@ -14,15 +14,16 @@ from deepinfer_core import LLM  # noqa: E402
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.5},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-    "yarn-attention-factor-betas": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.3,
-                                    "beta_fast": 16, "beta_slow": 2},
+    "yarn-attention-factor-betas": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                    "attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
 }  # fmt: skip
 
 
 def checkpoint(path, rope_scaling):
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_theta=10000.0,
-                                   rope_scaling=rope_scaling, initializer_range=0.2, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=1024, rope_theta=10000.0, rope_scaling=rope_scaling,
+                                   initializer_range=0.2, bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path)
@@ -55,9 +56,10 @@ def test_dynamic_rope_is_refused(tmp_path):
 def test_mlp_bias_matches_transformers(tmp_path, dtype):
     """``mlp_bias: true`` (gate / up / down biases) was refused at load as unexpected tensors;
     the biases now load and count, on the default CPU path (``auto``) as in float32."""
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256, mlp_bias=True, attention_bias=True,
-                                   initializer_range=0.2, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   mlp_bias=True, attention_bias=True, initializer_range=0.2, bos_token_id=0,
+                                   eos_token_id=1)  # fmt: skip
     torch.manual_seed(5)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():

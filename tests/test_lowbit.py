@@ -206,7 +206,8 @@ def _act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @needs_kernels
 @pytest.mark.parametrize(("quantize", "dtype", "top", "slack"), [
-    ("quantize_act16", torch.int16, 32767, 0.505),  # float32's rounding of x * (32767 / max): up to 32767 * 2^-23 steps more
+    # float32's rounding of x * (32767 / max): up to 32767 * 2^-23 steps more
+    ("quantize_act16", torch.int16, 32767, 0.505),
     ("quantize_act8", torch.int8, 127, 0.501),  # the int8 kernel (kernels_i8.c)
 ])  # fmt: skip
 def test_activations_are_each_block_rounded_to_half_a_step(quantize, dtype, top, slack):

@@ -57,8 +57,9 @@ def test_decode_attention_bits_equal_between_builds(kind, D):
         outs = []
         for lib in (BASE.lib, WIDE.lib):
             out = torch.full((R, HKV * G, D), float("nan"))
-            lib.paged_decode_attention(q.data_ptr(), cache.data_ptr(), HKV, blocks, BS, cache.shape[-1], HKV * G, D, D, tables.data_ptr(),
-                                       per, positions.data_ptr(), R, D**-0.5, window, out.data_ptr(), threads, KV[kind])  # fmt: skip
+            lib.paged_decode_attention(q.data_ptr(), cache.data_ptr(), HKV, blocks, BS, cache.shape[-1], HKV * G, D, D,
+                                       tables.data_ptr(), per, positions.data_ptr(), R, D**-0.5, window, out.data_ptr(),
+                                       threads, KV[kind])  # fmt: skip
             outs.append(out)
         assert not outs[0].isnan().any()
         assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), (G, window, threads)

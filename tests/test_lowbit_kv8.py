@@ -199,8 +199,9 @@ def test_native_prefill_attention_over_int8_equals_float64_over_what_it_must_see
     positions_t, tables_t = torch.tensor(positions), torch.stack(row_tables).contiguous()
     out = torch.full((R, heads, hd), float("nan"))
     KERNELS.lib.prefill_attention(
-        q.data_ptr(), k_rows.data_ptr(), hkv * hd, v_rows.data_ptr(), hkv * hd, cache.data_ptr(), hkv, nb, bs, hd + 4, heads, hd,
-        tables_t.data_ptr(), tables_t.shape[1], positions_t.data_ptr(), R, hd**-0.5, window or 0, out.data_ptr(), 2, 2, mode,
+        q.data_ptr(), k_rows.data_ptr(), hkv * hd, v_rows.data_ptr(), hkv * hd, cache.data_ptr(), hkv, nb, bs, hd + 4,
+        heads, hd, tables_t.data_ptr(), tables_t.shape[1], positions_t.data_ptr(), R, hd**-0.5, window or 0,
+        out.data_ptr(), 2, 2, mode,
     )  # fmt: skip
     keys, values = _dequant_rows(cache, 0, hd), _dequant_rows(cache, 1, hd)
     for r in range(R):
@@ -248,9 +249,10 @@ def test_torch_path_steps_over_int8_read_the_dequantized_blocks(batch_invariant)
     slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for r, p in zip(reqs, positions.tolist())])
     qlens = torch.tensor([n for _, n in runs])
     meta = AttentionMetadata(
-        query_start_loc=torch.cat([torch.zeros(1), qlens.cumsum(0)]).int(), seq_lens=torch.tensor([b + n for b, n in runs]).int(),
-        positions=positions, slot_mapping=slots, block_tables=tables, block_size=bs, max_query_len=int(qlens.max()),
-        max_seq_len=max(b + n for b, n in runs), batch_invariant=batch_invariant,
+        query_start_loc=torch.cat([torch.zeros(1), qlens.cumsum(0)]).int(),
+        seq_lens=torch.tensor([b + n for b, n in runs]).int(), positions=positions, slot_mapping=slots,
+        block_tables=tables, block_size=bs, max_query_len=int(qlens.max()), max_seq_len=max(b + n for b, n in runs),
+        batch_invariant=batch_invariant,
     )  # fmt: skip
     out = backend.forward(spec, q, k, v, cache, meta)
     keys, values = _dequant_rows(cache, 0, hd), _dequant_rows(cache, 1, hd)
@@ -259,9 +261,10 @@ def test_torch_path_steps_over_int8_read_the_dequantized_blocks(batch_invariant)
         ref = _attend64(q[t], keys[:, sl], values[:, sl], spec.scale)
         np.testing.assert_allclose(out[t].double().numpy(), ref, rtol=1e-4, atol=2e-5)
     # the decode rows of a step alone take the C kernel: the same values
-    one = dataclasses.replace(meta, query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([51], dtype=torch.int32),
-                              positions=positions[19:20], slot_mapping=slots[19:20], block_tables=tables[1:2], max_query_len=1,
-                              max_seq_len=51, batch_invariant=False)  # fmt: skip
+    one = dataclasses.replace(meta, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                              seq_lens=torch.tensor([51], dtype=torch.int32), positions=positions[19:20],
+                              slot_mapping=slots[19:20], block_tables=tables[1:2], max_query_len=1, max_seq_len=51,
+                              batch_invariant=False)  # fmt: skip
     again = backend.forward(spec, q[19:20], k[19:20], v[19:20], cache, one)
     torch.testing.assert_close(again[0], out[19], rtol=1e-5, atol=2e-6)
 
@@ -292,7 +295,8 @@ def test_kv_cache_dtype_on_the_dense_path_is_refused_naming_what_it_can_do():
     check_kv_cache_dtype("int8", torch.float32, None)  # the low-bit path takes it
     with pytest.raises(
         ValueError,
-        match=r"kv_cache_dtype='int8' is for packed low-bit weights on CPU .* dense \(low-bit kernels are CPU kernels \(device cuda\)\) .* in bfloat16: use 'auto' or 'bfloat16'",
+        match=r"kv_cache_dtype='int8' is for packed low-bit weights on CPU .* dense "
+        r"\(low-bit kernels are CPU kernels \(device cuda\)\) .* in bfloat16: use 'auto' or 'bfloat16'",
     ):
         check_kv_cache_dtype("int8", torch.bfloat16, "low-bit kernels are CPU kernels (device cuda)")
     with pytest.raises(ValueError, match="use 'auto' or 'float32'"):

@@ -26,8 +26,8 @@ pytestmark = [
 LENGTHS = (1, 7, 127, 129, 500)
 TEXT = (
     "The river ran low that summer, and the mill stood idle for weeks. Children waded where the water had been deep, "
-    "and the old men on the bridge argued about the rain that never came. In the town, the baker rose at four as always, "
-    "and the smell of bread drifted over the square before the first carts arrived from the farms. "
+    "and the old men on the bridge argued about the rain that never came. In the town, the baker rose at four "
+    "as always, and the smell of bread drifted over the square before the first carts arrived from the farms. "
 )
 # Logit gap allowed between the reference's choice and the engine's token: packed weights summed
 # in another order plus the float16 KV cache move SmolLM2's logits by ~0.05 (test_lowbit_decode_step);
@@ -94,7 +94,8 @@ def test_prefix_cache_hits_resume_prefill_mid_prompt_and_stay_with_the_float32_m
     assert llm.engine.kv.hits > 0
     report = check_greedy(dense, prompts, first + rest, TOLERANCE)
     print(
-        f"prefix hits {llm.engine.kv.hits}: {report.exact}/{report.tokens} tokens the float32 model's argmax, worst gap {report.worst_gap:.3f}"
+        f"prefix hits {llm.engine.kv.hits}: {report.exact}/{report.tokens} tokens the float32 model's argmax, worst "
+        f"gap {report.worst_gap:.3f}"
     )
     assert not report.misses, report.misses[:5]
     assert report.exact >= 0.9 * report.tokens

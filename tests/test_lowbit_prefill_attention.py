@@ -52,9 +52,9 @@ def _run(mode: int, cache_dtype: torch.dtype, window: int | None, heads: int, hk
     positions_t, tables_t = torch.tensor(positions), torch.stack(row_tables).contiguous()
     out = torch.full((R, heads, hd), float("nan"))
     KERNELS.lib.prefill_attention(
-        q.data_ptr(), k_rows.data_ptr(), hkv * hd, v_rows.data_ptr(), hkv * hd, cache.data_ptr(), hkv, nb, bs, hd, heads, hd,
-        tables_t.data_ptr(), tables_t.shape[1], positions_t.data_ptr(), R, hd**-0.5, window or 0, out.data_ptr(), 2,
-        cache_dtype == torch.float16, mode,
+        q.data_ptr(), k_rows.data_ptr(), hkv * hd, v_rows.data_ptr(), hkv * hd, cache.data_ptr(), hkv, nb, bs, hd,
+        heads, hd, tables_t.data_ptr(), tables_t.shape[1], positions_t.data_ptr(), R, hd**-0.5, window or 0,
+        out.data_ptr(), 2, cache_dtype == torch.float16, mode,
     )  # fmt: skip
     assert KERNELS.lib.prefill_has_runs(positions_t.data_ptr(), tables_t.data_ptr(), tables_t.shape[1], R) == 1
     group = heads // hkv

@@ -36,16 +36,16 @@ def model_dir(tmp_path_factory):
 
 def engine(model_dir, debug: bool, **kw) -> LLM:
     kw.setdefault("kv_cache_blocks", 64)
-    return LLM(model_dir, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, overlap_scheduling=True, overlap_debug=debug,
-               enable_prefix_caching=False, **kw)  # fmt: skip
+    return LLM(model_dir, device="cpu", dtype="float32", block_size=16, max_num_seqs=8, overlap_scheduling=True,
+               overlap_debug=debug, enable_prefix_caching=False, **kw)  # fmt: skip
 
 
 def batch_of(sched: SchedulerOutput, fed: torch.Tensor):
     b = build(sched, 16, torch.device("cpu"), input_ids=fed)
     m = b.meta
-    return (b.input_ids.tolist(), m.positions.tolist(), m.slot_mapping.tolist(), m.query_start_loc.tolist(), m.seq_lens.tolist(),
-            m.block_tables.tolist(), m.max_query_len, m.max_seq_len, m.prompt_lens, m.num_context_tokens, m.num_attention_pairs,
-            b.sample_rows, b.sample_index is None)  # fmt: skip
+    return (b.input_ids.tolist(), m.positions.tolist(), m.slot_mapping.tolist(), m.query_start_loc.tolist(),
+            m.seq_lens.tolist(), m.block_tables.tolist(), m.max_query_len, m.max_seq_len, m.prompt_lens,
+            m.num_context_tokens, m.num_attention_pairs, b.sample_rows, b.sample_index is None)  # fmt: skip
 
 
 def checked_against_the_full_check(monkeypatch) -> dict:

@@ -91,9 +91,12 @@ def test_greedy_tokens_equal_transformers_with_steps_overlapped(model_dir, pair,
     "params",
     [
         [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=s, max_tokens=12 + 3 * s) for s in range(4)],
-        [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0.7, seed=3, max_tokens=30, min_tokens=8),
-         SamplingParams(temperature=0, max_tokens=20, stop=[" the", "e"]), SamplingParams(temperature=1.0, seed=9, max_tokens=25, stop_token_ids=[17, 42, 100])],
-        [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 2,
+        [SamplingParams(temperature=0, max_tokens=40),
+         SamplingParams(temperature=0.7, seed=3, max_tokens=30, min_tokens=8),
+         SamplingParams(temperature=0, max_tokens=20, stop=[" the", "e"]),
+         SamplingParams(temperature=1.0, seed=9, max_tokens=25, stop_token_ids=[17, 42, 100])],
+        [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)] * 2,
     ],
     ids=["seeded", "stops", "penalty-breaks-overlap"],
 )  # fmt: skip
@@ -105,7 +108,8 @@ def test_outputs_equal_the_engine_without_overlap(pair, params):
     b = off.generate(PROMPTS, params)
     for x, y in zip(a, b):
         assert (x.outputs[0].token_ids, x.outputs[0].text, x.outputs[0].finish_reason, x.outputs[0].stop_reason) == (
-            y.outputs[0].token_ids, y.outputs[0].text, y.outputs[0].finish_reason, y.outputs[0].stop_reason)  # fmt: skip
+            y.outputs[0].token_ids, y.outputs[0].text, y.outputs[0].finish_reason,
+            y.outputs[0].stop_reason)  # fmt: skip
     assert on.engine.kv.pool.num_free == on.engine.kv.pool.num_blocks
 
 

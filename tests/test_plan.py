@@ -26,9 +26,10 @@ LLAMA = dict(
     max_position_embeddings=1024,
 )
 V3 = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
-    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-    v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=2048,
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, max_position_embeddings=2048,
 )  # fmt: skip
 
 
