@@ -128,8 +128,8 @@ def test_a_bf16_deepseek_v3_with_the_gemvs_installed_stays_as_close_to_transform
     prompt = [5, 81]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0].double()
-    llm = LLM(str(tmp_path), device=DEVICE, dtype="bfloat16", kv_cache_blocks=8, max_num_seqs=2, enforce_eager=True, fused_ops=False,
-              attention_backend="builtin", moe_backend="builtin")  # fmt: skip
+    llm = LLM(str(tmp_path), device=DEVICE, dtype="bfloat16", kv_cache_blocks=8, max_num_seqs=2, enforce_eager=True,
+              fused_ops=False, attention_backend="builtin", moe_backend="builtin")  # fmt: skip
     model = llm.engine.model
     torch_err = rel(llm.engine.prompt_logits(prompt).cpu(), want)
     monkeypatch.setattr(module, "GEMV_ROWS", 2)

@@ -20,13 +20,16 @@ def test_overlapped_steps_equal_serial_steps_on_cuda(tmp_path):
     pytest.importorskip("triton")
     from deepinfer_core import LLM, SamplingParams
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13], [20, 21] * 7, [30] * 40]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), SamplingParams(temperature=0.9, top_k=10, seed=4, max_tokens=33),
-              SamplingParams(temperature=0, max_tokens=25), SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=37, min_tokens=5),
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=10, seed=4, max_tokens=33),
+              SamplingParams(temperature=0, max_tokens=25),
+              SamplingParams(temperature=0.7, top_p=0.8, seed=1, max_tokens=37, min_tokens=5),
               SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[50, 51, 52])]  # fmt: skip
     on = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, overlap_debug=True)
     assert on.engine.overlap and on.engine.runner.graphs is not None

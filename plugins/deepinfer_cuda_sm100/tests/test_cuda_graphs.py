@@ -31,8 +31,9 @@ def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_bloc
     from deepinfer_cuda_sm100.decode_capture import smallest_bucket
     from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     checked: list[tuple[int, int]] = []
@@ -91,8 +92,9 @@ def test_graph_replay_matches_eager(tmp_path):
     pytest.importorskip("triton")
     from deepinfer_core import LLM, SamplingParams
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]  # 3 requests: replayed in the bucket of 4

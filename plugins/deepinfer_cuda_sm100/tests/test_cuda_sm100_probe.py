@@ -143,7 +143,9 @@ def test_import_needs_neither_triton_nor_a_gpu():
 
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import importlib.util; importlib.util.find_spec = (lambda f: (lambda n, *a: None if n == 'triton' else f(n, *a)))(importlib.util.find_spec)\n"
+        "import importlib.util; "
+        "importlib.util.find_spec = (lambda f: (lambda n, *a: None if n == 'triton' else f(n, *a)))"
+        "(importlib.util.find_spec)\n"
         "from deepinfer_cuda_sm100 import plugin, CudaSM100Platform\n"
         "from deepinfer_core.attention import AttentionKind, AttentionLayerSpec\n"
         "from deepinfer_core.moe import MoESpec, ParallelConfig\n"
@@ -169,7 +171,9 @@ def test_deepseek_v4_layers_get_a_backend_with_the_v4_contract(kind):
     from deepinfer_cuda_sm100.attention import PortableCudaV4Attention, TritonV4Attention, triton_available
 
     spec = AttentionLayerSpec(kind, 0, num_heads=2, num_kv_heads=1, head_dim=8, v_head_dim=8, scale=0.3, window=4,
-                              compress_ratio=0 if kind is AttentionKind.SLIDING else 4, index_topk=2 if kind is AttentionKind.COMPRESSED_SPARSE else 0, kv_shared=True, state_kv=True)  # fmt: skip
+                              compress_ratio=0 if kind is AttentionKind.SLIDING else 4,
+                              index_topk=2 if kind is AttentionKind.COMPRESSED_SPARSE else 0, kv_shared=True,
+                              state_kv=True)  # fmt: skip
     backend = plugin.deepinfer_attention_backend(spec, CudaSM100Platform())
     assert type(backend) is (TritonV4Attention if triton_available() else PortableCudaV4Attention) and hasattr(
         backend, "forward_v4"

@@ -138,8 +138,9 @@ def test_an_engine_with_the_fused_kernels_installed_keeps_transformers_greedy_to
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_cuda_sm100.kernels.fused_elementwise import FUSED_OPS
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg)
     hf.save_pretrained(tmp_path)

@@ -1,7 +1,7 @@
 """``FusedOps.hc_mix`` (kernels/hyper_connection.py): DeepSeek-V4's hyper-connection weights and
 collapse in one launch equal the core's torch reference (``hc_mix_reference``), and a tiny V4
-with it, ``hc_merge``, ``v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` installed keeps transformers' greedy tokens;
-``hc_merge`` equals ``deepseek_v4_layers.hc_merge``.
+with it, ``hc_merge``, ``v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` installed
+keeps transformers' greedy tokens; ``hc_merge`` equals ``deepseek_v4_layers.hc_merge``.
 Without a GPU the kernel runs in Triton's interpreter."""
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _llama(path) -> int:
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return cfg.vocab_size

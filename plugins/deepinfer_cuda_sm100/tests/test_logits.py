@@ -36,7 +36,8 @@ def test_logits_are_the_float32_product_not_rounded_to_bf16(rows):
 
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="the fixed-order kernel's compiled code needs a GPU (the interpreter runs this head for minutes; test_invariant_ops checks its arithmetic on the CPU)",
+    reason="the fixed-order kernel's compiled code needs a GPU (the interpreter runs this head for minutes; "
+    "test_invariant_ops checks its arithmetic on the CPU)",
 )
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_batch_invariant_logits_do_not_depend_on_the_batch(rows):
@@ -57,8 +58,9 @@ def test_the_plugin_offers_float32_logits_and_models_take_them(tmp_path):
 
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
     assert ops.logits is lm_logits
-    cfg = transformers.LlamaConfig(vocab_size=3000, hidden_size=512, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=3000, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                                   tie_word_embeddings=False)  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     model = LLM(str(tmp_path), device=DEVICE, dtype="bfloat16", kv_cache_blocks=2, fused_ops=False).engine.model
     hidden, weight = _operands(3, 9)
@@ -75,8 +77,9 @@ def test_small_buckets_replay_the_head_and_argmax_and_keep_the_eager_tokens(tmp_
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_cuda_sm100.graphs import HEAD_ROWS
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]

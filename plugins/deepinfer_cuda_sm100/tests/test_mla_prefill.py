@@ -26,8 +26,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 
 def _spec(heads, latent, rope):
-    return AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=heads, num_kv_heads=1, head_dim=latent + rope, v_head_dim=latent,
-                              scale=0.15, rope_dim=rope, kv_shared=True)  # fmt: skip
+    return AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=heads, num_kv_heads=1, head_dim=latent + rope,
+                              v_head_dim=latent, scale=0.15, rope_dim=rope, kv_shared=True)  # fmt: skip
 
 
 def _batch(spec, lens, new, nope, v_dim, dtype, block_size=16, seed=0):

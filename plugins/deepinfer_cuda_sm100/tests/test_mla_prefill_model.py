@@ -58,10 +58,11 @@ class ExpandEverywhere:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     cfg = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        max_position_embeddings=1024, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, max_position_embeddings=1024, initializer_range=0.08, bos_token_id=0,
+        eos_token_id=1, pad_token_id=None,
     )  # fmt: skip
     torch.manual_seed(21)
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
@@ -85,8 +86,8 @@ def checkpoint(tmp_path_factory):
     want = []
     with torch.no_grad():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW,
-                                 min_new_tokens=NEW, do_sample=False)  # fmt: skip
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)  # fmt: skip
             want.append(out[0, len(p) :].tolist())
     return str(path), prompts, want
 

@@ -29,7 +29,8 @@ def _weights(g, fp8):
             return ExpertWeights(gu.to(DEVICE, torch.bfloat16), dn.to(DEVICE, torch.bfloat16))
         return ExpertWeights(
             (gu * 32).to(torch.float8_e4m3fn).to(DEVICE), (dn * 32).to(torch.float8_e4m3fn).to(DEVICE),
-            (torch.rand(n, 2 * I // 128, D // 128, generator=g) / 32).to(DEVICE), (torch.rand(n, D // 128, I // 128, generator=g) / 32).to(DEVICE),
+            (torch.rand(n, 2 * I // 128, D // 128, generator=g) / 32).to(DEVICE),
+            (torch.rand(n, D // 128, I // 128, generator=g) / 32).to(DEVICE),
         )  # fmt: skip
 
     return one(E), one(1)

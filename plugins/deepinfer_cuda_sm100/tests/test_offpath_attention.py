@@ -179,9 +179,10 @@ F32, B16 = torch.float32, torch.bfloat16
 @gpu_only
 @pytest.mark.parametrize(
     "kind,heads,kv_heads,head_dim,dtype",
-    [("full", 32, 32, 64, F32), ("full", 28, 4, 128, F32), ("full", 28, 4, 128, B16), ("full", 32, 8, 80, F32), ("full", 12, 3, 96, F32),
-     ("full", 16, 2, 256, F32), ("full", 16, 2, 256, B16), ("full", 71, 1, 64, F32), ("full", 9, 3, 8, F32), ("sliding", 40, 8, 128, F32),
-     ("mla", 16, 1, 576, F32), ("mla", 128, 1, 576, F32), ("mla", 128, 1, 576, B16)],
+    [("full", 32, 32, 64, F32), ("full", 28, 4, 128, F32), ("full", 28, 4, 128, B16), ("full", 32, 8, 80, F32),
+     ("full", 12, 3, 96, F32), ("full", 16, 2, 256, F32), ("full", 16, 2, 256, B16), ("full", 71, 1, 64, F32),
+     ("full", 9, 3, 8, F32), ("sliding", 40, 8, 128, F32), ("mla", 16, 1, 576, F32), ("mla", 128, 1, 576, F32),
+     ("mla", 128, 1, 576, B16)],
     ids=lambda x: str(x).replace("torch.", ""),
 )  # fmt: skip
 def test_gpu_model_shapes_prefill_and_decode(kind, heads, kv_heads, head_dim, dtype):
@@ -226,8 +227,9 @@ def test_gpu_cache_plane_past_2_31_elements():
     q = torch.randn(2, 6, 64, generator=g).to(torch.bfloat16)
     seq_lens, qsl = torch.tensor([200, 100], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
     tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
-    out = paged_attention(q.cuda(), cache, used.int()[tables.long()].cuda(), qsl.cuda(), seq_lens.cuda(), max_query_len=1, max_seq_len=200,
-                          scale=spec.scale, v_head_dim=64, kv_shared=True)  # fmt: skip
+    out = paged_attention(q.cuda(), cache, used.int()[tables.long()].cuda(), qsl.cuda(), seq_lens.cuda(),
+                          max_query_len=1, max_seq_len=200, scale=spec.scale, v_head_dim=64,
+                          kv_shared=True)  # fmt: skip
     shared = AttentionLayerSpec(AttentionKind.FULL, 0, 6, 3, 64, 64, scale=spec.scale, kv_shared=True)
     meta = AttentionMetadata(
         qsl, seq_lens, (seq_lens - 1).long(), torch.zeros(0, dtype=torch.long), tables, 128, 1, 200

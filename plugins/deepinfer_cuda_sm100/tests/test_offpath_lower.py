@@ -21,9 +21,11 @@ fn = pa._paged_attention_kernel
 for head_dim, dt, qlen in ((4, "fp32", 64), (8, "bf16", 1), (12, "fp32", 1)):
     cfg = pa.choose_config(2, head_dim, qlen, 1, 4096, False)
     da, bdb, db = pa.head_split(head_dim)
-    types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
-    consts = dict(G=2, TPT=max(1, cfg.block_m // 2), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=min(da, head_dim), BLOCK_DB=bdb, DB=db,
-                  BLOCK_DV=16, DV=head_dim, V_PLANE=1, HAS_WINDOW=False, SPLIT=cfg.num_splits > 1, IEEE=dt == "fp32", UPCAST=False)
+    types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32",
+                 seqlen_ptr="*i32", scale="fp32")
+    consts = dict(G=2, TPT=max(1, cfg.block_m // 2), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da,
+                  DA_OK=min(da, head_dim), BLOCK_DB=bdb, DB=db, BLOCK_DV=16, DV=head_dim, V_PLANE=1, HAS_WINDOW=False,
+                  SPLIT=cfg.num_splits > 1, IEEE=dt == "fp32", UPCAST=False)
     lower(fn, types, consts, 90, cfg.num_warps, cfg.num_stages)
     print("d%d" % head_dim)
 """
@@ -49,9 +51,11 @@ for dt, size, qlen, R in (("bf16", 2, 1, 4), ("bf16", 2, 512, 1), ("fp32", 4, 1,
     cfg = pa.choose_config(heads, 576, qlen, R, 8192, False) if heads < 128 else full
     split = cfg.num_splits > 1
     da, bdb, db = pa.head_split(576)
-    types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*fp32" if split else "*" + dt, lse_ptr="*fp32", bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
-    consts = dict(G=heads, TPT=max(1, cfg.block_m // heads), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=da, BLOCK_DB=bdb, DB=db,
-                  BLOCK_DV=512, DV=512, V_PLANE=0, HAS_WINDOW=False, SPLIT=split, IEEE=dt == "fp32", UPCAST=False)
+    types = dict(q_ptr="*" + dt, cache_ptr="*" + dt, out_ptr="*fp32" if split else "*" + dt, lse_ptr="*fp32",
+                 bt_ptr="*i32", qsl_ptr="*i32", seqlen_ptr="*i32", scale="fp32")
+    consts = dict(G=heads, TPT=max(1, cfg.block_m // heads), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DA=da, DA_OK=da,
+                  BLOCK_DB=bdb, DB=db, BLOCK_DV=512, DV=512, V_PLANE=0, HAS_WINDOW=False, SPLIT=split,
+                  IEEE=dt == "fp32", UPCAST=False)
     kernel = lower(fn, types, consts, 90, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED, (dt, qlen, heads, cfg, kernel.metadata.shared)
     print("%s-q%d-%dheads-%s" % (dt, qlen, heads, "split" if split else "whole"))

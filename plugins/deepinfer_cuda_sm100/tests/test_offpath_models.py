@@ -32,9 +32,10 @@ REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=F
 
 
 def llama_like(path, **overrides):
-    kw = dict(vocab_size=1001, hidden_size=200, intermediate_size=344, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
-              head_dim=40, attention_bias=True, tie_word_embeddings=True, max_position_embeddings=2048, initializer_range=0.15,
-              bos_token_id=0, eos_token_id=1, rope_theta=10000.0)  # fmt: skip
+    kw = dict(vocab_size=1001, hidden_size=200, intermediate_size=344, num_hidden_layers=2, num_attention_heads=5,
+              num_key_value_heads=1, head_dim=40, attention_bias=True, tie_word_embeddings=True,
+              max_position_embeddings=2048, initializer_range=0.15, bos_token_id=0, eos_token_id=1,
+              rope_theta=10000.0)  # fmt: skip
     kw.update(overrides)
     cfg = transformers.LlamaConfig(**kw)
     torch.manual_seed(11)
@@ -128,8 +129,8 @@ def test_llama_like_long_contexts(tmp_path):
 
 def test_llama_heads_8_wide(tmp_path):
     """head_dim 8: narrower than a tensor-core tile (the kernel pads the dot to 16 channels)."""
-    hf = llama_like(tmp_path, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=96,
-                    attention_bias=False, tie_word_embeddings=False)  # fmt: skip
+    hf = llama_like(tmp_path, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=96, attention_bias=False, tie_word_embeddings=False)  # fmt: skip
     prompts = mixed_prompts(20, 1001, seed=1)
     kw = dict(device="cuda", dtype="float32", kv_cache_blocks=200, max_num_seqs=32)
     got = generate(LLM(str(tmp_path), **kw), prompts, greedy(20))
@@ -174,8 +175,9 @@ def test_seeded_sampling_in_graphs_equals_eager(tmp_path):
     engine's tokens, request for request (the noise depends only on the seed and position)."""
     llama_like(tmp_path)
     prompts = mixed_prompts(40, 1001, seed=3)
-    params = [SamplingParams(temperature=0.8, top_k=(0, 5, 50)[i % 3], top_p=(1.0, 0.7, 0.95)[i % 3], min_p=0.05 * (i % 2), seed=100 + i,
-                             max_tokens=3 + i % 20, ignore_eos=True) for i in range(40)]  # fmt: skip
+    params = [SamplingParams(temperature=0.8, top_k=(0, 5, 50)[i % 3], top_p=(1.0, 0.7, 0.95)[i % 3],
+                             min_p=0.05 * (i % 2), seed=100 + i, max_tokens=3 + i % 20, ignore_eos=True)
+              for i in range(40)]  # fmt: skip
     kw = dict(device="cuda", dtype="float32", kv_cache_blocks=300, max_num_seqs=40)
     graphed = LLM(str(tmp_path), **kw)
     assert graphed.engine.runner.graphs.graphs

@@ -28,15 +28,16 @@ CUDA = torch.cuda.is_available()
 REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=False, enforce_eager=True)
 CONFIGS = {
     "e6-top1-groups2-nolora-alldense0": dict(
-        vocab_size=521, hidden_size=40, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=2, first_k_dense_replace=0,
-        num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=6, num_experts_per_tok=1, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
+        vocab_size=521, hidden_size=40, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=2,
+        first_k_dense_replace=0, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None, kv_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=6, num_experts_per_tok=1, n_group=2,
+        topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
     ),
     "e32-top8-groups4of3-unnormalised": dict(
-        vocab_size=333, hidden_size=48, intermediate_size=88, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=5, num_key_value_heads=5, q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=24,
-        v_head_dim=12, n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=3, n_shared_experts=2, norm_topk_prob=False,
-        routed_scaling_factor=1.0,
+        vocab_size=333, hidden_size=48, intermediate_size=88, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=5, num_key_value_heads=5, q_lora_rank=24, kv_lora_rank=20,
+        qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=12, n_routed_experts=32, num_experts_per_tok=8, n_group=4,
+        topk_group=3, n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.0,
     ),
 }  # fmt: skip
 

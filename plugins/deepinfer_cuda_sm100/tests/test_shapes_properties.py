@@ -52,8 +52,9 @@ def routings(draw):
     topk_groups = draw(st.integers(1, G))
     k = draw(st.integers(1, min(8, topk_groups * E // G)))
     scoring = draw(st.sampled_from(["sigmoid", "softmax", "sqrtsoftplus"]))
-    spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=8, intermediate_size=8, scoring=scoring, num_groups=G, topk_groups=topk_groups,
-                   normalize_topk=draw(st.booleans()), routed_scaling=draw(st.sampled_from([1.0, 2.5])))  # fmt: skip
+    spec = MoESpec(0, num_experts=E, top_k=k, hidden_size=8, intermediate_size=8, scoring=scoring, num_groups=G,
+                   topk_groups=topk_groups, normalize_topk=draw(st.booleans()),
+                   routed_scaling=draw(st.sampled_from([1.0, 2.5])))  # fmt: skip
     return spec, bias, draw(st.integers(0, 20))
 
 
@@ -322,8 +323,8 @@ def test_hyper_connections_at_any_stream_count_and_width(hc, D, T, iters, dtype)
 
 
 @FEW
-@given(kv_heads=st.integers(1, 2), groups=st.sampled_from([7, 12, 16, 24, 40]), head_dim=st.sampled_from([20, 64, 136, 256]),
-       decode=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+@given(kv_heads=st.integers(1, 2), groups=st.sampled_from([7, 12, 16, 24, 40]),
+       head_dim=st.sampled_from([20, 64, 136, 256]), decode=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_paged_attention_with_wide_groups_and_heads(kv_heads, groups, head_dim, decode, seed):
     """Query heads per KV head past one 16-row tile (Falcon-style MQA, 40 heads a KV head),
     head widths with a tail past a power of two (136) and 256, decode (split-KV) and prefill over
@@ -354,8 +355,9 @@ def test_paged_attention_with_wide_groups_and_heads(kv_heads, groups, head_dim, 
 
 
 @FEW
-@given(heads=st.integers(1, 5), latent=st.sampled_from([16, 24, 40]), rope=st.sampled_from([8, 16, 24]), nope=st.sampled_from([8, 16, 40]),
-       v_dim=st.sampled_from([8, 24, 40]), prefix=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+@given(heads=st.integers(1, 5), latent=st.sampled_from([16, 24, 40]), rope=st.sampled_from([8, 16, 24]),
+       nope=st.sampled_from([8, 16, 40]), v_dim=st.sampled_from([8, 24, 40]), prefix=st.booleans(),
+       seed=st.integers(0, 2**16))  # fmt: skip
 def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, prefix, seed):
     """MLA's non-absorbed prefill (TritonAttention.forward_mla_expanded) for latent, rope, nope
     and value widths that are not powers of two, against the absorbed form in float64 through
@@ -365,8 +367,8 @@ def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, pr
     from deepinfer_core.testing.paged_batch import scattered_batch
     from deepinfer_cuda_sm100.attention import TritonAttention
 
-    spec = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=heads, num_kv_heads=1, head_dim=latent + rope, v_head_dim=latent, scale=0.2,
-                              rope_dim=rope, kv_shared=True)  # fmt: skip
+    spec = AttentionLayerSpec(AttentionKind.MLA, 0, num_heads=heads, num_kv_heads=1, head_dim=latent + rope,
+                              v_head_dim=latent, scale=0.2, rope_dim=rope, kv_shared=True)  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     new = [int(n) for n in torch.randint(1, 40, (2,), generator=g)]
     lens = [n + (int(torch.randint(1, 30, (1,), generator=g)) if prefix else 0) for n in new]
@@ -394,8 +396,9 @@ def test_mla_expanded_prefill_at_any_widths(heads, latent, rope, nope, v_dim, pr
 
 
 @FEW
-@given(kind=st.sampled_from(["sliding", "csa", "hca"]), heads=st.integers(1, 20), window=st.integers(1, 40), ratio=st.sampled_from([4, 8, 32]),
-       topk=st.integers(1, 8), decode=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+@given(kind=st.sampled_from(["sliding", "csa", "hca"]), heads=st.integers(1, 20), window=st.integers(1, 40),
+       ratio=st.sampled_from([4, 8, 32]), topk=st.integers(1, 8), decode=st.booleans(),
+       seed=st.integers(0, 2**16))  # fmt: skip
 def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ratio, topk, decode, seed):
     """TritonV4Attention.forward_v4 (the kernel and its ring write) for head counts that are not
     powers of two, windows from 1 (a one-row ring, as the engine sizes it) up, HCA ratios 4-32 (the block's entry count
@@ -414,8 +417,9 @@ def test_v4_attention_at_any_head_count_window_and_ratio(kind, heads, window, ra
     }[kind]
     ratio = {"sliding": 0, "csa": 4, "hca": ratio}[kind]
     D, bs = 32, 32
-    spec = AttentionLayerSpec(k_, 0, num_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, scale=D**-0.5, rope_dim=8, kv_shared=True,
-                              window=window, compress_ratio=ratio, index_topk=topk if kind == "csa" else 0, state_kv=True)  # fmt: skip
+    spec = AttentionLayerSpec(k_, 0, num_heads=heads, num_kv_heads=1, head_dim=D, v_head_dim=D, scale=D**-0.5,
+                              rope_dim=8, kv_shared=True, window=window, compress_ratio=ratio,
+                              index_topk=topk if kind == "csa" else 0, state_kv=True)  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     new = [1, 1, 1] if decode else [int(n) for n in torch.randint(1, 30, (3,), generator=g)]
     lens = [n + int(c) for n, c in zip(new, torch.randint(0, 80, (3,), generator=g))]
@@ -473,11 +477,16 @@ def test_v4_compressor_decode_at_any_ratio_and_rope_width(overlap, ratio, dim, d
     comp = comp.to(DEVICE)
     block = 32
     nb = -(-5 * ratio // block)  # blocks a request's positions reach
-    cache = V4LayerCache(torch.randn(4 * nb + 2, block // ratio, dim + 8, generator=g).to(DEVICE), torch.zeros(6, 1, dim, device=DEVICE),
-                         torch.randn(6, 2 * ratio if overlap else ratio, 2 * comp.width + 6, generator=g).to(DEVICE))  # fmt: skip
+    cache = V4LayerCache(torch.randn(4 * nb + 2, block // ratio, dim + 8, generator=g).to(DEVICE),
+                         torch.zeros(6, 1, dim, device=DEVICE),
+                         torch.randn(6, 2 * ratio if overlap else ratio, 2 * comp.width + 6,
+                                     generator=g).to(DEVICE))  # fmt: skip
     positions = torch.tensor([ratio - 1, 3 * ratio - 1, 2 * ratio + 1, 5 * ratio - 1], device=DEVICE)
-    batch = V4DecodeBatch(positions=positions, slots=torch.tensor([2, 0, 5, 3], device=DEVICE),
-                          block_tables=torch.randperm(4 * nb + 2, generator=g)[: 4 * nb].view(4, nb).to(DEVICE, torch.int32), block_size=block)  # fmt: skip
+    batch = V4DecodeBatch(
+        positions=positions, slots=torch.tensor([2, 0, 5, 3], device=DEVICE),
+        block_tables=torch.randperm(4 * nb + 2, generator=g)[: 4 * nb].view(4, nb).to(DEVICE, torch.int32),
+        block_size=block,
+    )  # fmt: skip
     raw = [comp.project(torch.randn(4, 24, generator=g).to(DEVICE))]
     rope = V4Rope(rope_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 512, DEVICE)
     want = V4LayerCache(cache.entries.clone(), cache.window, cache.tail.clone())
@@ -526,8 +535,8 @@ def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
     entries = torch.randn(int(paged.block_tables.max()) + 1, block // ratio, D + di, generator=g).to(DEVICE)
     cache = V4LayerCache(entries=entries, window=entries.new_zeros(1, 1, D), tail=entries.new_zeros(1, 0, 0))
     bounds = paged.query_start_loc.tolist()
-    batch = V4Batch(tuple(zip(bounds[:-1], bounds[1:])), tuple(e - n for e, n in zip(ends, news)), (0, 1, 2), paged.block_tables.to(DEVICE), block,
-                    prompt_lens=tuple(ends))  # fmt: skip
+    batch = V4Batch(tuple(zip(bounds[:-1], bounds[1:])), tuple(e - n for e, n in zip(ends, news)), (0, 1, 2),
+                    paged.block_tables.to(DEVICE), block, prompt_lens=tuple(ends))  # fmt: skip
     positions = paged.positions.to(DEVICE)
     meta = paged.metadata(DEVICE, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(3, device=DEVICE))
     seen = {}

@@ -77,8 +77,9 @@ def test_decode_with_split_kv_matches_reference(spec, splits):
 
     q, cache, meta = _batch(spec, [1, 40, 130, 77], 1, torch.float32)
     cfg = LaunchConfig(block_m=16, block_n=16, num_splits=splits, num_warps=4, num_stages=2)
-    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=1, max_seq_len=meta.max_seq_len,
-                          scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
+    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=1,
+                          max_seq_len=meta.max_seq_len, scale=spec.scale, v_head_dim=spec.v_head_dim,
+                          kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
     torch.testing.assert_close(out.double(), _reference(spec, q, cache, meta), atol=2e-5, rtol=1e-4)
 
 
@@ -88,8 +89,9 @@ def test_bf16_prefill_over_cached_prefix_is_close_to_reference(spec):
 
     q, cache, meta = _batch(spec, [20, 45], 19, torch.bfloat16, seed=3)
     cfg = LaunchConfig(block_m=32, block_n=16, num_splits=1, num_warps=4, num_stages=2)
-    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=meta.max_query_len,
-                          max_seq_len=meta.max_seq_len, scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
+    out = paged_attention(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                          max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale,
+                          v_head_dim=spec.v_head_dim, kv_shared=spec.kv_shared, config=cfg)  # fmt: skip
     ref = _reference(spec, q, cache, meta)
     assert out.dtype == torch.bfloat16
     err = (out.double() - ref).norm() / ref.norm()

@@ -42,8 +42,9 @@ KINDS = {
 
 def _spec(name: str, heads: int = 5, window: int = 9, topk: int = 6) -> AttentionLayerSpec:
     kind, ratio = KINDS[name]
-    return AttentionLayerSpec(kind, 0, num_heads=heads, num_kv_heads=1, head_dim=32, v_head_dim=32, scale=32**-0.5, rope_dim=8,
-                              kv_shared=True, window=window, compress_ratio=ratio, index_topk=topk if ratio == 4 else 0, state_kv=True)  # fmt: skip
+    return AttentionLayerSpec(kind, 0, num_heads=heads, num_kv_heads=1, head_dim=32, v_head_dim=32, scale=32**-0.5,
+                              rope_dim=8, kv_shared=True, window=window, compress_ratio=ratio,
+                              index_topk=topk if ratio == 4 else 0, state_kv=True)  # fmt: skip
 
 
 def _case(spec, lens, new, dtype, seed=0, block_size=32):
@@ -90,11 +91,14 @@ def _run_both(spec, case, **launch):
     q, kv, sinks, cache, meta, selected = case
     ref_cache = _copy(cache)
     ref = TorchV4AttentionBackend().forward_v4(spec, q.double(), kv.double(), sinks,
-                                               V4LayerCache(ref_cache.entries.double(), ref_cache.window.double(), ref_cache.tail), meta, selected)  # fmt: skip
+                                               V4LayerCache(ref_cache.entries.double(), ref_cache.window.double(),
+                                                            ref_cache.tail), meta, selected)  # fmt: skip
     ours_cache = _copy(cache)
-    out = v4_attention(spec.kind.value, q, kv, sinks, ours_cache.window, ours_cache.entries if spec.compress_ratio else None, selected,
-                       meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.state_slots, window=spec.window, ratio=spec.compress_ratio,
-                       block_size=meta.block_size, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=spec.scale, **launch)  # fmt: skip
+    out = v4_attention(spec.kind.value, q, kv, sinks, ours_cache.window,
+                       ours_cache.entries if spec.compress_ratio else None, selected, meta.block_tables,
+                       meta.query_start_loc, meta.seq_lens, meta.state_slots, window=spec.window,
+                       ratio=spec.compress_ratio, block_size=meta.block_size, max_query_len=meta.max_query_len,
+                       max_seq_len=meta.max_seq_len, scale=spec.scale, **launch)  # fmt: skip
     return out, ref, ours_cache
 
 
@@ -140,8 +144,8 @@ def test_bf16_prefill_is_close_to_reference(name):
 
 
 def test_head_dim_not_a_power_of_two_takes_the_reference_path():
-    spec = AttentionLayerSpec(AttentionKind.SLIDING, 0, num_heads=2, num_kv_heads=1, head_dim=24, v_head_dim=24, scale=0.2,
-                              kv_shared=True, window=5, state_kv=True)  # fmt: skip
+    spec = AttentionLayerSpec(AttentionKind.SLIDING, 0, num_heads=2, num_kv_heads=1, head_dim=24, v_head_dim=24,
+                              scale=0.2, kv_shared=True, window=5, state_kv=True)  # fmt: skip
     q, kv, sinks, cache, meta, selected = _case(spec, [7, 3], 3, torch.float32)
     want_cache = _copy(cache)
     want = TorchV4AttentionBackend().forward_v4(spec, q, kv, sinks, want_cache, meta, None)

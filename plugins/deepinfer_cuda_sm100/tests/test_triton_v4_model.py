@@ -64,8 +64,8 @@ def checkpoint(tmp_path_factory):
     want = []
     with torch.no_grad():
         for p in prompts:
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW,
-                                 do_sample=False, eos_token_id=None)  # fmt: skip
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=NEW, do_sample=False, eos_token_id=None)  # fmt: skip
             want.append(ref[0, len(p) :].tolist())
     return str(path), prompts, want
 

@@ -1,8 +1,8 @@
 """``FusedOps.v4_rms_norm``, ``v4_unweighted_rms_norm`` and ``v4_rope`` (kernels/v4_elementwise.py)
 equal the core's torch ops (``V4RMSNorm``, ``unweighted_rms_norm``, ``V4Rope.apply``) on query-,
-key-, output- and hyper-connection-shaped tensors, float32 and bf16, strided inputs included; wrong shapes are refused by name. (A tiny V4 with them installed
-keeps transformers' tokens: test_hyper_connection_kernel.py.) Without a GPU the kernels run in
-Triton's interpreter."""
+key-, output- and hyper-connection-shaped tensors, float32 and bf16, strided inputs included; wrong
+shapes are refused by name. (A tiny V4 with them installed keeps transformers' tokens:
+test_hyper_connection_kernel.py.) Without a GPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ class NoHostSync(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in HOST_SYNCS or (name in ("index", "index_put_", "index_put") and any(
-                t is not None and getattr(t, "dtype", None) == torch.bool for t in (args[1] if len(args) > 1 else ()))):  # fmt: skip
+                t is not None and getattr(t, "dtype", None) == torch.bool
+                for t in (args[1] if len(args) > 1 else ()))):  # fmt: skip
             raise AssertionError(f"host synchronisation in the V4 decode step: aten.{name}")
         return func(*args, **(kwargs or {}))
 

@@ -156,7 +156,8 @@ def test_limits_hold_for_wide_bodies_without_recursion():
 
 
 NAN_OUTPUT = (
-    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">NaN</｜DSML｜parameter>\n'
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+    '<｜DSML｜parameter name="x" string="false">NaN</｜DSML｜parameter>\n'
     '<｜DSML｜parameter name="y" string="false">-Infinity</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
 )
 

@@ -103,14 +103,18 @@ def test_unterminated_tool_call_is_dropped_not_half_reported():
 def test_tool_call_emitted_as_soon_as_its_invoke_closes():
     parser = make_parser({"thinking": False})
     parser.push(
-        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">7</｜DSML｜parameter>\n'
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+        '<｜DSML｜parameter name="n" string="false">7</｜DSML｜parameter>\n'
     )
     out = parser.push("</｜DSML｜invoke>\n")
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"n": 7})]
 
 
 def test_v4_1_spelling_with_leading_space():
-    text = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    text = (
+        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+        '<｜DSML｜ parameter name="a" string="true">x</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    )
     out = run([text], False, dsml_calls_tag=V4_1_TAGS.calls)
     assert out["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}]
 
@@ -139,8 +143,10 @@ PIECES = [
     "<｜DSML",
     "｜DSML｜",
     "<｜end▁of▁sentence｜>",
-    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x\ny</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
-    '<｜DSML｜invoke name="g">\n<｜DSML｜parameter name="n" string="false">[1, {"k": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+    '<｜DSML｜parameter name="a" string="true">x\ny</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+    '<｜DSML｜invoke name="g">\n'
+    '<｜DSML｜parameter name="n" string="false">[1, {"k": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
     "</｜DSML｜tool_calls>",
     "<",
     "</",
@@ -171,7 +177,10 @@ def test_stop_sequences_apply_to_answer_text_only():
 
 
 def test_stop_sequences_do_not_cut_tool_arguments():
-    text = '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">STOP</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    text = (
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+        '<｜DSML｜parameter name="a" string="true">STOP</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     assert run([text], False, stop=("STOP",))["tool_calls"][0]["function"]["arguments"] == '{"a": "STOP"}'
 
 
@@ -192,7 +201,8 @@ def test_long_arguments_with_bars_streamed_in_small_pieces(seed):
     ]
     value = "".join(rng.choice(words) for _ in range(rng.randint(20, 200)))
     text = (
-        f'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">{value}</｜DSML｜parameter>\n'
+        'ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+        f'<｜DSML｜parameter name="a" string="true">{value}</｜DSML｜parameter>\n'
         f'</｜DSML｜invoke>\n<｜DSML｜invoke name="g">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>tail'
     )
     whole = run([text], False)

@@ -322,8 +322,9 @@ def test_non_streamed_calls_get_no_snapshot_per_step_and_the_streamed_text(oai, 
             .message.content
         )
     )
-    streamed, streamed_outs = one_call(lambda: "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=30, stream=True) if c.choices))  # fmt: skip
+    streamed, streamed_outs = one_call(lambda: "".join(c.choices[0].delta.content or "" for c in (
+        oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30, stream=True))
+        if c.choices))  # fmt: skip
     tokens = len(plain_outs[-1].outputs[0].token_ids)
     assert plain == streamed and "Paris" in plain and tokens > 3
     assert [o.finished for o in plain_outs] == [False, True] and len(plain_outs[0].outputs[0].token_ids) == 1

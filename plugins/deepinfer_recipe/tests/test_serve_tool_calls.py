@@ -90,7 +90,8 @@ def check_call(name: str, arguments) -> None:
 # -- the parser, alone -----------------------------------------------------------------------
 def test_parser_split_at_every_character():
     text = (
-        'Sure.\n<tool_call>\n{"name": "book_table", "arguments": {"city": "Paris", "note": "窓際 🌍 <b>"}}\n</tool_call>\n'
+        'Sure.\n<tool_call>\n{"name": "book_table", "arguments": {"city": "Paris", "note": "窓際 🌍 <b>"}}\n'
+        "</tool_call>\n"
         '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nDone. a < b <tool'
     )
     want_content = "Sure.\nDone. a < b <tool"
@@ -253,7 +254,8 @@ HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
     'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{%- endif %}'
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{%- for c in m.tool_calls | default([]) %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "{%- for c in m.tool_calls | default([]) %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
     "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 
@@ -369,8 +371,10 @@ def test_parser_streams_a_call_piece_by_piece_at_every_split():
 
 
 CHUNKED = (
-    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "deep": [{"x": "}"}, 2]}   }\n</tool_call>\n'
-    '<tool_call>{"name": "raw", "arguments": "a string"}</tool_call>  \n<tool_call>\n{"name": "cut", "arguments": {"a": 1'
+    "Let me look.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "deep": [{"x": "}"}, 2]}   }\n</tool_call>\n'
+    '<tool_call>{"name": "raw", "arguments": "a string"}</tool_call>  \n'
+    '<tool_call>\n{"name": "cut", "arguments": {"a": 1'
 )
 CHUNKED_CALLS = [("get_weather", '{"city": "Paris", "deep": [{"x": "}"}, 2]}'), ("raw", "a string"), ("cut", None)]
 
