@@ -66,8 +66,9 @@ class TritonV4Attention(TorchV4AttentionBackend):
         if comp.dim < 16 or comp.dim & (comp.dim - 1):
             return False
         compress_decode(
-            new, cache.tail, tail_col, batch.slots, batch.positions, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps,
-            cos, sin, cache.entries, entry_col, batch.block_tables, ratio=comp.ratio, block_size=batch.block_size, overlap=comp.overlap,
+            new, cache.tail, tail_col, batch.slots, batch.positions, comp.position_bias, comp.kv_norm.weight,
+            comp.kv_norm.eps, cos, sin, cache.entries, entry_col, batch.block_tables, ratio=comp.ratio,
+            block_size=batch.block_size, overlap=comp.overlap,
         )  # fmt: skip
         return True
 

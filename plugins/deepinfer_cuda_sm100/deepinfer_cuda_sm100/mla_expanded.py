@@ -43,7 +43,8 @@ def wants_expanded(spec: AttentionLayerSpec, meta: AttentionMetadata, min_tokens
     T, K, pairs = meta.num_tokens, meta.num_context_tokens, meta.num_attention_pairs
     return (
         spec.kind is AttentionKind.MLA and not meta.batch_invariant and meta.max_query_len > 1
-        and K > 0 and pairs > 0 and T >= min_tokens and pairs >= PAIRS_PER_KEY * (K - T) and K * spec.num_heads <= MAX_KEY_HEADS
+        and K > 0 and pairs > 0 and T >= min_tokens and pairs >= PAIRS_PER_KEY * (K - T)
+        and K * spec.num_heads <= MAX_KEY_HEADS
     )  # fmt: skip
 
 

@@ -115,8 +115,9 @@ class V4DecodeGraphs:
     def _bucket(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
-        if (not self.enabled or meta.max_query_len != 1 or meta.batch_invariant or meta.replay or meta.state_slots is None
-                or input_ids.shape[0] != n or n > self.buckets[-1] or width > self.max_blocks):  # fmt: skip
+        if (not self.enabled or meta.max_query_len != 1 or meta.batch_invariant or meta.replay
+                or meta.state_slots is None or input_ids.shape[0] != n or n > self.buckets[-1]
+                or width > self.max_blocks):  # fmt: skip
             return None
         return smallest_bucket(self.buckets, n)
 

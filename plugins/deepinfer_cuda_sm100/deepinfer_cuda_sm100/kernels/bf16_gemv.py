@@ -242,8 +242,9 @@ def gemv(
         x, weight, dest, norm[0] if norm else x, float(norm[1]) if norm else 0.0, M, N, K, k_per,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *d_strides,
         out, cnt if cnt is not None else dest, out.stride(0), out.stride(1),
-        ROWS=_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_N=N % cfg.block_n == 0, EVEN_K=K % cfg.block_k == 0,
-        FIXUP=cnt is not None, NORM=norm is not None, **launch_kw(x), num_warps=cfg.warps, num_stages=2,
+        ROWS=_pow2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_N=N % cfg.block_n == 0,
+        EVEN_K=K % cfg.block_k == 0, FIXUP=cnt is not None, NORM=norm is not None, **launch_kw(x), num_warps=cfg.warps,
+        num_stages=2,
     )  # fmt: skip
     if split > 1 and cnt is None:  # out is [1, M, N]: contiguous in the partials' order when its rows are
         flat = (

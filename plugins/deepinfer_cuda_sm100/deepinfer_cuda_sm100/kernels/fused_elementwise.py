@@ -250,8 +250,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty(T, H, d, dtype=x.dtype, device=x.device)
     if T and H:
         _rotary_kernel[(T, H)](
-            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1), d // 2,
-            BLOCK_R=triton.next_power_of_2(max(1, d // 2)), num_warps=1, enable_fp_fusion=False,
+            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
+            d // 2, BLOCK_R=triton.next_power_of_2(max(1, d // 2)), num_warps=1, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -282,9 +282,9 @@ def rope_cat(
         block_c = max(16, min(triton.next_power_of_2(C), 4096 // block_h))
         _rope_cat_kernel[(T, triton.cdiv(H, block_h))](
             latent, pe, positions, cos, sin, out,
-            latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), H, C, r // 2,
-            INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
-            **launch_kw(latent), num_warps=4, enable_fp_fusion=False,
+            latent.stride(0), lat_h, pe.stride(0), pe.stride(1), out.stride(0), out.stride(1), cos.stride(0), H, C,
+            r // 2, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_C=block_c,
+            BLOCK_R=triton.next_power_of_2(max(1, r // 2)), **launch_kw(latent), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -313,8 +313,8 @@ def norm_rope_cat(
         block = triton.next_power_of_2(C)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8  # rms_norm's: the same reduction
         _norm_rope_cat_kernel[(T,)](
-            latent, weight, pe, positions, cos, sin, out, latent.stride(0), pe.stride(0), out.stride(0), cos.stride(0), C, r // 2, eps,
-            INTERLEAVED=interleaved, BLOCK=block, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
+            latent, weight, pe, positions, cos, sin, out, latent.stride(0), pe.stride(0), out.stride(0), cos.stride(0),
+            C, r // 2, eps, INTERLEAVED=interleaved, BLOCK=block, BLOCK_R=triton.next_power_of_2(max(1, r // 2)),
             **launch_kw(latent), num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -428,7 +428,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
         counts = torch.empty(num_experts, dtype=torch.long, device=flat.device)
         _align_kernel[(num_experts,)](
             flat, sorted_rows, block_expert, total, counts, num_rows, capacity, num_experts,
-            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=128 if num_rows > 64 else 64, FILL=256, num_warps=4,
+            BLOCK_M=block_m, E_P=max(16, triton.next_power_of_2(num_experts)), CHUNK=128 if num_rows > 64 else 64,
+            FILL=256, num_warps=4,
         )  # fmt: skip
         return Alignment(sorted_rows, block_expert, total, counts)
     return moe_align_torch(topk_ids, num_experts, block_m)
@@ -508,7 +509,8 @@ def fused_moe(
     config = config or choose_config(num_rows, E)
     if down_config.block_m != config.block_m:
         raise ValueError(
-            f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): both GEMMs walk one alignment"
+            f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): "
+            "both GEMMs walk one alignment"
         )
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None) or (fp8 and inter % 128):
@@ -536,13 +538,13 @@ def fused_moe(
     tiles = align.block_expert.numel()
     gu_desc = _descriptors(config, fp8, hidden, gate_up, inter)
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
-        x_in, gate_up, gate_up if gu_desc is None else gu_desc, act, align.sorted_rows, align.block_expert, align.total, gs, x_scale,
-        num_rows, k, D, inter,
-        x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0, x_scale.stride(0),
-        float(swiglu_limit or 0.0), tiles,
+        x_in, gate_up, gate_up if gu_desc is None else gu_desc, act, align.sorted_rows, align.block_expert, align.total,
+        gs, x_scale, num_rows, k, D, inter,
+        x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0,
+        x_scale.stride(0), float(swiglu_limit or 0.0), tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=config.group_m,
-        TMA=gu_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
+        GROUP_M=config.group_m, TMA=gu_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     # each (token, choice) row's expert output in the activation dtype (rounded as the reference
     # rounds it); the routing weights are applied in the fixed-order sum
@@ -554,11 +556,12 @@ def fused_moe(
         _descriptors(replace(dc, block_n=dc.block_m), fp8, hidden, act, dc.block_m) if dn_desc is not None else None
     )
     _down_kernel[(tiles * triton.cdiv(D, dc.block_n),)](
-        h_in, down, down if h_desc is None else h_desc, down if dn_desc is None else dn_desc, rows_out, align.sorted_rows, align.block_expert, align.total, ds, h_scale,
-        num_rows, D, inter,
-        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0, h_scale.stride(0), tiles,
-        BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m,
-        TMA=dn_desc is not None and h_desc is not None, num_warps=dc.num_warps, num_stages=dc.num_stages,
+        h_in, down, down if h_desc is None else h_desc, down if dn_desc is None else dn_desc, rows_out,
+        align.sorted_rows, align.block_expert, align.total, ds, h_scale, num_rows, D, inter,
+        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0,
+        h_scale.stride(0), tiles, BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee,
+        FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m, TMA=dn_desc is not None and h_desc is not None,
+        num_warps=dc.num_warps, num_stages=dc.num_stages,
     )  # fmt: skip
     return _sum_rows(rows_out, hidden, k, topk_weights, addend), align.counts
 
@@ -603,7 +606,8 @@ def _sum_rows(
         w = weights.reshape(-1).float().contiguous() if weights is not None else rows_out
         add = addend.contiguous() if addend is not None else rows_out
         _sum_rows_kernel[(T, triton.cdiv(D, block))](
-            rows_out, w, add, out, D, K=k, BLOCK=block, HAS_W=weights is not None, HAS_ADD=addend is not None, **launch_kw(rows_out), num_warps=4, enable_fp_fusion=False,
+            rows_out, w, add, out, D, K=k, BLOCK=block, HAS_W=weights is not None, HAS_ADD=addend is not None,
+            **launch_kw(rows_out), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 

@@ -77,8 +77,9 @@ def hc_mix(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams
     out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
     if T:
         _hc_mix_kernel[(T,)](
-            mixed, base, scale, streams, post, comb, out, mixed.stride(0), streams.stride(0), streams.stride(1), out.stride(0),
-            D, int(iters), float(eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=min(1024, max(16, _pow2(D))), num_warps=4,
+            mixed, base, scale, streams, post, comb, out, mixed.stride(0), streams.stride(0), streams.stride(1),
+            out.stride(0), D, int(iters), float(eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)),
+            BLOCK_D=min(1024, max(16, _pow2(D))), num_warps=4,
         )  # fmt: skip
     return post, comb, out
 
@@ -121,7 +122,7 @@ def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb:
     block_d = min(512, max(16, _pow2(D)))
     if T:
         _hc_merge_kernel[(T, -(-D // block_d))](
-            streams, out, post, comb, res, streams.stride(0), streams.stride(1), out.stride(0), res.stride(0), res.stride(1), D,
-            HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=block_d, num_warps=4,
+            streams, out, post, comb, res, streams.stride(0), streams.stride(1), out.stride(0), res.stride(0),
+            res.stride(1), D, HC=hc, BLOCK_HC=max(2, _pow2(hc)), BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return res

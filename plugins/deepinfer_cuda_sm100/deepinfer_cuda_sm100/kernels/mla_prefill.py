@@ -158,11 +158,12 @@ def _mla_prefill_kernel(
         full_end = ((ctx + t * BLOCK_M) // BLOCK_N) * BLOCK_N
         hi = ctx + tl.minimum(qlen, (t + 1) * BLOCK_M)
         for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _key_tile(qn, qr, kn_base, kr_ptr, v_base, k_start, start, hi, qpos, m_i, l_i, acc, s_knt, s_krt, s_vt, scale_log2,
-                                      dn, dr, dv, DN, DR, DV, BLOCK_N, False, IEEE)  # fmt: skip
+            m_i, l_i, acc = _key_tile(qn, qr, kn_base, kr_ptr, v_base, k_start, start, hi, qpos, m_i, l_i, acc, s_knt,
+                                      s_krt, s_vt, scale_log2, dn, dr, dv, DN, DR, DV, BLOCK_N, False,
+                                      IEEE)  # fmt: skip
         for start in range(full_end, hi, BLOCK_N):
-            m_i, l_i, acc = _key_tile(qn, qr, kn_base, kr_ptr, v_base, k_start, start, hi, qpos, m_i, l_i, acc, s_knt, s_krt, s_vt, scale_log2,
-                                      dn, dr, dv, DN, DR, DV, BLOCK_N, True, IEEE)  # fmt: skip
+            m_i, l_i, acc = _key_tile(qn, qr, kn_base, kr_ptr, v_base, k_start, start, hi, qpos, m_i, l_i, acc, s_knt,
+                                      s_krt, s_vt, scale_log2, dn, dr, dv, DN, DR, DV, BLOCK_N, True, IEEE)  # fmt: skip
 
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + (q_start + rows).to(tl.int64)[:, None] * s_ot + h * s_oh + dv[None, :]

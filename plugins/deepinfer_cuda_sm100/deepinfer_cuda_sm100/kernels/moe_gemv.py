@@ -218,15 +218,17 @@ def moe_gemv(
     act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_gemv_kernel[(rows, triton.cdiv(inter, BLOCK_N))](
         hidden, gate_up, gs, ids, act, sh_gu, sh_gs, k, D, inter,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0, act.stride(0),
-        float(swiglu_limit or 0.0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8, UPCAST=upcast, **launch_kw(hidden), num_warps=4,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0,
+        act.stride(0), float(swiglu_limit or 0.0),
+        BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8,
+        UPCAST=upcast, **launch_kw(hidden), num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, D, dtype=torch.float32, device=hidden.device)
     _down_gemv_kernel[(rows, triton.cdiv(D, BLOCK_N))](
         act, down, ds, ids, topk_weights.reshape(-1).float().contiguous(), out, sh_d, sh_ds, k, D, inter,
-        act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0, out.stride(0),
-        BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, **launch_kw(hidden), num_warps=4,
+        act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0,
+        out.stride(0), BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, **launch_kw(hidden),
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -246,6 +248,8 @@ def shared_fits(shared, gate_up, down, gate_up_scale, down_scale) -> bool:
         return same and shared.gate_up_scale is None
     scales = shared.gate_up_scale is not None and shared.down_scale is not None
     return (
-        same and scales and shared.gate_up_scale.shape[1:] == gate_up_scale.shape[1:] and shared.down_scale.shape[1:] == down_scale.shape[1:]
-        and shared.gate_up_scale.stride()[1:] == gate_up_scale.stride()[1:] and shared.down_scale.stride()[1:] == down_scale.stride()[1:]
+        same and scales and shared.gate_up_scale.shape[1:] == gate_up_scale.shape[1:]
+        and shared.down_scale.shape[1:] == down_scale.shape[1:]
+        and shared.gate_up_scale.stride()[1:] == gate_up_scale.stride()[1:]
+        and shared.down_scale.stride()[1:] == down_scale.stride()[1:]
     )  # fmt: skip

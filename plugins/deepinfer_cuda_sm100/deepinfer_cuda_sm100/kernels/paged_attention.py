@@ -289,8 +289,9 @@ def paged_attention(
             for a in range(j * groups, (j + 1) * groups, chunk):
                 b = min(a + chunk, (j + 1) * groups)
                 out[:, a:b] = paged_attention(
-                    q[:, a:b], kv_cache[:, j : j + 1], block_tables, query_start_loc, seq_lens, max_query_len=max_query_len,
-                    max_seq_len=max_seq_len, scale=scale, v_head_dim=v_head_dim, kv_shared=kv_shared, window=window, batch_invariant=batch_invariant,
+                    q[:, a:b], kv_cache[:, j : j + 1], block_tables, query_start_loc, seq_lens,
+                    max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, v_head_dim=v_head_dim,
+                    kv_shared=kv_shared, window=window, batch_invariant=batch_invariant,
                 )  # fmt: skip
         return out
     da, block_db, db = head_split(D)

@@ -13,11 +13,12 @@ Prefill (``ROUTER_TILE_ROWS`` bf16 rows and more): the reference is a float32 co
 hidden state plus a float32 FFMA GEMM (H200, V3-mini 64 x 512 prefill: 0.20 + 0.23 ms a MoE
 layer, 3.0 ms of the 67 ms of kernels; benchmarks/router_gemm.py: 0.418 ms vs 0.070 at 32,768
 tokens, 0.117 vs 0.041 at 8,192, even at 2,048, where the reference's 0.042 ms is bound by
-launches and the kernel by its 32-step loop over D, so smaller batches keep torch's). The tiled kernel reads the bf16 rows once and splits
-each float32 weight tile in registers into three bf16 parts (``hi + mid + lo`` holds the 24
-significant bits), multiplying each on the tensor cores with float32 accumulation: every
-bf16 x bf16 product is exact in float32, so the result is the float32 product up to the order
-of the sums and the weight's last bit, like the reference's.
+launches and the kernel by its 32-step loop over D, so smaller batches keep torch's). The tiled
+kernel reads the bf16 rows once and splits each float32 weight tile in registers into three
+bf16 parts (``hi + mid + lo`` holds the 24 significant bits), multiplying each on the tensor
+cores with float32 accumulation: every bf16 x bf16 product is exact in float32, so the result
+is the float32 product up to the order of the sums and the weight's last bit, like the
+reference's.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def router_gemm(
     block_e = max(16, min(64, triton.next_power_of_2(E)))  # tl.dot needs 16+ columns
     grid = (triton.cdiv(T, block_t), triton.cdiv(E, block_e))
     _router_gemm_kernel[grid](
-        x, weight, out, T, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=64,
-        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        x, weight, out, T, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_D=64, UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -111,8 +111,8 @@ def route(spec, router_logits: torch.Tensor, correction_bias: torch.Tensor | Non
             logits, bias, ids, weights, E, logits.stride(0), float(spec.routed_scaling),
             E_P=max(16, triton.next_power_of_2(E)), G=groups, TOPK_G=spec.topk_groups if groups > 1 else 1,
             K=k, K_P=max(2, triton.next_power_of_2(k)),
-            SOFTMAX=spec.scoring == "softmax", HAS_BIAS=correction_bias is not None, NORMALIZE=bool(spec.normalize_topk),
-            SQRTSOFTPLUS=spec.scoring == "sqrtsoftplus",
+            SOFTMAX=spec.scoring == "softmax", HAS_BIAS=correction_bias is not None,
+            NORMALIZE=bool(spec.normalize_topk), SQRTSOFTPLUS=spec.scoring == "sqrtsoftplus",
             **launch_kw(logits), num_warps=1 if E <= 256 else 4,
         )  # fmt: skip
     return ids, weights

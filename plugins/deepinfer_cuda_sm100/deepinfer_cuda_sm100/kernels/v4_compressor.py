@@ -26,7 +26,8 @@ def _compress_decode_kernel(
     new_ptr, tail_ptr, slot_ptr, pos_ptr, pb_ptr, normw_ptr, cos_ptr, sin_ptr, ent_ptr, bt_ptr,
     stride_new, stride_ts, stride_tr, tail_col, tail_rows, stride_eb, stride_ee, entry_col, stride_bt, stride_cos,
     per_block, eps,
-    RATIO: tl.constexpr, W: tl.constexpr, DH: tl.constexpr, ROPE2: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
+    RATIO: tl.constexpr, W: tl.constexpr, DH: tl.constexpr, ROPE2: tl.constexpr, OVERLAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(0).to(tl.int64)
     s = tl.load(pos_ptr + q).to(tl.int64)
@@ -144,7 +145,8 @@ def compress_decode(
     dim = width // 2 if overlap else width
     if dim % 2 or dim & (dim - 1) or tail.stride(-1) != 1 or entries.stride(-1) != 1:
         raise ValueError(
-            f"compress_decode: the compressed width must be an even power of two and the caches contiguous rows (dim {dim})"
+            "compress_decode: the compressed width must be an even power of two and the caches contiguous rows "
+            f"(dim {dim})"
         )
     new, position_bias, norm_weight = new.contiguous(), position_bias.contiguous(), norm_weight.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -152,8 +154,8 @@ def compress_decode(
     if R:
         _compress_decode_kernel[(R,)](
             new, tail, slots, positions, position_bias, norm_weight, cos, sin, entries, block_tables,
-            new.stride(0), tail.stride(0), tail.stride(1), int(tail_col), tail.shape[1], entries.stride(0), entries.stride(1),
-            int(entry_col), block_tables.stride(0), cos.stride(0), block_size // ratio, float(eps),
+            new.stride(0), tail.stride(0), tail.stride(1), int(tail_col), tail.shape[1], entries.stride(0),
+            entries.stride(1), int(entry_col), block_tables.stride(0), cos.stride(0), block_size // ratio, float(eps),
             RATIO=ratio, W=width, DH=dim // 2, ROPE2=cos.shape[-1], OVERLAP=overlap,
             BLOCK_R=min(16 if interpreting() else 8, _pow2(span)), num_warps=4,
         )  # fmt: skip

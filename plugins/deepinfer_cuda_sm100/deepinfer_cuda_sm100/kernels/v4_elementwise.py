@@ -77,7 +77,8 @@ def v4_unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _v4_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c, H,
-                    NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+                    NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     t = pid // H
     h = pid % H
@@ -115,6 +116,7 @@ def v4_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if T * H:
         _v4_rope_kernel[(T * H,)](
             x3, cos, sin, out, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
-            NOPE=nope, BLOCK_NOPE=min(512, max(16, _pow2(nope))), HALF=half, BLOCK_HALF=max(2, _pow2(half)), num_warps=4,
+            NOPE=nope, BLOCK_NOPE=min(512, max(16, _pow2(nope))), HALF=half, BLOCK_HALF=max(2, _pow2(half)),
+            num_warps=4,
         )  # fmt: skip
     return out.view(x.shape)

@@ -110,8 +110,9 @@ def index_scores(
     ieee = q.dtype == torch.float32 or interpreting()
     _index_scores_kernel[(T, -(-n_max // block_n))](
         q, weights, entries, block_tables, query_start_loc, positions, out,
-        q.stride(0), q.stride(1), weights.stride(0), entries.stride(0), entries.stride(1), block_tables.stride(0), out.stride(0),
-        int(key_col), heads, int(ratio), block_size // ratio, n_max, float(scale), block_tables.shape[0],
-        BLOCK_H=max(16, _pow2(heads)), BLOCK_N=block_n, DI=DI, BLOCK_R=max(16, _pow2(block_tables.shape[0])), IEEE=ieee, num_warps=4,
+        q.stride(0), q.stride(1), weights.stride(0), entries.stride(0), entries.stride(1), block_tables.stride(0),
+        out.stride(0), int(key_col), heads, int(ratio), block_size // ratio, n_max, float(scale), block_tables.shape[0],
+        BLOCK_H=max(16, _pow2(heads)), BLOCK_N=block_n, DI=DI, BLOCK_R=max(16, _pow2(block_tables.shape[0])), IEEE=ieee,
+        num_warps=4,
     )  # fmt: skip
     return out

@@ -128,8 +128,8 @@ class SegmentTokenizer:
                     text.encode("utf-8")
                 except UnicodeEncodeError as exc:  # the tokenizer would raise a bare TypeError
                     raise ValueError(
-                        f"prompt text contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}; "
-                        "text must be valid Unicode"
+                        f"prompt text contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+                        f"{exc.start}; text must be valid Unicode"
                     ) from None
                 ids.extend(self.plain.encode(text, add_special_tokens=False).ids)
                 pending.clear()
