@@ -68,7 +68,8 @@ def encode_chat(
         for key, value in m.items():
             if key != "content" and isinstance(value, str) and any(s in value for s in specials):
                 raise ValueError(
-                    f"message {i}: {key!r} contains special-token text ({next(s for s in specials if s in value)!r}); only 'content' may"
+                    f"message {i}: {key!r} contains special-token text "
+                    f"({next(s for s in specials if s in value)!r}); only 'content' may"
                 )
     if not any(s in m["content"] for m in conversation for s in specials):
         return tokenizer.encode(text, add_special_tokens=False), text
@@ -107,7 +108,8 @@ def _message_spans(
     rendered = render_chat(tokenizer, marked, add_generation_prompt, **(variables or {}))
     if rendered.replace(opening, "").replace(closing, "") != text:
         raise ValueError(
-            "this model's chat template rewrites message text, so the special-token text in a message cannot be kept as plain text; remove it from the message"
+            "this model's chat template rewrites message text, so the special-token text in a message cannot be kept "
+            "as plain text; remove it from the message"
         )
     spans, shift, start = [], 0, None
     for pos, ch in enumerate(rendered):

@@ -10,9 +10,10 @@ the operating system reclaims memory and mappings of a process that ends.
 :func:`exit_process` keeps what a normal exit guarantees and skips only that teardown: it
 waits for non-daemon threads through ``threading._shutdown`` (as a normal exit does, so a
 background write still in flight finishes and executors' idle workers are told to stop), runs
-the ``atexit`` handlers (logging's flush, multiprocessing's child reaping, caches), flushes ``sys.stdout``/``sys.stderr``, then calls ``os._exit``. Used only
-by the console entry points; ``cli.main`` itself returns normally so that tests and embedding
-applications calling it keep their interpreter.
+the ``atexit`` handlers (logging's flush, multiprocessing's child reaping, caches), flushes
+``sys.stdout``/``sys.stderr``, then calls ``os._exit``. Used only by the console entry
+points; ``cli.main`` itself returns normally so that tests and embedding applications calling
+it keep their interpreter.
 """
 
 from __future__ import annotations

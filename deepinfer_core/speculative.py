@@ -15,9 +15,8 @@ class DraftBatch:
 
     last_token_ids: torch.Tensor  # [R]
     positions: torch.Tensor  # [R], position of the last token
-    hidden: torch.Tensor | None = (
-        None  # [R, D] last hidden state, for MTP-style drafters ([R, hc, D] streams for DeepSeek-V4: model.hidden_streams)
-    )
+    # [R, D] last hidden state, for MTP-style drafters ([R, hc, D] streams for DeepSeek-V4: model.hidden_streams)
+    hidden: torch.Tensor | None = None
 
 
 @runtime_checkable

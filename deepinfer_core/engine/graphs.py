@@ -25,9 +25,10 @@ class DecodeGraphs(Protocol):
 
 # Optional, beside ``run``: ``run_logits(input_ids, meta) -> (logits [N, V] float32, ids [N]) |
 # None`` replays the step with the model's ``compute_logits`` and the argmax of its rows (ties
-# to the lowest index, as ``torch.argmax``) captured too; the engine then takes ``ids`` as the tokens of rows its own sampler would
-# sample greedily (no penalties, processors or banned tokens) and samples the others from
-# ``logits``. None: the engine calls ``run`` (or the eager forward) as before.
+# to the lowest index, as ``torch.argmax``) captured too; the engine then takes ``ids`` as the
+# tokens of rows its own sampler would sample greedily (no penalties, processors or banned
+# tokens) and samples the others from ``logits``. None: the engine calls ``run`` (or the eager
+# forward) as before.
 
 
 # factory(model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> DecodeGraphs

@@ -48,7 +48,8 @@ class KVSizing:
         if blocks < 1:
             need = (self.block_bytes + self.state_bytes) / 2**30
             raise ValueError(
-                f"a KV budget of {budget_bytes / 2**30:.4g} GiB holds no KV block: one block plus the state KV of {self.num_state_slots} requests needs {need:.4g} GiB"
+                f"a KV budget of {budget_bytes / 2**30:.4g} GiB holds no KV block: one block plus the state KV of "
+                f"{self.num_state_slots} requests needs {need:.4g} GiB"
             )
         return blocks
 

@@ -242,7 +242,8 @@ def alive(scheduler: Scheduler, flight: InFlight, debug: bool) -> SchedulerOutpu
             continue
         if req.num_computed_tokens != s.start_position:
             raise OverlapGuardError(
-                f"request {s.request_id!r}: a step starting at position {s.start_position} is committed after {req.num_computed_tokens} computed tokens"
+                f"request {s.request_id!r}: a step starting at position {s.start_position} is committed after "
+                f"{req.num_computed_tokens} computed tokens"
             )
         kept.append(s)
     if debug and flight.launched.fed is not None:
@@ -252,11 +253,13 @@ def alive(scheduler: Scheduler, flight: InFlight, debug: bool) -> SchedulerOutpu
             req = flight.requests[offsets[s.request_id]]
             if req.num_tokens <= s.start_position:
                 raise OverlapGuardError(
-                    f"request {s.request_id!r}: the step read position {s.start_position} before its token existed ({req.num_tokens} known)"
+                    f"request {s.request_id!r}: the step read position {s.start_position} before its token existed "
+                    f"({req.num_tokens} known)"
                 )
             if fed[offsets[s.request_id]] != req.token_at(s.start_position):
                 raise OverlapGuardError(
-                    f"request {s.request_id!r}: the step read token {fed[offsets[s.request_id]]} at position {s.start_position}, the request has {req.token_at(s.start_position)}"
+                    f"request {s.request_id!r}: the step read token {fed[offsets[s.request_id]]} at position "
+                    f"{s.start_position}, the request has {req.token_at(s.start_position)}"
                 )
     return SchedulerOutput(tuple(kept), sum(len(s.token_ids) for s in kept))
 

@@ -31,8 +31,9 @@ class ScheduledRequest:
     token_array: Any = field(default=None, compare=False, repr=False)
 
 
-def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_position: int, block_ids: tuple[int, ...], sample: bool, seed: int,
-                      prompt_len: int = 0, token_array: Any = None) -> ScheduledRequest:  # fmt: skip
+def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_position: int, block_ids: tuple[int, ...],
+                      sample: bool, seed: int, prompt_len: int = 0,
+                      token_array: Any = None) -> ScheduledRequest:  # fmt: skip
     """``ScheduledRequest(...)`` for the per-request paths of every step: the frozen dataclass's
     generated ``__init__`` sets each field through ``object.__setattr__`` (1.9 us here, 512 of
     these and :func:`.sampler.sampling_row` a 256-request step); filling the instance dict is

@@ -53,7 +53,8 @@ def checked_prompt(ids, limits: ModelLimits) -> tuple[list[int], np.ndarray]:
     n = len(ids)
     if n >= limits.max_model_len:
         raise ValueError(
-            f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens (the prompt must leave room for at least one new token)"
+            f"the prompt has {n} tokens but the model's context is {limits.max_model_len} tokens "
+            "(the prompt must leave room for at least one new token)"
         )
     if set(map(type, ids)) == {int} and (array := _as_uint32(ids)) is not None and int(array.max()) < limits.vocab_size:
         return list(ids), array  # the common case, checked at C speed (a per-token loop cost ~1 us a token)
@@ -71,7 +72,8 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: ModelLi
     bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise ValueError(
-            f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): {_few(bad)}"
+            f"invalid sampling parameter stop_token_ids: ids outside the vocabulary [0, {limits.vocab_size}): "
+            f"{_few(bad)}"
         )
     if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limits.max_model_len:
         # refused, not capped (the OpenAI and Anthropic APIs answer 400): a caller who asked for
@@ -83,7 +85,8 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: ModelLi
     blocks = -(-total // limits.block_size)
     if blocks > limits.num_blocks:
         raise ValueError(
-            f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or raise kv_cache_blocks"
+            f"the request needs up to {blocks} KV blocks but the cache has {limits.num_blocks}; lower max_tokens or "
+            "raise kv_cache_blocks"
         )
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
@@ -93,8 +96,9 @@ def context_overflow_message(param: str, num_prompt_tokens: int, max_tokens: int
     """Why a prompt plus ``param`` (the output limit, under the caller's name for it) does not
     fit, with the numbers and the largest value that would."""
     return (
-        f"invalid sampling parameter {param}={max_tokens}: the prompt has {num_prompt_tokens} tokens, and {num_prompt_tokens} + "
-        f"{max_tokens} = {num_prompt_tokens + max_tokens} is more than the model's maximum context length of {max_model_len} tokens; "
+        f"invalid sampling parameter {param}={max_tokens}: the prompt has {num_prompt_tokens} tokens, and "
+        f"{num_prompt_tokens} + {max_tokens} = {num_prompt_tokens + max_tokens} is more than the model's maximum "
+        f"context length of {max_model_len} tokens; "
         f"set {param} to at most {max_model_len - num_prompt_tokens} or shorten the prompt"
     )
 

@@ -100,7 +100,8 @@ def check_retention_classes(retention: dict) -> dict[str, float]:
     for name, seconds in retention.items():
         if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
             raise ValueError(
-                f"retention_seconds: class name {name!r} must be letters, digits, '_' or '-' (it becomes a directory name)"
+                f"retention_seconds: class name {name!r} must be letters, digits, '_' or '-' "
+                "(it becomes a directory name)"
             )
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
             raise ValueError(f"retention_seconds[{name!r}] = {seconds!r}: must be a positive number of seconds")

@@ -18,7 +18,8 @@ torn or flipped bytes (CRC-32C, not zlib's CRC-32: the CPU computes it in hardwa
 here, and a load verifies every byte it reads; version 1 records used zlib's and are misses).
 The payload starts at a multiple of :data:`PAYLOAD_ALIGN` in the file: a read whose file offset
 is not cache-line aligned copied out of the page cache 2.5-3x slower here (60 vs 64 bytes:
-0.9-1.2 vs 2.8-3.3 GB/s), and the padding (the zero bytes) is not covered by the checksum. ``expires_at`` lets a reader tell an expired record without a directory scan.
+0.9-1.2 vs 2.8-3.3 GB/s), and the padding (the zero bytes) is not covered by the checksum.
+``expires_at`` lets a reader tell an expired record without a directory scan.
 
 The file I/O itself goes through a :class:`RecordIO` so that a backend can swap POSIX calls
 for another client (3FS USRBIO) and keep the format and its checks in one place.

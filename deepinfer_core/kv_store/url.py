@@ -74,7 +74,8 @@ def add_kv_store_arguments(parser: argparse.ArgumentParser, *, required: bool = 
         required=required,
         default=None,
         metavar="URL",
-        help="persistent KV cache: memory://, local:///path, 3fs:///mount/path or a plugin's scheme (default: none, device prefix cache only)",
+        help="persistent KV cache: memory://, local:///path, 3fs:///mount/path or a plugin's scheme "
+        "(default: none, device prefix cache only)",
     )
     parser.add_argument(
         "--kv-store-gib",

@@ -90,7 +90,8 @@ def _hash_choice(spec: MoESpec, logits: torch.Tensor, token_ids, hash_table) -> 
         )
     if hash_table.dim() != 2 or hash_table.shape[1] != spec.top_k:
         raise ValueError(
-            f"MoE layer {spec.layer_index}: hash_table must be [vocab, top_k={spec.top_k}], got {tuple(hash_table.shape)}"
+            f"MoE layer {spec.layer_index}: hash_table must be [vocab, top_k={spec.top_k}], got "
+            f"{tuple(hash_table.shape)}"
         )
     return hash_table[token_ids.reshape(-1).to(hash_table.device).long()].long().to(logits.device)
 

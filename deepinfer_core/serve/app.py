@@ -40,7 +40,8 @@ class Server:
         codecs = {name: factory() for name, factory in host.protocols().items()}
         if not codecs:
             raise NoProtocolCodecs(
-                "deepinfer serve: no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)"
+                "deepinfer serve: no protocol codecs are installed; install the deepinfer-recipe package "
+                "(pip install deepinfer-recipe)"
             )
         codecs.setdefault(CompletionsCodec.name, CompletionsCodec())
         self.codecs = codecs

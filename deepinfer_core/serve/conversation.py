@@ -3,9 +3,10 @@
 The prompt comes from the first registered :class:`PromptEncoding` whose ``matches`` accepts the
 model's config (DeepSeek V4 through the recipe plugin), else from the model's own chat template.
 A model without a native tool-call format (a chat-template model) calls tools in the
-Hermes syntax, under an xgrammar structural tag once a call starts (:mod:`.tool_calls`). Output limits default by mode (8,192 tokens, 65,536 with
-thinking, 131,072 at max effort), capped by what the context and the KV cache leave; an explicit
-limit that the prompt leaves no room for is refused (400, ``context_length_exceeded``).
+Hermes syntax, under an xgrammar structural tag once a call starts (:mod:`.tool_calls`). Output
+limits default by mode (8,192 tokens, 65,536 with thinking, 131,072 at max effort), capped by
+what the context and the KV cache leave; an explicit limit that the prompt leaves no room for is
+refused (400, ``context_length_exceeded``).
 """
 
 from __future__ import annotations

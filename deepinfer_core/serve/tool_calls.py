@@ -22,9 +22,10 @@ was trained on, so a single parser serves them all::
   name and arguments matching its schema, then ``</tool_call>``. ``required`` must start with a
   call, a named tool choice is exactly one call. A call ends the answer unless the request sets
   ``parallel_tool_calls: true`` explicitly (then calls and text may follow): small models,
-  left free after a call, tend to ramble or call again until the output limit. Arguments follow the tool's ``parameters``:
-  for ``strict: true`` tools a schema xgrammar cannot compile is the client's error; other tools
-  fall back to any JSON object. So every call parses, and strict arguments always validate.
+  left free after a call, tend to ramble or call again until the output limit. Arguments follow
+  the tool's ``parameters``: for ``strict: true`` tools a schema xgrammar cannot compile is the
+  client's error; other tools fall back to any JSON object. So every call parses, and strict
+  arguments always validate.
 * At most one call: ``parallel_tool_calls: false`` (OpenAI) or ``disable_parallel_tool_use``
   (Anthropic) is honoured for every model by :class:`FirstCallOnly`, a cut in the output parser:
   the first complete call ends the answer (the engine is stopped there, streamed or not), so
@@ -184,8 +185,9 @@ def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]
 class HermesToolParser:
     """Incremental: text outside ``<tool_call>`` blocks is content (a tail that could begin a
     tag is held back until it cannot), each closed block one tool call. Whitespace around calls
-    is dropped (text on both sides of a call is joined by one line break). A block that is not a JSON ``{"name", "arguments"}`` object, or one cut short by
-    the output limit, is given back as the text the model wrote."""
+    is dropped (text on both sides of a call is joined by one line break). A block that is not
+    a JSON ``{"name", "arguments"}`` object, or one cut short by the output limit, is given
+    back as the text the model wrote."""
 
     def __init__(self) -> None:
         self._buffer = ""  # outside a call: only a tail held back (a possible tag, whitespace)

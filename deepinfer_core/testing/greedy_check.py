@@ -109,5 +109,6 @@ def assert_same_or_near_tie(
             logits = hf(torch.tensor([p + a[:j]])).logits[0, -1].double()
         gap = abs((logits[a[j]] - logits[b[j]]).item())
         assert gap < margin, (
-            f"request {i} (prompt {len(p)} tokens) differs at token {j}: {a[j]} vs {b[j]}, transformers' margin {gap:.2e}"
+            f"request {i} (prompt {len(p)} tokens) differs at token {j}: {a[j]} vs {b[j]}, transformers' margin "
+            f"{gap:.2e}"
         )

@@ -73,9 +73,10 @@ class ScatteredBatch:
         sets the optional ones (``state_slots``, ``num_context_tokens``, ...) as given."""
         slots = self.slot_mapping if slot_mapping is None else slot_mapping
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc.to(device), seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            positions=self.positions.to(device), slot_mapping=slots.to(device), block_tables=self.block_tables.to(device),
-            block_size=self.block_size, max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens), **fields,
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device), positions=self.positions.to(device),
+            slot_mapping=slots.to(device), block_tables=self.block_tables.to(device), block_size=self.block_size,
+            max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens), **fields,
         )  # fmt: skip
 
 

@@ -95,7 +95,8 @@ class DeepseekV3MoE(nn.Module):
         ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
         experts = ExpertWeights(
             gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales
-            gate_up_scale=getattr(self.experts, "gate_up_scale", None), down_scale=getattr(self.experts, "down_scale", None),
+            gate_up_scale=getattr(self.experts, "gate_up_scale", None),
+            down_scale=getattr(self.experts, "down_scale", None),
         )  # fmt: skip
         both = getattr(self.dispatcher, "forward_with_shared", None)  # optional: the shared expert folded in
         if both is not None and self._shared is None:  # a layer used without load_weights

@@ -100,8 +100,10 @@ def update_entries(
     already in the shared cached blocks, and the replay's first positions are not exact.
     Every request at once (:mod:`.deepseek_v4_prefill`)."""
     comp = compressors[0][0]
-    plan = (plans or StepPlans()).get(("windows", comp.ratio, comp.overlap, cache.tail.shape[1], replay),
-                                      lambda: window_plan(batch, comp.ratio, comp.overlap, cache.tail.shape[1], replay, raw[0].device))  # fmt: skip
+    plan = (plans or StepPlans()).get(
+        ("windows", comp.ratio, comp.overlap, cache.tail.shape[1], replay),
+        lambda: window_plan(batch, comp.ratio, comp.overlap, cache.tail.shape[1], replay, raw[0].device),
+    )  # fmt: skip
     update_entries_batched(compressors, raw, cache, plan, rope)
 
 

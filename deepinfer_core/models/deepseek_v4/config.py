@@ -138,7 +138,8 @@ def _ropes(config: dict, rope_dim: int) -> tuple[dict, dict]:
     for label, params in (("main", main), ("compress", compress)):
         if params["rope_type"] not in ("default", "yarn"):
             raise ValueError(
-                f"DeepSeek-V4 rope_parameters[{label!r}].rope_type must be 'default' or 'yarn', got {params['rope_type']!r}"
+                f"DeepSeek-V4 rope_parameters[{label!r}].rope_type must be 'default' or 'yarn', got "
+                f"{params['rope_type']!r}"
             )
     return main, compress
 
@@ -150,7 +151,8 @@ def parse_config(config: dict) -> V4Config:
     heads = _positive(config, "num_attention_heads")
     if config.get("num_key_value_heads", 1) != 1:
         raise ValueError(
-            f"DeepSeek-V4 config field 'num_key_value_heads' must be 1 (shared K=V head), got {config['num_key_value_heads']!r}"
+            "DeepSeek-V4 config field 'num_key_value_heads' must be 1 (shared K=V head), got "
+            f"{config['num_key_value_heads']!r}"
         )
     factor = config.get("partial_rotary_factor")
     if factor is not None:  # transformers: the factor wins over a legacy qk_rope_head_dim
@@ -159,7 +161,8 @@ def parse_config(config: dict) -> V4Config:
         rope_dim = config.get("qk_rope_head_dim") or int(head_dim * 64 / 512)
     if not 0 < rope_dim <= head_dim or rope_dim % 2:
         raise ValueError(
-            f"DeepSeek-V4 rope width (head_dim * partial_rotary_factor = {rope_dim}) must be even and in (0, head_dim={head_dim}]"
+            f"DeepSeek-V4 rope width (head_dim * partial_rotary_factor = {rope_dim}) must be even and in "
+            f"(0, head_dim={head_dim}]"
         )
     o_groups = _positive(config, "o_groups", 8)
     if heads % o_groups:
@@ -172,7 +175,8 @@ def parse_config(config: dict) -> V4Config:
     for kind in (CSA, HCA):
         if not isinstance(rates.get(kind), int) or rates[kind] < 1:
             raise ValueError(
-                f"DeepSeek-V4 config field 'compress_rates'[{kind!r}] must be a positive integer, got {rates.get(kind)!r}"
+                f"DeepSeek-V4 config field 'compress_rates'[{kind!r}] must be a positive integer, got "
+                f"{rates.get(kind)!r}"
             )
     ratios = tuple(0 if k == SLIDING else rates[k] for k in kinds)
     experts = _positive(config, "n_routed_experts", 256)

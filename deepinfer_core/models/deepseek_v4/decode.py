@@ -92,8 +92,8 @@ def decode_update_entries(
         tail_col += 2 * W
 
 
-def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, key_col: int, scorer=None,
-                  cos_sin=None, apply=V4Rope.apply) -> torch.Tensor:  # fmt: skip
+def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBatch, rope: V4Rope, key_col: int,
+                  scorer=None, cos_sin=None, apply=V4Rope.apply) -> torch.Tensor:  # fmt: skip
     """Decode-batch form of ``Indexer.select``: [R, index_topk] entry ids, -1 where none.
     ``scorer`` as there (``V4AttentionBackend.index_scores``, called with ``n_max`` =
     :meth:`V4DecodeBatch.entries_cap`); ``cos_sin`` the layer's own rope at the positions (the

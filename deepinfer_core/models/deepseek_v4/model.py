@@ -202,7 +202,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for spec, backend in zip(self.attention_specs, backends):
             if not hasattr(backend, "forward_v4"):
                 raise ValueError(
-                    f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer {spec.layer_index} ({spec.kind.value}) lacks forward_v4"
+                    f"attention backend {getattr(backend, 'name', backend)!r} for DeepSeek-V4 layer "
+                    f"{spec.layer_index} ({spec.kind.value}) lacks forward_v4"
                 )
         full = with_mtp_layers(cfg)  # MTP blocks as layers n.. for the per-layer builders
         self.mtp_attention_specs = [attention_spec(full, i, ctx.dtype) for i in range(cfg.num_layers, full.num_layers)]

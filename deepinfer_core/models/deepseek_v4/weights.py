@@ -131,7 +131,8 @@ def _layer_kinds(config: dict, count: int) -> list[str]:
     bad = sorted({k for k in kinds[:count] if k not in _RATIO_KIND.values()})
     if bad:
         raise ValueError(
-            f"DeepSeek-V4 config field {field!r}: unknown layer kind(s) {bad}; allowed: {list(_RATIO_KIND.values())} (compress_ratios 0, 4, 128)"
+            f"DeepSeek-V4 config field {field!r}: unknown layer kind(s) {bad}; allowed: {list(_RATIO_KIND.values())} "
+            "(compress_ratios 0, 4, 128)"
         )
     return list(kinds[:count])
 
@@ -340,7 +341,8 @@ def _check_one(name: str, spec: TensorSpec, meta: dict, headers) -> tuple[str, s
     if shape != want:
         return (
             "mis-shaped",
-            f"{name}: got {dtype} {list(shape)}, expected {list(want)} ({'MXFP4 packs two values per byte' if fp4 else 'FP8'})",
+            f"{name}: got {dtype} {list(shape)}, expected {list(want)} "
+            f"({'MXFP4 packs two values per byte' if fp4 else 'FP8'})",
         )
     if scale is None:
         return "without scales", f"{name}: {'MXFP4' if fp4 else 'FP8'} weight has no scale tensor {scale_name}"

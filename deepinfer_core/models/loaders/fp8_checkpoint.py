@@ -31,7 +31,8 @@ def is_fp8_block_checkpoint(config: dict) -> bool:
     block = list(quant.get("weight_block_size") or [])
     if block != [FP8_BLOCK, FP8_BLOCK]:
         raise ValueError(
-            f"quantization_config.weight_block_size is {block or 'missing'}; FP8 checkpoints are read with [128, 128] blocks only"
+            f"quantization_config.weight_block_size is {block or 'missing'}; FP8 checkpoints are read with "
+            "[128, 128] blocks only"
         )
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
