@@ -1,7 +1,8 @@
 """DeepSeek V4 prompt encoding and output parsing."""
 
 from .encoding import DeepSeekV4Encoding, make_parser, normalize_effort
-from .parser import DeepSeekV4Parser, new_parser
+from .front import new_parser
+from .parser import DeepSeekV4Parser
 from .reference_messages import conversation_from_reference
 
 __all__ = [

@@ -18,7 +18,7 @@ from deepinfer_core.codecs import ConversationRequest, EncodedPrompt, OutputPars
 
 from ..common import EFFORT_LEVELS
 from .dsml import V4_TAGS, DsmlTags
-from .parser import new_parser
+from .front import new_parser
 from .prompt import RenderOptions, attach_request_level, opens_thinking, render_parts
 from .tokens import EOS, Part, SegmentTokenizer, load_segment_tokenizer, prompt_text
 

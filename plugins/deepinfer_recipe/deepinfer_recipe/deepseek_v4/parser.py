@@ -36,9 +36,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer_core.codecs import OutputParser, ParsedOutput, ToolCall, ToolCallDelta
+from deepinfer_core.codecs import ParsedOutput, ToolCall, ToolCallDelta
 
-from . import native
 from .call_stream import HEAD as _HEAD
 from .call_stream import LOOSE_HEAD as _LOOSE_HEAD
 from .call_stream import PARAMETER as _PARAMETER
@@ -67,7 +66,7 @@ def _drop_newlines(text: str, *, keep: bool) -> str:
 class DeepSeekV4Parser:
     """OutputParser: ``push(text)`` returns the newly final part, ``finish()`` the rest.
 
-    :func:`new_parser` (what ``make_parser`` uses) puts the C front of ``native`` before it where
+    :func:`.front.new_parser` (what ``make_parser`` uses) puts the C front of ``native`` before it where
     that was built; used alone, quiet pieces take a pure-Python closure. Same results."""
 
     def __init__(
@@ -295,25 +294,3 @@ class DeepSeekV4Parser:
         call, rest = self._streamer.close_call(self._invokes, call)
         self._deltas += rest
         return call
-
-
-def new_parser(
-    *,
-    thinking: bool = True,
-    tags: DsmlTags = V4_TAGS,
-    stop: tuple[str, ...] = (),
-    accelerate: bool | None = None,
-    stream_calls: bool = False,
-) -> OutputParser:
-    """A V4 parser; ``accelerate`` (None: unless ``DEEPINFER_NATIVE_PARSER=0``) puts the C front
-    before it where that builds. The front is its own type so that CPython's specialized method
-    call reaches its ``push`` (a Python subclass of a C type loses that), and it hands every
-    piece it does not store to the parser."""
-    parser = DeepSeekV4Parser(thinking=thinking, tags=tags, stop=stop, stream_calls=stream_calls)
-    if stream_calls:  # every piece is read (streamed): nothing for the front to store
-        return parser
-    module = native.load().module if (native.enabled() if accelerate is None else accelerate) else None
-    if module is None:
-        return parser
-    parser._front = module.Front(parser, NOTHING)
-    return parser._front
