@@ -24,7 +24,7 @@ import pluggy
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
     from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
-    from .engine.graphs import DecodeGraphsFactory
+    from .decode_graphs import DecodeGraphsFactory
     from .fused_ops import FusedOps
     from .kv_store import KVStoreFactory
     from .models import ModelFactory, ModelSource
@@ -121,7 +121,7 @@ def deepinfer_decode_graphs(platform: Platform) -> DecodeGraphsFactory | None:
     runs eagerly (``LLM(enforce_eager=True)``) or batch-invariant. The engine then reserves one
     scratch KV block (index ``num_blocks``, never handed to a request: padded rows write there)
     and calls ``factory(model, kv_caches, block_size=, scratch_block=, max_num_seqs=,
-    max_blocks=)`` once; the returned :class:`~deepinfer_core.engine.graphs.DecodeGraphs`
+    max_blocks=)`` once; the returned :class:`~deepinfer_core.decode_graphs.DecodeGraphs`
     captures what it wants at start-up and is offered every pure-decode step
     (``run(input_ids, meta)``; None means "run it eagerly"). Prefill and mixed steps are eager.
 

@@ -15,10 +15,10 @@ from ..lowbit.llama_decode import prefill_enabled
 from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
+from ..models.fast_init import skip_random_init
 from ..models.loaders.files import ModelFiles, open_model_files
 from ..platform import Platform
 from ..plugin_host import PluginHost
-from .fast_init import skip_random_init
 
 log = logging.getLogger(__name__)
 

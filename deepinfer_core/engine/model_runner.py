@@ -14,9 +14,9 @@ from typing import Callable, ContextManager
 import torch
 
 from ..attention import AttentionMetadata
+from ..decode_graphs import DecodeGraphs
 from ..models import CausalLM
 from .batch_build import Batch, build
-from .graphs import DecodeGraphs
 from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow, invalid_token_message
 from .scheduler import SchedulerOutput

@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from ...engine.fast_init import materialize
 from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from .. import ModelContext
+from ..fast_init import materialize
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
 from .mla import MLAAttention, build_rotary, mla_spec
 from .weights import load_hf_weights

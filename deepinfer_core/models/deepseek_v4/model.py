@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 
 from ...attention import AttentionLayerSpec, AttentionMetadata
-from ...engine.fast_init import materialize
 from .. import ModelContext
 from ..deepseek_v3.weights import load_hf_weights
+from ..fast_init import materialize
 from .compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
 from .config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .decode import V4DecodeBatch, decode_select, decode_update_entries

@@ -19,12 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from ...engine.fast_init import materialize
 from ...lowbit import llama_decode
 from ...lowbit import ops as lowbit_ops
 from ...lowbit.formats import QuantWeight
 from ...lowbit.modules import LowBitEmbedding, LowBitLinear
 from .. import ModelContext, WeightsError
+from ..fast_init import materialize
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from ..attention import AttentionMetadata
+from .attention import AttentionMetadata
 
 
 @runtime_checkable
