@@ -1,5 +1,5 @@
 """Host time of the batch build's one host-to-device copy: a fresh pinned buffer per step
-(``pin_memory()``, as before engine/staging.py) against the reused pinned staging buffers.
+(``pin_memory()``, as before deepinfer_core/staging.py) against the reused pinned staging buffers.
 
 Why: the H200's cProfile of a 64 x 512 prefill put ``pin_memory()`` at ~4 ms of the 7 ms batch
 build (benchmarks/README.md, hostpath). This times ``batch_build.build`` itself on an accelerator,
@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from deepinfer_core import staging
 from deepinfer_core.engine import batch_build
 from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -91,7 +92,7 @@ def main() -> None:
             f"| {name} | {c[a]:.3f} | {c[b]:.3f} | {c[a] / c[b]:.2f}x | {w[a]:.3f} | {w[b]:.3f} | {w[a] / w[b]:.2f}x |"
         )
     torch.accelerator.synchronize()
-    st = batch_build.staging_for(device)
+    st = staging.staging_for(device)
     print(f"staging counters: {st.counters}")
 
 

@@ -1,4 +1,4 @@
-"""engine/staging.py: the reusable pinned buffers of host <-> device copies, against a simulated
+"""deepinfer_core/staging.py: the reusable pinned buffers of host <-> device copies, against a simulated
 asynchronous device (a queue of copies that run only when the test lets the device advance).
 
 The property under test is the one a real GPU would break silently: a staging buffer that an
@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer_core.engine import staging as staging_mod
-from deepinfer_core.engine.batch_build import arrays_to_device, to_device
-from deepinfer_core.engine.staging import HostStaging
+from deepinfer_core import staging as staging_mod
+from deepinfer_core.staging import HostStaging, arrays_to_device, to_device
 
 
 class FakeDevice:

@@ -4,7 +4,7 @@ Why this module: building the batch token by token in Python lists cost ~80 ms o
 a 64 x 512-token prefill and a large share of a 64-request decode step (benchmarks/README.md).
 Here every per-token array is computed with numpy from a few per-request arrays, all of them are
 packed into one int64 buffer and copied to the device once. On an accelerator that buffer is one
-of the device's reusable pinned staging buffers (engine/staging.py) and the copy is asynchronous,
+of the device's reusable pinned staging buffers (deepinfer_core/staging.py) and the copy is asynchronous,
 so building step N+1 never waits for step N's kernels (a pageable copy synchronises with the
 device's queue, which would undo overlapped scheduling).
 """
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..attention import AttentionMetadata
+from ..staging import arrays_to_device
 from .scheduler import SchedulerOutput
-from .staging import staging_for
 
 PENDING = -1  # a token id placeholder: sampled by the step in flight, still on the device
 
@@ -43,24 +43,6 @@ class Batch:
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_index: torch.Tensor | None  # the same rows on the device; None: every row, in order
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without waiting for the device's queued work (a reused
-    pinned staging buffer, asynchronous copy). On the CPU the tensor itself is returned."""
-    if device.type == "cpu":
-        return host
-    staging = staging_for(device)
-    return host.to(device) if staging is None else staging.upload(host)  # None: no pinned memory, a plain copy
-
-
-def arrays_to_device(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """The int64 concatenation of ``arrays`` on ``device``, as :func:`to_device` copies it
-    (written straight into the staging buffer on an accelerator)."""
-    staging = staging_for(device) if device.type != "cpu" else None
-    if staging is None:
-        return to_device(torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)), device)
-    return staging.upload_arrays(arrays)
 
 
 def build(

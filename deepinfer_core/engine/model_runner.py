@@ -16,11 +16,11 @@ import torch
 from ..attention import AttentionMetadata
 from ..decode_graphs import DecodeGraphs
 from ..models import CausalLM
+from ..staging import staging_for
 from .batch_build import Batch, build
 from .isolation import sample_isolated
 from .sampler import Sampler, SamplingRow, invalid_token_message
 from .scheduler import SchedulerOutput
-from .staging import staging_for
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_build import to_device
+from ..staging import to_device
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...engine.batch_build import arrays_to_device
+from ...staging import arrays_to_device
 
 if TYPE_CHECKING:
     from .compress import V4Batch
