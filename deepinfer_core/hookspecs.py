@@ -23,11 +23,11 @@ import pluggy
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
+    from .causal_lm import ModelFactory, ModelSource
     from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .decode_graphs import DecodeGraphsFactory
     from .fused_ops import FusedOps
     from .kv_store import KVStoreFactory
-    from .models import ModelFactory, ModelSource
     from .moe import MoEDispatcher, MoESpec, ParallelConfig
     from .platform import Platform, PlatformRequest, ProbeResult
     from .speculative import DrafterFactory, VerificationPolicyFactory

@@ -31,7 +31,7 @@ def _grid(n: int) -> int:
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """float8 ``[.., N, K]`` x ``[.., ceil(N/128), ceil(K/128)]`` scales -> float32."""
-    from .quant import dequant_fp8_block
+    from ..quant import dequant_fp8_block
 
     return dequant_fp8_block(weight, scale_inv)
 

@@ -81,7 +81,7 @@ class ExpertWeights:
         """Plain ``dtype`` weights (the FP8 tiles times their scales); self when not FP8."""
         if self.gate_up_scale is None:
             return self
-        from ..models.quant import dequant_fp8_block
+        from ..quant import dequant_fp8_block
 
         return ExpertWeights(
             dequant_fp8_block(self.gate_up, self.gate_up_scale).to(dtype),

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from ..models.deepseek_v4.weights import released_tensors
-from ..models.quant import quant_fp4, quant_fp8_block
+from ..quant import quant_fp4, quant_fp8_block
 
 # Every layer kind (sliding, CSA, HCA), two hash layers, hyper-connections, one MTP block; dims
 # that give several FP8 tiles (256 = 2 x 128) and whole MXFP4 groups.

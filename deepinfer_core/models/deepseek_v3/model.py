@@ -3,7 +3,7 @@
 Layer ``i`` is MoE when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0`` (original
 DeepSeek configs; transformers' configs omit the frequency, which means 1), otherwise a dense
 SwiGLU MLP. Attention is in ``deepseek_v3_mla``; routing and expert compute go through the
-context's MoE dispatcher; weights arrive under Hugging Face names (``deepseek_v3_weights``).
+context's MoE dispatcher; weights arrive under Hugging Face names (``models.hf_weights``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from ...attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from .. import ModelContext
 from ..fast_init import materialize
+from ..hf_weights import load_hf_weights
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
 from .mla import MLAAttention, build_rotary, mla_spec
-from .weights import load_hf_weights
 
 
 def is_moe_layer(config: dict, index: int) -> bool:

@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from ...attention import AttentionLayerSpec, AttentionMetadata
 from .. import ModelContext
-from ..deepseek_v3.weights import load_hf_weights
 from ..fast_init import materialize
+from ..hf_weights import load_hf_weights
 from .compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
 from .config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .decode import V4DecodeBatch, decode_select, decode_update_entries

@@ -4,7 +4,7 @@ float tensors under transformers' names for the model.
 The released safetensors use DeepSeek's own names (``layers.3.attn.wq_a.weight``,
 ``layers.3.ffn.experts.7.w1.weight``, ``hc_head_fn``...); transformers renames them when it loads
 (its ``conversion_mapping`` for ``deepseek_v4``) and our model uses transformers' names. Formats
-in the released files (see :mod:`.deepseek_v4_quant`):
+in the released files (see :mod:`deepinfer_core.quant`):
 
 =======================================================  ========================================
 tensors                                                  stored as
@@ -35,8 +35,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ...quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
 from .. import WeightsError
-from ..quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
 
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 _FLOAT = {"BF16", "F16", "F32"}

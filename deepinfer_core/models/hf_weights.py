@@ -1,4 +1,4 @@
-"""Streaming Hugging Face DeepSeek-V3 tensors into :class:`DeepseekV3ForCausalLM`.
+"""Streaming Hugging Face tensors into a DeepSeek-style model (DeepSeek-V3 and V4 share it).
 
 Our parameter names equal the Hugging Face names, so most tensors are a plain copy. Routed
 experts come in one of two layouts and both land in the same stacked parameters::
@@ -26,8 +26,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .. import WeightsError
-from ..layers import fused_targets
+from ..causal_lm import WeightsError
+from .layers import fused_targets
 
 _EXPERT = re.compile(
     r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"

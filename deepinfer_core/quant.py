@@ -1,5 +1,6 @@
 """Dequantizing DeepSeek-V4's released weight formats to float32, for platforms without native
-FP8 / FP4 kernels (the CPU reference path).
+FP8 / FP4 kernels (the CPU reference path). Below the models: FP8 expert weights in the MoE
+contract (``moe.ExpertWeights.dequantized``) decode through it too.
 
 Two formats ship in the released checkpoints:
 

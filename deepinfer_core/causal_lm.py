@@ -1,0 +1,73 @@
+"""What a model is to the engine: the :class:`CausalLM` protocol, the :class:`ModelContext` it is
+built with, model factories and sources, and the errors a model or its files raise.
+
+Part of the contract (the layer ``hookspecs`` names, below every implementation); the
+architectures themselves live in ``deepinfer_core.models``, registered by HF architecture name
+through ``deepinfer_register_models``. A :data:`ModelFactory` builds a :class:`CausalLM` from a
+Hugging Face style config dict and a :class:`ModelContext`; the loader then streams weights into
+it under their Hugging Face names. Models never pick kernels themselves: attention and MoE go
+through the objects the context's resolvers return (the platform hooks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from .attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from .moe import MoEDispatcher, MoESpec
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Everything a model needs from the engine, passed explicitly (no global context)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: Callable[[AttentionLayerSpec], AttentionBackend]
+    moe_dispatcher: Callable[[MoESpec], MoEDispatcher]
+    # the KV cache's element type where it differs from ``dtype`` (None: ``dtype``); the low-bit
+    # CPU path computes in float32 over a float16 cache (lowbit.attention.kv_dtype)
+    kv_dtype: torch.dtype | None = None
+
+
+class WeightsError(ValueError):
+    """Missing, unexpected or mis-shaped tensors; the message names them."""
+
+
+class ModelFilesNotFound(FileNotFoundError, ValueError):
+    """No model where a path points (or a directory without weights). Both a
+    ``FileNotFoundError`` and a ``ValueError``, so callers catching bad input catch it too."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: dict
+    attention_specs: list[AttentionLayerSpec]  # one per KV-cached layer, in cache order
+    vocab_size: int
+    max_position_embeddings: int
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume ``(hf_name, tensor)`` pairs; raise :class:`WeightsError` naming every missing,
+        unexpected or mis-shaped tensor."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per attention_specs entry
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D] final hidden states (after the last norm)
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        ...
+
+
+ModelFactory = Callable[[dict, ModelContext], CausalLM]
+# A model source resolves an alias ("smollm2-135m-instruct") to a local file or directory,
+# or None when the package that ships it is not installed.
+ModelSource = Callable[[], "str | None"]
