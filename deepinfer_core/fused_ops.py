@@ -151,86 +151,20 @@ def norm_rope_cat_reference(
 
 
 def install(model: torch.nn.Module, ops: FusedOps | None) -> int:
-    """Point the model's RMSNorm and gated-MLP modules at ``ops``; returns how many modules now
-    use a fused kernel."""
-    from .models.deepseek_v3.mla import MLAAttention
-    from .models.deepseek_v4.layers import HyperConnection, V4RMSNorm
-    from .models.deepseek_v4.model import V4Attention
-    from .models.fp8 import Fp8Linear
-    from .models.layers import GatedMLP, RMSNorm, Rotary
+    """Offer ``ops`` to every module of ``model``; returns how many modules now use a fused kernel.
 
+    Each module that can run one takes what it uses itself: ``use_fused_ops(ops) -> bool`` (RMSNorm,
+    gated MLP, rotary, MLA, FP8 linear, DeepSeek-V4's norms, hyper-connections and attention), so
+    this contract knows no model class; a model's LM head takes ``ops.logits`` through its
+    ``logits_kernel`` attribute."""
     if ops is None:
         return 0
     n = 0
     for module in model.modules():
-        linear = _install_linear(module, ops)
-        if isinstance(module, RMSNorm) and (ops.rms_norm is not None or ops.add_rms_norm is not None):
-            module.fused = ops.rms_norm
-            module.fused_add = ops.add_rms_norm
-            n += 1
-        elif (
-            isinstance(module, GatedMLP)
-            and ops.silu_and_mul is not None
-            and list(getattr(module.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]
-        ):
-            module.fused_act = ops.silu_and_mul
-            n += 1
-        elif isinstance(module, MLAAttention) and ops.rope_cat is not None:
-            module.rope_cat = ops.rope_cat
-            module.norm_rope_cat = (
-                ops.norm_rope_cat if ops.rms_norm is not None else None
-            )  # only where the norm is fused anyway
-            n += 1
-        elif isinstance(module, Rotary) and ops.rotary is not None:
-            module.fused = ops.rotary
-            n += 1
-        elif isinstance(module, Fp8Linear) and ops.fp8_linear is not None:
-            module.kernel = ops.fp8_linear
-            n += 1
-        elif isinstance(module, HyperConnection) and (
-            ops.hc_mix is not None or ops.hc_merge is not None or ops.v4_unweighted_rms_norm is not None
-        ):
-            module.fused_mix, module.fused_merge, module.fused_norm = (
-                ops.hc_mix,
-                ops.hc_merge,
-                ops.v4_unweighted_rms_norm,
-            )
-            n += 1
-        elif isinstance(module, V4RMSNorm) and ops.v4_rms_norm is not None:
-            module.fused = ops.v4_rms_norm
-            n += 1
-        elif isinstance(module, V4Attention) and (ops.v4_rope is not None or ops.v4_unweighted_rms_norm is not None):
-            module.rope_kernel, module.norm_kernel = ops.v4_rope, ops.v4_unweighted_rms_norm
+        use = getattr(module, "use_fused_ops", None)
+        if use is not None and use(ops):
             n += 1
         elif ops.logits is not None and "logits_kernel" in type(module).__dict__:  # a model's LM head
             module.logits_kernel = ops.logits
             n += 1
-        elif linear:
-            n += 1
     return n
-
-
-def _install_linear(module: torch.nn.Module, ops: FusedOps) -> bool:
-    """``ops.dense_linear`` / ``head_linear`` on an MLA layer or gated MLP (their plain
-    linears use it, see models.layers.project); for MLA with 16-bit bias-free q_a and kv_a, the
-    two weights moved into one tensor (the parameters become views of it, no second copy)."""
-    from .models.deepseek_v3.mla import MLAAttention
-    from .models.layers import GatedMLP, plain_linear
-
-    if ops.dense_linear is None or not isinstance(module, (MLAAttention, GatedMLP)):
-        return False
-    module.linear = ops.dense_linear
-    if isinstance(module, MLAAttention):
-        module.head_linear = ops.head_linear
-        qa, kva = getattr(module, "q_a_proj", None), module.kv_a_proj_with_mqa
-        if (
-            plain_linear(qa)
-            and plain_linear(kva)
-            and qa.weight.dtype == kva.weight.dtype
-            and qa.weight.dtype in (torch.bfloat16, torch.float16)
-            and qa.weight.device == kva.weight.device
-        ):
-            both = torch.cat([qa.weight.data, kva.weight.data])
-            qa.weight.data, kva.weight.data = both[: qa.out_features], both[qa.out_features :]
-            module.qkv_a_weight = both
-    return True

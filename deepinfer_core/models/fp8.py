@@ -16,9 +16,14 @@ products rounded once to the activation dtype).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..fused_ops import FusedOps
 
 FP8_BLOCK = 128
 # MLA views kv_b_proj's weight per head as W_UK / W_UV (deepseek_v3_mla): that one stays dense.
@@ -64,6 +69,13 @@ class Fp8Linear(nn.Module):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out[..., sl] for sl in self.parts.values())
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's FP8 GEMM (``fused_ops.install``)."""
+        if ops.fp8_linear is None:
+            return False
+        self.kernel = ops.fp8_linear
+        return True
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 128x128 blocks"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from ..lowbit.modules import lowbit_targets
 from .fp8 import fp8_targets
+
+if TYPE_CHECKING:
+    from ..fused_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +44,13 @@ class RMSNorm(nn.Module):
             return self.fused_add(x, residual, self.weight, self.eps)
         h = residual + x
         return self(h), h
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's one-kernel norm and residual-add norm (``fused_ops.install``)."""
+        if ops.rms_norm is None and ops.add_rms_norm is None:
+            return False
+        self.fused, self.fused_add = ops.rms_norm, ops.add_rms_norm
+        return True
 
 
 class FusedLinear(nn.Linear):
@@ -109,6 +119,17 @@ class GatedMLP(nn.Module):
 
     fused_act = None  # a platform's one-kernel silu(gate) * up (deepinfer_core.fused_ops)
     linear = None  # a platform's FusedOps.dense_linear for the two projections (fused_ops.install)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take ``ops.dense_linear`` for both projections and ``ops.silu_and_mul`` for the
+        activation (where gate and up are fused in that order); ``fused_ops.install`` calls it."""
+        if ops.dense_linear is not None:
+            self.linear = ops.dense_linear
+        gate_then_up = list(getattr(self.gate_up_proj, "parts", {})) == ["gate_proj", "up_proj"]
+        fuses_act = ops.silu_and_mul is not None and gate_then_up
+        if fuses_act:
+            self.fused_act = ops.silu_and_mul
+        return fuses_act or ops.dense_linear is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         if self.fused_act is not None:
@@ -191,6 +212,13 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, H, dim]
         return self.at(positions, x.dtype)(x)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's one-kernel rotation (``fused_ops.install``)."""
+        if ops.rotary is None:
+            return False
+        self.fused = ops.rotary
+        return True
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryAt":
         """The tables looked up once for a step's positions, so that every layer (and q and k

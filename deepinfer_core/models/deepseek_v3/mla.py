@@ -20,11 +20,16 @@ so the attention backend sees an MQA layer with one KV head whose values are the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
 from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from ..layers import RMSNorm, Rotary, plain_linear, project, rope_inv_freq, yarn_get_mscale, yarn_rope_inv_freq
+
+if TYPE_CHECKING:
+    from ...fused_ops import FusedOps
 
 
 def rope_parameters(config: dict) -> dict:
@@ -112,6 +117,30 @@ class MLAAttention(nn.Module):
     linear = None  # a platform's FusedOps.dense_linear for the plain projections (fused_ops.install)
     head_linear = None  # FusedOps.head_linear for the absorbed W_UK / W_UV products
     qkv_a_weight = None  # q_a's and kv_a's weights as one tensor (fused_ops.install, with linear)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take ``ops.dense_linear`` / ``head_linear`` for the plain projections (then, for 16-bit
+        bias-free q_a and kv_a, the two weights move into one tensor: the parameters become views
+        of it, no second copy) and the fused rotary + concatenation; ``fused_ops.install`` calls it."""
+        if ops.dense_linear is not None:
+            self.linear, self.head_linear = ops.dense_linear, ops.head_linear
+            qa, kva = getattr(self, "q_a_proj", None), self.kv_a_proj_with_mqa
+            if (
+                plain_linear(qa)
+                and plain_linear(kva)
+                and qa.weight.dtype == kva.weight.dtype
+                and qa.weight.dtype in (torch.bfloat16, torch.float16)
+                and qa.weight.device == kva.weight.device
+            ):
+                both = torch.cat([qa.weight.data, kva.weight.data])
+                qa.weight.data, kva.weight.data = both[: qa.out_features], both[qa.out_features :]
+                self.qkv_a_weight = both
+        if ops.rope_cat is not None:
+            self.rope_cat = ops.rope_cat
+            self.norm_rope_cat = (
+                ops.norm_rope_cat if ops.rms_norm is not None else None
+            )  # only where the norm is fused anyway
+        return ops.dense_linear is not None or ops.rope_cat is not None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         # DeepSeek's checkpoints pair rope channels as (0,1),(2,3),...; putting evens before

@@ -9,6 +9,7 @@ axis (``[T, ...]`` instead of ``[B, S, ...]``).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from ..layers import FusedLinear, yarn_rope_inv_freq
 from .config import V4Config
+
+if TYPE_CHECKING:
+    from ...fused_ops import FusedOps
 
 # Kept in float32 whatever the model dtype: transformers' ``_keep_in_fp32_modules_strict`` for
 # DeepSeek-V4 (mHC mixing, sinks, compressor position biases, router bias, every RMSNorm weight),
@@ -57,6 +61,13 @@ class V4RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's one-kernel V4 norm (``fused_ops.install``)."""
+        if ops.v4_rms_norm is None:
+            return False
+        self.fused = ops.v4_rms_norm
+        return True
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,6 +130,13 @@ class HyperConnection(nn.Module):
     def merge(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """:func:`hc_merge` (through the platform's kernel where installed)."""
         return (self.fused_merge if self.fused_merge is not None else hc_merge)(streams, out, post, comb)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's hyper-connection mix, merge and input norm kernels (``fused_ops.install``)."""
+        if ops.hc_mix is None and ops.hc_merge is None and ops.v4_unweighted_rms_norm is None:
+            return False
+        self.fused_mix, self.fused_merge, self.fused_norm = ops.hc_mix, ops.hc_merge, ops.v4_unweighted_rms_norm
+        return True
 
 
 def hc_mix_reference(

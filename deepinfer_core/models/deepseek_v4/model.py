@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn as nn
@@ -45,6 +45,9 @@ from .layers import (  # fmt: skip
 )
 from .mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
 from .weights import renamed
+
+if TYPE_CHECKING:
+    from ...fused_ops import FusedOps
 
 
 def attention_spec(cfg: V4Config, index: int, kv_dtype: torch.dtype) -> AttentionLayerSpec:
@@ -90,6 +93,13 @@ class V4Attention(nn.Module):
             self.compressor = Compressor(cfg.hidden_size, D, ratio, kind == CSA, eps)
             if kind == CSA:
                 self.compressor.indexer = Indexer(cfg, ratio)
+
+    def use_fused_ops(self, ops: FusedOps) -> bool:
+        """Take a platform's one-kernel rope and query norm (``fused_ops.install``)."""
+        if ops.v4_rope is None and ops.v4_unweighted_rms_norm is None:
+            return False
+        self.rope_kernel, self.norm_kernel = ops.v4_rope, ops.v4_unweighted_rms_norm
+        return True
 
     def forward(
         self,
