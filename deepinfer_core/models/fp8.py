@@ -6,7 +6,8 @@ doubles the bytes every decode step reads; where a platform has a kernel for the
 (``FusedOps.fp8_linear`` and an MoE dispatcher that takes :class:`ExpertWeights` scales), the
 engine keeps them as they are: :func:`swap_in_fp8` replaces, before loading, each linear layer
 and routed-expert stack whose checkpoint tensors are all FP8 by a module holding the FP8 bytes
-and the scale grid, and :func:`fp8_targets` tells the loader where each checkpoint tensor goes.
+and the scale grid, and each module's ``checkpoint_targets`` tells the loader where each checkpoint
+tensor goes (through ``layers.fused_targets``).
 
 The modules keep the bytes in integer buffers (uint8 weight, int32 scale bits) viewed as
 float8 / float32 when used, so the engine's ``model.to(dtype)`` cannot widen them. Without a
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .layers import FusedLinear, StackedExperts
 
 if TYPE_CHECKING:
     from ..fused_ops import FusedOps
@@ -70,6 +73,23 @@ class Fp8Linear(nn.Module):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out[..., sl] for sl in self.parts.values())
 
+    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """``(checkpoint name -> view the tensor is copied into, buffer names no checkpoint has)``:
+        the weight and its scale grid, or each part's rows of them (``layers.fused_targets``);
+        copying float values into an FP8 view stores their FP8 bytes (exact for values that came
+        from FP8)."""
+        own = {f"{name}.qweight", f"{name}.qscale"}
+        weight, scale = self.weight_fp8, self.scale_inv
+        if not self.parts:
+            return {f"{name}.weight": weight, f"{name}.weight_scale_inv": scale}, own
+        prefix = name.rpartition(".")[0]
+        prefix = f"{prefix}." if prefix else ""
+        targets = {}
+        for part, rows in self.parts.items():
+            targets[f"{prefix}{part}.weight"] = weight[rows]
+            targets[f"{prefix}{part}.weight_scale_inv"] = scale[rows.start // FP8_BLOCK : _grid(rows.stop)]
+        return targets, own
+
     def use_fused_ops(self, ops: FusedOps) -> bool:
         """Take a platform's FP8 GEMM (``fused_ops.install``)."""
         if ops.fp8_linear is None:
@@ -98,31 +118,16 @@ class Fp8Experts(nn.Module):
     gate_up_scale = property(lambda self: self.qgate_up_scale.view(torch.float32))
     down_scale = property(lambda self: self.qdown_scale.view(torch.float32))
 
-
-def fp8_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """``(checkpoint name -> view the tensor is copied into, buffer names no checkpoint has)``
-    for every FP8 module in ``model``; copying float values into an FP8 view stores their FP8
-    bytes (exact for values that came from FP8)."""
-    targets: dict[str, torch.Tensor] = {}
-    own: set[str] = set()
-    for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear):
-            own |= {f"{name}.qweight", f"{name}.qscale"}
-            weight, scale = module.weight_fp8, module.scale_inv
-            if not module.parts:
-                targets[f"{name}.weight"], targets[f"{name}.weight_scale_inv"] = weight, scale
-                continue
-            prefix = name.rpartition(".")[0]
-            prefix = f"{prefix}." if prefix else ""
-            for part, rows in module.parts.items():
-                targets[f"{prefix}{part}.weight"] = weight[rows]
-                targets[f"{prefix}{part}.weight_scale_inv"] = scale[rows.start // FP8_BLOCK : _grid(rows.stop)]
-        elif isinstance(module, Fp8Experts):
-            own |= {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}
-            targets[f"{name}.gate_up_proj"], targets[f"{name}.down_proj"] = module.gate_up_proj, module.down_proj
-            targets[f"{name}.gate_up_proj_scale_inv"] = module.gate_up_scale
-            targets[f"{name}.down_proj_scale_inv"] = module.down_scale
-    return targets, own
+    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """The stacked FP8 weights and their scale grids under their checkpoint names, and the
+        integer buffers holding them (``layers.fused_targets``)."""
+        own = {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}
+        return {
+            f"{name}.gate_up_proj": self.gate_up_proj,
+            f"{name}.down_proj": self.down_proj,
+            f"{name}.gate_up_proj_scale_inv": self.gate_up_scale,
+            f"{name}.down_proj_scale_inv": self.down_scale,
+        }, own
 
 
 def swap_in_fp8(model: nn.Module, fp8_names: frozenset[str] | set[str]) -> set[str]:
@@ -130,9 +135,6 @@ def swap_in_fp8(model: nn.Module, fp8_names: frozenset[str] | set[str]) -> set[s
     are all FP8 (``fp8_names``: ``X.weight`` names that come with ``X.weight_scale_inv``) by its
     FP8 module, on the device of the parameter it replaces. Returns the checkpoint weight names
     now kept FP8 (the loader dequantizes every other FP8 tensor)."""
-    from .deepseek_v3.model import StackedExperts
-    from .layers import FusedLinear
-
     kept: set[str] = set()
     for name, module in list(model.named_modules()):
         parent_name, _, attr = name.rpartition(".")

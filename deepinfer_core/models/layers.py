@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..lowbit.modules import lowbit_targets
-from .fp8 import fp8_targets
+from ..moe import MoESpec
 
 if TYPE_CHECKING:
     from ..fused_ops import FusedOps
@@ -71,27 +71,38 @@ class FusedLinear(nn.Linear):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [T, sum] -> one [T, rows] per part
         return tuple(out[..., sl] for sl in self.parts.values())
 
-
-def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """``(checkpoint name -> view of the fused parameter it fills, names of fused parameters)``
-    for every :class:`FusedLinear` in ``model``."""
-    targets: dict[str, torch.Tensor] = {}
-    fused: set[str] = set()
-    for module_name, module in model.named_modules():
-        if not isinstance(module, FusedLinear):
-            continue
-        prefix = module_name.rpartition(".")[0]
+    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """``(each part's checkpoint name -> its rows of the fused parameter, the fused parameter
+        names)`` for this module under ``name`` (see :func:`fused_targets`)."""
+        prefix = name.rpartition(".")[0]
         prefix = f"{prefix}." if prefix else ""
+        targets: dict[str, torch.Tensor] = {}
+        fused: set[str] = set()
         for param_name in ("weight", "bias"):
-            param = getattr(module, param_name)
+            param = getattr(self, param_name)
             if param is None:
                 continue
-            fused.add(f"{module_name}.{param_name}")
-            for part, rows in module.parts.items():
+            fused.add(f"{name}.{param_name}")
+            for part, rows in self.parts.items():
                 targets[f"{prefix}{part}.{param_name}"] = param.data[rows]
-    lowbit, own = lowbit_targets(model)
-    fp8, fp8_own = fp8_targets(model)
-    return targets | lowbit | fp8, fused | own | fp8_own
+        return targets, fused
+
+
+def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``(checkpoint name -> view of the parameter or buffer it fills, names of the parameters and
+    buffers no checkpoint has)`` for every module of ``model`` that lays out its checkpoint tensors
+    itself: each answers ``checkpoint_targets(name)`` (:class:`FusedLinear`, the FP8 modules of
+    ``models.fp8``), so this module imports none of them; low-bit modules through ``lowbit_targets``."""
+    targets: dict[str, torch.Tensor] = {}
+    own: set[str] = set()
+    for module_name, module in model.named_modules():
+        claim = getattr(module, "checkpoint_targets", None)
+        if claim is not None:
+            more, more_own = claim(module_name)
+            targets |= more
+            own |= more_own
+    lowbit, lowbit_own = lowbit_targets(model)
+    return targets | lowbit, own | lowbit_own
 
 
 def plain_linear(module: nn.Module | None) -> bool:
@@ -136,6 +147,16 @@ class GatedMLP(nn.Module):
             return project(self.linear, self.down_proj, self.fused_act(project(self.linear, self.gate_up_proj, x)))
         gate, up = self.gate_up_proj.split(project(self.linear, self.gate_up_proj, x))
         return project(self.linear, self.down_proj, F.silu(gate) * up)
+
+
+class StackedExperts(nn.Module):
+    """Routed experts stacked along dim 0, named like transformers 5's fused layout."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        E, I, D = spec.num_experts, spec.intermediate_size, spec.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))  # gate rows, then up rows
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
 
 def rope_inv_freq(

@@ -19,7 +19,7 @@ from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from .. import ModelContext
 from ..fast_init import materialize
 from ..hf_weights import load_hf_weights
-from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm
+from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, StackedExperts
 from .mla import MLAAttention, build_rotary, mla_spec
 
 
@@ -56,16 +56,6 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-
-
-class StackedExperts(nn.Module):
-    """Routed experts stacked along dim 0, named like transformers 5's fused layout."""
-
-    def __init__(self, spec: MoESpec) -> None:
-        super().__init__()
-        E, I, D = spec.num_experts, spec.intermediate_size, spec.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))  # gate rows, then up rows
-        self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
 
 class DeepseekV3MoE(nn.Module):
