@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch
+from deepinfer_core.models.deepseek_v4.batch import V4Batch
+from deepinfer_core.models.deepseek_v4.compress import Indexer
 from deepinfer_core.models.deepseek_v4.config import parse_config
 from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
 from deepinfer_core.models.deepseek_v4.layers import V4Rope

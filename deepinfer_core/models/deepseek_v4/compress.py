@@ -11,43 +11,14 @@ whose windows close inside the scheduled tokens, so any chunking gives the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import torch
 import torch.nn as nn
 
+from .batch import StepPlans, V4Batch
 from .config import V4Config
 from .kv import V4LayerCache
 from .layers import V4RMSNorm, V4Rope
 from .prefill import choose, topk_plan, torch_scores, update_entries_batched, window_plan
-
-
-@dataclass(frozen=True)
-class V4Batch:
-    """Host-side view of the flat batch, built once per forward and shared by every layer."""
-
-    token_ranges: tuple[tuple[int, int], ...]  # rows [a, b) of each request in the flat batch
-    starts: tuple[int, ...]  # position of each request's first new token
-    slots: tuple[int, ...]  # state-KV slot of each request
-    block_tables: torch.Tensor  # [R, max_blocks] int
-    block_size: int
-    prompt_lens: tuple[int, ...] = ()  # per request, 0 where unknown
-
-
-class StepPlans:
-    """The index plans of one forward (:mod:`.deepseek_v4_prefill`), one per layer kind: built by
-    the first layer of a kind that needs it, reused by that kind's other layers (the numpy work
-    and the upload are the same for all of them). Made once per forward beside its
-    :class:`V4Batch`, from whose layout the plans are built, and dropped with it."""
-
-    def __init__(self) -> None:
-        self._plans: dict[tuple, Any] = {}
-
-    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
-        if key not in self._plans:
-            self._plans[key] = build()
-        return self._plans[key]
 
 
 class Compressor(nn.Module):

@@ -28,7 +28,8 @@ from ...attention import AttentionLayerSpec, AttentionMetadata
 from .. import ModelContext
 from ..fast_init import materialize
 from ..hf_weights import load_hf_weights
-from .compress import Compressor, Indexer, StepPlans, V4Batch, update_entries
+from .batch import StepPlans, V4Batch
+from .compress import Compressor, Indexer, update_entries
 from .config import CSA, LAYER_KINDS, SLIDING, V4Config, parse_config
 from .decode import V4DecodeBatch, decode_select, decode_update_entries
 from .kv import V4KVLayout, V4LayerCache, v4_kv_layout

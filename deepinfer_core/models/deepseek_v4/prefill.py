@@ -24,15 +24,12 @@ request alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ...staging import arrays_to_device
-
-if TYPE_CHECKING:
-    from .compress import V4Batch
+from .batch import V4Batch
 
 
 def _upload(arrays: list[np.ndarray], device) -> list[torch.Tensor]:

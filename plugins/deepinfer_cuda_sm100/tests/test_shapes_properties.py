@@ -514,7 +514,8 @@ def test_v4_indexer_scores_at_any_head_count(heads, di, topk, decode, seed):
     that are not powers of two, widths 16 / 32, any top-k, decode and prefill over a prefix,
     against a float64 loop over each token's visible entries."""
 
-    from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch
+    from deepinfer_core.models.deepseek_v4.batch import V4Batch
+    from deepinfer_core.models.deepseek_v4.compress import Indexer
     from deepinfer_core.models.deepseek_v4.config import parse_config
     from deepinfer_core.models.deepseek_v4.kv import V4LayerCache
     from deepinfer_core.models.deepseek_v4.layers import V4Rope

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install deepinfer-cuda-sm100[triton])")
 
-from deepinfer_core.models.deepseek_v4.compress import Indexer, V4Batch  # noqa: E402
+from deepinfer_core.models.deepseek_v4.batch import V4Batch  # noqa: E402
+from deepinfer_core.models.deepseek_v4.compress import Indexer  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import parse_config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.kv import V4LayerCache  # noqa: E402
 from deepinfer_core.models.deepseek_v4.layers import V4Rope  # noqa: E402
