@@ -64,7 +64,7 @@ def read_config(model: str) -> tuple[dict, str, object]:
     if os.path.isdir(path) and os.path.isfile(config_json):
         with open(config_json) as f:
             return json.load(f), path, None
-    from .models.loaders.files import open_model_files
+    from .models.loaders.formats import open_model_files
 
     files = open_model_files(path)
     return files.config, path, files

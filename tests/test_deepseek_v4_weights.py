@@ -11,7 +11,7 @@ import torch
 
 from deepinfer_core.models import WeightsError
 from deepinfer_core.models.deepseek_v4.weights import iter_weights, read_headers
-from deepinfer_core.models.loaders.files import open_model_files
+from deepinfer_core.models.loaders.formats import open_model_files
 from deepinfer_core.quant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint
 

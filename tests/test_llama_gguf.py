@@ -16,7 +16,7 @@ from deepinfer_core.attention import AttentionMetadata
 from deepinfer_core.attention.torch_ref import TorchAttentionBackend
 from deepinfer_core.models import ModelContext, WeightsError
 from deepinfer_core.models.llama.model import build
-from deepinfer_core.models.loaders.files import open_model_files
+from deepinfer_core.models.loaders.formats import open_model_files
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -133,7 +133,7 @@ def test_plan_resolves_dtype_as_the_engine_does_for_a_quantized_gguf(checkpoint,
 
     from deepinfer_core.builtin import cpu_features
     from deepinfer_core.engine.loading import lowbit_unavailable
-    from deepinfer_core.models.loaders.files import open_model_files
+    from deepinfer_core.models.loaders.formats import open_model_files
     from deepinfer_core.models.sources import smollm2_gguf
 
     gguf = smollm2_gguf()

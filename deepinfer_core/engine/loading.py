@@ -16,7 +16,8 @@ from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
 from ..models.fast_init import skip_random_init
-from ..models.loaders.files import ModelFiles, open_model_files
+from ..models.loaders.files import ModelFiles
+from ..models.loaders.formats import open_model_files
 from ..platform import Platform
 from ..plugin_host import PluginHost
 

@@ -2,20 +2,22 @@
 
 The engine only ever sees :class:`ModelFiles`, whatever the on-disk format was::
 
-    files = open_model_files(path)                 # a .gguf file or a Hugging Face directory
+    files = open_model_files(path)                 # formats.py: a .gguf file or a Hugging Face directory
     model = factory(files.config, ctx)             # factory chosen by files.config["architectures"][0]
     model.load_weights(files.weights())            # (hf_name, float tensor) pairs
     files.tokenizer.encode(...)
 
 Loaders translate names and layouts to Hugging Face's, so each architecture implements one
-``load_weights`` for every format.
+``load_weights`` for every format. Which loader opens a path is decided by :class:`FileFormats`,
+a registry keyed by file type that the loaders' own :class:`FileFormat` declarations fill
+(``formats.py``), so this module imports no loader.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -56,28 +58,57 @@ class ModelFiles:
     sampling: dict = field(default_factory=dict)
 
 
-def open_model_files(path: str) -> ModelFiles:
-    """Open a ``.gguf`` file, a directory holding one ``.gguf``, or a Hugging Face directory
-    (``config.json`` + safetensors). Raises :class:`FileNotFoundError` naming the path when none
-    of those is there, :class:`ValueError` for a file of another kind."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ModelFilesNotFound(f"model path {path!r} does not exist (expected a .gguf file or a model directory)")
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            from .gguf import open_gguf
+@dataclass(frozen=True)
+class FileFormat:
+    """A kind of model on disk and the loader that opens it, keyed by file type: ``suffix`` for a
+    single file (``".gguf"``, also the one such file in a directory), ``marker`` for a directory
+    holding that file (``"config.json"``). Each loader declares its own (``gguf.GGUF_FILE``,
+    ``hf.HF_DIRECTORY``); ``formats.py`` lists them."""
 
-            return open_gguf(path)
-        raise ValueError(f"{path!r} is not a model: expected a .gguf file or a directory with config.json")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        from .hf import open_hf_dir  # imported lazily: only HF directories need it
+    name: str  # "GGUF file", "Hugging Face directory"
+    open: Callable[[str], ModelFiles]
+    suffix: str | None = None
+    marker: str | None = None
 
-        return open_hf_dir(path)
-    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-    if len(ggufs) == 1:
-        from .gguf import open_gguf
 
-        return open_gguf(os.path.join(path, ggufs[0]))
-    if len(ggufs) > 1:
-        raise ValueError(f"{path!r} holds several .gguf files ({', '.join(ggufs)}); pass the one to load")
-    raise ModelFilesNotFound(f"no config.json or .gguf weights in {path!r}")
+class FileFormats:
+    """The registry of :class:`FileFormat` by file type, and how a path finds its format: a file
+    by its suffix; a directory by a marker file first, else by the one file of a known suffix in
+    it. Knows no loader: they arrive as the formats it is built from."""
+
+    def __init__(self, formats: Iterable[FileFormat]) -> None:
+        self.by_suffix: dict[str, FileFormat] = {}
+        self.by_marker: dict[str, FileFormat] = {}
+        for fmt in formats:
+            if (fmt.suffix is None) == (fmt.marker is None):
+                raise ValueError(f"file format {fmt.name!r} needs exactly one of a suffix and a marker file")
+            table, key = (self.by_suffix, fmt.suffix) if fmt.suffix is not None else (self.by_marker, fmt.marker)
+            if key in table:
+                raise ValueError(f"file formats {table[key].name!r} and {fmt.name!r} both claim {key!r}")
+            table[key] = fmt
+
+    def open(self, path: str | os.PathLike) -> ModelFiles:
+        """Open ``path`` with the format its type names. Raises :class:`ModelFilesNotFound`
+        naming the path when no model is there, :class:`ValueError` for a file of another kind
+        or a directory holding several candidate files."""
+        path = os.fspath(path)
+        files = " or ".join(f"a {suffix} file" for suffix in self.by_suffix)
+        if not os.path.exists(path):
+            raise ModelFilesNotFound(f"model path {path!r} does not exist (expected {files} or a model directory)")
+        if os.path.isfile(path):
+            fmt = next((f for suffix, f in self.by_suffix.items() if path.endswith(suffix)), None)
+            if fmt is None:
+                dirs = " or ".join(f"a directory with {marker}" for marker in self.by_marker)
+                raise ValueError(f"{path!r} is not a model: expected {files} or {dirs}")
+            return fmt.open(path)
+        for marker, fmt in self.by_marker.items():
+            if os.path.isfile(os.path.join(path, marker)):
+                return fmt.open(path)
+        for suffix, fmt in self.by_suffix.items():
+            found = sorted(f for f in os.listdir(path) if f.endswith(suffix))
+            if len(found) == 1:
+                return fmt.open(os.path.join(path, found[0]))
+            if len(found) > 1:
+                raise ValueError(f"{path!r} holds several {suffix} files ({', '.join(found)}); pass the one to load")
+        wanted = " or ".join([*self.by_marker, *(f"{suffix} weights" for suffix in self.by_suffix)])
+        raise ModelFilesNotFound(f"no {wanted} in {path!r}")

@@ -26,7 +26,7 @@ import torch
 
 from ...lowbit.formats import FLOAT_TYPES, from_gguf
 from . import gguf_cache
-from .files import ModelFiles
+from .files import FileFormat, ModelFiles
 from .gguf_cache import GGUFParts
 from .gguf_index import read_index
 
@@ -68,6 +68,9 @@ def open_gguf(path: str, *, cache: bool = True) -> ModelFiles:
             gguf_cache.write_entry(entry, parts)
     files = files_from_parts(path, parts)
     return files if entry is None else gguf_cache.cached_weights(files, entry)
+
+
+GGUF_FILE = FileFormat("GGUF file", open_gguf, suffix=".gguf")
 
 
 def parse_gguf(path: str) -> GGUFParts:

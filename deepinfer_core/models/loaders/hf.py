@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from .. import ModelFilesNotFound
-from .files import ModelFiles
+from .files import FileFormat, ModelFiles
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -54,6 +54,9 @@ def open_hf_dir(path: str | os.PathLike) -> ModelFiles:
         fingerprint=fingerprint,
         **(fp8[1] if fp8 else {}),
     )
+
+
+HF_DIRECTORY = FileFormat("Hugging Face directory", open_hf_dir, marker=CONFIG)
 
 
 def _fp8_streams(config: dict, paths: list[str]):
