@@ -21,6 +21,7 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.request import Request
 from deepinfer_core.kv_store.url import KVStoreURL, open_kv_store_url, parse_kv_store_url
 from deepinfer_core.models.sources import smollm2_gguf
+from deepinfer_core.plugin_host import default_host
 from deepinfer_core.testing.kv_store import corrupt_record_file
 
 GGUF = smollm2_gguf()
@@ -60,13 +61,16 @@ def test_url_schemes_and_unknown_scheme_lists_backends(tmp_path):
         "3fs", "/mnt/3fs", {"io": "posix", "subdir": "kv"}
     )
     assert parse_kv_store_url("LOCAL:///a%20b").path == "/a b"
+    host = default_host()  # the installed backends
     with pytest.raises(ValueError, match="installed backends: .*local.*memory"):
-        open_kv_store_url("nosuch:///x", namespace="ns", block_bytes=64)
+        open_kv_store_url("nosuch:///x", namespace="ns", block_bytes=64, host=host)
     with pytest.raises(ValueError, match="not a URL"):
-        open_kv_store_url(str(tmp_path), namespace="ns", block_bytes=64)
+        open_kv_store_url(str(tmp_path), namespace="ns", block_bytes=64, host=host)
     with pytest.raises(ValueError, match="kv_store_gib"):
-        open_kv_store_url(f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=-1)
-    store = open_kv_store_url(f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=64 * 3 / 2**30)
+        open_kv_store_url(f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=-1, host=host)
+    store = open_kv_store_url(
+        f"local://{tmp_path}", namespace="ns", block_bytes=64, capacity_gib=64 * 3 / 2**30, host=host
+    )
     assert store.name == "local" and store.config.capacity_blocks == 3
 
 

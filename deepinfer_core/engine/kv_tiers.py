@@ -426,7 +426,7 @@ def open_tiers(
     device: torch.device,
     capacity_gib: float | None,
     host_pool_gib: float,
-    plugin_host=None,
+    plugin_host,
 ) -> KVTiers:
     """Open the store ``url`` names for this engine's namespace and block layout."""
     from ..kv_store.url import open_kv_store_url

@@ -42,14 +42,13 @@ def parse_kv_store_url(url: str) -> KVStoreURL:
 
 
 def open_kv_store_url(
-    url: str, *, namespace: str, block_bytes: int, capacity_gib: float | None = None, host=None
+    url: str, *, namespace: str, block_bytes: int, host, capacity_gib: float | None = None
 ) -> KVStore:
-    """Open the store a URL names. An unknown scheme is a ValueError listing the installed
+    """Open the store a URL names among the backends ``host`` registered (a ``PluginHost``, or
+    anything whose ``kv_stores()`` maps schemes to factories: the caller chooses the plugins, this
+    module imports no plugin host). An unknown scheme is a ValueError listing the installed
     backends. ``capacity_gib`` caps the store (least recently used blocks are evicted)."""
-    from ..plugin_host import default_host
-
     parsed = parse_kv_store_url(url)
-    host = host or default_host()
     stores = host.kv_stores()
     if parsed.scheme not in stores:
         raise ValueError(
