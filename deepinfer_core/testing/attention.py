@@ -39,18 +39,8 @@ import pytest
 import torch
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
+from .attention_steps import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
 from .platform import usable_device
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 12
-SENTINEL = 7.0  # initial cache value; exact randn draws never equal it
-# (request, first new position, number of new tokens) per step
-SCHEDULE = (
-    ((0, 0, 7), (1, 0, 3), (2, 0, 9)),
-    ((0, 7, 4), (1, 3, 1), (2, 9, 1)),
-    ((0, 11, 1), (2, 10, 1)),
-)
-TOTAL_LEN = (12, 4, 11)
 
 CASES: dict[AttentionKind, tuple[str, ...]] = {
     AttentionKind.FULL: ("full-mha", "full-gqa"),
