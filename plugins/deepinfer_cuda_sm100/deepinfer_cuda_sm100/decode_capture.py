@@ -16,6 +16,7 @@ import torch
 from deepinfer_core.attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+HEAD_ROWS = 64  # buckets up to here replay the LM head and the greedy argmax too (graphs.py, v4_graphs.py)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:

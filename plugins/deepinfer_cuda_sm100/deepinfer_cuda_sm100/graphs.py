@@ -23,11 +23,9 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
-from .decode_capture import StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
+from .decode_capture import HEAD_ROWS, StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
 
 log = logging.getLogger(__name__)
-
-HEAD_ROWS = 64  # buckets up to here replay the LM head and the greedy argmax too
 
 
 class CudaDecodeGraphs:

@@ -6,7 +6,7 @@ state-KV slot (its window ring and compressor tails), so the static buffers hold
 Padded rows of a bucket repeat row 0 (same token, position, slot and block table): they compute
 and store exactly row 0's values, so no other request's state or blocks are touched and no
 scratch state slot is needed. Capture runs the step on slot 0 at position 0 in the scratch
-block before any request holds a slot. Buckets up to ``graphs.HEAD_ROWS`` also replay the LM head
+block before any request holds a slot. Buckets up to ``HEAD_ROWS`` (decode_capture) also replay the LM head
 and the greedy argmax (``run_logits``), as graphs.py does for paged models.
 
 ``capture=False`` runs the same static-buffer step eagerly (no graph): how the tests check this
@@ -22,8 +22,7 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
-from .decode_capture import StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
-from .graphs import HEAD_ROWS
+from .decode_capture import HEAD_ROWS, StaticInputs, bucket_sizes, capture_buckets, foreign_kernels, smallest_bucket
 
 log = logging.getLogger(__name__)
 

@@ -224,7 +224,7 @@ class OpenAIResponsesCodec:
         return self.response(request, output_items(result), usage, finish_reason, response_id)
 
     def stream(self, request: ConversationRequest, events: Iterable[ParsedOutput]) -> Iterator[str]:
-        yield from ResponseEventStream(self, request).frames(events)
+        yield from ResponseEventStream(self.response, request).frames(events)
 
     # -- errors -----------------------------------------------------------------------------
     def render_error(self, error: ProtocolError) -> tuple[int, dict]:

@@ -14,15 +14,16 @@ time; a change of delta kind closes it, as the model's output is reasoning, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from deepinfer_core.codecs import ConversationRequest, ParsedOutput, ToolCall, ToolCallDelta
 
 from . import validation as v
 from .common import sse_event
 
-if TYPE_CHECKING:
-    from .openai_responses import OpenAIResponsesCodec
+# The codec's ``response(request, output, usage, finish_reason, response_id)``: the response object
+# (``finish_reason`` None while in progress), passed in so this module need not import the codec.
+ResponseObject = Callable[[ConversationRequest, list[dict], dict, "str | None", str], dict]
 
 
 def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
@@ -59,8 +60,8 @@ def output_items(result: ParsedOutput) -> list[dict]:
 
 
 class ResponseEventStream:
-    def __init__(self, codec: OpenAIResponsesCodec, request: ConversationRequest) -> None:
-        self.codec = codec
+    def __init__(self, response: ResponseObject, request: ConversationRequest) -> None:
+        self.response = response
         self.request = request
         self.response_id = request.extra.get("request_id") or v.new_id("resp_")
         self.output: list[dict] = []  # finished items
@@ -174,7 +175,7 @@ class ResponseEventStream:
         self._open, self._streaming = None, None
 
     def frames(self, events: Iterable[ParsedOutput]) -> Iterator[str]:
-        start = self.codec.response(self.request, [], {}, None, self.response_id)
+        start = self.response(self.request, [], {}, None, self.response_id)
         yield self._event("response.created", response=start)
         yield self._event("response.in_progress", response=start)
         finish_reason, usage = "stop", {}
@@ -191,7 +192,7 @@ class ResponseEventStream:
             finish_reason = event.finish_reason or finish_reason
             usage = event.usage if event.usage is not None else usage
         yield from self._close()
-        final = self.codec.response(self.request, self.output, usage, finish_reason, self.response_id)
+        final = self.response(self.request, self.output, usage, finish_reason, self.response_id)
         yield self._event(
             "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
         )

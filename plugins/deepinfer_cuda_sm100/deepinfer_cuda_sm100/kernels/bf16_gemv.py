@@ -24,9 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fp8_gemm import SplitCounters, _split_sum_kernel
 from .fp8_gemv import _gemv_epilogue
 from .fused_elementwise import _round
+from .gemm_parts import SplitCounters, _split_sum_kernel
 from .paged_attention import _pow2, interpreting
 from .pdl import gdc_enter, launch_kw
 

@@ -21,37 +21,12 @@ import triton
 import triton.language as tl
 
 from .fused_elementwise import _round
+from .gemm_parts import FP8_BLOCK, SplitCounters, _quant_rows, _split_sum_kernel
 from .paged_attention import interpreting
 
-FP8_BLOCK = 128
 # BLOCK_K is always 128: one activation group and one weight scale column per K step.
 PREQUANT_ROWS = 128  # from this many rows the activations are quantized once, before the GEMM
 FIXUP_ROWS = 16  # up to this many rows a K-split GEMM sums its splits in the same launch
-
-
-@triton.jit
-def _quant_rows(a, UPCAST: tl.constexpr):
-    """One activation group per row (a [rows, 128] float32) -> (e4m3 values, float32 scales):
-    scale = amax / 448, values a / scale rounded to nearest; widened to float32 again in the
-    interpreter, which multiplies in float32 (the same products)."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
-    v = a / scale[:, None]
-    if UPCAST:  # the interpreter's float8 cast mis-rounds where rounding carries into the exponent
-        q = _round_e4m3(v)
-    else:
-        q = v.to(tl.float8e4nv)
-    return q, scale
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), kept float32:
-    3 mantissa bits for normal values, multiples of 2^-9 below 2^-6 (subnormals)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    normal = ((bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) / 512.0
-    sub = tl.where(v < 0, -sub, sub)
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit
@@ -168,46 +143,12 @@ def _fp8_linear_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays too)
 
 
-class SplitCounters:
-    """Per-tile arrival counters for split-K GEMMs that sum their own splits (``FIXUP``), one
-    zeroed buffer per (device, stream), allocated at the first call on that stream (the eager
-    warm-up before a CUDA-graph capture) and left at zero by every launch. Launches on one
-    stream run one after another, so they can share it; GEMMs on two streams get two."""
-
-    CAPACITY = 8192  # output tiles; a GEMM with more falls back to the separate sum launch
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-
-    def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
-        if tiles > self.CAPACITY:
-            return None
-        key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (-1, 0)
-        buf = self._buffers.get(key)
-        if buf is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # never allocate inside a capture: this launch sums separately
-            buf = self._buffers[key] = torch.zeros(self.CAPACITY, dtype=torch.int32, device=device)
-        return buf
-
-
 def fp8_supported(platform) -> bool:
     """FP8 e4m3 conversions need SM89+ (Ada, Hopper, Blackwell); the interpreter has them too."""
     if interpreting():
         return True
     index = getattr(platform, "index", None) or 0
     return torch.cuda.is_available() and torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-@triton.jit
-def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for j in tl.static_range(1, SPLIT):  # split order, whatever the grid ran first
-        acc += tl.load(ws_ptr + j * MN + offs, mask=mask, other=0.0)
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + offs, _round(acc, out_ty).to(out_ty), mask=mask)
 
 
 SPLIT_TARGET = 264  # programs to aim for when few rows leave few output tiles (2 per H200 SM)

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import FP8_BLOCK, SplitCounters, _quant_rows, _split_sum_kernel
 from .fused_elementwise import _round
+from .gemm_parts import FP8_BLOCK, SplitCounters, _quant_rows, _split_sum_kernel
 from .paged_attention import _pow2, interpreting
 
 # up to this many rows the GEMV replaces the tiled GEMM (bf16 / fp16 activations); measured on

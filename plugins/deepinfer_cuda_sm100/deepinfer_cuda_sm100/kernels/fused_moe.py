@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import PREQUANT_ROWS, _quant_rows, act_quant
+from .fp8_gemm import PREQUANT_ROWS, act_quant
 from .fused_elementwise import _round
+from .gemm_parts import _quant_rows
 from .paged_attention import interpreting
 from .pdl import gdc_enter, launch_kw
 

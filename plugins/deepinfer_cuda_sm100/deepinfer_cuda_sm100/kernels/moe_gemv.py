@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _quant_rows
 from .fused_elementwise import _round
+from .gemm_parts import _quant_rows
 from .paged_attention import interpreting
 from .pdl import gdc_enter, launch_kw
 
