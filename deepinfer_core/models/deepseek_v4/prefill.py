@@ -6,7 +6,7 @@ torch ops per request, compressor and layer; at 64 x 512 prompt tokens on an H20
 (0.49 s per step) bounded V4 prefill, not the kernels. Here the batch layout, which the host
 knows (token ranges, starts, state slots, prompt lengths), is turned by numpy into index arrays,
 packed into one int64 buffer and copied to the device once per step and layer kind (cached on the
-:class:`~.deepseek_v4_compress.V4Batch`, shared by the layers of that kind). The device then
+:class:`~.batch.V4Batch`, shared by the layers of that kind). The device then
 runs one gather, the pooling of every closing window as one batch and one indexed write each.
 
 Source rows of request ``r`` (new positions ``s_r .. e_r - 1``, its state tail holding the
