@@ -6,7 +6,7 @@ doubles the bytes every decode step reads; where a platform has a kernel for the
 (``FusedOps.fp8_linear`` and an MoE dispatcher that takes :class:`ExpertWeights` scales), the
 engine keeps them as they are: :func:`swap_in_fp8` replaces, before loading, each linear layer
 and routed-expert stack whose checkpoint tensors are all FP8 by a module holding the FP8 bytes
-and the scale grid, and each module's ``checkpoint_targets`` tells the loader where each checkpoint
+and the scale grid, and each module's ``checkpoint_slots`` tells the loader where each checkpoint
 tensor goes (through ``layers.fused_targets``).
 
 The modules keep the bytes in integer buffers (uint8 weight, int32 scale bits) viewed as
@@ -73,7 +73,7 @@ class Fp8Linear(nn.Module):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out[..., sl] for sl in self.parts.values())
 
-    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
         """``(checkpoint name -> view the tensor is copied into, buffer names no checkpoint has)``:
         the weight and its scale grid, or each part's rows of them (``layers.fused_targets``);
         copying float values into an FP8 view stores their FP8 bytes (exact for values that came
@@ -118,7 +118,7 @@ class Fp8Experts(nn.Module):
     gate_up_scale = property(lambda self: self.qgate_up_scale.view(torch.float32))
     down_scale = property(lambda self: self.qdown_scale.view(torch.float32))
 
-    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
         """The stacked FP8 weights and their scale grids under their checkpoint names, and the
         integer buffers holding them (``layers.fused_targets``)."""
         own = {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}

@@ -71,7 +71,7 @@ class FusedLinear(nn.Linear):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [T, sum] -> one [T, rows] per part
         return tuple(out[..., sl] for sl in self.parts.values())
 
-    def checkpoint_targets(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
         """``(each part's checkpoint name -> its rows of the fused parameter, the fused parameter
         names)`` for this module under ``name`` (see :func:`fused_targets`)."""
         prefix = name.rpartition(".")[0]
@@ -91,12 +91,12 @@ class FusedLinear(nn.Linear):
 def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     """``(checkpoint name -> view of the parameter or buffer it fills, names of the parameters and
     buffers no checkpoint has)`` for every module of ``model`` that lays out its checkpoint tensors
-    itself: each answers ``checkpoint_targets(name)`` (:class:`FusedLinear`, the FP8 modules of
+    itself: each answers ``checkpoint_slots(name)`` (:class:`FusedLinear`, the FP8 modules of
     ``models.fp8``), so this module imports none of them; low-bit modules through ``lowbit_targets``."""
     targets: dict[str, torch.Tensor] = {}
     own: set[str] = set()
     for module_name, module in model.named_modules():
-        claim = getattr(module, "checkpoint_targets", None)
+        claim = getattr(module, "checkpoint_slots", None)
         if claim is not None:
             more, more_own = claim(module_name)
             targets |= more
