@@ -11,6 +11,8 @@ through the objects the context's resolvers return (the platform hooks).
 
 from __future__ import annotations
 
+__all__ = ["CausalLM", "ModelContext", "ModelFactory", "ModelFilesNotFound", "ModelSource", "WeightsError"]
+
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, runtime_checkable
 

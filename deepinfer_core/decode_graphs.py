@@ -8,6 +8,8 @@ to the :class:`DecodeGraphs` object, which may decline (then the step runs eager
 
 from __future__ import annotations
 
+__all__ = ["DecodeGraphs", "DecodeGraphsFactory"]
+
 from typing import Callable, Protocol, runtime_checkable
 
 import torch

@@ -18,6 +18,19 @@ Scales come as ``float8_e8m0fnu`` (UE8M0, a power of two), raw UE8M0 bytes (``ui
 
 from __future__ import annotations
 
+__all__ = [
+    "FP4_GROUP",
+    "FP8_BLOCK",
+    "dequant_fp4",
+    "dequant_fp8_block",
+    "fp4_scale_shape",
+    "fp8_block_shape",
+    "quant_fp4",
+    "quant_fp8_block",
+    "scale_to_float",
+    "unpack_fp4",
+]
+
 import torch
 
 FP8_BLOCK = 128

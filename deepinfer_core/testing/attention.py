@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .attention_steps import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
+from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
 from .platform import usable_device
 
 CASES: dict[AttentionKind, tuple[str, ...]] = {

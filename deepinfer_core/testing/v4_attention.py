@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .attention_steps import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
+from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
 from .platform import usable_device
 
 V4_CASES = {

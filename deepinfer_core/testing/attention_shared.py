@@ -1,8 +1,10 @@
-"""The cache and step schedule both attention suites run (``attention`` for paged kinds,
-``v4_attention`` for DeepSeek-V4's): three requests over a small block pool, chunked prefill then
-decode, so each suite imports them from here rather than from the other."""
+"""What both attention suites share (``attention`` for paged kinds, ``v4_attention`` for
+DeepSeek-V4's), so neither imports the other: the cache and step schedule they run, three requests
+over a small block pool, chunked prefill then decode."""
 
 from __future__ import annotations
+
+__all__ = ["BLOCK_SIZE", "NUM_BLOCKS", "SCHEDULE", "SENTINEL", "TOTAL_LEN"]
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
