@@ -44,24 +44,29 @@ def plugin_rows() -> list[dict]:
                 "name": info.name,
                 "distribution": info.distribution,
                 "version": info.version,
+                "contract": info.contract,
                 "builtin": info.builtin,
                 "hooks": [short_hook_name(h) for h in info.hooks],
                 "usable": info.usable,
                 "reason": info.reason,
+                "note": info.note,
             }
         )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("NAME", "DISTRIBUTION", "VERSION", "HOOKS", "USABLE")
+    header = ("NAME", "DISTRIBUTION", "VERSION", "CONTRACT", "HOOKS", "USABLE")
     lines = [
         (
             r["name"],
             r["distribution"],
             r["version"] or "-",
+            r["contract"] or "-",
             ",".join(r["hooks"]) or "-",
-            ("yes" if r["usable"] else "no") + (f" ({r['reason']})" if r["reason"] else ""),
+            ("yes" if r["usable"] else "no")
+            + (f" ({r['reason']})" if r["reason"] else "")
+            + (f"; {r['note']}" if r["note"] else ""),
         )
         for r in rows
     ]

@@ -36,6 +36,20 @@ PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+# Contract versions (docs/writing-plugins.md, "Compatibility"). A plugin's entry-point module
+# declares the version it was built for as ``DEEPINFER_CONTRACT = 2``; one that declares none
+# was built for contract 1. The host loads plugins of OLDEST_CONTRACT_VERSION..CONTRACT_VERSION
+# and lists the version in ``deepinfer plugins``; others are listed as unusable, saying why.
+#   1: the hooks below; MoEDispatcher.select_experts(spec, router_logits, correction_bias=None).
+#   2: capability declarations (MoECapabilities: hash routing with token_ids= / hash_table=,
+#      the scorings; AttentionCapabilities: layer kinds), and this version attribute.
+CONTRACT_VERSION = 2
+OLDEST_CONTRACT_VERSION = 1
+CONTRACT_ATTRIBUTE = "DEEPINFER_CONTRACT"
+# version -> what happens to it and when (e.g. "not loaded from deepinfer-core 0.4"); a version
+# is listed here for at least one minor release before OLDEST_CONTRACT_VERSION passes it.
+DEPRECATED_CONTRACTS: dict[int, str] = {}
+
 
 # ---------------------------------------------------------------------------------------------
 # plugin status

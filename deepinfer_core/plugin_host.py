@@ -38,6 +38,11 @@ class PluginConflictError(RuntimeError):
     """Two installed plugins claim the same device or the same registry name."""
 
 
+class PluginContractError(RuntimeError):
+    """A plugin's object breaks the contract in a way the host can see (a malformed capability
+    declaration)."""
+
+
 class NoImplementationError(LookupError):
     """No plugin (builtin included) provides what was asked for."""
 
@@ -59,6 +64,10 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
     probe: ProbeResult | None = None
     error: str | None = None  # import or validation failure; the plugin is not in use
+    # the contract version the plugin declares it was built for (hookspecs.CONTRACT_ATTRIBUTE;
+    # undeclared: 1, the contract before versions were declared); None when it did not load
+    contract: int | None = None
+    note: str = ""  # e.g. that its contract version is deprecated
 
     @property
     def usable(self) -> bool:
@@ -125,6 +134,7 @@ class PluginHost:
             raise PluginConflictError(f"two plugins are named {name!r} ({self._infos[name].distribution} and {dist})")
         info = PluginInfo(name, dist, version, builtin)
         try:
+            info.contract, info.note = (hookspecs.CONTRACT_VERSION, "") if builtin else plugin_contract(plugin, name)
             pm.register(plugin, name=name)
             unknown = []
             for hook_name, caller in vars(pm.hook).items():
@@ -133,7 +143,7 @@ class PluginHost:
             if unknown:
                 pm.unregister(plugin)
                 raise pluggy.PluginValidationError(plugin, f"unknown hook(s) {sorted(unknown)}: misspelled?")
-        except (pluggy.PluginValidationError, ValueError) as exc:  # ValueError: registered twice
+        except (pluggy.PluginValidationError, ValueError, PluginContractError) as exc:  # ValueError: registered twice
             log.warning("deepinfer plugin %r rejected: %s", name, exc)
             info.error = f"invalid plugin: {exc}"
             self._infos[name] = info
@@ -202,21 +212,42 @@ class PluginHost:
     def attention_backend(self, layer, platform: Platform, name: str | None = None):
         """The attention backend for ``layer`` on ``platform``. ``name`` (a plugin name, or
         ``"builtin"``) asks that one plugin only; None asks every provider in
-        :meth:`backend_providers` order and takes the first that answers."""
-        backend = self._first_answer("deepinfer_attention_backend", "attention", name, layer=layer, platform=platform)
+        :meth:`backend_providers` order and takes the first answer that can serve the layer by
+        its declared capabilities (:func:`~deepinfer_core.attention.attention_unsupported`): an
+        answer that cannot is passed over, so the layer goes to the next plugin or the builtin."""
+        from .attention import attention_unsupported
+
+        what = f"{layer.kind.value!r} layers" + (" (DeepSeek-V4 state KV)" if layer.state_kv else "")
+        backend = self._first_answer(
+            "deepinfer_attention_backend",
+            "attention",
+            name,
+            lambda backend: attention_unsupported(backend, layer),
+            f"attention layer {layer.layer_index} ({what})",
+            layer=layer,
+            platform=platform,
+        )
         if backend is None:
             by = f" from {name!r}" if name else ""
-            raise NoImplementationError(
-                f"no attention backend{by} for {layer.kind.value!r} layers on platform {platform.name!r}"
-            )
+            raise NoImplementationError(f"no attention backend{by} for {what} on platform {platform.name!r}")
         return backend
 
     def moe_dispatcher(self, moe, platform: Platform, parallel=None, name: str | None = None):
-        """The MoE dispatcher for ``moe`` on ``platform``; ``name`` as in :meth:`attention_backend`."""
-        from .moe import ParallelConfig
+        """The MoE dispatcher for ``moe`` on ``platform``; ``name`` as in :meth:`attention_backend`.
+        A dispatcher is handed only layers its :class:`~deepinfer_core.moe.MoECapabilities` cover:
+        a ``hash`` layer never goes to one that does not declare hash routing (one written for
+        the previous contract), so such a dispatcher never receives ``token_ids=`` / ``hash_table=``."""
+        from .moe import ParallelConfig, moe_capabilities
 
         dispatcher = self._first_answer(
-            "deepinfer_moe_dispatcher", "moe", name, moe=moe, platform=platform, parallel=parallel or ParallelConfig()
+            "deepinfer_moe_dispatcher",
+            "moe",
+            name,
+            lambda dispatcher: moe_capabilities(dispatcher).unsupported(moe),
+            f"MoE layer {moe.layer_index} (scoring {moe.scoring!r})",
+            moe=moe,
+            platform=platform,
+            parallel=parallel or ParallelConfig(),
         )
         if dispatcher is None:
             by = f" from {name!r}" if name else ""
@@ -256,7 +287,17 @@ class PluginHost:
             choices = ", ".join([*installed, BUILTIN_BACKEND])
             raise UnknownBackendError(f"unknown {kind} backend {name!r}; available: {choices}")
 
-    def _first_answer(self, hook_name: str, kind: str, name: str | None, **kwargs: Any) -> Any:
+    def _first_answer(
+        self,
+        hook_name: str,
+        kind: str,
+        name: str | None,
+        unsupported: Callable[[Any], str | None],
+        what: str,
+        **kwargs: Any,
+    ) -> Any:
+        """The first answer, in provider order, that ``unsupported(answer)`` accepts (None). A
+        plugin named by ``name`` whose answer cannot serve the layer is an error saying why."""
         self.check_backend_name(kind, name)
         impls = {impl.plugin_name: impl for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
         order = self.backend_providers(hook_name)
@@ -267,8 +308,21 @@ class PluginHost:
         for plugin_name in order:
             impl = impls[plugin_name]
             answer = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-            if answer is not None:
+            if answer is None:
+                continue
+            try:
+                reason = unsupported(answer)
+            except TypeError as exc:  # a malformed declaration
+                raise PluginContractError(f"plugin {plugin_name!r}: {exc}") from None
+            if reason is None:
                 return answer
+            label = getattr(answer, "name", type(answer).__name__)
+            if name is not None and name != BUILTIN_BACKEND:
+                raise NoImplementationError(
+                    f"{kind} backend {name!r} cannot serve {what} ({label!r}: {reason}); "
+                    f"leave the {kind} backend unset to let the host route such layers"
+                )
+            log.debug("%s: passing over plugin %r (%r %s)", what, plugin_name, label, reason)
         return None
 
     # -- registries -------------------------------------------------------------------------
@@ -352,6 +406,26 @@ class PluginHost:
         if name not in stores:
             raise NoImplementationError(f"unknown KV store {name!r}; installed: {', '.join(sorted(stores))}")
         return stores[name](config)
+
+
+def plugin_contract(plugin: Any, name: str) -> tuple[int, str]:
+    """``(contract version, note)`` of a plugin module or object: its
+    :data:`~deepinfer_core.hookspecs.CONTRACT_ATTRIBUTE` (undeclared: 1). Raises
+    :class:`PluginContractError` for a version this core does not serve; the note says when a
+    served one is deprecated."""
+    declared = getattr(plugin, hookspecs.CONTRACT_ATTRIBUTE, 1)
+    if type(declared) is not int:
+        raise PluginContractError(f"{hookspecs.CONTRACT_ATTRIBUTE} must be an int, got {declared!r}")
+    served = f"this deepinfer-core serves contracts {hookspecs.OLDEST_CONTRACT_VERSION}-{hookspecs.CONTRACT_VERSION}"
+    if declared > hookspecs.CONTRACT_VERSION:
+        raise PluginContractError(f"built for contract {declared}; {served}: upgrade deepinfer-core")
+    if declared < hookspecs.OLDEST_CONTRACT_VERSION:
+        raise PluginContractError(f"built for contract {declared}; {served}: upgrade the plugin")
+    note = ""
+    if declared in hookspecs.DEPRECATED_CONTRACTS:
+        note = f"contract {declared} is deprecated: {hookspecs.DEPRECATED_CONTRACTS[declared]}"
+        log.warning("deepinfer plugin %r: %s", name, note)
+    return declared, note
 
 
 def as_probe_result(answer) -> ProbeResult:

@@ -37,7 +37,7 @@ def test_plugins_table_lists_builtins_as_usable():
     result = deepinfer("plugins")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "HOOKS", "USABLE"]
+    assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "CONTRACT", "HOOKS", "USABLE"]
     row = next(line for line in lines if line.startswith("core.platforms"))
     assert "deepinfer-core" in row and "platform,probe" in row and row.rstrip().endswith("yes")
 
@@ -47,7 +47,17 @@ def test_plugins_json_has_every_field():
     assert result.returncode == 0, result.stderr
     rows = {r["name"]: r for r in json.loads(result.stdout)}
     kernels = rows["core.kernels"]
-    assert set(kernels) == {"name", "distribution", "version", "builtin", "hooks", "usable", "reason"}
+    assert set(kernels) == {
+        "name",
+        "distribution",
+        "version",
+        "contract",
+        "builtin",
+        "hooks",
+        "usable",
+        "reason",
+        "note",
+    }
     assert kernels["builtin"] and kernels["usable"]
     assert sorted(kernels["hooks"]) == ["attention_backend", "moe_dispatcher"]
 

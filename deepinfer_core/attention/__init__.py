@@ -13,6 +13,12 @@ Flat token batch (requests r0, r1, r2 scheduled with 3, 1 and 2 new tokens)::
     positions       absolute position of each token       [T] int64
     slot_mapping    block_id * block_size + offset        [T] int64
     block_tables    [R, max_blocks] int32 (padded with 0)
+
+Capabilities: a backend says which layer kinds it serves with a ``capabilities`` attribute
+(:class:`AttentionCapabilities`); the host hands it only those (:func:`attention_capabilities`).
+One that declares nothing is taken as written for the previous contract (contract 1): it serves
+the layers its hook returns it for, and a DeepSeek-V4 (``state_kv``) layer only if it has
+``forward_v4``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ from enum import Enum
 from typing import Protocol, runtime_checkable
 
 import torch
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionCapabilities",
+    "AttentionKind",
+    "AttentionLayerSpec",
+    "AttentionMetadata",
+    "V4AttentionBackend",
+    "attention_capabilities",
+    "attention_unsupported",
+]
 
 
 class AttentionKind(str, Enum):
@@ -105,9 +122,53 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """The layer kinds an attention backend serves (its ``capabilities`` attribute).
+
+    ``kinds``: kinds it serves through the paged ``forward`` (``state_kv=False`` specs: full,
+    mla, sliding). ``state_kv_kinds``: DeepSeek-V4 kinds it serves through ``forward_v4``
+    (``state_kv=True`` specs: sliding, compressed_sparse, heavily_compressed).
+    """
+
+    kinds: frozenset[AttentionKind] = frozenset()
+    state_kv_kinds: frozenset[AttentionKind] = frozenset()
+
+    def serves(self, spec: AttentionLayerSpec) -> bool:
+        return spec.kind in (self.state_kv_kinds if spec.state_kv else self.kinds)
+
+
+def attention_capabilities(backend: object) -> AttentionCapabilities | None:
+    """The backend's declared :class:`AttentionCapabilities`, or None when it declares none (the
+    previous contract). A declaration of another type is the plugin's mistake: ``TypeError``."""
+    caps = getattr(backend, "capabilities", None)
+    if caps is not None and not isinstance(caps, AttentionCapabilities):
+        name = getattr(backend, "name", backend)
+        raise TypeError(f"attention backend {name!r}: capabilities must be an AttentionCapabilities, got {caps!r}")
+    return caps
+
+
+def _kind_name(spec: AttentionLayerSpec) -> str:
+    return f"DeepSeek-V4 {spec.kind.value}" if spec.state_kv else spec.kind.value
+
+
+def attention_unsupported(backend: object, spec: AttentionLayerSpec) -> str | None:
+    """Why ``backend`` cannot serve ``spec`` by its declaration; None when it can."""
+    caps = attention_capabilities(backend)
+    if caps is None:
+        if spec.state_kv and not callable(getattr(backend, "forward_v4", None)):
+            return f"{_kind_name(spec)} layers need forward_v4, which it does not have"
+        return None
+    if not caps.serves(spec):
+        return f"it does not declare {_kind_name(spec)} layers (AttentionCapabilities)"
+    return None
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Computes one layer kind's attention over a paged KV cache. Called on the hot path."""
+    """Computes one layer kind's attention over a paged KV cache. Called on the hot path.
+    Optional: ``capabilities`` (an :class:`AttentionCapabilities`; absent means the previous
+    contract, see the module docstring)."""
 
     name: str
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from . import AttentionCapabilities, AttentionKind, AttentionLayerSpec, AttentionMetadata
 
 SUPPORTED = {AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING}
 
 
 class TorchAttentionBackend:
     name = "torch-reference"
+    capabilities = AttentionCapabilities(kinds=frozenset(SUPPORTED))
 
     def kv_cache_shape(self, spec: AttentionLayerSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
         planes = 1 if spec.kv_shared else 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import AttentionKind, AttentionLayerSpec, AttentionMetadata
+from . import AttentionCapabilities, AttentionKind, AttentionLayerSpec, AttentionMetadata
 
 _QUERY_CHUNK = 256
 SUPPORTED_V4 = {AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED}
@@ -23,6 +23,7 @@ SUPPORTED_V4 = {AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, Attentio
 
 class TorchV4AttentionBackend:
     name = "torch-reference-v4"
+    capabilities = AttentionCapabilities(state_kv_kinds=frozenset(SUPPORTED_V4))
 
     def forward_v4(self, spec: AttentionLayerSpec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
         if spec.kind not in SUPPORTED_V4:

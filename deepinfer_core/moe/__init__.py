@@ -25,6 +25,12 @@ divided by their sum (+1e-20), and then multiplied by ``routed_scaling``.
 
 Expert compute: ``down(act(gate x) * up x)``; with ``swiglu_limit`` = L (DeepSeek-V4) the gate
 pre-activation is clamped to ``<= L`` and the up pre-activation to ``[-L, L]`` before the product.
+
+Capabilities: a dispatcher says which optional parts of the contract it implements with a
+``capabilities`` attribute (:class:`MoECapabilities`). The host hands it only layers it can serve
+(:func:`moe_capabilities`); one that declares nothing is taken as written for the previous
+contract (contract 1): the learned scorings, no hash routing, and it is never called with
+``token_ids=`` / ``hash_table=``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,20 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+__all__ = [
+    "LEARNED_SCORINGS",
+    "PREVIOUS_CONTRACT_MOE",
+    "ExpertWeights",
+    "MoECapabilities",
+    "MoEDispatcher",
+    "MoESpec",
+    "ParallelConfig",
+    "moe_capabilities",
+]
+
+# The scoring functions that choose experts from the router's scores (every rule but `hash`).
+LEARNED_SCORINGS = frozenset({"softmax", "sigmoid", "sqrtsoftplus"})
 
 
 @dataclass(frozen=True)
@@ -89,8 +109,54 @@ class ExpertWeights:
         )
 
 
+@dataclass(frozen=True)
+class MoECapabilities:
+    """What a :class:`MoEDispatcher` implements of the optional contract (its ``capabilities``
+    attribute, usually a class attribute).
+
+    ``scorings``: the scoring functions its ``select_experts`` computes (any of
+    :data:`LEARNED_SCORINGS`). ``hash_routing``: it accepts ``token_ids=`` and ``hash_table=``
+    and serves ``scoring="hash"`` layers (weighting the table's experts with
+    ``spec.hash_scoring``, which must then be one of ``scorings``).
+    """
+
+    scorings: frozenset[str] = LEARNED_SCORINGS
+    hash_routing: bool = False
+
+    def unsupported(self, spec: MoESpec) -> str | None:
+        """Why a dispatcher with these capabilities cannot serve ``spec``; None when it can."""
+        if spec.scoring == "hash":
+            if not self.hash_routing:
+                return "scoring 'hash' needs hash routing (token_ids=, hash_table=), which it does not declare"
+            if spec.hash_scoring not in self.scorings:
+                return f"hash layers weight with {spec.hash_scoring!r}, not among its scorings {sorted(self.scorings)}"
+            return None
+        if spec.scoring not in self.scorings:
+            return f"scoring {spec.scoring!r} is not among its scorings {sorted(self.scorings)}"
+        return None
+
+
+# A dispatcher that declares nothing: what the contract before capability declarations offered.
+PREVIOUS_CONTRACT_MOE = MoECapabilities()
+
+
+def moe_capabilities(dispatcher: object) -> MoECapabilities:
+    """The dispatcher's declared :class:`MoECapabilities`, or :data:`PREVIOUS_CONTRACT_MOE` when it
+    declares none. A declaration of another type is the plugin's mistake: ``TypeError``."""
+    caps = getattr(dispatcher, "capabilities", None)
+    if caps is None:
+        return PREVIOUS_CONTRACT_MOE
+    if not isinstance(caps, MoECapabilities):
+        name = getattr(dispatcher, "name", dispatcher)
+        raise TypeError(f"MoE dispatcher {name!r}: capabilities must be a MoECapabilities, got {caps!r}")
+    return caps
+
+
 @runtime_checkable
 class MoEDispatcher(Protocol):
+    """Expert routing and compute for MoE layers. Optional: ``capabilities`` (a
+    :class:`MoECapabilities`; absent means :data:`PREVIOUS_CONTRACT_MOE`)."""
+
     name: str
 
     def select_experts(
@@ -105,8 +171,9 @@ class MoEDispatcher(Protocol):
         """Return ``(topk_ids [T, k] int64, topk_weights [T, k] float32)``, weights already
         normalised and multiplied by ``spec.routed_scaling`` (rules in the module docstring).
 
-        ``token_ids`` and ``hash_table`` are keyword-only so that callers of learned layers need
-        not pass them; a ``hash`` layer without them is a ``ValueError``."""
+        ``token_ids`` and ``hash_table`` are keyword-only and passed only for ``hash`` layers, and
+        only to a dispatcher that declares ``MoECapabilities(hash_routing=True)``; one that does
+        not may leave them out of its signature. A ``hash`` layer without them is a ``ValueError``."""
         ...
 
     def forward(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import ExpertWeights, MoESpec
+from . import LEARNED_SCORINGS, ExpertWeights, MoECapabilities, MoESpec
 
 
 class TorchMoEDispatcher:
     name = "torch-reference"
+    capabilities = MoECapabilities(scorings=LEARNED_SCORINGS, hash_routing=True)
 
     def __init__(self) -> None:
         self._load: torch.Tensor | None = None

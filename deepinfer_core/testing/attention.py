@@ -1,7 +1,10 @@
 """Conformance suite for attention backends (``deepinfer_attention_backend``).
 
-Subclass :class:`AttentionBackendSuite`, set ``supported_kinds`` and override the ``backend``
-and ``platform`` fixtures (``backend`` may ask for the ``spec`` fixture)::
+Subclass :class:`AttentionBackendSuite` and override the ``backend`` and ``platform`` fixtures
+(``backend`` may ask for the ``spec`` fixture). The cases run are the kinds the backend claims:
+its ``capabilities`` (:class:`~deepinfer_core.attention.AttentionCapabilities`), narrowed by
+``supported_kinds`` when set; a kind it does not claim is skipped with the reason. A backend that
+declares no capabilities (the previous contract) runs exactly ``supported_kinds``::
 
     class TestMyAttention(AttentionBackendSuite):
         supported_kinds = (AttentionKind.FULL, AttentionKind.MLA)
@@ -39,7 +42,7 @@ import pytest
 import torch
 
 from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
+from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN, skip_unclaimed
 from .platform import usable_device
 
 CASES: dict[AttentionKind, tuple[str, ...]] = {
@@ -180,6 +183,7 @@ class Scenario:
 class AttentionBackendSuite:
     """What every :class:`~deepinfer_core.attention.AttentionBackend` must do."""
 
+    # The kinds to test; empty: every kind the backend declares (AttentionCapabilities.kinds).
     supported_kinds: tuple[AttentionKind, ...] = ()
     dtype: torch.dtype = torch.float32  # query/key/value dtype fed to the backend
     kv_dtype: torch.dtype = torch.float32
@@ -188,8 +192,9 @@ class AttentionBackendSuite:
 
     def pytest_generate_tests(self, metafunc) -> None:
         if "case" in metafunc.fixturenames:
-            unknown = [k for k in self.supported_kinds if k not in CASES]
-            cases = [c for k in self.supported_kinds if k in CASES for c in CASES[k]]
+            kinds = self.supported_kinds or tuple(CASES)
+            unknown = [k for k in kinds if k not in CASES]
+            cases = [c for k in kinds if k in CASES for c in CASES[k]]
             cases += [
                 pytest.param(k.value, marks=pytest.mark.skip(reason=f"no dense reference for {k.value}"))
                 for k in unknown
@@ -207,6 +212,11 @@ class AttentionBackendSuite:
     @pytest.fixture
     def spec(self, case) -> AttentionLayerSpec:
         return make_spec(case, self.kv_dtype)
+
+    @pytest.fixture(autouse=True)
+    def _claimed(self, request) -> None:
+        if "case" in request.fixturenames:
+            skip_unclaimed(request.getfixturevalue("backend"), request.getfixturevalue("spec"), self.supported_kinds)
 
     @pytest.fixture
     def device(self, platform) -> torch.device:

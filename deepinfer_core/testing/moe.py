@@ -1,7 +1,10 @@
 """Conformance suite for MoE dispatchers (``deepinfer_moe_dispatcher``).
 
 Subclass :class:`MoEDispatcherSuite` and override the ``dispatcher`` and ``platform`` fixtures
-(``dispatcher`` may ask for the ``spec`` fixture); narrow ``supported_scorings`` if needed.
+(``dispatcher`` may ask for the ``spec`` fixture). What runs follows what the dispatcher claims:
+its ``capabilities`` (:class:`~deepinfer_core.moe.MoECapabilities`; a dispatcher that declares
+none is held to the previous contract: the learned scorings, no hash routing). A case it does
+not claim is skipped with the reason; ``supported_scorings`` narrows further if needed.
 
 Routing is checked against scores computed here from the definitions (softmax, sigmoid,
 sqrt(softplus), the hash table), and ``forward`` against :func:`naive_moe`, a per-token,
@@ -15,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..moe import ExpertWeights, MoEDispatcher, MoESpec
+from ..moe import ExpertWeights, MoEDispatcher, MoESpec, moe_capabilities
 from .platform import usable_device
 
 
@@ -77,8 +80,8 @@ def naive_moe(spec: MoESpec, hidden, topk_ids, topk_weights, experts: ExpertWeig
 class MoEDispatcherSuite:
     """What every :class:`~deepinfer_core.moe.MoEDispatcher` must do."""
 
-    # Narrow in a subclass for a dispatcher that implements fewer rules; "hash" covers the
-    # DeepSeek-V4 hash-layer cases.
+    # Narrow in a subclass to test fewer rules than the dispatcher claims; "hash" covers the
+    # DeepSeek-V4 hash-layer cases. What the dispatcher does not claim is skipped anyway.
     supported_scorings: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus", "hash")
     dtype: torch.dtype = torch.float32
     atol: float = 1e-4
@@ -116,10 +119,22 @@ class MoEDispatcherSuite:
         down = torch.randn(e, d, i, generator=g) / i**0.5
         return ExpertWeights(gate_up.to(device, self.dtype), down.to(device, self.dtype))
 
+    def require(self, dispatcher, scoring: str) -> None:
+        """Skip the test, saying why, unless ``scoring`` ("hash": hash routing) is both in
+        ``supported_scorings`` and claimed by the dispatcher's declared capabilities."""
+        if scoring not in self.supported_scorings:
+            pytest.skip(f"{type(self).__name__}.supported_scorings leaves out {scoring!r}")
+        caps = moe_capabilities(dispatcher)
+        if scoring == "hash" and not caps.hash_routing:
+            pytest.skip(f"{dispatcher.name} does not claim hash routing (MoECapabilities.hash_routing)")
+        if scoring != "hash" and scoring not in caps.scorings:
+            pytest.skip(f"{dispatcher.name} does not claim scoring {scoring!r} (MoECapabilities.scorings)")
+
     def routed(self, dispatcher, spec, device, **kw):
         from dataclasses import replace
 
         spec = replace(spec, **kw)
+        self.require(dispatcher, spec.scoring)
         logits = self.logits(spec, device)
         ids, weights = dispatcher.select_experts(spec, logits)
         return spec, logits, ids, weights
@@ -128,6 +143,7 @@ class MoEDispatcherSuite:
     def test_is_a_dispatcher(self, dispatcher):
         assert isinstance(dispatcher, MoEDispatcher)
         assert isinstance(dispatcher.name, str) and dispatcher.name
+        moe_capabilities(dispatcher)  # a declaration, when there is one, is a MoECapabilities
 
     def test_select_experts_shapes_and_ranges(self, dispatcher, spec, device, scoring):
         spec, logits, ids, weights = self.routed(dispatcher, spec, device, scoring=scoring)
@@ -160,6 +176,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="sigmoid")
+        self.require(dispatcher, "sigmoid")
         logits = self.logits(spec, device)
         bias = torch.zeros(spec.num_experts, device=device)
         bias[3] = 10.0  # expert 3 must now always be chosen
@@ -173,6 +190,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="sigmoid", num_groups=4, topk_groups=2)
+        self.require(dispatcher, "sigmoid")
         logits = self.logits(spec, device, tokens=64, seed=5)
         bias = (
             (torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1).to(device)
@@ -193,8 +211,6 @@ class MoEDispatcherSuite:
 
     # -- DeepSeek-V4: hash routing and sqrtsoftplus --------------------------------------------
     def hash_inputs(self, spec: MoESpec, device, vocab: int = 50, tokens: int = 24):
-        if "hash" not in self.supported_scorings:
-            pytest.skip(f"{type(self).__name__} declares no hash routing (supported_scorings)")
         g = torch.Generator().manual_seed(7)
         table = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.top_k] for _ in range(vocab)])
         token_ids = torch.randint(0, vocab, (tokens,), generator=g)
@@ -204,6 +220,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="hash", routed_scaling=1.5)
+        self.require(dispatcher, "hash")
         logits = self.logits(spec, device)
         token_ids, table = self.hash_inputs(spec, device)
         ids, weights = dispatcher.select_experts(spec, logits, token_ids=token_ids, hash_table=table)
@@ -219,6 +236,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="hash")
+        self.require(dispatcher, "hash")
         _, table = self.hash_inputs(spec, device)
         with pytest.raises(ValueError, match="token_ids"):
             dispatcher.select_experts(spec, self.logits(spec, device), hash_table=table)
@@ -229,8 +247,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="hash" if router == "hash" else "sqrtsoftplus", routed_scaling=1.5)
-        if router == "learned" and "sqrtsoftplus" not in self.supported_scorings:
-            pytest.skip(f"{type(self).__name__} declares no sqrtsoftplus routing (supported_scorings)")
+        self.require(dispatcher, "hash" if router == "hash" else "sqrtsoftplus")
         token_ids, table = self.hash_inputs(spec, device) if router == "hash" else (None, None)
         modeling, config = _hf_v4(spec, vocab=50)
         g = torch.Generator().manual_seed(11)
@@ -261,6 +278,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, scoring="sqrtsoftplus", swiglu_limit=0.5)
+        self.require(dispatcher, "sqrtsoftplus")
         modeling, config = _hf_v4(spec, vocab=50)
         module = modeling.DeepseekV4Experts(config)
         experts = self.experts(spec, torch.device("cpu"))
@@ -283,6 +301,7 @@ class MoEDispatcherSuite:
         from dataclasses import replace
 
         spec = replace(spec, swiglu_limit=swiglu_limit)
+        self.require(dispatcher, spec.scoring)
         experts = self.experts(spec, device)
         logits = self.logits(spec, device)
         hidden = torch.randn(logits.shape[0], spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(
@@ -299,6 +318,7 @@ class MoEDispatcherSuite:
         )
 
     def test_expert_load_counts_routed_tokens(self, dispatcher, spec, device):
+        self.require(dispatcher, spec.scoring)
         experts = self.experts(spec, device)
         dispatcher.expert_load()  # start from a clean counter
         expected = torch.zeros(spec.num_experts, dtype=torch.int64)

@@ -2,8 +2,10 @@
 
 One case per V4 kind, so a plugin can claim exactly one: ``v4-sliding`` (window only),
 ``v4-csa`` (window + the indexer's chosen compressed entries), ``v4-hca`` (window + every
-visible entry). Subclass :class:`V4AttentionBackendSuite`, set ``supported_kinds`` and override
-``platform`` and ``backend``::
+visible entry). Subclass :class:`V4AttentionBackendSuite` and override ``platform`` and
+``backend``; the kinds run are those the backend claims (``AttentionCapabilities.state_kv_kinds``),
+narrowed by ``supported_kinds`` when set, the rest skipped with the reason (a backend declaring
+no capabilities runs exactly ``supported_kinds``)::
 
     class TestMyV4(V4AttentionBackendSuite):
         supported_kinds = (AttentionKind.COMPRESSED_SPARSE,)
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
-from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN
+from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN, skip_unclaimed
 from .platform import usable_device
 
 V4_CASES = {
@@ -151,6 +153,7 @@ class V4Scenario:
 class V4AttentionBackendSuite:
     """What every DeepSeek-V4 attention backend (``forward_v4``) must do."""
 
+    # The kinds to test; empty: every kind the backend declares (state_kv_kinds).
     supported_kinds: tuple[AttentionKind, ...] = ()
     dtype: torch.dtype = torch.float32
     kv_dtype: torch.dtype = torch.float32
@@ -159,7 +162,7 @@ class V4AttentionBackendSuite:
 
     def pytest_generate_tests(self, metafunc) -> None:
         if "case" in metafunc.fixturenames:
-            metafunc.parametrize("case", [V4_CASES[k] for k in self.supported_kinds])
+            metafunc.parametrize("case", [V4_CASES[k] for k in self.supported_kinds or tuple(V4_CASES)])
 
     @pytest.fixture
     def platform(self):
@@ -172,6 +175,11 @@ class V4AttentionBackendSuite:
     @pytest.fixture
     def spec(self, case) -> AttentionLayerSpec:
         return make_v4_spec(case, self.kv_dtype)
+
+    @pytest.fixture(autouse=True)
+    def _claimed(self, request) -> None:
+        if "case" in request.fixturenames:
+            skip_unclaimed(request.getfixturevalue("backend"), request.getfixturevalue("spec"), self.supported_kinds)
 
     @pytest.fixture
     def device(self, platform) -> torch.device:
