@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer_core.hookspecs import CONTRACT_VERSION
+
 try:
     DIST = metadata.distribution("deepinfer-acme-example")
 except metadata.PackageNotFoundError:
@@ -41,6 +43,7 @@ def test_discovered_and_listed(host):
     info = {i.name: i for i in host.plugins()}["acme"]
     assert (info.distribution, info.version, info.builtin) == ("deepinfer-acme-example", DIST.version, False)
     assert info.usable and info.error is None
+    assert info.contract == CONTRACT_VERSION  # declared: DEEPINFER_CONTRACT in deepinfer_acme.plugin
     assert set(info.hooks) == {"deepinfer_register_kv_stores", "deepinfer_register_spec_policies"}
 
 

@@ -15,6 +15,8 @@ from deepinfer_core.platform import ProbeResult
 
 from .store import MOUNT_ENV, USRBIO_MODULE, ThreeFSKVStore
 
+DEEPINFER_CONTRACT = 2  # the deepinfer contract version this plugin is built for
+
 IMPORT_CHECK_TIMEOUT_S = 30
 
 

@@ -9,6 +9,8 @@ from deepinfer_core.platform import Platform, PlatformRequest, ProbeResult
 
 from .platform import Ascend950Platform
 
+DEEPINFER_CONTRACT = 2  # the deepinfer contract version this plugin is built for
+
 
 class PortableNpuAttention(TorchAttentionBackend):
     """The core's torch reference attention run on the NPU (correct, not fast)."""

@@ -25,6 +25,8 @@ from .attention import (
 from .moe import SCORINGS, TritonMoEDispatcher
 from .platform import CudaSM100Platform
 
+DEEPINFER_CONTRACT = 2  # the deepinfer contract version this plugin is built for
+
 
 @hookimpl
 def deepinfer_probe() -> ProbeResult:

@@ -17,6 +17,8 @@ from .deepseek_v4.tokens import TOKENIZER_ENV, find_tokenizer_json
 from .openai_chat import OpenAIChatCodec
 from .openai_responses import OpenAIResponsesCodec
 
+DEEPINFER_CONTRACT = 2  # the deepinfer contract version this plugin is built for
+
 
 @hookimpl
 def deepinfer_probe() -> ProbeResult:
