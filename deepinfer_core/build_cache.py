@@ -28,6 +28,9 @@ try:
 except ImportError:  # not POSIX: loads go unlocked and nothing is pruned
     fcntl = None  # type: ignore[assignment]
 
+__all__ = ["KEEP", "loading", "prune"]
+
+
 KEEP = 3  # versions kept: the one just built and the two used most recently before it
 
 

@@ -13,6 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
+__all__ = [
+    "ConversationRequest",
+    "EncodedPrompt",
+    "Message",
+    "OutputParser",
+    "OutputParserFactory",
+    "ParsedOutput",
+    "PromptEncoding",
+    "PromptEncodingFactory",
+    "ProtocolCodec",
+    "ProtocolCodecFactory",
+    "ProtocolError",
+    "ToolCall",
+    "ToolCallDelta",
+]
+
 
 @dataclass(frozen=True)
 class ToolCall:

@@ -19,6 +19,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+__all__ = [
+    "FusedOps",
+    "add_rms_norm_reference",
+    "logits_reference",
+    "norm_rope_cat_reference",
+    "rms_norm_reference",
+    "rope_cat_reference",
+    "rotary_reference",
+    "silu_and_mul_reference",
+]
+
 
 @dataclass(frozen=True)
 class FusedOps:

@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from .platform import Platform, PlatformRequest, ProbeResult
     from .speculative import DrafterFactory, VerificationPolicyFactory
 
+__all__ = [
+    "CONTRACT_ATTRIBUTE",
+    "CONTRACT_VERSION",
+    "DEPRECATED_CONTRACTS",
+    "OLDEST_CONTRACT_VERSION",
+    "PROJECT",
+    "hookimpl",
+    "hookspec",
+]
+
+
 PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+__all__ = ["Platform", "PlatformRequest", "ProbeResult", "TorchPlatform"]
+
 
 @dataclass(frozen=True)
 class ProbeResult:

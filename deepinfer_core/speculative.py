@@ -8,6 +8,16 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+__all__ = [
+    "ConfidenceScheduledVerification",
+    "DraftBatch",
+    "Drafter",
+    "DrafterFactory",
+    "FixedLengthVerification",
+    "VerificationPolicy",
+    "VerificationPolicyFactory",
+]
+
 
 @dataclass(frozen=True)
 class DraftBatch:

@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 from . import AttentionCapabilities, AttentionKind, AttentionLayerSpec, AttentionMetadata
 
+__all__ = ["SUPPORTED", "TorchAttentionBackend", "write_kv"]
+
+
 SUPPORTED = {AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING}
 
 

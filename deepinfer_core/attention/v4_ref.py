@@ -17,6 +17,9 @@ import torch
 
 from . import AttentionCapabilities, AttentionKind, AttentionLayerSpec, AttentionMetadata
 
+__all__ = ["SUPPORTED_V4", "TorchV4AttentionBackend"]
+
+
 _QUERY_CHUNK = 256
 SUPPORTED_V4 = {AttentionKind.SLIDING, AttentionKind.COMPRESSED_SPARSE, AttentionKind.HEAVILY_COMPRESSED}
 

@@ -30,6 +30,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
+__all__ = [
+    "KVStore",
+    "KVStoreConfig",
+    "KVStoreFactory",
+    "RETENTION_SECONDS",
+    "ReadLease",
+    "StaleTicketError",
+    "WriteTicket",
+]
+
+
 RETENTION_SECONDS = {"agent": 3 * 86400, "chat": 7 * 86400}
 
 

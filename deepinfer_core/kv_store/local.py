@@ -57,6 +57,9 @@ from .records import (
     write_record,
 )
 
+__all__ = ["LocalDiskKVStore"]
+
+
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
 DAY = 86400

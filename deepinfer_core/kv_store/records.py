@@ -39,6 +39,30 @@ from typing import Protocol, Sequence
 
 from crc32c import crc32c
 
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "PAYLOAD_ALIGN",
+    "PosixRecordIO",
+    "RecordHeader",
+    "RecordIO",
+    "VERSION",
+    "decode_header",
+    "encode_header",
+    "is_regular_file",
+    "key_from_filename",
+    "namespace_fingerprint",
+    "open_regular",
+    "payload_matches",
+    "payload_offset",
+    "read_record",
+    "record_bytes",
+    "record_filename",
+    "remove_file",
+    "write_record",
+]
+
+
 MAGIC = b"DIKV"
 VERSION = 2
 _HEADER = struct.Struct("<4sHH16sQdI")

@@ -8,6 +8,9 @@ except ImportError:  # pragma: no cover
     from importlib import metadata  # type: ignore[no-redef]
 
 
+__all__ = ["installed_file", "smollm2_gguf"]
+
+
 def installed_file(distribution: str, suffix: str) -> str | None:
     """Path of the first file of ``distribution`` ending in ``suffix``, or None if the
     distribution is not installed. Found through the distribution's RECORD, because importing

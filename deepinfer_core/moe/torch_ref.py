@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from . import LEARNED_SCORINGS, ExpertWeights, MoECapabilities, MoESpec
 
+__all__ = ["TorchMoEDispatcher"]
+
 
 class TorchMoEDispatcher:
     name = "torch-reference"

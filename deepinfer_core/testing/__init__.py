@@ -14,3 +14,5 @@ speculative policies      ``testing.speculative.VerificationPolicySuite`` ``poli
 models                    ``testing.models.ModelRegistrySuite``       ``plugin``
 ========================  ==========================================  ==========================
 """
+
+__all__ = []

@@ -45,6 +45,19 @@ from ..attention import AttentionBackend, AttentionKind, AttentionLayerSpec, Att
 from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN, skip_unclaimed
 from .platform import usable_device
 
+__all__ = [
+    "AttentionBackendSuite",
+    "BLOCK_SIZE",
+    "CASES",
+    "NUM_BLOCKS",
+    "SCHEDULE",
+    "SENTINEL",
+    "Scenario",
+    "TOTAL_LEN",
+    "dense_reference",
+    "make_spec",
+]
+
 CASES: dict[AttentionKind, tuple[str, ...]] = {
     AttentionKind.FULL: ("full-mha", "full-gqa"),
     AttentionKind.MLA: ("mla-absorbed",),

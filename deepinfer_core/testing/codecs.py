@@ -45,6 +45,9 @@ from ..codecs import (
     ProtocolError,
 )
 
+__all__ = ["OutputParserSuite", "PromptEncodingSuite", "ProtocolCodecSuite"]
+
+
 _HTTP_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE"}
 
 

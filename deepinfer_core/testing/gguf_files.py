@@ -17,6 +17,17 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = [
+    "CHATML_TEMPLATE",
+    "random_tensor",
+    "requantize_gguf",
+    "tiny_qwen2_vocab",
+    "write_hf_qwen2_gguf",
+    "write_random_llama_gguf",
+    "write_tiny_llama_gguf",
+]
+
+
 _FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "F32": 0}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 

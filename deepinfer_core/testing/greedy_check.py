@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from ..engine.sampling_params import SamplingParams
 
+__all__ = ["GreedyMiss", "GreedyReport", "assert_same_or_near_tie", "check_greedy", "mixed_prompts", "run_arriving"]
+
 
 @dataclass(frozen=True)
 class GreedyMiss:

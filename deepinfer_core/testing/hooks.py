@@ -7,6 +7,8 @@ import re
 
 from .. import hookspecs
 
+__all__ = ["documentation_problems", "hookspec_functions"]
+
 
 def hookspec_functions() -> dict[str, object]:
     """Every hook spec in :mod:`deepinfer_core.hookspecs`, by name."""

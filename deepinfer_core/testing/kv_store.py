@@ -28,6 +28,9 @@ import pytest
 
 from ..kv_store import RETENTION_SECONDS, KVStore, KVStoreConfig, StaleTicketError
 
+__all__ = ["DAY", "KVStoreSuite", "StoreFactory", "corrupt_record_file", "key"]
+
+
 StoreFactory = Callable[[KVStoreConfig], KVStore]
 DAY = 86400
 

@@ -13,6 +13,8 @@ import pytest
 
 from ..hookspecs import PROJECT
 
+__all__ = ["ModelRegistrySuite"]
+
 
 class ModelRegistrySuite:
     """What a model catalogue plugin must register."""

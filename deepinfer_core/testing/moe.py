@@ -21,6 +21,8 @@ import torch
 from ..moe import ExpertWeights, MoEDispatcher, MoESpec, moe_capabilities
 from .platform import usable_device
 
+__all__ = ["MoEDispatcherSuite", "naive_moe", "reference_scores"]
+
 
 def reference_scores(scoring: str, logits: torch.Tensor) -> torch.Tensor:
     """Routing scores straight from their definitions, in float64."""

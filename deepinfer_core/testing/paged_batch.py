@@ -24,6 +24,8 @@ import torch
 
 from deepinfer_core.attention import AttentionMetadata
 
+__all__ = ["ScatteredBatch", "scattered_batch"]
+
 
 @dataclass(frozen=True)
 class ScatteredBatch:

@@ -19,6 +19,8 @@ import torch
 
 from ..platform import Platform, ProbeResult
 
+__all__ = ["PlatformSuite", "usable_device"]
+
 
 class PlatformSuite:
     """What every :class:`~deepinfer_core.platform.Platform` must do."""

@@ -12,6 +12,9 @@ import torch
 
 from ..speculative import VerificationPolicy
 
+__all__ = ["BUDGETS", "SHAPES", "VerificationPolicySuite", "survivals"]
+
+
 BUDGETS = (0, 1, 3, 7, 12, 40)
 SHAPES = ((1, 5), (4, 5), (6, 3))
 

@@ -18,6 +18,17 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "FP8_QUANTIZATION_CONFIG",
+    "SMALL_V3_CONFIG",
+    "TINY_V3_CONFIG",
+    "fp8_dequantize",
+    "fp8_tiles",
+    "rewrite_as_fp8_blocks",
+    "tiny_deepseek_v3",
+]
+
+
 # Token ids every tiny V3 of the test suites shares; each test picks its own widths and counts.
 _COMMON: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
 # Two layers (one dense, one MoE of 8 experts, top-2 in 2 groups, a shared expert), MLA with a

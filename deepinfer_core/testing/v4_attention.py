@@ -27,6 +27,17 @@ from ..attention import AttentionKind, AttentionLayerSpec, AttentionMetadata
 from .attention_shared import BLOCK_SIZE, NUM_BLOCKS, SCHEDULE, SENTINEL, TOTAL_LEN, skip_unclaimed
 from .platform import usable_device
 
+__all__ = [
+    "SLOTS",
+    "V4AttentionBackendSuite",
+    "V4Cache",
+    "V4Scenario",
+    "V4_CASES",
+    "make_v4_spec",
+    "v4_dense_reference",
+]
+
+
 V4_CASES = {
     AttentionKind.SLIDING: "v4-sliding",
     AttentionKind.COMPRESSED_SPARSE: "v4-csa",

@@ -19,6 +19,9 @@ import torch
 from ..models.deepseek_v4.weights import released_tensors
 from ..quant import quant_fp4, quant_fp8_block
 
+__all__ = ["FP8_QUANTIZATION", "TINY_V4_CONFIG", "random_released_weights", "write_tiny_v4_checkpoint"]
+
+
 # Every layer kind (sliding, CSA, HCA), two hash layers, hyper-connections, one MTP block; dims
 # that give several FP8 tiles (256 = 2 x 128) and whole MXFP4 groups.
 TINY_V4_CONFIG: Mapping[str, Any] = MappingProxyType(

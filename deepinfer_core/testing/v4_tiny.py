@@ -16,6 +16,9 @@ from typing import Any, Mapping
 
 import torch
 
+__all__ = ["TINY_V4_KWARGS", "randomise_zero_initialised", "save_tiny_v4", "tiny_v4_config"]
+
+
 TINY_V4_KWARGS: Mapping[str, Any] = MappingProxyType(
     dict(
         vocab_size=320,
