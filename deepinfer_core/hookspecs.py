@@ -111,8 +111,12 @@ def deepinfer_attention_backend(layer: AttentionLayerSpec, platform: Platform) -
     Called by the model builder once per distinct layer spec while the model is constructed;
     the engine then calls ``backend.forward`` directly every step. ``PluginHost`` asks the
     installed plugins in name order, then the builtins, and stops at the first non-None
-    result; ``LLM(attention_backend=NAME)`` asks plugin NAME only (``"builtin"``: the core's).
-    The builtin torch reference answers last for every kind it supports.
+    result that can serve the layer: an answer whose ``capabilities``
+    (:class:`~deepinfer_core.attention.AttentionCapabilities`) do not cover the layer's kind is
+    passed over, so the layer goes to the next plugin or the builtin; an answer declaring none
+    serves what it is returned for (contract 1), but a DeepSeek-V4 layer only with ``forward_v4``.
+    ``LLM(attention_backend=NAME)`` asks plugin NAME only (``"builtin"``: the core's). The builtin
+    torch reference answers last for every kind it supports.
 
     :param layer: frozen spec: ``kind`` (full | mla | sliding | compressed_sparse |
         heavily_compressed), head counts and sizes, window, compression, dtypes.
@@ -129,7 +133,10 @@ def deepinfer_moe_dispatcher(moe: MoESpec, platform: Platform, parallel: Paralle
     Called by the model builder once per MoE layer spec; the engine then calls
     ``select_experts`` and ``forward`` directly. Asked in the same order as
     ``deepinfer_attention_backend`` (``LLM(moe_backend=NAME)`` asks NAME only); stops at the
-    first non-None result.
+    first non-None result whose ``capabilities`` (:class:`~deepinfer_core.moe.MoECapabilities`)
+    cover the layer: a ``hash`` layer goes only to a dispatcher declaring ``hash_routing``, the
+    only kind ever called with ``token_ids=`` / ``hash_table=``. A dispatcher declaring nothing is
+    a contract-1 dispatcher: the learned scorings, no hash routing.
 
     :param moe: frozen spec: experts, top-k, scoring, groups, widths, clamp.
     :param platform: the platform the model runs on.
