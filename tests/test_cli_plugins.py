@@ -40,6 +40,9 @@ def test_plugins_table_lists_builtins_as_usable():
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "VERSION", "CONTRACT", "HOOKS", "USABLE"]
     row = next(line for line in lines if line.startswith("core.platforms"))
     assert "deepinfer-core" in row and "platform,probe" in row and row.rstrip().endswith("yes")
+    from deepinfer_core.hookspecs import CONTRACT_VERSION
+
+    assert row.split()[3] == str(CONTRACT_VERSION)  # builtins speak the core's contract
 
 
 def test_plugins_json_has_every_field():
@@ -59,6 +62,7 @@ def test_plugins_json_has_every_field():
         "note",
     }
     assert kernels["builtin"] and kernels["usable"]
+    assert kernels["contract"] >= 2 and kernels["note"] == ""
     assert sorted(kernels["hooks"]) == ["attention_backend", "moe_dispatcher"]
 
 
