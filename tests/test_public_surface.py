@@ -79,6 +79,19 @@ def test_plugin_packages_import_only_the_public_surface(package):
     assert surface_violations(package) == []
 
 
+@pytest.mark.parametrize("tests", sorted(ROOT.glob("tests/fixtures/*/tests")), ids=lambda p: p.parent.name)
+def test_third_party_fixture_tests_use_only_what_plugin_tests_may(tests):
+    """The fixtures stand for plugins shipped on their own: their tests may add the engine, the
+    host and the server (``TEST_MODULES``) to the public surface, and nothing else."""
+    problems = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in sorted(tests.rglob("*.py"))
+        for line, module, _ in core_imports(path)
+        if not is_public(module, tests=True)
+    ]
+    assert problems == []
+
+
 def test_the_scan_sees_imports_inside_functions_and_private_names(tmp_path):
     pkg = tmp_path / "deepinfer_bad"
     pkg.mkdir()
