@@ -1,7 +1,7 @@
 """The CPU default on GGUF files nobody tuned for: other Llama shapes and every common tensor type.
 
-    nice -n 15 .venv/bin/python benchmarks/cpu_gguf_check.py            # all files
-    nice -n 15 .venv/bin/python benchmarks/cpu_gguf_check.py --only q4_0_h256,q6_k
+    nice -n 15 .venv/bin/python benchmarks/cpu/cpu_gguf_check.py            # all files
+    nice -n 15 .venv/bin/python benchmarks/cpu/cpu_gguf_check.py --only q4_0_h256,q6_k
 
 Each file is a random-weight Llama GGUF written by the ``gguf`` library (its writer and
 quantizers; K-quant and IQ4 blocks are random bytes, valid for any code pattern:
@@ -552,7 +552,7 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
     import httpx
     import openai
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve"))
     from serve_load import free_port
 
     port = free_port()

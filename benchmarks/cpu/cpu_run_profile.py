@@ -1,6 +1,6 @@
 """Where a whole ``cpu_throughput.py`` run's wall time goes: deepinfer's default on SmolLM2.
 
-    .venv/bin/python benchmarks/cpu_run_profile.py --concurrency 32 --threads 2
+    .venv/bin/python benchmarks/cpu/cpu_run_profile.py --concurrency 32 --threads 2
 
 ``cpu_step_profile.py`` looks at a few steady decode steps; this script times every step of one
 generate() call shaped like ``cpu_throughput.py``'s (the same prompts, KV cache size and sampling:

@@ -1,6 +1,6 @@
 """deepinfer's default vs llama.cpp on shapes other than cpu_throughput.py's, in CPU seconds on one thread.
 
-    .venv/bin/python benchmarks/cpu_shapes.py 2:128:65 16:512:1 16:16-1500:9 32:128:17:Q8_0
+    .venv/bin/python benchmarks/cpu/cpu_shapes.py 2:128:65 16:512:1 16:16-1500:9 32:128:17:Q8_0
 
 Each SHAPE is ``requests:prompt tokens:new tokens[:GGUF]``: prompt tokens ``LOW-HIGH`` gives
 mixed lengths, GGUF another file of the same weights (Q8_0, Q4_K_M, ...; see cpu_throughput.py's

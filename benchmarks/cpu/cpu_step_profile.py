@@ -1,6 +1,6 @@
 """Where one CPU decode step goes: deepinfer's default (low-bit GGUF weights) on SmolLM2.
 
-    .venv/bin/python benchmarks/cpu_step_profile.py --requests 1,32 --threads 2 [--paths fused,torch]
+    .venv/bin/python benchmarks/cpu/cpu_step_profile.py --requests 1,32 --threads 2 [--paths fused,torch]
 
 For each request count R: R distinct 128-token prompts are prefilled, then ``--steps`` decode
 steps (R tokens each) run under the torch profiler. The low-bit kernels are ctypes calls the

@@ -1,6 +1,6 @@
 """CPU throughput: deepinfer vs transformers ``generate`` vs llama.cpp, SmolLM2-135M-Instruct (Q4_1 GGUF).
 
-    .venv/bin/python benchmarks/cpu_throughput.py --concurrency 1,8,32 --new-tokens 128
+    .venv/bin/python benchmarks/cpu/cpu_throughput.py --concurrency 1,8,32 --new-tokens 128
 
 Every request has a distinct prompt of exactly ``--prompt-tokens`` token ids and produces exactly
 ``--new-tokens`` tokens (greedy, EOS ignored). ``--prompt-tokens 16-1500`` gives prompts of mixed
@@ -11,7 +11,7 @@ of the environment's, e.g. a build for another instruction set (``pip install --
 newer CPU. The table's last lines say what each engine was built for (llama.cpp's system info,
 deepinfer's low-bit kernels' instruction set).
 ``--gguf Q8_0`` (or Q4_0, Q5_0, Q4_K_M, ..., or a path) serves another GGUF of the same weights:
-Q8_0/Q4_0/Q5_0 are written by the ``gguf`` library's quantizer (as benchmarks/lowbit_agreement.py
+Q8_0/Q4_0/Q5_0 are written by the ``gguf`` library's quantizer (as benchmarks/cpu/lowbit_agreement.py
 does), K-quants by llama.cpp's own ``llama_model_quantize`` from a float32 file. All requests of a level are submitted at once and the
 score is total output tokens / wall time of the whole batch (prefill included). Each (engine,
 concurrency) pair runs in its own subprocess, so peak RSS (``ru_maxrss``) is that engine's alone.

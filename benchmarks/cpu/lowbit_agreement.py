@@ -1,6 +1,6 @@
 """How close low-bit serving stays to the float32 model: deepinfer's default vs llama.cpp.
 
-    .venv/bin/python benchmarks/lowbit_agreement.py --tokens 128
+    .venv/bin/python benchmarks/cpu/lowbit_agreement.py --tokens 128
 
 For SmolLM2's own Q4_1 GGUF and a Q8_0 GGUF written from the same weights by the ``gguf``
 library's quantizer, 16 chat prompts are answered greedily (EOS ignored) by:

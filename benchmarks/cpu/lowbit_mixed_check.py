@@ -1,6 +1,6 @@
 """The CPU default checked on batches it was not tuned on, against the dequantized float32 model.
 
-    .venv/bin/python benchmarks/lowbit_mixed_check.py --concurrency 2,3,5,16,17,48,64
+    .venv/bin/python benchmarks/cpu/lowbit_mixed_check.py --concurrency 2,3,5,16,17,48,64
 
 For each concurrency N: N requests whose prompts cycle through 1, 7, 127, 129, 500 and 2,000
 tokens arrive in 3 waves two steps apart (later ones join while earlier ones decode), on an

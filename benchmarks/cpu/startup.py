@@ -2,7 +2,7 @@
 with the default (low-bit on CPU) and ``--dtype float32``, next to llama.cpp (llama-cpp-python)
 opening the same GGUF and streaming its first chat token, in the same run.
 
-    .venv/bin/python benchmarks/startup.py --repeats 3 --before 262da3f
+    .venv/bin/python benchmarks/cpu/startup.py --repeats 3 --before 262da3f
 
 *cold*: an empty start-up cache directory (``DEEPINFER_CACHE_DIR``); *warm*: the directory a
 cold run of the same configuration left behind (an untimed one when only ``--caches warm`` is
@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "What is the capital of France?"
 LLAMACPP_CHILD = r"""
 import sys, time

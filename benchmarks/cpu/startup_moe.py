@@ -6,7 +6,7 @@ the CPU, from token ids (neither has a tokenizer), and whether the process impor
 checkpoints are written once and shared. What is timed is mostly ``import torch`` and model
 construction: the models are tiny, so their weights take no time to read.
 
-    .venv/bin/python benchmarks/startup_moe.py --repeats 5 --before 29eba82
+    .venv/bin/python benchmarks/cpu/startup_moe.py --repeats 5 --before 29eba82
 
 Not part of the test suite: tests never time things.
 """

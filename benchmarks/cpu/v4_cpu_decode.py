@@ -8,7 +8,7 @@ score = N x new tokens / wall time of the batch (prefill included), after an unt
 transformers runs one batched ``generate`` (equal-length prompts, no padding). Request 0's
 tokens are compared (greedy agreement).
 
-    .venv/bin/python benchmarks/v4_cpu_decode.py --concurrency 1,8 --prompt-tokens 512 --new-tokens 64
+    .venv/bin/python benchmarks/cpu/v4_cpu_decode.py --concurrency 1,8 --prompt-tokens 512 --new-tokens 64
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Kernel by kernel: what one replay of a captured decode graph spends its GPU time on.
 
-    python benchmarks/decode_kernels.py --levels 16,64              # random V3-mini, bf16
-    python benchmarks/decode_kernels.py --levels 64 --fp8           # then the same checkpoint in FP8
+    python benchmarks/gpu/decode_kernels.py --levels 16,64              # random V3-mini, bf16
+    python benchmarks/gpu/decode_kernels.py --levels 64 --fp8           # then the same checkpoint in FP8
 
 Builds the random V3-mini of ``gpu_throughput.py`` (same seed, same config), starts the engine
 with its decode graphs, times decode at each level as ``gpu_throughput.py`` does (so the graphs

@@ -20,8 +20,8 @@ stage clocks, whose own cost (~4 us a wrapped call) the stage sums include.
 start the same way), the peer in the same run; the machine's load hits both alike, and each figure
 is the median over ``--rounds`` processes.
 
-    .venv/bin/python benchmarks/engine_host_time.py --before 9bbfe2d --rounds 5
-    .venv/bin/python benchmarks/engine_host_time.py --gc-freeze-ab --rounds 5   # gc.freeze() after start-up or not
+    .venv/bin/python benchmarks/gpu/engine_host_time.py --before 9bbfe2d --rounds 5
+    .venv/bin/python benchmarks/gpu/engine_host_time.py --gc-freeze-ab --rounds 5   # gc.freeze() after start-up or not
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def child(path: str, repeats: int, frozen: bool = True) -> dict:
 
 # -- parent: alternate revisions, print the tables ---------------------------------------------
 def export(rev: str, into: str) -> str:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     tar = subprocess.run(["git", "archive", rev, "deepinfer_core"], cwd=root, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=tar, check=True)
     return into
@@ -259,7 +259,7 @@ def main() -> None:
             tmp, "now"
         )  # this checkout's engine as it is at the start (edits during the run do not count)
         shutil.copytree(
-            Path(__file__).resolve().parent.parent / "deepinfer_core",
+            Path(__file__).resolve().parents[2] / "deepinfer_core",
             os.path.join(now, "deepinfer_core"),
             ignore=shutil.ignore_patterns("__pycache__", "*.so"),
         )

@@ -3,7 +3,7 @@
 Runs the same engine code as the CPU path (no GPU kernels of our own yet) to show that the
 scheduler / runner / attention metadata work unchanged on a torch device, and what that costs.
 
-    python benchmarks/gpu_builtin_backend.py --model smollm2-135m-instruct
+    python benchmarks/gpu/gpu_builtin_backend.py --model smollm2-135m-instruct
 
 Prints two tables: greedy agreement and logit error versus transformers (float32, same GGUF,
 same GPU), then output tokens/s for deepinfer and transformers ``generate`` at several

@@ -21,9 +21,9 @@ fall-back), or non-finite logits fail. Each config also runs a bf16 engine of th
 prompt logits must be finite; the table reports their largest distance to the float32
 reference's, over the logits' standard deviation.
 
-    python benchmarks/gpu_shapes_check.py                  # GPU: every config, the default shapes
-    python benchmarks/gpu_shapes_check.py --full           # every config x every batch shape
-    python benchmarks/gpu_shapes_check.py --device cpu --tiny --configs llama-hd80-mqa  # plumbing only
+    python benchmarks/gpu/gpu_shapes_check.py                  # GPU: every config, the default shapes
+    python benchmarks/gpu/gpu_shapes_check.py --full           # every config x every batch shape
+    python benchmarks/gpu/gpu_shapes_check.py --device cpu --tiny --configs llama-hd80-mqa  # plumbing only
 
 On the CPU both engines are the builtin path (the plugin answers for CUDA only), so ``--device
 cpu`` checks the script, not the plugin. Exit status 1 when a cell fails.

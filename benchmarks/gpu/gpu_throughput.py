@@ -1,10 +1,10 @@
 """deepinfer with the cuda_sm100 plugin vs transformers on one NVIDIA GPU, side by side.
 
-    python benchmarks/gpu_throughput.py --model v3mini            # random DeepSeek-V3-mini, bf16
-    python benchmarks/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
-    python benchmarks/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
-    python benchmarks/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64   # random DeepSeek-V4-mini
-    python benchmarks/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64 --graphs-off   # + eager decode, same engine
+    python benchmarks/gpu/gpu_throughput.py --model v3mini            # random DeepSeek-V3-mini, bf16
+    python benchmarks/gpu/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
+    python benchmarks/gpu/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
+    python benchmarks/gpu/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64   # random DeepSeek-V4-mini
+    python benchmarks/gpu/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64 --graphs-off   # + eager decode, same engine
 
 For each model, in one process (each engine measured after the other was freed):
 

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, several engine variants alternated on one GPU machine.
 
-    python benchmarks/step_host_ab.py --old path/to/older/tree --rounds 3 --json out.json
+    python benchmarks/gpu/step_host_ab.py --old path/to/older/tree --rounds 3 --json out.json
 
 Why: the 23:00 final run (benchmarks/README.md, code of 6ef834b) read the V3-mini 256-request
 decode step at 4.16 / 4.36 ms (bf16) and 4.33 ms (FP8) against 3.34 / 3.47 and 2.92 ms at 20:04

@@ -8,7 +8,7 @@ separate, the GEMV with the two in one launch, as fused_ops.install stores them)
 checked against the float64 product of the same bf16 operands before it is timed. The copy
 bandwidth of the same run (1 GiB device-to-device, read + write) is the peer for the rates.
 
-    python benchmarks/bf16_gemv.py [--rows 1,2] [--sweep] [--dry]
+    python benchmarks/kernels/bf16_gemv.py [--rows 1,2] [--sweep] [--dry]
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def main() -> None:
     copy_ms = (
         float("nan")
         if args.dry
-        else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")  # noqa: F821 (names deleted after the timing; the lambda runs first)
+        else triton.testing.do_bench(lambda: dst.copy_(buf), warmup=10, rep=100, return_mode="median")
     )
     bw = 2 * buf.numel() / copy_ms / 1e9
-    del buf, dst
+    buf = dst = None  # free the 1 GiB pair (rebinding, not del: the timing lambda names them)
     print(f"copy bandwidth (read + write) {bw:.2f} TB/s")
     counters = SplitCounters()
 

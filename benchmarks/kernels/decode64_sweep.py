@@ -9,7 +9,7 @@ timed as a CUDA graph replays them (``triton.testing.do_bench_cudagraph``, media
   kernel, the tiled kernel at smaller tiles;
 * ``moe_align`` at 384 rows (chunk width, warps).
 
-    python benchmarks/decode64_sweep.py [--only moe,attn,router,align]
+    python benchmarks/kernels/decode64_sweep.py [--only moe,attn,router,align]
 """
 
 from __future__ import annotations

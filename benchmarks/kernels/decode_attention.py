@@ -1,8 +1,8 @@
 """Decode attention over the paged KV cache alone (lowbit/attention.c), float32 vs float16 vs int8
 cache, at SmolLM2-135M's shapes (9 query heads, 3 KV heads, head width 64, 30 layers), same run.
 
-    .venv/bin/python benchmarks/decode_attention.py --requests 1,8,32 --context 192 --threads 1
-    .venv/bin/python benchmarks/decode_attention.py --dtypes float16,int8 --requests 32 --clock cpu
+    .venv/bin/python benchmarks/kernels/decode_attention.py --requests 1,8,32 --context 192 --threads 1
+    .venv/bin/python benchmarks/kernels/decode_attention.py --dtypes float16,int8 --requests 32 --clock cpu
 
 Each request's context of ``--context`` tokens lies in scattered 16-token blocks of a cache
 sized to the batch (as the engine's): a step = one call per layer over its own cache tensor

@@ -1,6 +1,6 @@
 """Timing a kernel benchmark's launches as the decode step runs them: captured in one CUDA graph.
 
-Shared by benchmarks/bf16_gemv.py and benchmarks/fp8_gemv.py (run as scripts, this folder first on
+Shared by benchmarks/kernels/bf16_gemv.py and benchmarks/kernels/fp8_gemv.py (run as scripts, this folder first on
 ``sys.path``)."""
 
 from __future__ import annotations

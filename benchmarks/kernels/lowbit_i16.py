@@ -1,7 +1,7 @@
 """The int16-activation GEMM (kernels_i16.c) against the exact float32-activation one (kernels.c),
 same weights, same process, the two alternating per cell.
 
-    .venv/bin/python benchmarks/lowbit_i16.py --rows 1,8,32,4096 --threads 1 --clock cpu
+    .venv/bin/python benchmarks/kernels/lowbit_i16.py --rows 1,8,32,4096 --threads 1 --clock cpu
 
 Two tables:
 
@@ -134,7 +134,7 @@ def run_ab(requests: int, rounds: int) -> None:
     from deepinfer_core.lowbit import llama_decode, ops
     from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu"))
     from cpu_throughput import build_prompts
 
     prompts = build_prompts(requests, 128)

@@ -1,7 +1,7 @@
 /* The multiply-add ceiling of kernels_i16.c's panel on this CPU, one thread, no memory traffic.
  *
- *     cc -O2 -mavx2 -mfma -o /tmp/ceiling benchmarks/lowbit_i16_ceiling.c && /tmp/ceiling
- *     cc -O2 -mavx2 -mfma -mavx512f -mavx512vl -mavx512vnni -o /tmp/ceiling benchmarks/lowbit_i16_ceiling.c && /tmp/ceiling
+ *     cc -O2 -mavx2 -mfma -o /tmp/ceiling benchmarks/kernels/lowbit_i16_ceiling.c && /tmp/ceiling
+ *     cc -O2 -mavx2 -mfma -mavx512f -mavx512vl -mavx512vnni -o /tmp/ceiling benchmarks/kernels/lowbit_i16_ceiling.c && /tmp/ceiling
  *
  * Why: the panel's block sums are vpmaddwd products each added into an int32 accumulator (no
  * VNNI on AVX2), so the bound is the pair, not vpmaddwd alone. Prints G instructions per second

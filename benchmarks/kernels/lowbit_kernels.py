@@ -2,7 +2,7 @@
 integer (activations rounded to int16 per 32-block) and, for the 4-bit matrices, int8 (the
 opt-in kernels_i8.c), same weights, same run.
 
-    .venv/bin/python benchmarks/lowbit_kernels.py --rows 1,2,4,8,16,32 --threads 1
+    .venv/bin/python benchmarks/kernels/lowbit_kernels.py --rows 1,2,4,8,16,32 --threads 1
 
 Weights are random packed blocks of the model's shapes (q4 for the layers, q8 for the tied
 49,152 x 576 head); each (shape, M) cell is the best of 3 timings of enough calls for ~0.2 s.

@@ -7,9 +7,9 @@
 * torch SDPA (flash) on the same decompressed keys / values, V padded to the query width
   (torch's flash kernel needs one head width), whole prompts of one length only.
 
-    python benchmarks/mla_prefill.py                 # V3-mini widths (16 heads) on a CUDA GPU
-    python benchmarks/mla_prefill.py --heads 128     # DeepSeek-V3's 128 heads
-    TRITON_INTERPRET=1 python benchmarks/mla_prefill.py --tiny   # smoke run on a CPU (no timing value)
+    python benchmarks/kernels/mla_prefill.py                 # V3-mini widths (16 heads) on a CUDA GPU
+    python benchmarks/kernels/mla_prefill.py --heads 128     # DeepSeek-V3's 128 heads
+    TRITON_INTERPRET=1 python benchmarks/kernels/mla_prefill.py --tiny   # smoke run on a CPU (no timing value)
 
 Rows: 64 x 512 whole prompts (gpu_throughput.py's prefill), 4 x 4,096, and a 2,048-token chunk
 over a 6,144-token cached prefix. Each cell is the median of ``--reps`` timed calls after warm-up
@@ -172,14 +172,14 @@ def main() -> None:
         spec, q, key, w_kv, cache, meta, pairs = case(lens, new, heads, latent, rope, nope, v_dim, dtype, device)
         ref = absorbed(spec, q, w_kv, cache, meta, nope)
         out = expanded(spec, q, key, w_kv, cache, meta)
-        t_abs = timed(lambda: absorbed(spec, q, w_kv, cache, meta, nope), args.reps, device)  # noqa: F821 (names deleted after the timing; the lambda runs first)
-        t_exp = timed(lambda: expanded(spec, q, key, w_kv, cache, meta), args.reps, device)  # noqa: F821 (names deleted after the timing; the lambda runs first)
+        t_abs = timed(lambda: absorbed(spec, q, w_kv, cache, meta, nope), args.reps, device)
+        t_exp = timed(lambda: expanded(spec, q, key, w_kv, cache, meta), args.reps, device)
         sd, d_sd = "n/a", "n/a"
         if lens == new and len(set(lens)) == 1:
             try:
                 o_sd = sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0])
                 d_sd = f"{(o_sd.float() - ref.float()).abs().max().item():.2e}"
-                sd = f"{timed(lambda: sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0]), args.reps, device):.3f}"  # noqa: F821 (names deleted after the timing; the lambda runs first)
+                sd = f"{timed(lambda: sdpa(spec, q, key, w_kv, meta, nope, len(lens), lens[0]), args.reps, device):.3f}"
             except RuntimeError as e:  # no flash kernel for these widths / this device
                 sd = f"n/a ({str(e).splitlines()[0][:60]})"
         flop_exp = pairs * heads * 2 * (nope + rope + v_dim)
@@ -188,7 +188,7 @@ def main() -> None:
               f"{(out.float() - ref.float()).abs().max().item():.2e} | {d_sd} |")  # fmt: skip
         if args.sweep:
             sweep(spec, q, key, w_kv, cache, meta, nope, flop_exp, args.reps, device)
-        del spec, q, key, w_kv, cache, meta, ref, out
+        spec = q = key = w_kv = cache = meta = ref = out = None  # free them before the next shape
         if device == "cuda":
             torch.cuda.empty_cache()
 

@@ -1,9 +1,9 @@
 """DeepSeek-V4 attention alone: the cuda_sm100 Triton kernels vs the core's torch reference
 (``v4_ref``, what the plugin ran before) on the same inputs, in one run, per layer kind.
 
-    python benchmarks/v4_attention.py                      # V4-mini shapes on a CUDA GPU
-    python benchmarks/v4_attention.py --heads 64           # V4-Flash's 64 heads
-    TRITON_INTERPRET=1 python benchmarks/v4_attention.py --tiny   # smoke run on a CPU (no timing value)
+    python benchmarks/kernels/v4_attention.py                      # V4-mini shapes on a CUDA GPU
+    python benchmarks/kernels/v4_attention.py --heads 64           # V4-Flash's 64 heads
+    TRITON_INTERPRET=1 python benchmarks/kernels/v4_attention.py --tiny   # smoke run on a CPU (no timing value)
 
 Rows: decode at 1 / 16 / 64 requests (context ``--context``), prefill of 4 x 512 new tokens
 after a cached prefix. Each cell is the median of ``--reps`` timed calls after

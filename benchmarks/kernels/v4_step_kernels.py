@@ -14,7 +14,7 @@ iterations, 4 streams) at tiny widths: the counts do not depend on the widths. A
 run the builtin torch backends here (on the GPU they are 2 and ~6 Triton launches a layer), so
 those rows overstate the GPU; the hyper-connection and compressor rows are what the GPU runs.
 
-    TRITON_INTERPRET=1 python benchmarks/v4_step_kernels.py
+    TRITON_INTERPRET=1 python benchmarks/kernels/v4_step_kernels.py
 """
 
 from __future__ import annotations

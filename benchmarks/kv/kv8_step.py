@@ -1,6 +1,6 @@
 """The whole 32-request decode step with a float16 vs an int8 KV cache, in one process.
 
-    .venv/bin/python benchmarks/kv8_step.py --requests 32 --steps 48 --threads 2
+    .venv/bin/python benchmarks/kv/kv8_step.py --requests 32 --steps 48 --threads 2
 
 Two engines on SmolLM2's Q4_1 GGUF (the default path; ``kv_cache_dtype`` float16 and int8) each
 prefill the same ``--requests`` 128-token prompts, then their decode steps alternate, one step of
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu"))
     from cpu_throughput import build_prompts, start_decoding
 
     from deepinfer_core import LLM, SamplingParams

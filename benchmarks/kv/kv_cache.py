@@ -18,8 +18,8 @@ three blocks fill and are written during each decode): one process, two engines 
 model decoding the same fresh prompt step by step in lockstep (A B, B A, ...), ``--reps`` times,
 each side's mean and median per step reported with the ratio (the issue's line: within 5%). ``--lengths ""`` runs only the decode part.
 
-    python benchmarks/kv_cache.py --lengths 4096,8192
-    python benchmarks/kv_cache.py --tiny-v4 --lengths 16384,32768   # a random tiny DeepSeek-V4 (transformers builds it)
+    python benchmarks/kv/kv_cache.py --lengths 4096,8192
+    python benchmarks/kv/kv_cache.py --tiny-v4 --lengths 16384,32768   # a random tiny DeepSeek-V4 (transformers builds it)
 
 SmolLM2's context is 8K; the 16K and 32K rows use ``--tiny-v4`` (random weights, random token
 ids: the timing does not depend on the weights' values).

@@ -1,7 +1,7 @@
 """How long a full garbage collection stalls a `deepinfer serve` process, with and without the
 `gc.freeze()` the server does once its engine is up (serve/cli.py).
 
-    .venv/bin/python benchmarks/gc_pause.py [--model PATH] [--rounds 3]
+    .venv/bin/python benchmarks/serve/gc_pause.py [--model PATH] [--rounds 3]
 
 Builds what `deepinfer serve` builds (the plugin host, the engine on the default model, the HTTP
 app), then times `gc.collect()` (a full, generation-2 collection: what Python runs now and then

@@ -4,7 +4,7 @@ pushed in pieces of 4 characters (streamed: the consumer reads every delta) or i
 (``git show REV:deepinfer_core/serve/tool_calls.py``, its one relative import made absolute)
 so before and after share the run.
 
-    .venv/bin/python benchmarks/hermes_streaming.py --before 29eba82 --sizes 16384,65536,262144
+    .venv/bin/python benchmarks/serve/hermes_streaming.py --before 29eba82 --sizes 16384,65536,262144
 
 Not part of the test suite: tests never time things.
 """
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parser_from(rev: str | None, work: str):

@@ -5,8 +5,8 @@ re-scan everything it holds on each piece (issue 7 measured 9.9 s for a 200 KB a
 4 characters at a time). The peer is the same parser fed the whole text in one call, measured
 in the same run: streaming should stay within a small factor of it, at every size.
 
-    python benchmarks/parser_streaming.py                # 64 KB .. 1 MB, 4-character pieces
-    python benchmarks/parser_streaming.py --sizes 1048576 --piece 1 --repeats 5
+    python benchmarks/serve/parser_streaming.py                # 64 KB .. 1 MB, 4-character pieces
+    python benchmarks/serve/parser_streaming.py --sizes 1048576 --piece 1 --repeats 5
 
 Streamed is measured twice: with the parser as ``make_parser`` gives it (its C front where that
 was built, see ``deepseek_v4/native.py``) and with its pure-Python quiet push (the fallback,

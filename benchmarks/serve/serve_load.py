@@ -15,7 +15,7 @@ best of each), so that the ratios compare runs minutes apart at most, not a whol
 on a shared machine whose load drifts. An engine that cannot run is reported as unavailable,
 and the others still run.
 
-    python benchmarks/serve_load.py --concurrency 1,8,32 --prompt-tokens 128 --new-tokens 128
+    python benchmarks/serve/serve_load.py --concurrency 1,8,32 --prompt-tokens 128 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class Offline:
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(threads),
-            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         }
         args = json.dumps(
             {
