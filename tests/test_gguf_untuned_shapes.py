@@ -1,4 +1,4 @@
-"""A small fast case of ``benchmarks/cpu_gguf_check.py``: the CPU default on GGUF files nobody
+"""A small fast case of ``benchmarks/cpu/cpu_gguf_check.py``: the CPU default on GGUF files nobody
 tuned for (random weights, shapes and tensor types other than SmolLM2's).
 
 The reference is the same file loaded with ``dtype="float32"``: the ``gguf`` library dequantizes

@@ -3,7 +3,7 @@ on: prompt lengths 1 to 500 mixed in one batch, more requests than sequence slot
 arriving while others decode, prompts chunked across steps, and a KV pool too small for all of
 them (preemption and recompute). Every output token is checked against the dequantized float32
 model teacher-forced on the same prefix (``deepinfer_core.testing.greedy_check``); that model is
-pinned to transformers by test_engine_smollm2.py. ``benchmarks/lowbit_mixed_check.py`` runs the
+pinned to transformers by test_engine_smollm2.py. ``benchmarks/cpu/lowbit_mixed_check.py`` runs the
 same check at concurrencies 2-64 and prompts up to 2,000 tokens.
 """
 

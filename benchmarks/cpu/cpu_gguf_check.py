@@ -215,7 +215,8 @@ FILES: dict[str, dict] = {
         rope_theta=1000000.0,
         types={"*": "Q8_0"},
     ),
-    # Qwen2.5-0.5B's widths (896: not a multiple of 256, llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 there; down keeps Q6_K)
+    # Qwen2.5-0.5B's widths (896: not a multiple of 256, llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 there; down keeps
+    # Q6_K)
     "qwen2_mixed_h896": dict(
         H,
         arch="qwen2",
@@ -392,12 +393,14 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
         (
             "identical tokens"
             if same
-            else f"tokens differ: {sum(a != b for a, b in zip(runs[1], runs[2]))} (1v2), {sum(a != b for a, b in zip(runs[1], runs[3]))} (1v3) of 8"
+            else f"tokens differ: {sum(a != b for a, b in zip(runs[1], runs[2]))} (1v2), "
+            f"{sum(a != b for a, b in zip(runs[1], runs[3]))} (1v3) of 8"
         )
         + (
             "; prompt logits bit-identical"
             if bits
-            else f"; prompt logits differ by up to {max((logits[1] - logits[t]).abs().max().item() for t in (2, 3)):.2e}"
+            else f"; prompt logits differ by up to "
+            f"{max((logits[1] - logits[t]).abs().max().item() for t in (2, 3)):.2e}"
         ),
     )
 
@@ -464,7 +467,8 @@ def llama_cpp_check(path, ref, prompts, n, tolerance, ours: str) -> tuple[str, s
     ok = r.exact >= 0.8 * r.tokens
     return (
         ("PASS" if ok else "FAIL"),
-        f"llama.cpp's tokens vs our float32 reference: {r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f} (ours: {ours})",
+        f"llama.cpp's tokens vs our float32 reference: {r.exact}/{r.tokens} argmax, worst gap {r.worst_gap:.3f} (ours: "
+        f"{ours})",
     )
 
 

@@ -8,7 +8,8 @@ generate() call shaped like ``cpu_throughput.py``'s (the same prompts, KV cache 
 prefill and decode steps: the model's forward (the one native call; prefill contexts over
 2,048 tokens and ``DEEPINFER_NATIVE_PREFILL=0`` take the torch ops, whose low-bit GEMM calls are
 timed apart), the LM head, sampling, and what is left (scheduling, batch building, Python); and
-the native call's own CPU split (GEMMs, attention, the rest) per step kind. Timers wrap the engine's own methods on this one engine (nothing changes in the engine);
+the native call's own CPU split (GEMMs, attention, the rest) per step kind. Timers wrap the engine's own methods on
+this one engine (nothing changes in the engine);
 each adds ~1 us per call.
 """
 
@@ -128,7 +129,8 @@ def main() -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run prefills)",
+        help="then ROUNDS whole runs with native prefill on and off, alternating (no prefix cache, so each run "
+        "prefills)",
     )
     parser.add_argument(
         "--head-ab",
@@ -174,7 +176,8 @@ def main() -> None:
     modules.ops = saved_ops
     tokens = sum(len(o) for o in outputs)
     print(
-        f"{args.concurrency} requests x {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} threads, "
+        f"{args.concurrency} requests x {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.threads} "
+        f"threads, "
         f"load average before {load:.1f}: {wall:.2f} s wall ({tokens / wall:.1f} tok/s), {cpu:.2f} s CPU"
     )
     print("\n| step kind | part | wall s | share of the run |")
@@ -215,7 +218,8 @@ def main() -> None:
         for native in (True, False):
             w = sorted(walls[native])
             print(
-                f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |"
+                f"| {'native (default)' if native else 'torch ops (DEEPINFER_NATIVE_PREFILL=0)'} | {len(w)} | "
+                f"{w[0]:.2f} | {w[len(w) // 2]:.2f} | {tokens / w[0]:.1f} |"
             )
 
     if args.head_ab:
@@ -254,7 +258,8 @@ def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: in
         w = sorted(x for x, _ in walls[label])
         c = sorted(y for _, y in walls[label])
         print(
-            f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | {tokens / w[0]:.1f} |"
+            f"| {label} | {len(w)} | {w[0]:.2f} | {w[len(w) // 2]:.2f} | {c[0]:.2f} | {c[len(c) // 2]:.2f} | "
+            f"{tokens / w[0]:.1f} |"
         )
 
 

@@ -54,11 +54,13 @@ def main() -> None:
         rows.append((spec, cpu["deepinfer"], cpu["llamacpp"], same, n, os.getloadavg()[0]))
         print(f"done: {spec}", file=sys.stderr, flush=True)
     print(
-        f"SmolLM2-135M-Instruct, 1 thread, CPU seconds of one generate() per engine (prefill included), best of {args.rounds}; "
+        f"SmolLM2-135M-Instruct, 1 thread, CPU seconds of one generate() per engine (prefill included), best of "
+        f"{args.rounds}; "
         f"deepinfer at {ct.revision()}\n"
     )
     print(
-        "| requests:prompt:new[:file] | deepinfer CPU s | llama.cpp CPU s | llama.cpp / deepinfer | requests identical | load |"
+        "| requests:prompt:new[:file] | deepinfer CPU s | llama.cpp CPU s | llama.cpp / deepinfer | requests identical "
+        "| load |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for spec, ours, theirs, same, n, load in rows:

@@ -97,7 +97,8 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
             wall[path] += (time.perf_counter() - w) * 1000 / (2 * steps)
             cpu[path] += (time.process_time() - c) * 1000 / (2 * steps)
     print(
-        f"\n{requests} request(s), {describe_weights(engine.model)}, {torch.get_num_threads()} threads, paths alternating step by step:"
+        f"\n{requests} request(s), {describe_weights(engine.model)}, {torch.get_num_threads()} threads, paths "
+        f"alternating step by step:"
     )
     print("| path | CPU ms / step | wall ms / step | tok/s (wall) | CPU vs torch path |")
     print("|---|---:|---:|---:|---:|")
@@ -109,7 +110,8 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
         plan.phase_ms = None
         print(
             f"\nfused path, CPU ms per step: native call {gemm + attn + rest:.1f} = layer GEMMs {gemm:.1f} + attention "
-            f"(rotary, KV write, paged attention) {attn:.1f} + the rest (embedding, norms, residuals, SiLU-mul) {rest:.1f}; "
+            f"(rotary, KV write, paged attention) {attn:.1f} + the rest (embedding, norms, residuals, SiLU-mul) "
+            f"{rest:.1f}; "
             f"outside it (LM head, sampling, scheduler, Python) {cpu['fused'] - gemm - attn - rest:.1f}"
         )
     for path in paths:

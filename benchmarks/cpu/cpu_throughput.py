@@ -12,7 +12,8 @@ newer CPU. The table's last lines say what each engine was built for (llama.cpp'
 deepinfer's low-bit kernels' instruction set).
 ``--gguf Q8_0`` (or Q4_0, Q5_0, Q4_K_M, ..., or a path) serves another GGUF of the same weights:
 Q8_0/Q4_0/Q5_0 are written by the ``gguf`` library's quantizer (as benchmarks/cpu/lowbit_agreement.py
-does), K-quants by llama.cpp's own ``llama_model_quantize`` from a float32 file. All requests of a level are submitted at once and the
+does), K-quants by llama.cpp's own ``llama_model_quantize`` from a float32 file. All requests of a level are submitted
+at once and the
 score is total output tokens / wall time of the whole batch (prefill included). Each (engine,
 concurrency) pair runs in its own subprocess, so peak RSS (``ru_maxrss``) is that engine's alone.
 Not part of the test suite: tests never time things.
@@ -392,7 +393,8 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
                 else (f"{r.tokens_per_s:.1f}", f"{r.peak_rss_mib:.0f}", f"{r.ttft_ms:.0f}" if r.ttft_ms else "–")
             )
             print(
-                f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {cells[2]} | {ratio(ours, r) if ours else '–'} |"
+                f"| {n} | {LABELS[r.engine]} | {cells[0]} | {cells[1]} | {cells[2]} | "
+                f"{ratio(ours, r) if ours else '–'} |"
             )
     print("\n| concurrency | deepinfer | / transformers | / llama.cpp | / best peer |")
     print("|---:|---|---:|---:|---:|")
@@ -403,7 +405,8 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         if ours is None:
             continue
         print(
-            f"| {n} | {LABELS[ours.engine]} | {ratio(ours, level.get('transformers'))} | {ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |"
+            f"| {n} | {LABELS[ours.engine]} | {ratio(ours, level.get('transformers'))} | "
+            f"{ratio(ours, level.get('llamacpp'))} | {ratio(ours, best)} |"
         )
     print("\nGreedy agreement, request 0, common prefix in tokens:")
     for n in args.concurrency:
@@ -481,7 +484,8 @@ def main() -> None:
     weights = os.path.basename(os.environ["DEEPINFER_BENCH_GGUF"]) if args.gguf else "Q4_1 GGUF"
     print(
         f"SmolLM2-135M-Instruct {weights}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
-        f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"(greedy, EOS ignored), {args.threads} threads, best of {args.repeats}; {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, 1-min load average before the run {load_before:.1f}; "
         f"deepinfer at {revision()}\n"
     )

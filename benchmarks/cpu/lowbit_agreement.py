@@ -111,7 +111,8 @@ def main() -> None:
         "--engines",
         default="default,int16,exact,llamacpp",
         help="rows to measure: default (no dtype), int16 (every GEMM on the int16-activation kernel, "
-        "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the int8-activation kernel, the rest as the "
+        "prefill included), rows4 (int16 for calls of <= 4 rows, float32 for the rest), int8 (every 4-bit GEMM on the "
+        "int8-activation kernel, the rest as the "
         "default), noint8 (the default without the int8 kernel), exact (every GEMM on the "
         "float32-activation kernel), kvf16 / kvf32 / kv8 (the default with a float16 / float32 / int8 "
         "KV cache), q5as8 (the default with Q5_* weights re-quantized to 8 bits, the loader before "
@@ -147,7 +148,8 @@ def main() -> None:
             engines = {
                 "default": ("deepinfer default", lambda: deepinfer_tokens(path, "auto", prompts, args.tokens)),
                 "rows4": (
-                    "deepinfer, int16 activations in calls of <= 4 rows, float32 in the rest (the default until 2026-12-01)",
+                    "deepinfer, int16 activations in calls of <= 4 rows, float32 in the rest (the default until "
+                    "2026-12-01)",
                     lambda: deepinfer_tokens(
                         path,
                         "auto",
@@ -232,7 +234,8 @@ def main() -> None:
         f"reference: deepinfer float32 on the dequantized file; load average {os.getloadavg()[0]:.1f}\n"
     )
     print(
-        f"| weights | engine | identical over {args.tokens} tokens | over the first {min(64, args.tokens)} | mean common prefix |"
+        f"| weights | engine | identical over {args.tokens} tokens | over the first {min(64, args.tokens)} | mean "
+        f"common prefix |"
     )
     print("|---|---|---:|---:|---:|")
     for row in rows:

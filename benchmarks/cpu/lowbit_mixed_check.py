@@ -53,11 +53,13 @@ def main() -> None:
         "smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_blocks=-(-longest // 128) + 1, max_num_seqs=1
     ).engine
     print(
-        f"load average {os.getloadavg()[0]:.1f}; prompts cycle through {args.lengths} tokens, {args.new_tokens} new tokens, "
+        f"load average {os.getloadavg()[0]:.1f}; prompts cycle through {args.lengths} tokens, {args.new_tokens} new "
+        f"tokens, "
         f"3 arrival waves, max_num_seqs 16, {args.kv_blocks} KV blocks of 128, tolerance {args.tolerance}"
     )
     print(
-        "\n| requests | tokens checked | the float32 argmax | worst gap | misses | preemptions | native multi-token steps | s |"
+        "\n| requests | tokens checked | the float32 argmax | worst gap | misses | preemptions | native multi-token "
+        "steps | s |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.concurrency:
@@ -86,7 +88,8 @@ def main() -> None:
         report = check_greedy(dense, prompts, outputs, args.tolerance)
         bad = sum(len(o) != args.new_tokens for o in outputs)
         print(
-            f"| {n} | {report.tokens} | {report.exact} | {report.worst_gap:.3f} | {len(report.misses)}{f' (+{bad} short)' if bad else ''} | "
+            f"| {n} | {report.tokens} | {report.exact} | {report.worst_gap:.3f} | "
+            f"{len(report.misses)}{f' (+{bad} short)' if bad else ''} | "
             f"{llm.engine.scheduler.num_preemptions} | {counts['native']} | {time.perf_counter() - start:.0f} |",
             flush=True,
         )

@@ -6,7 +6,8 @@ opening the same GGUF and streaming its first chat token, in the same run.
 
 *cold*: an empty start-up cache directory (``DEEPINFER_CACHE_DIR``); *warm*: the directory a
 cold run of the same configuration left behind (an untimed one when only ``--caches warm`` is
-asked for). *last token -> exit*: from the last byte the process writes on stdout to its exit. The compiled low-bit kernels live elsewhere
+asked for). *last token -> exit*: from the last byte the process writes on stdout to its exit. The compiled low-bit
+kernels live elsewhere
 (``~/.cache/deepinfer/lowbit-*.so``) and are warm in both: a first untimed run per code version
 builds them. ``--before REV`` also times the code of git revision REV (``git archive`` into a
 temporary directory, put first on ``PYTHONPATH``; core and plugins both from REV), so the table
@@ -34,9 +35,11 @@ LLAMACPP_CHILD = r"""
 import sys, time
 import llama_cpp
 t0 = time.perf_counter()
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False)
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]),
+verbose=False)
 print(f"LOAD {time.perf_counter() - t0:.4f}", file=sys.stderr, flush=True)
-for chunk in llm.create_chat_completion([{"role": "user", "content": sys.argv[3]}], max_tokens=4, temperature=0.0, stream=True):
+for chunk in llm.create_chat_completion([{"role": "user", "content": sys.argv[3]}], max_tokens=4, temperature=0.0,
+stream=True):
     text = chunk["choices"][0]["delta"].get("content")
     if text:
         sys.stdout.write(text)

@@ -27,18 +27,46 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.testing.v4_tiny import randomise_zero_initialised
 
 CONFIG = dict(
-    vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=6,
-    num_attention_heads=8, head_dim=64, q_lora_rank=128, partial_rotary_factor=0.25,
-    num_experts_per_tok=4, n_routed_experts=16, routed_scaling_factor=1.5,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+    vocab_size=4096,
+    hidden_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    head_dim=64,
+    q_lora_rank=128,
+    partial_rotary_factor=0.25,
+    num_experts_per_tok=4,
+    n_routed_experts=16,
+    routed_scaling_factor=1.5,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "sliding_attention",
+    ],
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
     mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
-    hc_mult=4, hc_sinkhorn_iters=20, sliding_window=128, o_groups=4, o_lora_rank=64,
-    index_n_heads=16, index_head_dim=32, index_topk=64, max_position_embeddings=8192,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1},
-    bos_token_id=0, eos_token_id=1,
-)  # fmt: skip
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    sliding_window=128,
+    o_groups=4,
+    o_lora_rank=64,
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=64,
+    max_position_embeddings=8192,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 2048,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 
 def build(path: str) -> transformers.DeepseekV4ForCausalLM:
@@ -97,12 +125,15 @@ def main() -> None:
             rows.append((n, tok / t_ours, tok / t_hf, agree))
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(
-        f"tiny DeepSeek-V4 (random, {CONFIG['num_hidden_layers']} layers: sliding/CSA/HCA, hash+learned MoE, hc_mult {CONFIG['hc_mult']}), float32, "
-        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens (greedy), {args.threads} threads; {platform.machine()}, "
+        f"tiny DeepSeek-V4 (random, {CONFIG['num_hidden_layers']} layers: sliding/CSA/HCA, hash+learned MoE, hc_mult "
+        f"{CONFIG['hc_mult']}), float32, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens (greedy), {args.threads} threads; "
+        f"{platform.machine()}, "
         f"load {os.getloadavg()[0]:.1f}; deepinfer at {rev}\n"
     )
     print(
-        "| concurrency | deepinfer tok/s | transformers tok/s | deepinfer / transformers | greedy agreement (request 0) |"
+        "| concurrency | deepinfer tok/s | transformers tok/s | deepinfer / transformers | greedy agreement (request "
+        "0) |"
     )
     print("|---:|---:|---:|---:|---|")
     for n, ours, theirs, agree in rows:

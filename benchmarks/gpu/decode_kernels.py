@@ -50,7 +50,8 @@ def measure(name: str, path: str, levels: list[int], out: dict) -> None:
         total = sum(r[1] for r in rows)
         launches = sum(r[2] for r in rows)
         log(
-            f"KERNELS {name} N={n}: step {dec[n]:.3f} ms, replay {t:.3f} ms, {launches:.0f} kernels, {total:.3f} ms kernel time, gaps {t - total:.3f} ms"
+            f"KERNELS {name} N={n}: step {dec[n]:.3f} ms, replay {t:.3f} ms, {launches:.0f} kernels, {total:.3f} ms "
+            f"kernel time, gaps {t - total:.3f} ms"
         )
         for k, ms, c in rows:
             log(f"  {ms:7.4f} ms {c:5.0f}x  {k[:150]}")

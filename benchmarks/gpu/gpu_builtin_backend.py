@@ -61,7 +61,8 @@ def exactness(path: str, new_tokens: int) -> None:
             top = theirs.topk(2)
             print(
                 f"  diverges at token {d}/{len(ref_new)}: ours {got[d : d + 1]} transformers {ref_new[d : d + 1]}, "
-                f"transformers' top-2 margin there {float(top.values[0] - top.values[1]):.2e}, logits max diff {float((theirs - ours).abs().max()):.2e}"
+                f"transformers' top-2 margin there {float(top.values[0] - top.values[1]):.2e}, logits max diff "
+                f"{float((theirs - ours).abs().max()):.2e}"
             )
         mine = _last_logits(llm, ids)
         worst = max(worst, (mine - logits).abs().max().item())
@@ -142,7 +143,8 @@ def throughput(path: str, concurrency: list[int], prompt_tokens: int, new_tokens
             theirs = n * new_tokens / dt
             rows.append((n, ours, theirs, ours / theirs, mem, torch.cuda.max_memory_allocated() / 2**20))
     print(
-        f"\n| concurrent | deepinfer tok/s | transformers tok/s | ratio | deepinfer peak MiB | transformers peak MiB |  ({dtype}, {prompt_tokens}-token prompts, {new_tokens} new tokens, {torch.cuda.get_device_name()})"
+        f"\n| concurrent | deepinfer tok/s | transformers tok/s | ratio | deepinfer peak MiB | transformers peak MiB | "
+        f" ({dtype}, {prompt_tokens}-token prompts, {new_tokens} new tokens, {torch.cuda.get_device_name()})"
     )
     print("|---|---|---|---|---|---|")
     for n, ours, theirs, ratio, m1, m2 in rows:

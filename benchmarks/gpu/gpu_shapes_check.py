@@ -46,57 +46,267 @@ REFERENCE = dict(attention_backend="builtin", moe_backend="builtin", fused_ops=F
 
 # name -> (architecture, config overrides); sizes are the GPU's, --tiny shrinks them for the CPU
 CONFIGS = {
-    "llama-hd80-mqa-tied-llama3": ("llama", dict(
-        vocab_size=1003, hidden_size=560, intermediate_size=1000, num_hidden_layers=2, num_attention_heads=7, num_key_value_heads=1,
-        head_dim=80, tie_word_embeddings=True, max_position_embeddings=8192,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
-    "llama-hd96-h6kv3-untied": ("llama", dict(
-        vocab_size=2051, hidden_size=576, intermediate_size=1100, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=96, tie_word_embeddings=False, max_position_embeddings=8192, attention_bias=True)),
-    "llama-hd256-h2kv2-maxpos1152": ("llama", dict(
-        vocab_size=515, hidden_size=512, intermediate_size=700, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        head_dim=256, tie_word_embeddings=False, max_position_embeddings=1152)),
-    "llama-hd64-h10kv5-hidden640": ("llama", dict(
-        vocab_size=3001, hidden_size=640, intermediate_size=1728, num_hidden_layers=2, num_attention_heads=10, num_key_value_heads=5,
-        head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0)),
-    "llama-hd48-h9kv3-yarn": ("llama", dict(  # added after the 21:54 run (Llama yarn rope loads since 2264fa8)
-        vocab_size=4099, hidden_size=432, intermediate_size=800, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
-        head_dim=48, tie_word_embeddings=False, max_position_embeddings=8192,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
-    "llama-hd112-mlpbias-h5kv1": ("llama", dict(  # added after the 21:54 run (mlp_bias loads since 9aba604)
-        vocab_size=1531, hidden_size=560, intermediate_size=900, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
-        head_dim=112, mlp_bias=True, attention_bias=True, tie_word_embeddings=False, max_position_embeddings=8192)),
-    "v3-noshared-e12-top2": ("v3", dict(  # added after the 21:54 run (n_shared_experts 0 loads since 2189b18)
-        vocab_size=700, hidden_size=384, intermediate_size=640, moe_intermediate_size=136, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=6, num_key_value_heads=6, q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
-        v_head_dim=64, n_routed_experts=12, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=0, routed_scaling_factor=1.0)),
-    "v3-v2lite-nolora-e72-top6": ("v3", dict(
-        vocab_size=1100, hidden_size=512, intermediate_size=1000, moe_intermediate_size=176, num_hidden_layers=3, first_k_dense_replace=1,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
-        v_head_dim=64, n_routed_experts=72, num_experts_per_tok=6, n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=1.0)),
-    "v3-h1536-e160-top8-g8of3": ("v3", dict(
-        vocab_size=1537, hidden_size=1536, intermediate_size=2048, moe_intermediate_size=96, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=12, num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, n_routed_experts=160, num_experts_per_tok=8, n_group=8, topk_group=3, n_shared_experts=1, routed_scaling_factor=2.5)),
-    "v3-h2560-e8-top1-unnorm-w200-dense2": ("v3", dict(
-        vocab_size=999, hidden_size=2560, intermediate_size=1200, moe_intermediate_size=200, num_hidden_layers=3, first_k_dense_replace=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=48,
-        v_head_dim=40, n_routed_experts=8, num_experts_per_tok=1, n_group=1, topk_group=1, n_shared_experts=1, norm_topk_prob=False,
-        routed_scaling_factor=2.5)),
-    "v3-fp8-h1536-e16-top4": ("v3fp8", dict(
-        vocab_size=777, hidden_size=1536, intermediate_size=1408, moe_intermediate_size=256, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
-        v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=1.5)),
-    "v4-win32-hc2-nomtp-bf16": ("v4", dict(
-        sliding_window=32, hc_mult=2, compress_ratios=[4, 0, 128, 4], num_nextn_predict_layers=0, compress_rate_hca=16,
-        index_topk=8, num_hidden_layers=4, num_attention_heads=8, head_dim=64, n_routed_experts=12, num_experts_per_tok=3, weights="bf16")),
-    "v4-win8-hc3-mtp-fp8": ("v4", dict(
-        sliding_window=8, hc_mult=3, compress_ratios=[0, 4, 128, 0, 4], num_nextn_predict_layers=1, compress_rate_hca=4,
-        index_topk=3, num_hidden_layers=4, num_attention_heads=6, head_dim=64, num_hash_layers=1, weights="fp8")),
-}  # fmt: skip
+    "llama-hd80-mqa-tied-llama3": (
+        "llama",
+        dict(
+            vocab_size=1003,
+            hidden_size=560,
+            intermediate_size=1000,
+            num_hidden_layers=2,
+            num_attention_heads=7,
+            num_key_value_heads=1,
+            head_dim=80,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+        ),
+    ),
+    "llama-hd96-h6kv3-untied": (
+        "llama",
+        dict(
+            vocab_size=2051,
+            hidden_size=576,
+            intermediate_size=1100,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=96,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+            attention_bias=True,
+        ),
+    ),
+    "llama-hd256-h2kv2-maxpos1152": (
+        "llama",
+        dict(
+            vocab_size=515,
+            hidden_size=512,
+            intermediate_size=700,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=256,
+            tie_word_embeddings=False,
+            max_position_embeddings=1152,
+        ),
+    ),
+    "llama-hd64-h10kv5-hidden640": (
+        "llama",
+        dict(
+            vocab_size=3001,
+            hidden_size=640,
+            intermediate_size=1728,
+            num_hidden_layers=2,
+            num_attention_heads=10,
+            num_key_value_heads=5,
+            head_dim=64,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama-hd48-h9kv3-yarn": (
+        "llama",
+        dict(  # added after the 21:54 run (Llama yarn rope loads since 2264fa8)
+            vocab_size=4099,
+            hidden_size=432,
+            intermediate_size=800,
+            num_hidden_layers=2,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=48,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+        ),
+    ),
+    "llama-hd112-mlpbias-h5kv1": (
+        "llama",
+        dict(  # added after the 21:54 run (mlp_bias loads since 9aba604)
+            vocab_size=1531,
+            hidden_size=560,
+            intermediate_size=900,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            head_dim=112,
+            mlp_bias=True,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "v3-noshared-e12-top2": (
+        "v3",
+        dict(  # added after the 21:54 run (n_shared_experts 0 loads since 2189b18)
+            vocab_size=700,
+            hidden_size=384,
+            intermediate_size=640,
+            moe_intermediate_size=136,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            n_routed_experts=12,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=0,
+            routed_scaling_factor=1.0,
+        ),
+    ),
+    "v3-v2lite-nolora-e72-top6": (
+        "v3",
+        dict(
+            vocab_size=1100,
+            hidden_size=512,
+            intermediate_size=1000,
+            moe_intermediate_size=176,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=None,
+            kv_lora_rank=256,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            n_routed_experts=72,
+            num_experts_per_tok=6,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.0,
+        ),
+    ),
+    "v3-h1536-e160-top8-g8of3": (
+        "v3",
+        dict(
+            vocab_size=1537,
+            hidden_size=1536,
+            intermediate_size=2048,
+            moe_intermediate_size=96,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            q_lora_rank=384,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=160,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=3,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    "v3-h2560-e8-top1-unnorm-w200-dense2": (
+        "v3",
+        dict(
+            vocab_size=999,
+            hidden_size=2560,
+            intermediate_size=1200,
+            moe_intermediate_size=200,
+            num_hidden_layers=3,
+            first_k_dense_replace=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=256,
+            kv_lora_rank=128,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=48,
+            v_head_dim=40,
+            n_routed_experts=8,
+            num_experts_per_tok=1,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    "v3-fp8-h1536-e16-top4": (
+        "v3fp8",
+        dict(
+            vocab_size=777,
+            hidden_size=1536,
+            intermediate_size=1408,
+            moe_intermediate_size=256,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
+        ),
+    ),
+    "v4-win32-hc2-nomtp-bf16": (
+        "v4",
+        dict(
+            sliding_window=32,
+            hc_mult=2,
+            compress_ratios=[4, 0, 128, 4],
+            num_nextn_predict_layers=0,
+            compress_rate_hca=16,
+            index_topk=8,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            head_dim=64,
+            n_routed_experts=12,
+            num_experts_per_tok=3,
+            weights="bf16",
+        ),
+    ),
+    "v4-win8-hc3-mtp-fp8": (
+        "v4",
+        dict(
+            sliding_window=8,
+            hc_mult=3,
+            compress_ratios=[0, 4, 128, 0, 4],
+            num_nextn_predict_layers=1,
+            compress_rate_hca=4,
+            index_topk=3,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            head_dim=64,
+            num_hash_layers=1,
+            weights="fp8",
+        ),
+    ),
+}
 
-TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
-            qk_rope_head_dim=8)  # fmt: skip
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    qk_rope_head_dim=8,
+)
 
 # name -> (prompt lengths, cycled; number of requests)
 LENS = (1, 2, 17, 63, 127, 128, 129, 255, 300, 1000)
@@ -117,7 +327,9 @@ SHAPES = {
     "invariant": (
         LENS,
         33,
-    ),  # bf16, batch_invariant=True: requests 0, 7, 32 alone = in the batch  # own engines with 16 KV blocks: requests preempted and recomputed
+        # bf16, batch_invariant=True: requests 0, 7, 32 alone = in the batch  # own engines with 16 KV blocks: requests
+        # preempted and recomputed
+    ),
 }
 DEFAULT_SHAPES = ["b2-long", "b3-blocks", "b7", "b33", "abort", "prefix-again"]
 ROTATE = ["b31", "b100", "b129", "b255", "b257", "b300"]  # each config also takes two of these, in turn
@@ -369,8 +581,14 @@ def check_config(name: str, shapes: list[str], args) -> dict:
             return {"build": f"CRASH {type(exc).__name__}: {exc}"}
         limit = min(config.get("max_position_embeddings", 8192) - 30, 5000 if not args.tiny else 300, args.max_prompt)
         maxn = max(SHAPES[s][1] for s in shapes)
-        kw = dict(device=args.device, dtype="float32", max_num_seqs=maxn, max_num_batched_tokens=1024,
-                  kv_cache_blocks=args.blocks if not args.tiny else None, block_size=128 if not args.tiny else 16)  # fmt: skip
+        kw = dict(
+            device=args.device,
+            dtype="float32",
+            max_num_seqs=maxn,
+            max_num_batched_tokens=1024,
+            kv_cache_blocks=args.blocks if not args.tiny else None,
+            block_size=128 if not args.tiny else 16,
+        )
         if args.tiny:
             kw["kv_cache_blocks"] = 400
         try:
@@ -444,7 +662,8 @@ def check_config(name: str, shapes: list[str], args) -> dict:
             out = generate(b16, prompts, params_for(len(prompts), config["vocab_size"]))
             assert all(len(o) for o in out)
             ok = agree >= agree_ref - 0.05 * total
-            row["bf16"] = ("pass" if ok else "FAIL") + (f" (argmax = float32 reference at {agree}/{total} positions, builtin bf16 {agree_ref}/{total},"
+            row["bf16"] = ("pass" if ok else "FAIL") + (f" (argmax = float32 reference at {agree}/{total} positions, "
+                                                        f"builtin bf16 {agree_ref}/{total},"
                                                         f" max |dlogit|/std {worst:.2f})")  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()

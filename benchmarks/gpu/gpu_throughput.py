@@ -4,7 +4,8 @@
     python benchmarks/gpu/gpu_throughput.py --model smollm2           # SmolLM2-135M real weights (GGUF)
     python benchmarks/gpu/gpu_throughput.py --model v3mini-fp8 --skip hf   # V3-mini in DeepSeek's FP8 block format
     python benchmarks/gpu/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64   # random DeepSeek-V4-mini
-    python benchmarks/gpu/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64 --graphs-off   # + eager decode, same engine
+    python benchmarks/gpu/gpu_throughput.py --model v4mini --skip hf,accept --levels 1,16,64 --graphs-off
+    # (+ eager decode in the same engine)
 
 For each model, in one process (each engine measured after the other was freed):
 
@@ -230,7 +231,8 @@ def di_prefill(llm: LLM, vocab: int, runs: int = 1) -> float:
     times = [timed(lambda: llm.generate(batch, one)) for batch in batches]
     if runs > 1:
         log(
-            f"  deepinfer prefill readings: {', '.join(f'{64 * 512 / t:,.0f}' for t in times)} tok/s (median {64 * 512 / sorted(times)[runs // 2]:,.0f})"
+            f"  deepinfer prefill readings: {', '.join(f'{64 * 512 / t:,.0f}' for t in times)} tok/s (median "
+            f"{64 * 512 / sorted(times)[runs // 2]:,.0f})"
         )
     return 64 * 512 / min(times)
 
@@ -270,7 +272,10 @@ def prefill_timeline(llm: LLM, vocab: int) -> None:
     before, after = kernels[0][0] - outer.time_range.start, outer.time_range.end - end
     idle = sum(g for g, _, _ in gaps)
     log(
-        f"PROFILE prefill timeline: wall {wall / 1e3:.2f} ms = host before the first kernel {before / 1e3:.2f} + GPU busy {busy / 1e3:.2f} + idle between kernels {idle / 1e3:.2f} ({len(gaps)} gaps, {sum(g > 20 for g, _, _ in gaps)} over 20 us) + after the last kernel {after / 1e3:.2f}; {len(kernels)} kernels and copies"
+        f"PROFILE prefill timeline: wall {wall / 1e3:.2f} ms = host before the first kernel {before / 1e3:.2f} + GPU "
+        f"busy {busy / 1e3:.2f} + idle between kernels {idle / 1e3:.2f} ({len(gaps)} gaps, "
+        f"{sum(g > 20 for g, _, _ in gaps)} over 20 us) + after the last kernel {after / 1e3:.2f}; {len(kernels)} "
+        f"kernels and copies"
     )
     for g, a, b in sorted(gaps, reverse=True)[:10]:
         log(f"    gap {g / 1e3:6.3f} ms  after {a[:50]}  before {b[:50]}")
@@ -356,7 +361,8 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
             continue
         gpu = replay_ms(g)
         log(
-            f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and the rest {decode_ms[n] - gpu:.2f} ms"
+            f"PROFILE decode N={n}: graph replay {gpu:.2f} ms on the GPU of {decode_ms[n]:.2f} ms per step; host and "
+            f"the rest {decode_ms[n] - gpu:.2f} ms"
         )
     for n in (1, 64):  # what a replayed step's GPU time is made of (kernels inside the graph)
         g = graphs.graphs.get(n) if graphs is not None else None
@@ -364,7 +370,8 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
             continue
         rows = kernel_table(g.replay)
         log(
-            f"PROFILE decode N={n} graph: {sum(r[2] for r in rows):.0f} kernels, {sum(r[1] for r in rows):.2f} ms of kernel time per step; top:"
+            f"PROFILE decode N={n} graph: {sum(r[2] for r in rows):.0f} kernels, {sum(r[1] for r in rows):.2f} ms of "
+            f"kernel time per step; top:"
         )
         for name, ms, launches in rows[:60]:  # every kind of kernel a step launches
             log(f"  {ms:7.3f} ms  {launches:5.0f}x  {name[:110]}")
@@ -383,7 +390,8 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
     log(
-        "PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising calls):"
+        "PROFILE prefill 64 x 512, host (cProfile, own time per function; waits on the GPU show as synchronising "
+        "calls):"
     )
     log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
 
@@ -391,7 +399,8 @@ def profile(llm: LLM, vocab: int, decode_ms: dict) -> None:
     prompts = random_prompts(64, 512, vocab, 77)
     rows = kernel_table(lambda: llm.generate(prompts, one), reps=1)
     log(
-        f"PROFILE prefill 64 x 512: GPU kernel time {sum(r[1] for r in rows):.1f} ms, {sum(r[2] for r in rows):.0f} kernels; top kernels:"
+        f"PROFILE prefill 64 x 512: GPU kernel time {sum(r[1] for r in rows):.1f} ms, {sum(r[2] for r in rows):.0f} "
+        f"kernels; top kernels:"
     )
     for name, ms, launches in rows[:16]:
         log(f"  {ms:8.2f} ms  {launches:5.0f}x  {name[:90]}")
@@ -454,7 +463,8 @@ def main() -> int:
     ap.add_argument(
         "--ab",
         action="store_true",
-        help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into the graph: head eager, bf16 logits; alternated with the default",
+        help="also time (decode, levels <= 64) and check (bf16 agreement) an engine as before the LM head moved into "
+        "the graph: head eager, bf16 logits; alternated with the default",
     )
     ap.add_argument(
         "--prefill-runs",
@@ -530,7 +540,8 @@ def main() -> int:
             next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(our_tokens, ref_tokens)
         ]
         log(
-            f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix {first_diff}"
+            f"ACCEPT fp32 plugin == builtin reference: {sum(same)}/{len(same)} prompts identical; common prefix "
+            f"{first_diff}"
         )
         report["fp32_identical"] = [sum(same), len(same), first_diff]
 
@@ -544,7 +555,8 @@ def main() -> int:
         free()
         same = sum(a == b for a, b in zip(bf_tokens, serial_tokens))
         log(
-            f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} prompts identical"
+            f"ACCEPT overlapped scheduling (debug guard on) == serial steps, bf16 greedy: {same}/{len(prompts)} "
+            f"prompts identical"
         )
         report["overlap_identical"] = [same, len(prompts)]
         inv = di(path, "bfloat16", kv_cache_blocks=256, batch_invariant=True, max_num_seqs=64)
@@ -616,10 +628,12 @@ def main() -> int:
                 del old
                 free()
             log(
-                f"ACCEPT bf16 teacher-forced argmax == transformers fp32 argmax along the fp32 greedy path ({args.new} positions a prompt); fp32 top-2 margin where each bf16 run first left the path:"
+                f"ACCEPT bf16 teacher-forced argmax == transformers fp32 argmax along the fp32 greedy path ({args.new} "
+                f"positions a prompt); fp32 top-2 margin where each bf16 run first left the path:"
             )
             log(
-                "| prompt | deepinfer bf16 | transformers bf16 | fp32 margin at deepinfer's divergence | at transformers bf16's |\n|---:|---:|---:|---:|---:|"
+                "| prompt | deepinfer bf16 | transformers bf16 | fp32 margin at deepinfer's divergence | at "
+                "transformers bf16's |\n|---:|---:|---:|---:|---:|"
             )
             tot = [0, 0]
             for i, ((ref_ids, margin), (h_ids, _), d_ids) in enumerate(zip(ref_forced, hf16_forced, di16_forced)):
@@ -633,7 +647,8 @@ def main() -> int:
             if old_forced:
                 per = [sum(x == y for x, y in zip(d, r)) for d, (r, _) in zip(old_forced, ref_forced)]
                 log(
-                    f"ACCEPT teacher-forced, deepinfer bf16 before (bf16 logits): {per} = {sum(per)} / {sum(len(c) for c in hf32_tokens)}"
+                    f"ACCEPT teacher-forced, deepinfer bf16 before (bf16 logits): {per} = {sum(per)} / "
+                    f"{sum(len(c) for c in hf32_tokens)}"
                 )
                 report["bf16_forced_before"] = per
 
@@ -667,7 +682,8 @@ def main() -> int:
             "serial" not in skip and not llm.engine.overlap
         ):  # e.g. DeepSeek-V4 (per-request state KV): the engine steps serially anyway
             log(
-                "  overlapped scheduling does not apply to this model (engine.overlap is off: per-request state KV); its decode steps above are serial, no second measure"
+                "  overlapped scheduling does not apply to this model (engine.overlap is off: per-request state KV); "
+                "its decode steps above are serial, no second measure"
             )
         elif "serial" not in skip:
             llm.engine.overlap = False  # the same engine with serial steps (host work between device steps)
@@ -697,7 +713,8 @@ def main() -> int:
             del old
             free()
             log(
-                "A/B decode ms/step (LM head + argmax in the graph, float32 logits = after; head eager, bf16 logits = before), two alternations:"
+                "A/B decode ms/step (LM head + argmax in the graph, float32 logits = after; head eager, bf16 logits = "
+                "before), two alternations:"
             )
             log("| requests | after | before | before / after |\n|---:|---|---|---:|")
             for n in ab_levels:
@@ -720,10 +737,12 @@ def main() -> int:
             free()
             log(f"  transformers prefill {hf_pre:,.0f} tok/s, peak {hf_peak:.0f} MiB")
         log(
-            f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; floor = weight bytes per step / {bw / 2e12:.2f} TB/s read"
+            f"\n{args.model}, bf16, 128-token prompts, decode = ({args.steps}+1 tokens - 1 token) / {args.steps}; "
+            f"floor = weight bytes per step / {bw / 2e12:.2f} TB/s read"
         )
         log(
-            "| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor |\n|---|---:|---:|---:|---:|---:|"
+            "| measure | transformers | deepinfer | deepinfer / transformers | floor | deepinfer / floor "
+            "|\n|---|---:|---:|---:|---:|---:|"
         )
         for n in levels:
             try:
@@ -732,16 +751,19 @@ def main() -> int:
                 floor = float("nan")
             h = hf_dec.get(n, float("nan"))
             log(
-                f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | {di_dec[n] / floor:.1f}x |"
+                f"| decode ms/step, {n} req | {h:.2f} | {di_dec[n]:.2f} | {h / di_dec[n]:.2f}x faster | {floor:.3f} | "
+                f"{di_dec[n] / floor:.1f}x |"
             )
             log(f"| decode tok/s, {n} req | {1e3 * n / h:,.0f} | {1e3 * n / di_dec[n]:,.0f} | | | |")
             if n in serial_dec:
                 log(
-                    f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains {serial_dec[n] / di_dec[n]:.2f}x | | |"
+                    f"| decode ms/step, {n} req, overlap off | | {serial_dec[n]:.2f} | overlap gains "
+                    f"{serial_dec[n] / di_dec[n]:.2f}x | | |"
                 )
             if n in eager_dec:
                 log(
-                    f"| decode ms/step, {n} req, CUDA graphs off | | {eager_dec[n]:.2f} | graphs gain {eager_dec[n] / di_dec[n]:.2f}x | | |"
+                    f"| decode ms/step, {n} req, CUDA graphs off | | {eager_dec[n]:.2f} | graphs gain "
+                    f"{eager_dec[n] / di_dec[n]:.2f}x | | |"
                 )
         log(f"| prefill tok/s, 64 x 512 | {hf_pre:,.0f} | {di_pre:,.0f} | {di_pre / hf_pre:.2f}x | | |")
         log(f"| peak GPU MiB | {hf_peak:.0f} | {di_peak:.0f} | | | |")

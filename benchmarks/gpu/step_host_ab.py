@@ -182,8 +182,14 @@ def child(spec: dict) -> None:
 class Variant:
     def __init__(self, name: str, spec: dict, env: dict, log) -> None:
         self.name, self.spec = name, spec
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         self.info: dict | None = None
         self.log = log
 
@@ -308,7 +314,8 @@ def main() -> int:
     for v in variants:
         v.info = v.read()
         log(
-            f"{v.name}: built in {v.info['build_s']:.0f}s; core {v.info['core']}; PDL {v.info['pdl']}; engine.overlap {v.info['overlap']}"
+            f"{v.name}: built in {v.info['build_s']:.0f}s; core {v.info['core']}; PDL {v.info['pdl']}; engine.overlap "
+            f"{v.info['overlap']}"
         )
     log(f"all engines ready at {time.perf_counter() - t:.0f}s")
 
@@ -320,7 +327,8 @@ def main() -> int:
             for n, ov in plan:
                 got = v.ask(op="measure", n=n, overlap=ov, seed=1000 * r + n)
                 log(
-                    f"  round {r + 1} {v.name} {n}{'' if ov else ' serial'}: step {got['step']:.3f} wait {got['wait']:.3f} gc {got['gc']:.3f} ms"
+                    f"  round {r + 1} {v.name} {n}{'' if ov else ' serial'}: step {got['step']:.3f} wait "
+                    f"{got['wait']:.3f} gc {got['gc']:.3f} ms"
                 )
                 res[v.name].setdefault(f"{n}{'' if ov else ' serial'}", []).append(got)
         log(f"round {r + 1} done at {time.perf_counter() - t:.0f}s")
@@ -336,7 +344,8 @@ def main() -> int:
 
     log(f"\n{machine()}; {args.rounds} rounds, each variant in turn; ms per decode step")
     log(
-        "| variant | requests | step ms (each round) | wait ms | host = step - wait | gc ms | replay ms | eager head ms |"
+        "| variant | requests | step ms (each round) | wait ms | host = step - wait | gc ms | replay ms | eager head "
+        "ms |"
     )
     log("|---|---|---|---|---|---|---|---|")
     for v in variants:
@@ -347,7 +356,8 @@ def main() -> int:
             head = extras[v.name]["head"].get(str(n), extras[v.name]["head"].get(n))
             each = " / ".join(f"{x['step']:.2f}" for x in rows)
             log(
-                f"| {v.name} | {key} | {each} | {med('wait'):.2f} | {med('step') - med('wait'):.2f} | {med('gc'):.2f} | "
+                f"| {v.name} | {key} | {each} | {med('wait'):.2f} | {med('step') - med('wait'):.2f} | {med('gc'):.2f} "
+                f"| "
                 f"{'' if rep is None else f'{rep:.3f}'} | {'' if head is None else f'{head:.3f}'} |"
             )
     for model in models:
@@ -358,12 +368,21 @@ def main() -> int:
     for v in variants:
         if "cprofile" in extras[v.name]:
             log(
-                f"\ncProfile, {v.name}, one {max(v.spec['levels'])}-request generate of {1 + args.steps} tokens:\n{extras[v.name]['cprofile']}"
+                f"\ncProfile, {v.name}, one {max(v.spec['levels'])}-request generate of {1 + args.steps} "
+                f"tokens:\n{extras[v.name]['cprofile']}"
             )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "info": {v.name: v.info for v in variants}, "measures": res,
-                       "extras": {k: {kk: vv for kk, vv in e.items() if kk != "tokens"} for k, e in extras.items()}}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "machine": machine(),
+                    "info": {v.name: v.info for v in variants},
+                    "measures": res,
+                    "extras": {k: {kk: vv for kk, vv in e.items() if kk != "tokens"} for k, e in extras.items()},
+                },
+                f,
+                indent=1,
+            )
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -96,7 +96,8 @@ def main() -> None:
             t = graph_ms(lambda: dense(name, xs[K], cublas=True))
             e = graph_ms(lambda: dense(name, xs[K]))
             print(
-                f"| {name} | {N} x {K} | {layers} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {N * K * 2 * layers / e / 1e9:.2f} | {err:.1e} |",
+                f"| {name} | {N} x {K} | {layers} | {t:.4f} | {e:.4f} | {t / e:.2f}x | "
+                f"{N * K * 2 * layers / e / 1e9:.2f} | {err:.1e} |",
                 flush=True,
             )
         qn = (torch.rand(_k("q_b"), device=DEVICE, generator=g) + 0.5).bfloat16()
@@ -106,7 +107,8 @@ def main() -> None:
         t = graph_ms(lambda: [F.linear(rms_norm(qa, qn, 1e-6), w) for w in ws["q_b"]])
         e = graph_ms(lambda: [gm.dense_linear(qa, w, counters, norm=(qn, 1e-6)) for w in ws["q_b"]])
         print(
-            f"| q_b with q_a's norm (norm kernel + cuBLAS vs one GEMV) | 3072 x 1536 | 8 | {t:.4f} | {e:.4f} | {t / e:.2f}x | | {err:.1e} |",
+            f"| q_b with q_a's norm (norm kernel + cuBLAS vs one GEMV) | 3072 x 1536 | 8 | {t:.4f} | {e:.4f} | "
+            f"{t / e:.2f}x | | {err:.1e} |",
             flush=True,
         )
         for label, fn, x, nbytes in (
@@ -119,7 +121,8 @@ def main() -> None:
             t = graph_ms(lambda: fn(x, cublas=True))
             e = graph_ms(lambda: fn(x))
             print(
-                f"| {label} | {H} x {'C x n' if fn is uk else 'v x C'} | {hl} | {t:.4f} | {e:.4f} | {t / e:.2f}x | {nbytes * hl / e / 1e9:.2f} | {err:.1e} |",
+                f"| {label} | {H} x {'C x n' if fn is uk else 'v x C'} | {hl} | {t:.4f} | {e:.4f} | {t / e:.2f}x | "
+                f"{nbytes * hl / e / 1e9:.2f} | {err:.1e} |",
                 flush=True,
             )
 
@@ -148,7 +151,8 @@ def main() -> None:
         ) + sum(w.numel() * 2 for w in kvb)
         t, e = graph_ms(lambda: step(True)), graph_ms(lambda: step(False))
         print(
-            f"| whole step ({m} row) | {step_bytes / 1e6:.1f} MB | | {t:.4f} | {e:.4f} | {t / e:.2f}x | {step_bytes / e / 1e9:.2f} | |"
+            f"| whole step ({m} row) | {step_bytes / 1e6:.1f} MB | | {t:.4f} | {e:.4f} | {t / e:.2f}x | "
+            f"{step_bytes / e / 1e9:.2f} | |"
         )
         print(f"read floor at the copy rate: {step_bytes / bw / 1e9:.4f} ms")
         if args.sweep and m == 1:
@@ -180,10 +184,23 @@ def _heads(x, w, cfg):
 
 def sweep(dense, uk, uv, xs, xq, xl) -> None:
     """One row: slab shapes, warps and K-split targets per shape (ms, graph over the layers)."""
-    cfgs = [gm.Bf16GemvConfig(bn, bk, w, t, sp) for bn, bk, w, t, sp in [
-        (16, 512, 4, 528, 0), (4, 1024, 4, 1056, 0), (1, 1024, 4, 1056, 1), (2, 1024, 8, 1056, 1), (2, 512, 4, 1056, 1), (4, 1024, 8, 1056, 1),
-        (4, 512, 4, 1056, 1), (8, 512, 8, 1056, 1), (16, 1024, 8, 1056, 1), (1, 2048, 8, 1056, 1), (2, 1024, 4, 1056, 1), (2, 1024, 8, 1056, 2),
-    ]]  # fmt: skip
+    cfgs = [
+        gm.Bf16GemvConfig(bn, bk, w, t, sp)
+        for bn, bk, w, t, sp in [
+            (16, 512, 4, 528, 0),
+            (4, 1024, 4, 1056, 0),
+            (1, 1024, 4, 1056, 1),
+            (2, 1024, 8, 1056, 1),
+            (2, 512, 4, 1056, 1),
+            (4, 1024, 8, 1056, 1),
+            (4, 512, 4, 1056, 1),
+            (8, 512, 8, 1056, 1),
+            (16, 1024, 8, 1056, 1),
+            (1, 2048, 8, 1056, 1),
+            (2, 1024, 4, 1056, 1),
+            (2, 1024, 8, 1056, 2),
+        ]
+    ]
     print("\n1 row, GEMV configs per shape (block_n x block_k, warps, target programs), ms:")
     print(
         "| shape | auto | "

@@ -40,7 +40,8 @@ def sweep_moe(T=64, E=64, k=6, D=2048, I=1024) -> None:
     align = bench(lambda: fm.moe_align(ids, E, 16))
     touched = ids.unique().numel()
     print(
-        f"MOE default {default}: {base:.4f} ms whole fused_moe (align alone {align:.4f} ms); experts touched {touched}; expert bytes {touched * 3 * I * D * 2 / 1e6:.0f} MB",
+        f"MOE default {default}: {base:.4f} ms whole fused_moe (align alone {align:.4f} ms); experts touched "
+        f"{touched}; expert bytes {touched * 3 * I * D * 2 / 1e6:.0f} MB",
         flush=True,
     )
     grid = [
@@ -87,7 +88,8 @@ def sweep_moe(T=64, E=64, k=6, D=2048, I=1024) -> None:
         print(f"MOE {name} sweep (other GEMM default), whole fused_moe ms; default {base:.4f}")
         for ms, c, same, err in rows:
             print(
-                f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} bk={c.block_k} w={c.num_warps} s={c.num_stages} tma={c.tma}  equal={same} err={err:.1e}"
+                f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} bk={c.block_k} w={c.num_warps} s={c.num_stages} "
+                f"tma={c.tma}  equal={same} err={err:.1e}"
             )
 
 
@@ -121,7 +123,8 @@ def sweep_attn(R=64, ctx=161, H=16, D=576, DV=512) -> None:
     rows.sort(key=lambda r: r[0])
     for ms, c, err in rows[:20]:
         print(
-            f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} splits={c.num_splits} w={c.num_warps} s={c.num_stages} maxerr={err:.1e}"
+            f"  {ms:.4f} ({base / ms:.3f}x)  bn={c.block_n} splits={c.num_splits} w={c.num_warps} s={c.num_stages} "
+            f"maxerr={err:.1e}"
         )
 
 
@@ -133,7 +136,8 @@ def sweep_router(T=64, E=64, D=2048) -> None:
     ref = torch.nn.functional.linear(x.float(), wt)
     base = bench(lambda: torch.nn.functional.linear(x.float(), wt))
     print(
-        f"ROUTER T={T}: torch cast + float32 GEMM {base:.4f} ms, max err vs float64 {(ref.double() - exact).abs().max().item():.1e}",
+        f"ROUTER T={T}: torch cast + float32 GEMM {base:.4f} ms, max err vs float64 "
+        f"{(ref.double() - exact).abs().max().item():.1e}",
         flush=True,
     )
     for be, bd, warps in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8)):
@@ -146,7 +150,8 @@ def sweep_router(T=64, E=64, D=2048) -> None:
 
         ms = bench(gemv)
         print(
-            f"  gemv be={be} bd={bd} w={warps}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}"
+            f"  gemv be={be} bd={bd} w={warps}: {ms:.4f} ms ({base / ms:.2f}x) err "
+            f"{(out.double() - exact).abs().max().item():.1e}"
         )
     for bt_, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (2, 3, 4)):
         try:
@@ -156,7 +161,8 @@ def sweep_router(T=64, E=64, D=2048) -> None:
             print(f"  tiled bt={bt_} w={warps} s={stages}: {type(exc).__name__}")
             continue
         print(
-            f"  tiled bt={bt_} w={warps} s={stages}: {ms:.4f} ms ({base / ms:.2f}x) err {(out.double() - exact).abs().max().item():.1e}"
+            f"  tiled bt={bt_} w={warps} s={stages}: {ms:.4f} ms ({base / ms:.2f}x) err "
+            f"{(out.double() - exact).abs().max().item():.1e}"
         )
 
 

@@ -34,8 +34,20 @@ def _cache(lib, g, blocks: int, dtype: torch.dtype) -> torch.Tensor:
     cache = torch.empty(2, KV_HEADS, blocks, BLOCK, HEAD_DIM + 4, dtype=torch.int8)
     k, v = (x[i].reshape(KV_HEADS, -1, HEAD_DIM).transpose(0, 1).contiguous() for i in (0, 1))  # [slots, Hkv, D]
     slots = torch.arange(blocks * BLOCK)
-    lib.paged_write_kv(k.data_ptr(), v.data_ptr(), cache.data_ptr(), KV_HEADS, blocks, BLOCK, HEAD_DIM + 4, HEAD_DIM, HEAD_DIM,
-                       slots.data_ptr(), blocks * BLOCK, 2)  # fmt: skip
+    lib.paged_write_kv(
+        k.data_ptr(),
+        v.data_ptr(),
+        cache.data_ptr(),
+        KV_HEADS,
+        blocks,
+        BLOCK,
+        HEAD_DIM + 4,
+        HEAD_DIM,
+        HEAD_DIM,
+        slots.data_ptr(),
+        blocks * BLOCK,
+        2,
+    )
     return cache
 
 
@@ -54,9 +66,26 @@ def run_step(lib, caches, tables, q, positions, out, threads: int) -> None:
     kind = {torch.float32: 0, torch.float16: 1, torch.int8: 2}[caches[0].dtype]
     blocks, width = caches[0].shape[2], caches[0].shape[4]
     for cache in caches:
-        lib.paged_decode_attention(q.data_ptr(), cache.data_ptr(), KV_HEADS, blocks, BLOCK, width, HEADS, HEAD_DIM, HEAD_DIM,
-                                   tables.data_ptr(), tables.shape[1], positions.data_ptr(), q.shape[0], HEAD_DIM**-0.5, 0,
-                                   out.data_ptr(), threads, kind)  # fmt: skip
+        lib.paged_decode_attention(
+            q.data_ptr(),
+            cache.data_ptr(),
+            KV_HEADS,
+            blocks,
+            BLOCK,
+            width,
+            HEADS,
+            HEAD_DIM,
+            HEAD_DIM,
+            tables.data_ptr(),
+            tables.shape[1],
+            positions.data_ptr(),
+            q.shape[0],
+            HEAD_DIM**-0.5,
+            0,
+            out.data_ptr(),
+            threads,
+            kind,
+        )
 
 
 def main() -> None:
@@ -80,11 +109,13 @@ def main() -> None:
         raise SystemExit(f"low-bit kernels unavailable: {native.load().reason}")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(
-        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, context {args.context} tokens"
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, context {args.context} "
+        f"tokens"
     )
     names = args.dtypes
     print(
-        f"| requests | KV bytes read / step | {' | '.join(f'{n} ms' for n in names)} | {' | '.join(f'{names[0]} / {n}' for n in names[1:])} |"
+        f"| requests | KV bytes read / step | {' | '.join(f'{n} ms' for n in names)} | "
+        f"{' | '.join(f'{names[0]} / {n}' for n in names[1:])} |"
     )
     print("|---:|---:|" + "---:|" * (2 * len(names) - 1))
     for R in args.requests:
@@ -101,7 +132,8 @@ def main() -> None:
         mb = " / ".join(f"{rows * row_bytes[n] / 1e6:.0f} MB ({n})" for n in names)
         times = [best[DTYPES[n]] for n in names]
         print(
-            f"| {R} | {mb} | {' | '.join(f'{t:.2f}' for t in times)} | {' | '.join(f'{times[0] / t:.2f}x' for t in times[1:])} |"
+            f"| {R} | {mb} | {' | '.join(f'{t:.2f}' for t in times)} | "
+            f"{' | '.join(f'{times[0] / t:.2f}x' for t in times[1:])} |"
         )
 
 

@@ -45,9 +45,12 @@ def weights(g):
     out = {}
     for name, n, k, layers in SHAPES:
         out[name] = [
-            ((torch.randn(n, k, device=DEVICE, generator=g) * 2).to(torch.float8_e4m3fn), torch.rand(-(-n // 128), -(-k // 128), device=DEVICE, generator=g) * 0.02 + 0.001)
+            (
+                (torch.randn(n, k, device=DEVICE, generator=g) * 2).to(torch.float8_e4m3fn),
+                torch.rand(-(-n // 128), -(-k // 128), device=DEVICE, generator=g) * 0.02 + 0.001,
+            )
             for _ in range(layers)
-        ]  # fmt: skip
+        ]
     return out
 
 
@@ -117,7 +120,8 @@ def main() -> None:
     bw = 2 * buf.numel() / copy_ms / 1e9
     buf = dst = None  # free the 1 GiB pair (rebinding, not del: the timing lambda names them)
     print(
-        f"copy bandwidth (read + write) {bw:.2f} TB/s; step weights {step_bytes / 1e6:.1f} MB, read floor {step_bytes / bw / 1e9:.4f} ms"
+        f"copy bandwidth (read + write) {bw:.2f} TB/s; step weights {step_bytes / 1e6:.1f} MB, read floor "
+        f"{step_bytes / bw / 1e9:.4f} ms"
     )
     counters = SplitCounters()
     print("\n| rows | variant | step graph ms | TB/s | max rel err |")
@@ -226,7 +230,8 @@ def moe(g, bw) -> None:
         nbytes = layers * k * 3 * I * D * (1 if fp8 else 2)
         t_gemv, t_tiled = graph_ms(lambda: run_moe(None)), graph_ms(lambda: run_moe(tiled_cfg))
         print(
-            f"| {'FP8' if fp8 else 'bf16'} | {t_gemv:.4f} | {t_tiled:.4f} | {t_tiled / t_gemv:.2f}x | {nbytes / t_gemv / 1e9:.2f} | {diff:.1e} |",
+            f"| {'FP8' if fp8 else 'bf16'} | {t_gemv:.4f} | {t_tiled:.4f} | {t_tiled / t_gemv:.2f}x | "
+            f"{nbytes / t_gemv / 1e9:.2f} | {diff:.1e} |",
             flush=True,
         )
         from deepinfer_cuda_sm100.kernels import moe_gemv

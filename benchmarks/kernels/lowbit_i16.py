@@ -73,7 +73,8 @@ def main() -> None:
 
     every = ops.DEFAULT_INT_ROWS
     print(
-        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n"
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, "
+        f"{torch.backends.cpu.get_cpu_capability()}\n"
     )
     if args.run_ab:
         run_ab(args.requests, args.run_ab)
@@ -93,7 +94,8 @@ def main() -> None:
             i16 = best_ms(lambda: ops.matmul(x, w, every), clock)
             flop = 2 * m * n * k
             print(
-                f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {flop / exact / 1e6:.1f} | {i16:.3f} | {flop / i16 / 1e6:.1f} | {exact / i16:.2f}x |",
+                f"| {name} ({n} x {k}, {kind}) | {m} | {exact:.3f} | {flop / exact / 1e6:.1f} | {i16:.3f} | "
+                f"{flop / i16 / 1e6:.1f} | {exact / i16:.2f}x |",
                 flush=True,
             )
 
@@ -121,7 +123,8 @@ def main() -> None:
                 best[rows] = min(best[rows], (clock() - start) * 1e3)
         exact, i16 = best[0], best[every]
         print(
-            f"| {m} | {exact:.1f} | {i16:.1f} | {exact / i16:.2f}x | {flop / exact / 1e6:.1f} | {flop / i16 / 1e6:.1f} |",
+            f"| {m} | {exact:.1f} | {i16:.1f} | {exact / i16:.2f}x | {flop / exact / 1e6:.1f} | {flop / i16 / 1e6:.1f} "
+            f"|",
             flush=True,
         )
 
@@ -165,7 +168,8 @@ def run_ab(requests: int, rounds: int) -> None:
             runs[name].append((time.perf_counter() - start, time.process_time() - cpu))
             assert sum(len(o.outputs[0].token_ids) for o in outs) == 128 * requests
     print(
-        f"\n{requests} requests x 128 prompt + 128 new tokens, {torch.get_num_threads()} thread(s), whole runs alternating, "
+        f"\n{requests} requests x 128 prompt + 128 new tokens, {torch.get_num_threads()} thread(s), whole runs "
+        f"alternating, "
         f"load average before {load:.1f}, after {os.getloadavg()[0]:.1f}:\n"
     )
     print("| variant | runs | best wall s | tok/s (best wall) | best CPU s | tok per CPU s |")
@@ -242,7 +246,8 @@ def engine_steps(requests: int, rounds: int, clock) -> None:
     print("|---|---:|---:|---:|---:|")
     for name in variants:
         print(
-            f"| {name} | {prefill[name] * 1e3:.0f} | {base[0] / prefill[name]:.2f}x | {decode[name] * 1e3:.1f} | {base[1] / decode[name]:.2f}x |"
+            f"| {name} | {prefill[name] * 1e3:.0f} | {base[0] / prefill[name]:.2f}x | {decode[name] * 1e3:.1f} | "
+            f"{base[1] / decode[name]:.2f}x |"
         )
 
 

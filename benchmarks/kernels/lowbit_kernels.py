@@ -74,7 +74,8 @@ def main() -> None:
     from deepinfer_core.lowbit import ops
 
     print(
-        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, {torch.backends.cpu.get_cpu_capability()}\n"
+        f"{args.threads} thread(s), {args.clock} clock, load average {os.getloadavg()[0]:.1f}, "
+        f"{torch.backends.cpu.get_cpu_capability()}\n"
     )
     print("| matrix (N x K, kind) | M | exact ms | integer ms | exact / integer | int8 ms | exact / int8 |")
     print("|---|---:|---:|---:|---:|---:|---:|")

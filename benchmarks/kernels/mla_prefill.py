@@ -59,8 +59,18 @@ def absorbed(spec, q, w_kv, cache, meta, nope):
     from deepinfer_cuda_sm100.kernels.paged_attention import paged_attention
 
     query = torch.cat([torch.einsum("thn,hnc->thc", q[..., :nope], w_kv[:, :nope]), q[..., nope:]], dim=-1)
-    lat = paged_attention(query, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=meta.max_query_len,
-                          max_seq_len=meta.max_seq_len, scale=spec.scale, v_head_dim=spec.v_head_dim, kv_shared=True)  # fmt: skip
+    lat = paged_attention(
+        query,
+        cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        scale=spec.scale,
+        v_head_dim=spec.v_head_dim,
+        kv_shared=True,
+    )
     return torch.einsum("thc,hvc->thv", lat, w_kv[:, nope:])
 
 
@@ -129,8 +139,18 @@ def sweep(spec, q, key, w_kv, cache, meta, nope, flop, reps, device):
         cfg = PrefillConfig(bm, bn, warps, stages)
 
         def run():
-            return mla_prefill_attention(q, kv[..., :nope], entries[:, C:], kv[..., nope:], meta.query_start_loc, key_start, meta.seq_lens,
-                                         max_query_len=meta.max_query_len, scale=spec.scale, config=cfg)  # fmt: skip
+            return mla_prefill_attention(
+                q,
+                kv[..., :nope],
+                entries[:, C:],
+                kv[..., nope:],
+                meta.query_start_loc,
+                key_start,
+                meta.seq_lens,
+                max_query_len=meta.max_query_len,
+                scale=spec.scale,
+                config=cfg,
+            )
 
         try:
             ms = timed(run, reps, device)
@@ -160,12 +180,14 @@ def main() -> None:
             ("2048 after 6144", [8192], [2048]),
         ]
     print(
-        f"MLA prefill attention, one layer: {heads} heads, latent {latent}, rope {rope}, nope {nope}, v {v_dim}, {dtype}, {device}"
+        f"MLA prefill attention, one layer: {heads} heads, latent {latent}, rope {rope}, nope {nope}, v {v_dim}, "
+        f"{dtype}, {device}"
     )
     if device == "cuda":
         print(torch.cuda.get_device_name(), "torch", torch.__version__)
     print(
-        "| shape | absorbed ms | expanded ms | SDPA flash ms | expanded TFLOP/s (attention only) | absorbed TFLOP/s | absorbed / expanded | max diff expanded | max diff SDPA |"
+        "| shape | absorbed ms | expanded ms | SDPA flash ms | expanded TFLOP/s (attention only) | absorbed TFLOP/s | "
+        "absorbed / expanded | max diff expanded | max diff SDPA |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, lens, new in rows:
@@ -184,7 +206,8 @@ def main() -> None:
                 sd = f"n/a ({str(e).splitlines()[0][:60]})"
         flop_exp = pairs * heads * 2 * (nope + rope + v_dim)
         flop_abs = pairs * heads * 2 * (latent + rope + latent)
-        print(f"| {name} | {t_abs:.3f} | {t_exp:.3f} | {sd} | {flop_exp / t_exp / 1e9:.1f} | {flop_abs / t_abs / 1e9:.1f} | {t_abs / t_exp:.2f}x | "
+        print(f"| {name} | {t_abs:.3f} | {t_exp:.3f} | {sd} | {flop_exp / t_exp / 1e9:.1f} | "
+              f"{flop_abs / t_abs / 1e9:.1f} | {t_abs / t_exp:.2f}x | "
               f"{(out.float() - ref.float()).abs().max().item():.2e} | {d_sd} |")  # fmt: skip
         if args.sweep:
             sweep(spec, q, key, w_kv, cache, meta, nope, flop_exp, args.reps, device)

@@ -88,11 +88,13 @@ def main() -> None:
     kind = "FP8 experts" if args.fp8 else "bf16"
     print(f"fused_moe T={T} E={E} k={k} D={D} I={I} {kind}; default {default}: {base:.3f} ms")
     print(
-        "| block_m | block_n | block_k | warps | stages | ms | TFLOP/s | weight GB/s | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| block_m | block_n | block_k | warps | stages | ms | TFLOP/s | weight GB/s | vs default | rel. error "
+        "|\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for ms, c, err in rows[:12]:
         print(
-            f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | {flops / ms / 1e9:.0f} | {touched / ms / 1e6:,.0f} | {base / ms:.2f}x | {err:.1e} |"
+            f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {ms:.3f} | "
+            f"{flops / ms / 1e9:.0f} | {touched / ms / 1e6:,.0f} | {base / ms:.2f}x | {err:.1e} |"
         )
 
 
@@ -153,11 +155,13 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
             f"\n{name} sweep (the other GEMM fixed at its default); whole fused_moe, default {default}: {base:.3f} ms"
         )
         print(
-            "| block_m | block_n | block_k | warps | stages | group_m | tma | ms | vs default | rel. error |\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+            "| block_m | block_n | block_k | warps | stages | group_m | tma | ms | vs default | rel. error "
+            "|\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
         )
         for ms, c, err in rows:
             print(
-                f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {c.tma} | {ms:.3f} | {base / ms:.2f}x | {err:.1e} |"
+                f"| {c.block_m} | {c.block_n} | {c.block_k} | {c.num_warps} | {c.num_stages} | {c.group_m} | {c.tma} | "
+                f"{ms:.3f} | {base / ms:.2f}x | {err:.1e} |"
             )
     best = None
     for bm in (128,):
@@ -166,7 +170,8 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
         if gu and dn:
             ms, err = _time(x, gate_up, down, ids, w, scales, gu[0][1], dn[0][1], ref)
             print(
-                f"best pair at block_m {bm}: {gu[0][1]} + {dn[0][1]}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), {base / ms:.2f}x the default, rel. error {err:.1e}"
+                f"best pair at block_m {bm}: {gu[0][1]} + {dn[0][1]}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), "
+                f"{base / ms:.2f}x the default, rel. error {err:.1e}"
             )
             if best is None or ms < best[0]:
                 best = (ms, gu[0][1], dn[0][1])
@@ -178,7 +183,8 @@ def split_sweep(x, gate_up, down, ids, w, scales, ref, base, default, flops) -> 
         t2 = triton.testing.do_bench(lambda: h @ c.t(), warmup=25, rep=100, return_mode="median")
         f1, f2 = 2 * rows_n * D * 2 * I, 2 * rows_n * I * D
         print(
-            f"cuBLAS dense, same shapes: [{rows_n} x {D}] @ [{D} x {2 * I}] {t1:.3f} ms ({f1 / t1 / 1e9:.0f} TFLOP/s), [{rows_n} x {I}] @ [{I} x {D}] {t2:.3f} ms ({f2 / t2 / 1e9:.0f} TFLOP/s)"
+            f"cuBLAS dense, same shapes: [{rows_n} x {D}] @ [{D} x {2 * I}] {t1:.3f} ms ({f1 / t1 / 1e9:.0f} TFLOP/s), "
+            f"[{rows_n} x {I}] @ [{I} x {D}] {t2:.3f} ms ({f2 / t2 / 1e9:.0f} TFLOP/s)"
         )
         del a, b, h, c
     for label, cfg, dcfg in (("default", None, None), ("best", best[1], best[2])):

@@ -25,10 +25,12 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(E, D, device="cuda", generator=g) / D**0.5
     print(
-        f"router logits, E={E} D={D}, bf16 rows, float32 weight; thresholds: GEMV <= {ROUTER_ROWS}, tiled >= {ROUTER_TILE_ROWS}"
+        f"router logits, E={E} D={D}, bf16 rows, float32 weight; thresholds: GEMV <= {ROUTER_ROWS}, tiled >= "
+        f"{ROUTER_TILE_ROWS}"
     )
     print(
-        "| tokens | torch ms | plugin ms | torch / plugin | tiled 64 ms | tiled 128 ms | max abs err vs float64 (torch / tiled) |"
+        "| tokens | torch ms | plugin ms | torch / plugin | tiled 64 ms | tiled 128 ms | max abs err vs float64 (torch "
+        "/ tiled) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for T in (int(t) for t in args.tokens.split(",")):
@@ -47,7 +49,8 @@ def main() -> None:
             )
         ]
         print(
-            f"| {T} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x | {times[2]:.4f} | {times[3]:.4f} | {errs[0]:.1e} / {errs[1]:.1e} |",
+            f"| {T} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f}x | {times[2]:.4f} | {times[3]:.4f} | "
+            f"{errs[0]:.1e} / {errs[1]:.1e} |",
             flush=True,
         )
 

@@ -47,8 +47,22 @@ def case(kind, ratio, heads, D, window, topk, lens, new, dtype, device, block=12
         selected = torch.tensor(rows, dtype=torch.long, device=device)
     # V4 keys go to the rings and entries, never to slot_mapping
     meta = batch.metadata(device, slot_mapping=torch.zeros_like(positions), state_slots=torch.arange(R, device=device))
-    spec = AttentionLayerSpec(kind, 0, heads, 1, D, D, D**-0.5, rope_dim=64, kv_shared=True, window=window, compress_ratio=ratio,
-                              index_topk=topk if ratio == 4 else 0, kv_dtype=dtype, state_kv=True)  # fmt: skip
+    spec = AttentionLayerSpec(
+        kind,
+        0,
+        heads,
+        1,
+        D,
+        D,
+        D**-0.5,
+        rope_dim=64,
+        kv_shared=True,
+        window=window,
+        compress_ratio=ratio,
+        index_topk=topk if ratio == 4 else 0,
+        kv_dtype=dtype,
+        state_kv=True,
+    )
     q = torch.randn(batch.num_tokens, heads, D, generator=g).to(device, dtype)
     kv = (torch.randn(batch.num_tokens, D, generator=g) * 0.5).to(device, dtype)
     sinks = torch.randn(heads, generator=g).to(device)
@@ -90,7 +104,8 @@ def main() -> None:
     levels = [(1, 1), (16, 1), (64, 1), (4, 512)] if not args.tiny else [(1, 1), (3, 1), (2, 24)]
     ref, ours = TorchV4AttentionBackend(), TritonV4Attention()
     print(
-        f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, heads {args.heads}, head_dim {D}, window {window}, context {ctx}"
+        f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {dtype}, heads {args.heads}, head_dim "
+        f"{D}, window {window}, context {ctx}"
     )
     print("| kind | requests x new tokens | reference ms | triton ms | speed-up | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|")

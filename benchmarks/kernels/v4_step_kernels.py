@@ -103,8 +103,14 @@ def main() -> None:
     m4.V4Rope.apply = staticmethod(tagged(m4.V4Rope.apply, "rope", counter_of))
     m4.V4Rope.cos_sin = tagged(m4.V4Rope.cos_sin, "rope", counter_of)
 
-    cfg = tiny_v4_config(num_hidden_layers=len(LAYOUT), layer_types=LAYOUT, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
-                         hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=1024)  # fmt: skip
+    cfg = tiny_v4_config(
+        num_hidden_layers=len(LAYOUT),
+        layer_types=LAYOUT,
+        mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        max_position_embeddings=1024,
+    )
     with tempfile.TemporaryDirectory(prefix="v4kernels") as path:  # the engine keeps the weights in memory
         save_tiny_v4(path, 1, 2, cfg)
         llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, max_num_seqs=4)
@@ -138,7 +144,8 @@ def main() -> None:
     llm.generate([list(range(2, 2 + args.context))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     parts = sorted({p for c in rows.values() for p in c}, key=lambda p: -rows["eager"][p])
     print(
-        f"V4-mini layout ({len(LAYOUT)} layers: sliding, 3 CSA, 3 HCA, sliding; 20 Sinkhorn iterations), 1 request at position {args.context}"
+        f"V4-mini layout ({len(LAYOUT)} layers: sliding, 3 CSA, 3 HCA, sliding; 20 Sinkhorn iterations), 1 request at "
+        f"position {args.context}"
     )
     print("| part | " + " | ".join(rows) + " |\n|---|" + "---:|" * len(rows))
     for p in parts + ["total"]:

@@ -54,7 +54,8 @@ def main() -> None:
             cpu[name].append((time.process_time() - t0) * 1e3)
             phases[name].append(plan.phase_ms.tolist())
     print(
-        f"{args.requests} requests, {args.threads} threads, {args.steps} decode steps each, alternating; load average {os.getloadavg()[0]:.1f}\n"
+        f"{args.requests} requests, {args.threads} threads, {args.steps} decode steps each, alternating; load average "
+        f"{os.getloadavg()[0]:.1f}\n"
     )
     print("| KV cache | step CPU ms (median) | GEMMs / attention / rest CPU ms (median) |\n|---|---:|---:|")
     for name in engines:
@@ -62,7 +63,8 @@ def main() -> None:
         print(f"| {name} | {statistics.median(cpu[name]):.1f} | {med[0]:.1f} / {med[1]:.1f} / {med[2]:.1f} |")
     a = statistics.median(p[1] for p in phases["float16"]) / statistics.median(p[1] for p in phases["int8"])
     print(
-        f"\nattention phase float16 / int8: {a:.2f}x; step: {statistics.median(cpu['float16']) / statistics.median(cpu['int8']):.2f}x"
+        f"\nattention phase float16 / int8: {a:.2f}x; step: "
+        f"{statistics.median(cpu['float16']) / statistics.median(cpu['int8']):.2f}x"
     )
 
 

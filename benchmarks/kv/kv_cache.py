@@ -16,10 +16,12 @@ For each prompt length, in fresh processes (model load not timed, store open inc
 Then decode time per step with and without write-back (100-token prompts, 384 new tokens, so
 three blocks fill and are written during each decode): one process, two engines of the same
 model decoding the same fresh prompt step by step in lockstep (A B, B A, ...), ``--reps`` times,
-each side's mean and median per step reported with the ratio (the issue's line: within 5%). ``--lengths ""`` runs only the decode part.
+each side's mean and median per step reported with the ratio (the issue's line: within 5%). ``--lengths ""`` runs only
+the decode part.
 
     python benchmarks/kv/kv_cache.py --lengths 4096,8192
-    python benchmarks/kv/kv_cache.py --tiny-v4 --lengths 16384,32768   # a random tiny DeepSeek-V4 (transformers builds it)
+    python benchmarks/kv/kv_cache.py --tiny-v4 --lengths 16384,32768
+    # (a random tiny DeepSeek-V4, transformers builds it)
 
 SmolLM2's context is 8K; the 16K and 32K rows use ``--tiny-v4`` (random weights, random token
 ids: the timing does not depend on the weights' values).
@@ -224,10 +226,12 @@ def main() -> None:
 
     print(f"# deepinfer persistent KV cache, {args.model}, CPU, local store (fresh process per row)")
     print(
-        "store -> cache GB/s: the load's bytes over the time to read them (and, through host buffers, to copy them into the cache)"
+        "store -> cache GB/s: the load's bytes over the time to read them (and, through host buffers, to copy them "
+        "into the cache)"
     )
     print(
-        "| prompt | TTFT 0% hits (s) | TTFT from store (s) | hit % | ratio | store -> cache GB/s | via host buffers: TTFT (s) | ratio | GB/s | plain read GB/s | load/read |"
+        "| prompt | TTFT 0% hits (s) | TTFT from store (s) | hit % | ratio | store -> cache GB/s | via host buffers: "
+        "TTFT (s) | ratio | GB/s | plain read GB/s | load/read |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in [int(x) for x in args.lengths.split(",") if x]:
@@ -244,7 +248,10 @@ def main() -> None:
         }
         read_bw = nbytes / seconds / 1e9
         print(
-            f"| {length} | {cold['ttft']:.2f} | {warm['ttft']:.2f} | {100 * warm['cached'] / warm['prompt']:.1f} | {cold['ttft'] / warm['ttft']:.1f}x | {bw['direct']:.2f} | {via_host['ttft']:.2f} | {cold['ttft'] / via_host['ttft']:.1f}x | {bw['host']:.2f} | {read_bw:.2f} | {bw['direct'] / read_bw:.2f} |",
+            f"| {length} | {cold['ttft']:.2f} | {warm['ttft']:.2f} | {100 * warm['cached'] / warm['prompt']:.1f} | "
+            f"{cold['ttft'] / warm['ttft']:.1f}x | {bw['direct']:.2f} | {via_host['ttft']:.2f} | "
+            f"{cold['ttft'] / via_host['ttft']:.1f}x | {bw['host']:.2f} | {read_bw:.2f} | {bw['direct'] / read_bw:.2f} "
+            f"|",
             flush=True,
         )
 
@@ -262,16 +269,19 @@ def main() -> None:
     rows = got["rows"]
     print()
     print(
-        f"# decode per step, one process, two engines in lockstep (100-token prompts, {args.decode_tokens} new tokens, {len(rows)} repetitions; {got['blocks_written']} blocks written in all)"
+        f"# decode per step, one process, two engines in lockstep (100-token prompts, {args.decode_tokens} new tokens, "
+        f"{len(rows)} repetitions; {got['blocks_written']} blocks written in all)"
     )
     print(
-        "| repetition | without: ms/step mean | median | with write-back: ms/step mean | median | ratio of means | ratio of medians |"
+        "| repetition | without: ms/step mean | median | with write-back: ms/step mean | median | ratio of means | "
+        "ratio of medians |"
     )
     print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         w, wb = r["without"], r["with"]
         print(
-            f"| {i + 1} | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
+            f"| {i + 1} | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | "
+            f"{1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
         )
     med = {
         side: {k: statistics.median(r[side][k] for r in rows) for k in ("mean", "median")}
@@ -279,14 +289,17 @@ def main() -> None:
     }
     w, wb = med["without"], med["with"]
     print(
-        f"| median of repetitions | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | {1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
+        f"| median of repetitions | {1e3 * w['mean']:.2f} | {1e3 * w['median']:.2f} | {1e3 * wb['mean']:.2f} | "
+        f"{1e3 * wb['median']:.2f} | {wb['mean'] / w['mean']:.3f} | {wb['median'] / w['median']:.3f} |"
     )
     print(
-        f"write-back's own time on the step loop (device -> host copies, queueing): {1e3 * got['on_step_loop']:.2f} ms in {got['steps_total']} steps = {1e6 * got['on_step_loop'] / got['steps_total']:.1f} us/step"
+        f"write-back's own time on the step loop (device -> host copies, queueing): {1e3 * got['on_step_loop']:.2f} ms "
+        f"in {got['steps_total']} steps = {1e6 * got['on_step_loop'] / got['steps_total']:.1f} us/step"
     )
     ratios = sorted(r["with"]["mean"] / r["without"]["mean"] for r in rows)
     print(
-        f"median ratio of per-repetition means (with / without): {statistics.median(ratios):.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f}); goal <= 1.050"
+        f"median ratio of per-repetition means (with / without): {statistics.median(ratios):.3f} (range "
+        f"{ratios[0]:.3f}-{ratios[-1]:.3f}); goal <= 1.050"
     )
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

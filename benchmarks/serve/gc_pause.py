@@ -53,7 +53,8 @@ def main() -> None:
     print("|---|---:|---|---:|")
     print(f"| without gc.freeze | {tracked_before:,} | {', '.join(f'{x:.1f}' for x in before)} | {min(before):.1f} |")
     print(
-        f"| after gc.freeze (serve) | {tracked_after:,} ({gc.get_freeze_count():,} frozen) | {', '.join(f'{x:.1f}' for x in after)} | {min(after):.1f} |"
+        f"| after gc.freeze (serve) | {tracked_after:,} ({gc.get_freeze_count():,} frozen) | "
+        f"{', '.join(f'{x:.1f}' for x in after)} | {min(after):.1f} |"
     )
     ratio = f"{min(before) / min(after):.0f}x" if min(after) >= 0.1 else f"{min(before):.1f} ms -> under 0.1 ms"
     print(f"| without / after | | | {ratio} |")

@@ -66,17 +66,20 @@ def main() -> None:
         "--clock",
         choices=sorted(CLOCKS),
         default="wall",
-        help="wall time, or this thread's CPU time (on a busy shared machine: time spent waiting for a core is left out)",
+        help="wall time, or this thread's CPU time (on a busy shared machine: time spent waiting for a core is left "
+        "out)",
     )
     args = ap.parse_args()
     clock = CLOCKS[args.clock]
     helper = native.load()
     print(
-        f"streamed through: {'the C front' if helper.module is not None and native.enabled() else 'the pure-Python push'}"
+        f"streamed through: "
+        f"{'the C front' if helper.module is not None and native.enabled() else 'the pure-Python push'}"
         f"{'' if helper.module is not None else ' (' + helper.reason + ')'}"
     )
     print(
-        f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push (s) | its ratio |"
+        f"| argument | pieces of {args.piece} chars | streamed (s) | whole (s) | streamed / whole | pure-Python push "
+        f"(s) | its ratio |"
         " streaming the call (s) | its ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -93,7 +96,8 @@ def main() -> None:
             deltas.append(run(pieces, clock=clock, stream_calls=True)[0])
         w, s_, p, d = min(whole), min(streamed), min(python), min(deltas)
         print(
-            f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x | {d:.4f} | {d / w:.1f}x |"
+            f"| {size / 1024:.0f} KiB | {len(pieces)} | {s_:.4f} | {w:.4f} | {s_ / w:.1f}x | {p:.4f} | {p / w:.1f}x | "
+            f"{d:.4f} | {d / w:.1f}x |"
         )
 
 

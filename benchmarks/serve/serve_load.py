@@ -278,12 +278,14 @@ def main() -> int:
     base = rows.pop("offline", {})
     base = {n: r["tok_s"] for n, r in base.items() if isinstance(r, dict)} if isinstance(base, dict) else base
     print(
-        f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, {args.threads} threads, "
+        f"# serve_load: SmolLM2-135M-Instruct, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, "
+        f"{args.threads} threads, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}"
     )
     print(f"# load average (1 min) before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print(
-        "| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs offline LLM |"
+        "| N | engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | vs llama.cpp server | vs "
+        "offline LLM |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in levels:
@@ -300,7 +302,8 @@ def main() -> int:
             vs_peer = f"{r['tok_s'] / peer_n['tok_s']:.2f}x" if isinstance(peer_n, dict) else "-"
             vs_offline = f"{r['tok_s'] / base[n]:.2f}x" if isinstance(base, dict) and n in base else "-"
             print(
-                f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
+                f"| {n} | {engine} serve | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p99'] * 1e3:.0f} | "
+                f"{r['itl_p50'] * 1e3:.1f} | "
                 f"{r['itl_p99'] * 1e3:.1f} | {r['tok_s']:.1f} | {vs_peer} | {vs_offline} |"
             )
         if isinstance(base, dict) and n in base:

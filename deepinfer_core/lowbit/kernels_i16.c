@@ -192,7 +192,7 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
 /* Tokens per pass over a panel slice: 2 T int32 sums and 2 T float accumulators in registers.
  * AVX2's 16 registers hold T = 3. With VNNI one vpdpwssd adds into a sum where AVX2 needs two
  * instructions, and its 4-cycle latency then bounds 6 chains at 1.5 a cycle on Zen 4 (2 a cycle
- * takes 8; benchmarks/lowbit_i16_ceiling.c); AVX512-VL's 32 ymm registers hold more tokens:
+ * takes 8; benchmarks/kernels/lowbit_i16_ceiling.c); AVX512-VL's 32 ymm registers hold more tokens:
  * T = 4 and 5 ran 1.1-1.25x the AVX2 build per matrix, 5 a little ahead at 512 rows, 6 and 8
  * no faster than AVX2 (registers spill) (benchmarks/README.md, cpuvnni). -DP16_T=n overrides. */
 /* With AVX512-F/BW + VNNI (the avx512vnni build) the pass is 512 bits wide (P16_ZMM): the 16

@@ -195,7 +195,7 @@ static void silu_mul(const float *gate, const float *up, int64_t I, float *act) 
     for (; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* Process CPU time in ms, for the optional split of a step (benchmarks/cpu_step_profile.py). */
+/* Process CPU time in ms, for the optional split of a step (benchmarks/cpu/cpu_step_profile.py). */
 static double cpu_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);

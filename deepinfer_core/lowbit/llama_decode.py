@@ -155,7 +155,7 @@ class LlamaDecodePlan:
         self._scratch = torch.empty(0)
         self._per_row = lib.llama_decode_scratch_per_row(ctypes.byref(md))
         # None, or float64 [3] that each step adds its CPU ms to: GEMMs, attention, the rest
-        # (benchmarks/cpu_step_profile.py sets it; a few clock reads per layer when set)
+        # (benchmarks/cpu/cpu_step_profile.py sets it; a few clock reads per layer when set)
         self.phase_ms: torch.Tensor | None = None
         # the step's thread count by measured wall time (threads.py); None: torch's count
         self.threads: ThreadChooser | None = ThreadChooser() if adaptive_enabled() else None

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     # This process serves the engine until it exits: what start-up made (imports, the engine, the
     # app) leaves the collector's view, so an automatic full collection walks only what requests
     # made since; over the start-up heap it stalls every request in flight (~130 ms on the default
-    # model, benchmarks/gc_pause.py; 100-130 ms in the H200 runs).
+    # model, benchmarks/serve/gc_pause.py; 100-130 ms in the H200 runs).
     gc.collect()
     gc.freeze()
     serve(server.app, args.host, args.port, args.drain_timeout, args.log_level)

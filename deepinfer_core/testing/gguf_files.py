@@ -84,7 +84,7 @@ def write_tiny_llama_gguf(path: str, float_keys: dict[str, float], seed: int = 0
     return str(path)
 
 
-# -- random Llama GGUFs of any shape and tensor type (benchmarks/cpu_gguf_check.py) -------------
+# -- random Llama GGUFs of any shape and tensor type (benchmarks/cpu/cpu_gguf_check.py) -------------
 # Where each type keeps its f16 super-scales inside a block (byte offsets; llama.cpp's ggml-common.h):
 # the K-quants and IQ4 have no quantizer in the gguf library, so their blocks are random bytes with
 # these fields set to a scale that gives the wanted spread (every code pattern is a valid block).

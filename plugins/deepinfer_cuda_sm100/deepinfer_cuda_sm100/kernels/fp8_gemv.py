@@ -30,7 +30,7 @@ from .gemm_parts import FP8_BLOCK, SplitCounters, _quant_rows, _split_sum_kernel
 from .paged_attention import _pow2, interpreting
 
 # up to this many rows the GEMV replaces the tiled GEMM (bf16 / fp16 activations); measured on
-# an H200, V3-mini's 48 dense FP8 launches (benchmarks/fp8_gemv.py): 1 row 0.250 vs 0.342 ms,
+# an H200, V3-mini's 48 dense FP8 launches (benchmarks/kernels/fp8_gemv.py): 1 row 0.250 vs 0.342 ms,
 # 2 rows 0.300 vs 0.343, 4 rows 0.431 vs 0.346 (the CUDA-core work grows with the rows)
 GEMV_ROWS = 2
 

@@ -300,7 +300,7 @@ class MoEConfig:
 def choose_config(num_rows: int, num_experts: int) -> MoEConfig:
     """The gate/up GEMM's tiles: 16 rows while experts get few rows each (decode), 64 for
     mid-sized batches, 128 x 128 once experts average 256+ rows, in groups of 8 row tiles, the
-    weight tiles fetched by the copy engine (benchmarks/moe_tiles.py --split on an H200, V3-mini
+    weight tiles fetched by the copy engine (benchmarks/kernels/moe_tiles.py --split on an H200, V3-mini
     64 x 512 prefill: 2.76 ms vs 3.06 ms with row tiles fastest; with ``tma`` 2.60 vs 2.74 ms;
     128 x 128 was the best of 36 tilings before)."""
     if num_rows <= 64 * num_experts:
@@ -322,7 +322,7 @@ def choose_down_config(num_rows: int, num_experts: int) -> MoEConfig:
 
 
 DECODE_ROWS_PER_EXPERT = 8  # 16-bit decode batches up to this many rows an expert take the tiles below
-# benchmarks/decode64_sweep.py, H200, V3-mini's 64-request decode shape (384 rows over 64 experts),
+# benchmarks/kernels/decode64_sweep.py, H200, V3-mini's 64-request decode shape (384 rows over 64 experts),
 # whole fused_moe 0.221 ms with the 16 x 64 x 64 pointer-load tiles: gate/up with 128-wide K steps
 # fetched by the copy engine 0.212 ms, down with 128-wide K steps 0.217 ms; results bit-equal
 DECODE_GATE_UP = MoEConfig(16, 64, 128, 4, 3, tma=True)
@@ -464,7 +464,7 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
 
 def _fp8_tiles(config: MoEConfig, explicit: bool, num_rows: int, quant_a: bool) -> MoEConfig:
     """One 128-channel activation group and weight scale column per K step."""
-    if config.block_m == 16 and not explicit:  # benchmarks/moe_tiles.py --fp8 --decode, H200, 64 tokens:
+    if config.block_m == 16 and not explicit:  # benchmarks/kernels/moe_tiles.py --fp8 --decode, H200, 64 tokens:
         # 16 x 128 x 128 0.150 ms vs 16 x 32 0.240 ms; tiny batches keep 32 for more programs
         config = replace(config, block_n=128 if num_rows > 32 else 32)
     config = replace(config, block_k=128)

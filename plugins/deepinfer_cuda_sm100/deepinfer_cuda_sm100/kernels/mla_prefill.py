@@ -182,7 +182,7 @@ class PrefillConfig:
 
 def choose_config(dtype: torch.dtype, head_width: int) -> PrefillConfig:
     """128 x 128 tiles, 8 warps, 2 stages for half-precision queries up to 256 wide: the fastest
-    or tied of nine shapes on an H200 at V3's widths (``benchmarks/mla_prefill.py --sweep``:
+    or tied of nine shapes on an H200 at V3's widths (``benchmarks/kernels/mla_prefill.py --sweep``:
     64 x 512 prompts 0.480 ms vs 0.509 for 128 x 64; 4 x 4096 0.916 vs 1.219; a 2,048 chunk over
     6,144 cached 0.504 vs 0.614). float32 (and the interpreter) in 64 x 32 tiles, which fit."""
     if interpreting():

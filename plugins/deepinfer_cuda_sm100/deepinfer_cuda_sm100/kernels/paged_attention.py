@@ -247,7 +247,7 @@ def choose_config(
         if (
             wide and block_m == 16 and num_programs >= 64 and element_size == 2
         ):  # 16-bit MLA at 16 heads, 64+ requests: 4 warps
-            # (benchmarks/decode64_sweep.py, H200, 64 requests x 161 tokens of V3-mini: 0.0132-0.0135
+            # (benchmarks/kernels/decode64_sweep.py, H200, 64 requests x 161 tokens of V3-mini: 0.0132-0.0135
             # ms at 3-4 splits vs 0.0195 ms with 8 warps, merge included)
             warps = 4
         return LaunchConfig(block_m, block_n, splits, warps, stages)

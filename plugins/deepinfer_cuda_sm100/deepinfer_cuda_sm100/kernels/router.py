@@ -11,7 +11,7 @@ tokens are few.
 
 Prefill (``ROUTER_TILE_ROWS`` bf16 rows and more): the reference is a float32 copy of the whole
 hidden state plus a float32 FFMA GEMM (H200, V3-mini 64 x 512 prefill: 0.20 + 0.23 ms a MoE
-layer, 3.0 ms of the 67 ms of kernels; benchmarks/router_gemm.py: 0.418 ms vs 0.070 at 32,768
+layer, 3.0 ms of the 67 ms of kernels; benchmarks/kernels/router_gemm.py: 0.418 ms vs 0.070 at 32,768
 tokens, 0.117 vs 0.041 at 8,192, even at 2,048, where the reference's 0.042 ms is bound by
 launches and the kernel by its 32-step loop over D, so smaller batches keep torch's). The tiled
 kernel reads the bf16 rows once and splits each float32 weight tile in registers into three
@@ -144,7 +144,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.float(), weight.float())
     E = weight.shape[0]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    # 17-64 rows: 4 experts a program on 2 warps (benchmarks/decode64_sweep.py, H200, 64 rows x 64
+    # 17-64 rows: 4 experts a program on 2 warps (benchmarks/kernels/decode64_sweep.py, H200, 64 rows x 64
     # experts x 2048: 0.0039 ms vs 0.0057 for the 1-16 row launch and 0.0109 for the cast + cuBLAS's
     # float32 GEMM, which in the 64-request decode graph was 3 kernels of ~11 us a MoE layer)
     be, warps = (BLOCK_E, 4) if T <= 16 else (4, 2)

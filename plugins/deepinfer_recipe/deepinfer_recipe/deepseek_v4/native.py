@@ -2,7 +2,7 @@
 
 Why C at all: a long tool argument is streamed a few characters per ``push``, and on a small CPU
 one Python-level call per piece costs more than the whole one-shot parse of the text (measured
-in ``benchmarks/parser_streaming.py``). The helper is a CPython extension of one small type (the
+in ``benchmarks/serve/parser_streaming.py``). The helper is a CPython extension of one small type (the
 parser's front), compiled when the first parser is made, with whatever C compiler the machine
 has (``CC``, ``cc``, ``gcc``, ``clang``) against the running interpreter's headers, in well
 under a second. It is cached under ``$DEEPINFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/deepinfer`` or
