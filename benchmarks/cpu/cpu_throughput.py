@@ -446,6 +446,7 @@ def main() -> None:
         default=os.environ.get(LLAMACPP_ENV, ""),
         help=f"import llama_cpp from this directory (default: ${LLAMACPP_ENV}, else the environment's)",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/bench_json.py)")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -490,6 +491,36 @@ def main() -> None:
         f"deepinfer at {revision()}\n"
     )
     print_table(results, args)
+    if args.json:
+        write_json(args.json, results, weights, load_before)
+
+
+def write_json(path: str, results: list[Result], weights: str, load_before: float) -> None:
+    """Rows: concurrency, engine (deepinfer, llamacpp, transformers, ...), tok_s, peak_rss_mib, ttft_ms
+    (concurrency 1), build, error."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench_json
+
+    rows = [
+        {
+            "concurrency": r.concurrency,
+            "engine": r.engine,
+            "tok_s": round(r.tokens_per_s, 1),
+            "peak_rss_mib": round(r.peak_rss_mib),
+            "ttft_ms": round(r.ttft_ms) if r.ttft_ms else None,
+            "build": r.build,
+            "error": r.error,
+        }
+        for r in results
+    ]
+    peers = sorted({LABELS[r.engine] for r in results if r.engine not in OURS})
+    bench_json.write(
+        path,
+        "cpu_throughput",
+        rows,
+        peer=", ".join(peers) + " (same run)" if peers else "none in this run",
+        notes=f"SmolLM2-135M-Instruct {weights}; 1-min load average before the run {load_before:.1f}",
+    )
 
 
 if __name__ == "__main__":

@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=0)
     parser.add_argument("--store", default="")
     parser.add_argument("--host-path", action="store_true", help="child: load through host buffers, not into the cache")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/bench_json.py)")
     parser.add_argument(
         "--tiny-v4", action="store_true", help="a random tiny DeepSeek-V4 with a 33K context instead of --model"
     )
@@ -234,6 +235,7 @@ def main() -> None:
         "TTFT (s) | ratio | GB/s | plain read GB/s | load/read |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    results: list[dict] = []
     for length in [int(x) for x in args.lengths.split(",") if x]:
         with tempfile.TemporaryDirectory(prefix="kvbench-") as root:
             url = f"local://{root}"
@@ -254,9 +256,21 @@ def main() -> None:
             f"|",
             flush=True,
         )
+        results.append(
+            {
+                "prompt_tokens": length,
+                "miss_ttft_s": cold["ttft"],
+                "hit_ttft_s": warm["ttft"],
+                "hit_via_host_ttft_s": via_host["ttft"],
+                "hit_percent": 100 * warm["cached"] / warm["prompt"],
+                "load_gb_s": bw["direct"],
+                "plain_read_gb_s": read_bw,
+            }
+        )
 
     if args.decode_tokens <= 0:
         print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        write_json(args, results, None)
         return
     with tempfile.TemporaryDirectory(prefix="kvbench-") as root:
         got = run_child(
@@ -302,6 +316,26 @@ def main() -> None:
         f"{ratios[0]:.3f}-{ratios[-1]:.3f}); goal <= 1.050"
     )
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    write_json(args, results, statistics.median(ratios))
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], decode_ratio: float | None) -> None:
+    """Rows: prompt_tokens, miss_ttft_s (0% hits), hit_ttft_s (served from the store, read into the cache),
+    hit_via_host_ttft_s, hit_percent, load_gb_s, plain_read_gb_s; decode_write_back_ratio: the median
+    ratio of decode ms/step with write-back over without."""
+    if not args.json:
+        return
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench_json
+
+    bench_json.write(
+        args.json,
+        "kv_cache",
+        rows,
+        peer="the same prompt computed with no stored blocks (0% hits), and a plain read of the store's files",
+        notes=f"{args.model}, CPU, local store, fresh process per row",
+        decode_write_back_ratio=decode_ratio,
+    )
 
 
 if __name__ == "__main__":

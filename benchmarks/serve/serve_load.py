@@ -230,6 +230,7 @@ def main() -> int:
     ap.add_argument("--engines", default="deepinfer,llamacpp,offline")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=2, help="rounds per level, best kept (default: %(default)s)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (benchmarks/bench_json.py)")
     ap.add_argument(
         "--timeout", type=float, default=600.0, help="seconds a client waits for its stream (default: %(default)s)"
     )
@@ -310,7 +311,40 @@ def main() -> int:
             print(f"| {n} | deepinfer offline LLM | | | | | {base[n]:.1f} | | 1.00x |")
         elif isinstance(base, str):
             print(f"| {n} | deepinfer offline LLM | {base} | | | | | | |")
+    if args.json:
+        write_json(args.json, levels, rows, base, args)
     return 0
+
+
+def write_json(path: str, levels: list[int], rows: dict, base, args: argparse.Namespace) -> None:
+    """Rows: concurrency, engine (deepinfer serve, llamacpp serve, offline LLM), tok_s and, for the
+    servers, ttft_p50_ms / ttft_p99_ms / itl_p50_ms / itl_p99_ms measured by the clients."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench_json
+
+    out = []
+    for n in levels:
+        for engine, result in rows.items():
+            r = result.get(n) if isinstance(result, dict) else None
+            if isinstance(r, dict):
+                out.append(
+                    {
+                        "concurrency": n,
+                        "engine": engine,
+                        "tok_s": r["tok_s"],
+                        **{f"{k}_ms": 1e3 * r[k] for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")},
+                    }
+                )
+        if isinstance(base, dict) and n in base:
+            out.append({"concurrency": n, "engine": "offline", "tok_s": base[n]})
+    bench_json.write(
+        path,
+        "serve_load",
+        out,
+        peer="llama.cpp's server (python -m llama_cpp.server) and deepinfer's offline LLM (same run)",
+        notes=f"SmolLM2-135M-Instruct Q4_1, {args.prompt_tokens} prompt / {args.new_tokens} new tokens, "
+        f"{args.threads} threads, best of {args.repeats}",
+    )
 
 
 if __name__ == "__main__":
