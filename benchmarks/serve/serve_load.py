@@ -166,7 +166,7 @@ def pct(values: list[float], p: float) -> float:
 OFFLINE_WORKER = """
 import json, sys, time
 from deepinfer_core import LLM, SamplingParams
-from benchmarks.serve_load import prompts
+from benchmarks.serve.serve_load import prompts
 args = json.loads(sys.argv[1])
 llm = LLM(args["model"], max_num_seqs=args["max_seqs"], max_model_len=args["context"])
 params = SamplingParams(temperature=0, max_tokens=args["new_tokens"], ignore_eos=True)
