@@ -11,6 +11,7 @@ The files under ``benchmarks/results/`` are the figures of record that docs/perf
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -38,6 +39,17 @@ def machine(accelerator: str = "") -> str:
     return f"{accelerator}; host {host}" if accelerator else host
 
 
+def finite(value):
+    """NaN and infinities (a measure that did not run) as None, so the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def write(
     path: str, benchmark: str, rows: list[dict], peer: str, accelerator: str = "", notes: str = "", **extra
 ) -> None:
@@ -57,5 +69,5 @@ def write(
         **extra,
     }
     with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+        json.dump(finite(result), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
