@@ -88,7 +88,7 @@ def test_a_dense_layer_in_a_quantized_file_says_the_native_plan_is_off(tmp_path,
     path = write_random_llama_gguf(
         tmp_path / "f16down.gguf", types={"*": "Q4_0", "ffn_down": "F16"}, **{**SMALL, "intermediate": 1000}
     )
-    with caplog.at_level(logging.WARNING, logger="deepinfer_core.lowbit.llama_decode"):
+    with caplog.at_level(logging.WARNING, logger="deepinfer_core.builtin.lowbit.llama_decode"):
         llm = LLM(path, device="cpu", kv_cache_blocks=4, max_num_seqs=8, enable_prefix_caching=False)
         prompts = _prompts(SMALL["vocab"])
         out = _greedy(llm, prompts)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.lowbit import llama_decode, native
+from deepinfer_core.builtin.lowbit import llama_decode
+from deepinfer_core.lowbit import native
 from deepinfer_core.lowbit.attention import KV_ENV
 from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear, use_exact_kernels
 from deepinfer_core.models.sources import smollm2_gguf

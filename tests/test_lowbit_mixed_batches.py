@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.lowbit import llama_decode, native
+from deepinfer_core.builtin.lowbit import llama_decode
+from deepinfer_core.lowbit import native
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.testing.greedy_check import check_greedy, mixed_prompts, run_arriving
 

@@ -81,7 +81,7 @@ def test_rows_of_one_token_each_are_no_runs():
 
 
 def test_the_mode_setting_is_read_from_the_environment_and_refused_by_name(monkeypatch):
-    from deepinfer_core.lowbit import llama_decode
+    from deepinfer_core.builtin.lowbit import llama_decode
 
     assert llama_decode.prefill_attention_mode() == 2
     monkeypatch.setenv("DEEPINFER_PREFILL_ATTENTION", "0")

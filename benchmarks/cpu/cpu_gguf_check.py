@@ -325,7 +325,7 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
     import logging
 
     plan_log = _Records()
-    logging.getLogger("deepinfer_core.lowbit.llama_decode").addHandler(plan_log)
+    logging.getLogger("deepinfer_core.builtin.lowbit.llama_decode").addHandler(plan_log)
     try:
         llm = LLM(path, **base)
     except Exception as exc:  # a refusal must name the problem: the tensor type it cannot read

@@ -40,7 +40,8 @@ def category(name: str) -> str:
 
 def instrument() -> None:
     """Wrap the kernel's entry point and the one-call decode step in named profiler ranges."""
-    from deepinfer_core.lowbit import llama_decode, modules, ops
+    from deepinfer_core.builtin.lowbit import llama_decode
+    from deepinfer_core.lowbit import modules, ops
 
     def wrap(fn, label):
         def wrapped(*args, **kwargs):

@@ -134,7 +134,8 @@ def run_ab(requests: int, rounds: int) -> None:
     import sys
 
     from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.lowbit import llama_decode, ops
+    from deepinfer_core.builtin.lowbit import llama_decode
+    from deepinfer_core.lowbit import ops
     from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu"))
@@ -183,7 +184,8 @@ def run_ab(requests: int, rounds: int) -> None:
 
 def engine_steps(requests: int, rounds: int, clock) -> None:
     from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.lowbit import llama_decode, ops
+    from deepinfer_core.builtin.lowbit import llama_decode
+    from deepinfer_core.lowbit import ops
     from deepinfer_core.lowbit.modules import LowBitEmbedding, LowBitLinear
 
     llm = LLM(

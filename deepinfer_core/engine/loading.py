@@ -11,7 +11,7 @@ import torch
 from ..lowbit import native
 from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
 from ..lowbit.attention import paged_decode
-from ..lowbit.llama_decode import prefill_enabled
+from ..builtin.lowbit.llama_decode import prefill_enabled
 from ..lowbit.modules import swap_in_lowbit
 from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext

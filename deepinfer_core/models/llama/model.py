@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from ...lowbit import llama_decode
+from ...builtin.lowbit import llama_decode
 from ...lowbit import ops as lowbit_ops
 from ...lowbit.formats import QuantWeight
 from ...lowbit.modules import LowBitEmbedding, LowBitLinear

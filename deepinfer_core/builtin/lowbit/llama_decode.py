@@ -34,12 +34,12 @@ import time
 import torch
 import torch.nn as nn
 
-from ..attention import AttentionMetadata
-from .attention import CACHE_DTYPES, PagedDecodeAttention, kv_kind
-from .formats import KIND_CODE, QuantWeight
-from .modules import LowBitEmbedding, LowBitLinear
-from .native import load
-from .threads import ThreadChooser, adaptive_enabled
+from ...attention import AttentionMetadata
+from ...lowbit.attention import CACHE_DTYPES, PagedDecodeAttention, kv_kind
+from ...lowbit.formats import KIND_CODE, QuantWeight
+from ...lowbit.modules import LowBitEmbedding, LowBitLinear
+from ...lowbit.native import load
+from ...lowbit.threads import ThreadChooser, adaptive_enabled
 
 log = logging.getLogger(__name__)
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
@@ -272,8 +272,8 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
     """A plan for a :class:`~deepinfer_core.models.llama.model.LlamaForCausalLM` whose every layer is
     the plain Llama layer on packed weights with the paged-decode backend; None otherwise (or
     when the switch is off or the kernels are not built)."""
-    from ..models.layers import GatedMLP, RMSNorm
-    from ..models.llama.model import LlamaAttention, LlamaDecoderLayer
+    from ...models.layers import GatedMLP, RMSNorm
+    from ...models.llama.model import LlamaAttention, LlamaDecoderLayer
 
     lib = load().lib
     if not enabled() or lib is None:
