@@ -11,7 +11,15 @@ through the objects the context's resolvers return (the platform hooks).
 
 from __future__ import annotations
 
-__all__ = ["CausalLM", "ModelContext", "ModelFactory", "ModelFilesNotFound", "ModelSource", "WeightsError"]
+__all__ = [
+    "CausalLM",
+    "FusedDecodeStep",
+    "ModelContext",
+    "ModelFactory",
+    "ModelFilesNotFound",
+    "ModelSource",
+    "WeightsError",
+]
 
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, runtime_checkable
@@ -30,8 +38,8 @@ class ModelContext:
     dtype: torch.dtype
     attention_backend: Callable[[AttentionLayerSpec], AttentionBackend]
     moe_dispatcher: Callable[[MoESpec], MoEDispatcher]
-    # the KV cache's element type where it differs from ``dtype`` (None: ``dtype``); the low-bit
-    # CPU path computes in float32 over a float16 cache (lowbit.attention.kv_dtype)
+    # the KV cache's element type where it differs from ``dtype`` (None: ``dtype``); a weight
+    # format may choose it (the low-bit CPU path: float32 activations over a float16 cache)
     kv_dtype: torch.dtype | None = None
 
 
@@ -66,6 +74,18 @@ class CausalLM(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        ...
+
+
+@runtime_checkable
+class FusedDecodeStep(Protocol):
+    """A whole forward step in one call (``deepinfer_fused_decode_step``): a model that has a
+    ``fused_step`` attribute offers each step to it first and runs its own layers when it
+    declines. Results must equal the model's own forward (the same tokens)."""
+
+    def run(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:  # [T] -> [T, D] final hidden states (after the last norm), or None: not this step
         ...
 
 

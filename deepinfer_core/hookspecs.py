@@ -23,7 +23,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .attention import AttentionBackend, AttentionLayerSpec
-    from .causal_lm import ModelFactory, ModelSource
+    from .causal_lm import CausalLM, FusedDecodeStep, ModelFactory, ModelSource
     from .codecs import OutputParserFactory, PromptEncodingFactory, ProtocolCodecFactory
     from .decode_graphs import DecodeGraphsFactory
     from .fused_ops import FusedOps
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .moe import MoEDispatcher, MoESpec, ParallelConfig
     from .platform import Platform, PlatformRequest, ProbeResult
     from .speculative import DrafterFactory, VerificationPolicyFactory
+    from .weight_format import WeightFormat, WeightsRequest
 
 __all__ = [
     "CONTRACT_ATTRIBUTE",
@@ -196,6 +197,52 @@ def deepinfer_fused_ops(platform: Platform) -> FusedOps | None:
     :param platform: the platform the engine runs on.
     :return: a :class:`~deepinfer_core.fused_ops.FusedOps` (fields left None keep the torch
         ops), or None (the builtin: the model's torch ops everywhere).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# weights and whole steps
+# ---------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def deepinfer_weight_format(weights: WeightsRequest, platform: Platform) -> WeightFormat | None:
+    """Offer a way to hold and multiply a checkpoint's weights (what vLLM calls a quantization
+    method): the builtin ``core.lowbit`` keeps a block-quantized GGUF's tensors packed on CPU.
+
+    Called by ``PluginHost.weight_format()`` once when an engine loads a model (and by
+    ``deepinfer plan``), after the checkpoint is opened and before the model is built. Asked in
+    the order of ``deepinfer_attention_backend`` (installed plugins by name, then the builtins;
+    ``LLM(weight_format=NAME)`` asks NAME only); the host takes the first answer whose
+    ``unavailable`` is None, else reports the first unavailable one's reason and loads dense.
+    The engine then builds the model with the format's ``compute_dtype`` and
+    ``kv_cache_dtype()``, passes each layer's chosen attention backend through
+    ``attention_backend(layer, chosen)``, and loads ``weights(files)`` into a model
+    ``prepare(model)`` swapped its modules into (:mod:`deepinfer_core.weight_format`).
+
+    :param weights: the checkpoint's block-quantized tensor names and GGML types (a neutral
+        description: the loader never packs) and the dtype / KV cache dtype the user asked for.
+    :param platform: the platform the model runs on.
+    :return: a :class:`~deepinfer_core.weight_format.WeightFormat` that claims these weights
+        (with ``unavailable`` set when it claims them but cannot run here), or None when it
+        does not claim them (dense weights).
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_fused_decode_step(model: CausalLM, platform: Platform) -> FusedDecodeStep | None:
+    """Offer a whole-step implementation of a loaded model (the builtin ``core.lowbit``: one C
+    call per step for a Llama-family model on packed low-bit weights), beside
+    ``deepinfer_decode_graphs``: that one replays the model's own kernels, this one replaces them.
+
+    Called by ``PluginHost.fused_decode_step()`` once when an engine is built, after the
+    weights are loaded and the fused ops installed, for a model that has a ``fused_step``
+    attribute; the engine sets it to the answer, and the model offers every step to
+    ``step.run(input_ids, kv_caches, meta)`` first (None: the model's own layers run it). The
+    step must compute what the model's forward computes, and decline what it cannot (replays,
+    batch-invariant steps, shapes it does not handle).
+
+    :param model: the loaded model (inspect its modules; decline any you do not know).
+    :param platform: the platform the model runs on.
+    :return: a :class:`~deepinfer_core.models.FusedDecodeStep`, or None (the model's forward).
     """
 
 

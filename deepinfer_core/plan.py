@@ -88,7 +88,6 @@ def plan(
 
     from .engine.config import EngineConfig
     from .engine.kv_sizing import kv_sizing
-    from .models import ModelContext
     from .plugin_host import default_host
 
     if kv_gib <= 0:
@@ -106,21 +105,16 @@ def plan(
     )
     platform = host.platform(device)
     kv_dtype = engine.torch_dtype(platform.device_type)
-    cache_dtype = None  # the KV cache's dtype where it is not kv_dtype (ModelContext.kv_dtype)
     config, source, files = read_config(model)
+    fmt = None  # a weight format (e.g. a block-quantized GGUF packed on CPU) decides the compute and cache dtypes
     why_not = "not a GGUF"
-    if files is not None:  # a block-quantized GGUF may run float32 (packed weights): the engine's rule
-        from .engine.loading import resolve_dtype
+    if files is not None:  # the engine's rule (engine.loading.choose_weight_format)
+        from .engine.loading import choose_weight_format
 
-        kv_dtype, why_not = resolve_dtype(
-            files, torch.device(platform.device_type), kv_dtype, engine.allows_lowbit(platform.device_type)
-        )
-        if why_not is None:  # packed weights: float32 activations over the low-bit path's cache dtype
-            from .lowbit.attention import kv_dtype as lowbit_kv_dtype
-
-            cache_dtype = lowbit_kv_dtype(files.quantized_types, kv_cache_dtype)
-    from .engine.loading import check_kv_cache_dtype
-    from .lowbit.attention import paged_decode
+        fmt, why_not = choose_weight_format(files, host, platform, dtype, kv_cache_dtype)
+        if fmt is not None:
+            kv_dtype, why_not = fmt.compute_dtype or kv_dtype, None
+    from .engine.loading import check_kv_cache_dtype, model_context
 
     check_kv_cache_dtype(kv_cache_dtype, kv_dtype, why_not)
     archs = config.get("architectures") or []
@@ -131,12 +125,8 @@ def plan(
             f"{source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}"
         )
     meta = torch.device("meta")
-    ctx = ModelContext(
-        device=meta, dtype=kv_dtype, kv_dtype=cache_dtype,
-        # the low-bit path's backend: its cache shape (an int8 row carries its scale)
-        attention_backend=lambda spec: paged_decode(host.attention_backend(spec, platform), None) if cache_dtype is not None else host.attention_backend(spec, platform),
-        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform),
-    )  # fmt: skip
+    # the weight format's say on each layer's backend counts: its cache shape (an int8 row carries its scale)
+    ctx = model_context(host, platform, meta, kv_dtype, weight_format=fmt)
     with meta:
         built = models[arch](config, ctx)
     sizing = kv_sizing(built, ctx.attention_backend, block_size, max_num_seqs)
@@ -149,7 +139,7 @@ def plan(
     state = sizing.state_bytes_per_request
     fit = int((budget - (state if sizing.num_state_slots else 0)) // (per_request * sizing.block_bytes + state))
     return Plan(
-        model=source, architecture=arch, dtype=str(cache_dtype or kv_dtype).removeprefix("torch."), block_size=block_size,
+        model=source, architecture=arch, dtype=str(ctx.kv_dtype or kv_dtype).removeprefix("torch."), block_size=block_size,
         kinds=tuple(KindRow(k, n, b / block_size) for k, n, b in sizing.block_bytes_by_kind),
         bytes_per_token=sizing.block_bytes / block_size, block_bytes=sizing.block_bytes,
         state_bytes_per_request=state, max_num_seqs=max_num_seqs, state_slots=sizing.num_state_slots,

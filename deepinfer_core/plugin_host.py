@@ -52,7 +52,11 @@ class UnknownBackendError(NoImplementationError, ValueError):
 
 
 BUILTIN_BACKEND = "builtin"  # names the core's reference backends in attention_backend=/moe_backend=
-_BACKEND_HOOKS = {"attention": "deepinfer_attention_backend", "moe": "deepinfer_moe_dispatcher"}
+_BACKEND_HOOKS = {
+    "attention": "deepinfer_attention_backend",
+    "moe": "deepinfer_moe_dispatcher",
+    "weight format": "deepinfer_weight_format",
+}
 
 
 @dataclass
@@ -75,23 +79,42 @@ class PluginInfo:
 
     @property
     def reason(self) -> str:
-        if self.error:
-            return self.error
+        if self.error:  # a blocked builtin still says what it would do here (its probe)
+            return self.error if self.probe is None or not self.probe.reason else f"{self.error}; {self.probe.reason}"
         return "" if self.probe is None else self.probe.reason
 
 
 def allowed_plugins() -> set[str] | None:
-    """Names from ``DEEPINFER_PLUGINS`` (comma separated), or None when unset (all allowed)."""
+    """Installed plugins named in ``DEEPINFER_PLUGINS`` (comma separated), or None when it names
+    none to allow: unset, or only names to block (all installed plugins load)."""
     raw = os.environ.get(ALLOW_ENV)
     if raw is None:
         return None
-    return {name.strip() for name in raw.split(",") if name.strip()}
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    allowed = {name for name in names if not name.startswith("-")}
+    return None if names and not allowed else allowed
+
+
+def blocked_plugins() -> set[str]:
+    """Plugins ``DEEPINFER_PLUGINS`` blocks with a leading ``-`` (``-core.lowbit``): builtins too."""
+    raw = os.environ.get(ALLOW_ENV) or ""
+    return {name.strip()[1:].strip() for name in raw.split(",") if name.strip().startswith("-")}
 
 
 class PluginHost:
-    def __init__(self, *, load_entry_points: bool = True, extra_plugins: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        load_entry_points: bool = True,
+        extra_plugins: dict[str, Any] | None = None,
+        blocked: tuple[str, ...] = (),
+    ) -> None:
+        """``blocked``: plugin names never registered (builtins included, e.g. ``"core.lowbit"``),
+        beside the ones ``DEEPINFER_PLUGINS`` blocks; ``deepinfer plugins`` lists them as such."""
         self._load_entry_points = load_entry_points
         self._extra = dict(extra_plugins or {})
+        self._blocked = set(blocked)
+        self._blocked_builtins: dict[str, Any] = {}  # name -> module, for its probe in plugins()
         self._pm: pluggy.PluginManager | None = None
         self._infos: dict[str, PluginInfo] = {}
         self._registries: dict[str, dict[str, Any]] = {}
@@ -133,6 +156,13 @@ class PluginHost:
         if name in self._infos and self._infos[name].error is None:
             raise PluginConflictError(f"two plugins are named {name!r} ({self._infos[name].distribution} and {dist})")
         info = PluginInfo(name, dist, version, builtin)
+        if name in self._blocked or name in blocked_plugins():
+            by = f"{ALLOW_ENV}=-{name}" if name in blocked_plugins() else "the host's block list"
+            info.error = f"blocked by {by}"
+            self._infos[name] = info
+            if builtin:
+                self._blocked_builtins[name] = plugin
+            return
         try:
             info.contract, info.note = (hookspecs.CONTRACT_VERSION, "") if builtin else plugin_contract(plugin, name)
             pm.register(plugin, name=name)
@@ -167,6 +197,10 @@ class PluginHost:
                 info.probe = as_probe_result(impl.function())
             except Exception as exc:
                 info.probe = ProbeResult(False, f"probe raised {exc!r}")
+        for name, plugin in self._blocked_builtins.items():  # core code: safe to ask while blocked
+            probe = getattr(plugin, "deepinfer_probe", None)
+            if probe is not None and (self._infos[name].probe is None or refresh):
+                self._infos[name].probe = as_probe_result(probe())
         return sorted(self._infos.values(), key=lambda i: (not i.builtin, i.name))
 
     # -- platform ---------------------------------------------------------------------------
@@ -267,6 +301,31 @@ class PluginHost:
     def fused_ops(self, platform: Platform):
         """The platform's fused elementwise kernels (``deepinfer_fused_ops``), or None."""
         return self.pm.hook.deepinfer_fused_ops(platform=platform)
+
+    def weight_format(self, weights, platform: Platform, name: str | None = None):
+        """The weight format for a checkpoint (``deepinfer_weight_format``), or None: dense
+        weights. Providers are asked in :meth:`backend_providers` order (``name``: that plugin
+        only, or ``"builtin"``); the first usable answer wins, else the first answer that claims
+        the weights but is unavailable here (its ``unavailable`` says why)."""
+        self.check_backend_name("weight format", name)
+        impls = {impl.plugin_name: impl for impl in self.pm.hook.deepinfer_weight_format.get_hookimpls()}
+        order = self.backend_providers("deepinfer_weight_format")
+        if name == BUILTIN_BACKEND:
+            order = [n for n in order if self.is_builtin(n)]
+        elif name is not None:
+            order = [name]
+        fallback = None
+        for plugin_name in order:
+            impl = impls[plugin_name]
+            answer = impl.function(**{arg: {"weights": weights, "platform": platform}[arg] for arg in impl.argnames})
+            if answer is not None and answer.unavailable is None:
+                return answer
+            fallback = fallback or answer
+        return fallback
+
+    def fused_decode_step(self, model, platform: Platform):
+        """A whole-step implementation of ``model`` (``deepinfer_fused_decode_step``), or None."""
+        return self.pm.hook.deepinfer_fused_decode_step(model=model, platform=platform)
 
     def backend_providers(self, hook_name: str) -> list[str]:
         """Plugins implementing ``hook_name`` in the order they are asked when no backend is

@@ -66,7 +66,7 @@ def test_untuned_file_runs_packed_on_the_native_plan_and_follows_the_float32_mod
     prompts = _prompts(cfg["vocab"])
     out = _greedy(llm, prompts)
     assert got_kinds == kinds  # which kind each tensor became (a fused projection of two kinds: two segments)
-    assert llm.engine.model._decode_plan is not None  # the one-call native decode step, not the torch path
+    assert llm.engine.model.fused_step is not None  # the one-call native decode step, not the torch path
     ref = LLM(
         path, device="cpu", dtype="float32", kv_cache_blocks=4, max_num_seqs=1, enable_prefix_caching=False
     ).engine
@@ -92,7 +92,7 @@ def test_a_dense_layer_in_a_quantized_file_says_the_native_plan_is_off(tmp_path,
         llm = LLM(path, device="cpu", kv_cache_blocks=4, max_num_seqs=8, enable_prefix_caching=False)
         prompts = _prompts(SMALL["vocab"])
         out = _greedy(llm, prompts)
-    assert llm.engine.model._decode_plan is None
+    assert llm.engine.model.fused_step is None
     assert "layer 0's down_proj (Linear in_features=1000" in caplog.text
     ref = LLM(
         path, device="cpu", dtype="float32", kv_cache_blocks=4, max_num_seqs=1, enable_prefix_caching=False

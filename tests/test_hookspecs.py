@@ -24,6 +24,8 @@ FACADE = {
     "deepinfer_decode_graphs": ("decode_graphs",),
     "deepinfer_batch_invariant_ops": ("batch_invariant_ops",),
     "deepinfer_fused_ops": ("fused_ops",),
+    "deepinfer_weight_format": ("weight_format",),
+    "deepinfer_fused_decode_step": ("fused_decode_step",),
     "deepinfer_register_kv_stores": ("kv_stores", "open_kv_store"),
     "deepinfer_register_protocols": ("protocols",),
     "deepinfer_register_prompt_encodings": ("prompt_encodings",),

@@ -27,13 +27,6 @@ PLUGIN_PACKAGES = sorted(
 )  # fmt: skip
 PACKAGES = [ROOT / "deepinfer_core", *PLUGIN_PACKAGES]
 
-# Circles that exist until the low-bit backend becomes a builtin plugin reached through hooks
-# (issue 24, item 1): models/llama/model.py <-> lowbit/llama_decode.py. Expected here and listed by
-# its edges, so any other circle still fails; removed by the lowbit work (delete this entry then).
-KNOWN_LOWBIT_CIRCLES = {
-    frozenset({"deepinfer_core.lowbit.llama_decode", "deepinfer_core.models.llama.model"}),
-}
-
 
 def module_files(package: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file in ``package`` (``__init__`` names the package)."""
@@ -166,23 +159,8 @@ def test_the_scan_sees_every_kind_of_import(tmp_path):
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_no_import_circles(package):
     graph = import_graph([package])
-    found = [c for c in circles(graph) if not any(known <= set(c) for known in KNOWN_LOWBIT_CIRCLES)]
-    assert not found, "\n".join(describe(c, graph) for c in found)
-
-
-def test_known_lowbit_circles_are_only_those_edges():
-    """The expected low-bit circle is exactly the two modules named above: a wider component
-    through them (another module joining it) fails here, so the allowance hides nothing else;
-    once the circle is gone this fails too, so that the allowance is deleted with it."""
-    graph = import_graph([ROOT / "deepinfer_core"])
     found = circles(graph)
-    for known in KNOWN_LOWBIT_CIRCLES:
-        assert any(known <= set(c) for c in found), (
-            f"{sorted(known)} is no longer a circle: delete it from KNOWN_LOWBIT_CIRCLES"
-        )
-        for component in found:
-            if known <= set(component):
-                assert set(component) == known, describe(component, graph)
+    assert not found, "\n".join(describe(c, graph) for c in found)
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)

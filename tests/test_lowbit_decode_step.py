@@ -41,7 +41,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
     logits in order, how many steps the one-call path answered, how many of them were mixed
     prefill/decode steps)."""
     engine, model = llm.engine, llm.engine.model
-    plan = model._decode_plan
+    plan = model.fused_step
     logits: list[torch.Tensor] = []
     fused = mixed = 0
     compute = type(model).compute_logits
@@ -60,7 +60,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
 
     model.compute_logits = record
     model.fused_greedy = False  # every step through compute_logits, so that the logits are recorded
-    model._decode_plan = type("Counted", (), {"run": staticmethod(counted)})() if use_plan else None
+    model.fused_step = type("Counted", (), {"run": staticmethod(counted)})() if use_plan else None
     tok = llm.get_tokenizer()
     ids: dict[str, int] = {}
     try:
@@ -77,7 +77,7 @@ def _run(llm: LLM, use_plan: bool) -> tuple[dict[str, list[int]], list[torch.Ten
                     tokens[PROMPTS[ids[out.request_id]]] = out.outputs[0].token_ids
     finally:
         del model.compute_logits, model.fused_greedy
-        model._decode_plan = plan
+        model.fused_step = plan
     return tokens, logits, fused, mixed
 
 
@@ -125,7 +125,7 @@ def dense():
 
 def test_one_call_steps_equal_the_torch_path_and_the_dequantized_float32_model(lowbit, dense):
     lowbit.generate("Hi", SamplingParams(max_tokens=2))
-    assert isinstance(lowbit.engine.model._decode_plan, llama_decode.LlamaDecodePlan)
+    assert isinstance(lowbit.engine.model.fused_step, llama_decode.LlamaDecodePlan)
     fused_tokens, fused_logits, fused_steps, mixed_steps = _run(lowbit, use_plan=True)
     torch_tokens, torch_logits, _, _ = _run(lowbit, use_plan=False)
     assert fused_steps >= NEW_TOKENS + 3 and mixed_steps >= 3  # decode and mixed steps took the one call
@@ -181,7 +181,7 @@ def test_prefill_chunks_run_on_the_decode_steps_thread_count_and_never_probe(low
     from deepinfer_core.lowbit.threads import ThreadChooser
 
     lowbit.generate("Hi", SamplingParams(max_tokens=2))
-    plan = lowbit.engine.model._decode_plan
+    plan = lowbit.engine.model.fused_step
     saved, plan.threads = plan.threads, ThreadChooser(first_probe=1)  # would probe at its first pick
     try:
         lowbit.generate(["Question: " + p for p in PROMPTS], SamplingParams(max_tokens=1))  # prefill steps only
@@ -194,7 +194,7 @@ def test_prefill_chunks_run_on_the_decode_steps_thread_count_and_never_probe(low
 
 def test_dense_models_get_no_plan(dense):
     dense.generate("Hi", SamplingParams(max_tokens=2))
-    assert dense.engine.model._decode_plan is None
+    assert dense.engine.model.fused_step is None
 
 
 def test_one_call_steps_on_the_int8_kernel_stay_within_its_rounding_of_the_float32_model(lowbit_int, dense):
@@ -205,17 +205,17 @@ def test_one_call_steps_on_the_int8_kernel_stay_within_its_rounding_of_the_float
     each other: both within 3.0 of it, and both clearly off the exact kernel's 1e-4."""
     model = lowbit_int.engine.model
     modules = [m for m in model.modules() if isinstance(m, (LowBitLinear, LowBitEmbedding))]
-    saved, plan = [(m.int_rows, m.int8_rows) for m in modules], model._decode_plan
+    saved, plan = [(m.int_rows, m.int8_rows) for m in modules], model.fused_step
     try:
         for m in modules:
             m.int_rows, m.int8_rows = 0, 1
-        model._decode_plan = llama_decode.plan_for(model)
+        model.fused_step = llama_decode.plan_for(model)
         fused_tokens, fused_logits, fused_steps, _ = _run(lowbit_int, use_plan=True)
         torch_tokens, torch_logits, _, _ = _run(lowbit_int, use_plan=False)
     finally:
         for m, (rows, rows8) in zip(modules, saved):
             m.int_rows, m.int8_rows = rows, rows8
-        model._decode_plan = plan
+        model.fused_step = plan
     assert fused_steps >= NEW_TOKENS and len(fused_tokens) == len(torch_tokens) == len(PROMPTS)
     _, dense_logits, _, _ = _run(dense, use_plan=False)
     # logits[0]: the first prompt's prefill (torch path), logits[1]: its first decode step (one

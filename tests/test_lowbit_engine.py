@@ -69,7 +69,7 @@ def test_q5_0_weights_stay_at_5_bits_and_greedy_tokens_equal_the_dequantized_flo
     path = requantize_gguf(GGUF, str(tmp_path / "smollm2-q5_0.gguf"), "Q5_0")
     lowbit, llm = _greedy(path, "auto", 64)
     assert describe_weights(llm.engine.model) == "low-bit: 121 q5<Q5_0>"
-    assert llm.engine.model._decode_plan is not None
+    assert llm.engine.model.fused_step is not None
     dense, _ = _greedy(path, "float32", 64)
     identical = sum(a == b for a, b in zip(lowbit, dense))
     print(f"Q5_0 default vs float32: {identical}/16 identical over 64 tokens")

@@ -213,15 +213,18 @@ def test_the_switch_is_refused_by_name_when_the_library_loads(monkeypatch):
 
 @pytest.mark.skipif(BASE.lib is None, reason=f"low-bit kernels unavailable here: {BASE.reason}")
 def test_the_loaded_build_and_deepinfer_plugins_name_the_chosen_instructions(monkeypatch):
-    from deepinfer_core.builtin.cpu_features import cpu_summary
+    from deepinfer_core.plugin_host import PluginHost
+
+    def lowbit_row():  # deepinfer plugins' row of the builtin low-bit plugin (its probe)
+        return next(i for i in PluginHost(load_entry_points=False).plugins() if i.name == "core.lowbit")
 
     monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "avx2")
     assert native.load().isa == "avx2" and native.load().lib.lowbit_isa() == 0
-    assert "(kernels AVX2 (vpmaddwd))" in cpu_summary()
+    assert lowbit_row().usable and "(kernels AVX2 (vpmaddwd))" in lowbit_row().reason
     if HAS_VNNI:
         monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", "auto")
         assert native.load().isa == "avx512vnni" and native.load().lib.lowbit_isa() == 1
-        assert "(kernels AVX512-VNNI (vpdpwssd))" in cpu_summary()
+        assert "(kernels AVX512-VNNI (vpdpwssd))" in lowbit_row().reason
 
 
 @needs_both
@@ -238,7 +241,7 @@ def test_an_engine_on_each_build_generates_the_same_tokens(monkeypatch):
         monkeypatch.setenv("DEEPINFER_LOWBIT_ISA", isa)
         llm = LLM("smollm2-135m-instruct", device="cpu", max_num_seqs=6, kv_cache_blocks=48)
         tokens[isa] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.model._decode_plan._lib.lowbit_isa() == (
+        assert llm.engine.model.fused_step._lib.lowbit_isa() == (
             0 if isa == "avx2" else 1
         )  # the steps ran on that build
         del llm

@@ -287,6 +287,13 @@ def test_kv_cache_dtype_choice_and_refusals(monkeypatch):
         kv_dtype(frozenset(), "q8_0")
 
 
+def test_the_low_bit_cache_dtypes_are_the_user_facing_names():
+    from deepinfer_core.engine.kv_dtype_names import KV_CACHE_DTYPES
+    from deepinfer_core.lowbit.attention import KV_CACHE_DTYPES as LOWBIT_NAMES
+
+    assert LOWBIT_NAMES == KV_CACHE_DTYPES
+
+
 def test_kv_cache_dtype_on_the_dense_path_is_refused_naming_what_it_can_do():
     from deepinfer_core.engine.loading import check_kv_cache_dtype
 

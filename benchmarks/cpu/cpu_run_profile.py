@@ -74,7 +74,7 @@ def instrument(llm, timers: Timers) -> None:
 
     def timed_forward(input_ids, positions, kv_caches, meta):
         timers.kind = "decode" if meta.max_query_len == 1 else "prefill"
-        plan = getattr(model, "_decode_plan", None)
+        plan = getattr(model, "fused_step", None)
         before = None if plan is None or plan.phase_ms is None else plan.phase_ms.clone()
         with timers.part("model forward"):
             hidden = forward(input_ids, positions, kv_caches, meta)
@@ -166,7 +166,7 @@ def main() -> None:
     generate([p[::-1] for p in prompts], 2)  # warm-up, as cpu_throughput.py's
     timers = Timers()
     instrument(llm, timers)
-    plan = llm.engine.model._decode_plan
+    plan = llm.engine.model.fused_step
     if plan is not None:
         plan.phase_ms = torch.zeros(3, dtype=torch.float64)
     load = os.getloadavg()[0]
@@ -234,8 +234,8 @@ def head_ab(llm, generate, prompts: list[list[int]], new_tokens: int, rounds: in
     model = llm.engine.model
     for name in ("greedy_tokens", "compute_logits"):  # the timers of the profiled run off
         model.__dict__.pop(name, None)
-    if getattr(model, "_decode_plan", None) is not None and hasattr(model._decode_plan, "phase_ms"):
-        model._decode_plan.phase_ms = None
+    if getattr(model, "fused_step", None) is not None and hasattr(model.fused_step, "phase_ms"):
+        model.fused_step.phase_ms = None
     heads = {
         "fused, int8-screened (head_screen.c, default)": (True, True),
         "fused, int16 only (head.c)": (True, False),

@@ -79,10 +79,10 @@ def profile(requests: int, steps: int, dtype: str, paths: list[str]) -> None:
     prefill_steps = -(-requests * 128 // engine.config.max_num_batched_tokens)
     for _ in range(prefill_steps + 2):  # prefill, then two decode steps to warm up (and plan)
         engine.step()
-    plan = getattr(model, "_decode_plan", None)
+    plan = getattr(model, "fused_step", None)
 
     def use(path: str) -> None:  # the same engine and requests on either path, step by step
-        model._decode_plan = plan if path == "fused" else None
+        model.fused_step = plan if path == "fused" else None
 
     # CPU and wall time per step without the profiler (its overhead per op is larger than a
     # one-request step's ops), the paths alternating step by step so that both see the same load

@@ -84,8 +84,8 @@ def llamacpp_tokens(path: str, prompts: list[list[int]], n: int, q8_cache: bool 
 def q5_as_q8(run):
     """``run()`` with the GGUF loader turning q5 weights into what it made of them before q5:
     formats.quantize_q8 of their dequantized values (gguf's own, tests/test_lowbit.py)."""
+    from deepinfer_core.builtin.lowbit import weight_format as gguf_loader
     from deepinfer_core.lowbit import formats
-    from deepinfer_core.models.loaders import gguf as gguf_loader
 
     exact = gguf_loader.from_gguf
 

@@ -78,7 +78,7 @@ def main() -> None:
 
         def counted(input_ids, positions, kv_caches, meta, forward=forward, model=model):
             hidden = forward(input_ids, positions, kv_caches, meta)
-            plan = model._decode_plan  # built by the first forward
+            plan = model.fused_step  # built by the first forward
             if plan is not None and meta.max_query_len > 1 and plan.applies_prefill(input_ids, meta):
                 counts["native"] += 1
             return hidden

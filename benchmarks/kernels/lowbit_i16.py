@@ -163,7 +163,7 @@ def run_ab(requests: int, rounds: int) -> None:
         for name, rows in variants.items():
             for m in modules:
                 m.int_rows = rows
-            model._decode_plan = llama_decode.plan_for(model)
+            model.fused_step = llama_decode.plan_for(model)
             start, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[name].append((time.perf_counter() - start, time.process_time() - cpu))
@@ -207,7 +207,7 @@ def engine_steps(requests: int, rounds: int, clock) -> None:
     def use(rows: int) -> None:
         for m in modules:
             m.int_rows, m.int8_rows = rows, 0
-        model._decode_plan = llama_decode.plan_for(model)
+        model.fused_step = llama_decode.plan_for(model)
 
     def drain() -> None:
         while engine.has_unfinished_requests():

@@ -47,7 +47,7 @@ def main() -> None:
     cpu, phases = {n: [] for n in engines}, {n: [] for n in engines}
     for _ in range(args.steps):
         for name, engine in engines.items():
-            plan = engine.model._decode_plan
+            plan = engine.model.fused_step
             plan.phase_ms = torch.zeros(3, dtype=torch.float64)
             t0 = time.process_time()
             engine.step()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from . import catalogues, kernels, platforms
+from . import catalogues, kernels, lowbit, platforms
 
 BUILTIN_PLUGINS = {
     "core.platforms": platforms,
     "core.kernels": kernels,
     "core.catalogues": catalogues,
+    lowbit.NAME: lowbit,  # the low-bit CPU backend (packed GGUF weights, C kernels)
 }
 
 

@@ -46,23 +46,8 @@ def cpu_features() -> CpuFeatures:
 
 
 def cpu_summary() -> str:
-    """Features, the dtype ``auto`` picks for dense weights, and whether ``auto`` serves a
-    quantized GGUF's weights packed (checked without building the kernels: AVX2 and a C
-    compiler; the instruction set the kernels would be built for, native.isa_choice). Low-bit weights take precedence over the bf16 rule: they read 4-8x fewer bytes
-    than bf16 weights, and their kernels compute in float32 whatever the CPU offers."""
-    from ..lowbit.native import compiler_path, cpu_supports_kernels, describe_isa, isa_choice
-
-    ok, why = cpu_supports_kernels()
-    if ok and compiler_path() is None:
-        ok, why = False, "no C compiler (set CC or install gcc/clang)"
-    if ok:
-        try:
-            kernels = f"kernels {describe_isa(isa_choice())}"
-        except ValueError as exc:  # DEEPINFER_LOWBIT_ISA refused
-            kernels = str(exc)
-    lowbit = (
-        f"yes: dtype auto keeps a quantized GGUF's weights packed ({kernels})"
-        if ok
-        else f"no: {why}; quantized GGUFs load dequantized"
-    )
-    return f"{cpu_features().describe()}; low-bit GGUF weights: {lowbit}"
+    """Features and the dtype ``auto`` picks for dense weights (the line ``deepinfer plugins``
+    prints under its table). Whether ``auto`` keeps a quantized GGUF's weights packed, and with
+    which instruction set, is the ``core.lowbit`` plugin's row of that table (its probe): low-bit
+    weights take precedence over the bf16 rule, as they read 4-8x fewer bytes than bf16 weights."""
+    return cpu_features().describe()

@@ -19,8 +19,9 @@ _DTYPES = {
 class EngineConfig:
     model: str
     device: str = "auto"
-    # auto: on CPU a block-quantized GGUF keeps its low-bit weights packed (deepinfer_core.lowbit,
-    # float32 activations; the fastest CPU path, benchmarks/README.md) where the kernels run;
+    # auto: a weight format may hold the checkpoint's weights its own way (deepinfer_weight_format:
+    # on CPU the builtin core.lowbit keeps a block-quantized GGUF packed, float32 activations; the
+    # fastest CPU path, benchmarks/README.md) where its kernels run;
     # dense weights compute in bfloat16 where the CPU has bf16 dot products (AVX512-BF16/AMX),
     # else float32; bfloat16 off the CPU. lowbit: the same as auto (kept as an explicit name).
     # Any other dtype loads dense weights (float32: the exact reference the tests pin).
@@ -41,6 +42,9 @@ class EngineConfig:
     seed: int = 0  # draws the per-request seeds of requests that bring none
     attention_backend: str | None = None  # a plugin name or "builtin"; None: the default order
     moe_backend: str | None = None  # likewise for the MoE dispatcher
+    weight_format: str | None = (
+        None  # likewise for the weight format (deepinfer_weight_format); None: the default order
+    )
     enforce_eager: bool = False  # never replay captured decode graphs (deepinfer_decode_graphs)
     kv_store: str | None = None  # persistent KV cache URL (local:///path, 3fs:///mount, memory://); None: off
     kv_store_gib: float | None = None  # the store's capacity (LRU eviction past it); None: unbounded
@@ -79,7 +83,3 @@ class EngineConfig:
                 return cpu_features().auto_dtype
             return torch.bfloat16
         return _DTYPES[self.dtype]
-
-    def allows_lowbit(self, device_type: str) -> bool:
-        """Serve a block-quantized checkpoint's weights packed (``auto`` or ``lowbit`` on CPU)."""
-        return self.dtype in ("auto", "lowbit") and device_type == "cpu"

@@ -21,8 +21,6 @@ from typing import Sequence
 import torch
 
 from .. import fused_ops
-from ..lowbit import describe_weights
-from ..lowbit.modules import use_exact_kernels
 from ..plugin_host import PluginHost, default_host
 from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
@@ -49,7 +47,7 @@ class LLMEngine:
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
-        self.files, self.model, ctx = loading.load(
+        self.files, self.model, ctx, self.weight_format, self.weights_choice = loading.load(
             config.model,
             self.host,
             self.platform,
@@ -57,16 +55,17 @@ class LLMEngine:
             self.dtype,
             config.attention_backend,
             config.moe_backend,
-            allow_lowbit=config.allows_lowbit(self.platform.device_type),
+            requested_dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
+            weight_format=config.weight_format,
         )
-        self.weights_choice = loading.weights_choice(
-            self.files, self.device, config.allows_lowbit(self.platform.device_type)
-        )
-        self.dtype = ctx.dtype  # low-bit weights run float32 activations
-        if config.batch_invariant:  # the low-bit integer kernel is chosen by row count: keep the exact one
-            use_exact_kernels(self.model)
+        self.dtype = ctx.dtype  # a weight format may compute in its own dtype (low-bit: float32)
+        if config.batch_invariant and self.weight_format is not None:
+            self.weight_format.use_batch_invariant_kernels(self.model)
         self.num_fused = fused_ops.install(self.model, self.host.fused_ops(self.platform)) if config.fused_ops else 0
+        if hasattr(self.model, "fused_step"):  # a whole step in one call (deepinfer_fused_decode_step), or None
+            self.model.fused_step = self.host.fused_decode_step(self.model, self.platform)
+        weights = self.weight_format.describe(self.model) if self.weight_format is not None else "dense"
         self.tokenizer = self.files.tokenizer
         self.max_model_len = min(
             config.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings
@@ -84,8 +83,8 @@ class LLMEngine:
         else:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
         namespace = hashlib.sha256(
-            f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={describe_weights(self.model)}".encode()
-        ).hexdigest()  # low-bit vs dense weights compute different KV
+            f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={weights}".encode()
+        ).hexdigest()  # packed vs dense weights compute different KV
         graphs = None if config.enforce_eager or config.batch_invariant else self.host.decode_graphs(self.platform)
         scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
         kv_caches = sizing.allocate(self.num_blocks + scratch, self.device)
@@ -126,7 +125,7 @@ class LLMEngine:
         self._in_flight: overlap.InFlight | None = None
         kv_dtype = (
             getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype
-        )  # the low-bit path: float16 under float32
+        )  # a weight format's cache may differ (low-bit: float16 under float32)
         kv_note = "" if kv_dtype == self.dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}"
         log.info(
             "deepinfer engine: %s on %s (%s%s), %d KV blocks of %d tokens (%.1f MiB); weights %s (%s)%s",
@@ -137,7 +136,7 @@ class LLMEngine:
             self.num_blocks,
             bs,
             self.num_blocks * block_bytes / 2**20,
-            describe_weights(self.model),
+            weights,
             self.weights_choice,
             _cpu_note(self.platform.device_type),
         )

@@ -8,18 +8,13 @@ from dataclasses import replace
 
 import torch
 
-from ..lowbit import native
-from ..lowbit.attention import kv_dtype as lowbit_kv_dtype
-from ..lowbit.attention import paged_decode
-from ..builtin.lowbit.llama_decode import prefill_enabled
-from ..lowbit.modules import swap_in_lowbit
-from ..lowbit.threads import adaptive_enabled
 from ..models import ModelContext
 from ..models.fast_init import skip_random_init
 from ..models.loaders.files import ModelFiles
 from ..models.loaders.formats import open_model_files
 from ..platform import Platform
 from ..plugin_host import PluginHost
+from ..weight_format import WeightFormat, WeightsRequest
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +45,11 @@ def build_model(
     dtype: torch.dtype,
     attention_backend: str | None = None,
     moe_backend: str | None = None,
-    lowbit: bool = False,
-    kv_cache_dtype: str = "auto",
+    weight_format: WeightFormat | None = None,
 ):
-    """``lowbit``: keep block-quantized weights packed (``files.quantized_weights``); activations
-    then stay float32, which the kernels read and write, over a cache of ``kv_cache_dtype``
-    (:func:`deepinfer_core.lowbit.attention.kv_dtype`)."""
+    """``weight_format``: a usable format (``choose_weight_format``) holds the weights it
+    claims its own way (packed), computes in its ``compute_dtype`` over its KV cache dtype and
+    may replace each layer's attention backend; None: dense weights in ``dtype``."""
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -63,26 +57,11 @@ def build_model(
         raise ValueError(
             f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}"
         )
-    ctx = ModelContext(
-        device=device,
-        dtype=dtype,
-        attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
-        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
-    )
-    if lowbit:  # float32 activations over a float16 KV cache (8-bit files: float32; kv_cache_dtype may say int8); attention rows read it in C
-        resolve = ctx.attention_backend
-        ctx = replace(
-            ctx,
-            dtype=torch.float32,
-            kv_dtype=lowbit_kv_dtype(files.quantized_types, kv_cache_dtype),
-            attention_backend=lambda spec: paged_decode(resolve(spec), native.load().lib),
-        )
-        adaptive_enabled()  # a bad DEEPINFER_ADAPTIVE_THREADS is refused here, not at the first decode step
-        prefill_enabled()  # and a bad DEEPINFER_NATIVE_PREFILL
+    ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
-    if lowbit and swap_in_lowbit(model, set(files.quantized_names)):
-        model.load_weights(files.quantized_weights())
+    if weight_format is not None and weight_format.prepare(model):
+        model.load_weights(weight_format.weights(files))
     elif files.fp8_weights is not None and (kept := keep_fp8(model, files, host, platform)):
         model.load_weights(files.fp8_weights(frozenset(kept)))
     else:
@@ -91,6 +70,36 @@ def build_model(
     if hasattr(model, "restore_float32"):  # parameters the model keeps in float32 whatever the dtype
         model.restore_float32()
     return model, ctx
+
+
+def model_context(
+    host: PluginHost,
+    platform: Platform,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str | None = None,
+    moe_backend: str | None = None,
+    weight_format: WeightFormat | None = None,
+) -> ModelContext:
+    """What a model is built with: the hooks' attention and MoE objects, and for a weight format
+    its compute dtype, its KV cache dtype and its say on each layer's attention backend (the
+    low-bit format: one-token rows read its float16 / int8 cache in C). ``deepinfer plan`` builds
+    its meta-device model with the same context."""
+    ctx = ModelContext(
+        device=device,
+        dtype=dtype,
+        attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
+        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
+    )
+    if weight_format is None:
+        return ctx
+    chosen = ctx.attention_backend
+    return replace(
+        ctx,
+        dtype=weight_format.compute_dtype or dtype,
+        kv_dtype=weight_format.kv_cache_dtype(),
+        attention_backend=lambda spec: weight_format.attention_backend(spec, chosen(spec)),
+    )
 
 
 def keep_fp8(model, files: ModelFiles, host: PluginHost, platform: Platform) -> set[str]:
@@ -104,42 +113,47 @@ def keep_fp8(model, files: ModelFiles, host: PluginHost, platform: Platform) -> 
     return swap_in_fp8(model, files.fp8_names)
 
 
-def lowbit_unavailable(files: ModelFiles, device: torch.device) -> str | None:
-    """Why ``files`` cannot be served with packed low-bit weights here (None: it can)."""
-    if device.type != "cpu":
-        return f"low-bit kernels are CPU kernels (device {device})"
-    if files.quantized_weights is None:
-        return "not a block-quantized checkpoint"
-    return native.load().reason or None
+def weights_request(
+    files: ModelFiles, dtype: str | torch.dtype, kv_cache_dtype: str = "auto", requested: str | None = None
+) -> WeightsRequest:
+    """What ``deepinfer_weight_format`` is asked about: the checkpoint's block-quantized tensors,
+    the dtype as the user gave it (``auto`` lets a weight format choose) and the format asked for."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return WeightsRequest(files.source, files.quantized_names, files.quantized_types, name, kv_cache_dtype, requested)
 
 
-def weights_choice(files: ModelFiles, device: torch.device, allow_lowbit: bool) -> str:
-    """Why the weights are packed or dense, for the start-up line (``dtype`` as the user gave it
-    decides ``allow_lowbit``: ``auto``/``lowbit`` on CPU allow it, a float dtype pins dense)."""
-    if not allow_lowbit:
-        return (
-            "dense weights: a float dtype was asked for" if files.quantized_weights is not None else "dense checkpoint"
-        )
-    why_not = lowbit_unavailable(files, device)
-    if why_not:
-        return f"dense weights: {why_not}"
-    return f"block-quantized GGUF on CPU: weights kept packed (dtype=float32 for the dequantized reference), kernels {native.describe_isa(native.load().isa)}"
-
-
-def resolve_dtype(
-    files: ModelFiles, device: torch.device, dtype: torch.dtype, allow_lowbit: bool
-) -> tuple[torch.dtype, str | None]:
-    """(the dtype the model computes and caches KV in, why its weights are not kept packed or
-    None when they are). Packed low-bit weights run float32 activations whatever ``dtype`` says.
-    The engine (through :func:`load`) and ``deepinfer plan`` both decide here, so the plan's KV
-    dtype is the engine's."""
-    why_not = lowbit_unavailable(files, device) if allow_lowbit else "not requested"
-    return (torch.float32 if why_not is None else dtype), why_not
+def choose_weight_format(
+    files: ModelFiles,
+    host: PluginHost,
+    platform: Platform,
+    dtype: str | torch.dtype,
+    kv_cache_dtype: str = "auto",
+    name: str | None = None,
+    warn: bool = False,
+) -> tuple[WeightFormat | None, str]:
+    """(the usable weight format for ``files``, or None: dense; why the weights are held as
+    they are, for the start-up line). The engine (through :func:`load`) and ``deepinfer plan``
+    both decide here, so the plan's KV dtype is the engine's. ``name``: ``LLM(weight_format=)``;
+    ``warn``: log a format that claims the weights but cannot run here."""
+    fmt = host.weight_format(weights_request(files, dtype, kv_cache_dtype, name), platform, name=name)
+    if fmt is not None and fmt.unavailable is None:
+        return fmt, fmt.description
+    if fmt is not None:
+        if warn:
+            log.warning("%s: serving dequantized weights (%s)", files.source, fmt.unavailable)
+        return None, f"dense weights: {fmt.unavailable}"
+    if not files.quantized_names:
+        return None, "dense checkpoint"
+    if not isinstance(dtype, str) or dtype not in ("auto", "lowbit"):
+        return None, "dense weights: a float dtype was asked for"
+    types = ", ".join(sorted(files.quantized_types))
+    return None, f"dense weights: no weight format for its block-quantized tensors ({types}) on {platform.name}"
 
 
 def check_kv_cache_dtype(requested: str, dtype: torch.dtype, why_not: str | None) -> None:
-    """Refuse a ``kv_cache_dtype`` the path cannot honour: the low-bit CPU path (``why_not`` None)
-    takes float16 / float32 / int8; any other path caches keys and values in its compute dtype."""
+    """Refuse a ``kv_cache_dtype`` the path cannot honour: a weight format that chooses its KV
+    cache (``why_not`` None; the low-bit CPU path takes float16 / float32 / int8) checks it
+    itself; dense weights cache keys and values in their compute dtype."""
     if why_not is None or requested in ("auto", str(dtype).removeprefix("torch.")):
         return
     name = str(dtype).removeprefix("torch.")
@@ -157,30 +171,25 @@ def load(
     dtype: torch.dtype,
     attention_backend: str | None = None,
     moe_backend: str | None = None,
-    allow_lowbit: bool = False,
+    requested_dtype: str | torch.dtype | None = None,
     kv_cache_dtype: str = "auto",
+    weight_format: str | None = None,
 ):
-    """``attention_backend`` / ``moe_backend``: a plugin name or ``"builtin"`` picks that
-    provider's implementation for every layer; None takes the host's default order.
-    ``allow_lowbit``: serve a block-quantized GGUF's weights packed where the kernels run.
-    ``kv_cache_dtype``: :class:`~deepinfer_core.engine.config.EngineConfig`'s."""
+    """``attention_backend`` / ``moe_backend`` / ``weight_format``: a plugin name or
+    ``"builtin"`` picks that provider's implementation; None takes the host's default order.
+    ``requested_dtype``: the dtype as the user gave it (``auto`` lets a weight format hold a
+    checkpoint's weights its own way, e.g. a block-quantized GGUF packed on CPU; default:
+    ``dtype``, which pins dense weights). ``kv_cache_dtype``: :class:`~deepinfer_core.engine.config.EngineConfig`'s.
+    Returns ``(files, model, ctx, weight format or None, why the weights are held so)``."""
     host.check_backend_name("attention", attention_backend)  # before any file is read
     host.check_backend_name("moe", moe_backend)
+    host.check_backend_name("weight format", weight_format)
     path = resolve_model_path(name, host)
     files = open_model_files(path)
-    dtype, why_not = resolve_dtype(files, device, dtype, allow_lowbit)
-    check_kv_cache_dtype(kv_cache_dtype, dtype, why_not)
-    if allow_lowbit and why_not and files.quantized_weights is not None:
-        log.warning("%s: serving dequantized %s weights (%s)", path, dtype, why_not)
-    model, ctx = build_model(
-        files,
-        host,
-        platform,
-        device,
-        dtype,
-        attention_backend,
-        moe_backend,
-        lowbit=why_not is None,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    return files, model, ctx
+    requested = dtype if requested_dtype is None else requested_dtype
+    fmt, choice = choose_weight_format(files, host, platform, requested, kv_cache_dtype, weight_format, warn=True)
+    if fmt is not None:
+        dtype = fmt.compute_dtype or dtype
+    check_kv_cache_dtype(kv_cache_dtype, dtype, None if fmt is not None else choice)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt)
+    return files, model, ctx, fmt, choice

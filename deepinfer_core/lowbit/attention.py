@@ -29,12 +29,12 @@ import torch
 
 from ..attention import AttentionLayerSpec, AttentionMetadata
 from ..attention.torch_ref import TorchAttentionBackend
-from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # what attention.c reads
 KV_ENV = "DEEPINFER_LOWBIT_KV_DTYPE"
+# the user-facing kv_cache_dtype values but "auto" (engine/kv_dtype_names.py; tests/test_lowbit_kv8.py keeps them equal)
 _KV_NAMES = {"float16": torch.float16, "float32": torch.float32, "int8": torch.int8}
-assert KV_CACHE_DTYPES == ("auto", *_KV_NAMES)  # the user-facing values (engine/kv_dtype_names.py) and their dtypes
+KV_CACHE_DTYPES = ("auto", *_KV_NAMES)
 SCALE_BYTES = 4  # an int8 row's float32 scale, after its codes
 
 

@@ -1,9 +1,11 @@
 """Modules that hold packed weights in place of ``nn.Linear`` / ``nn.Embedding``.
 
-:func:`swap_in_lowbit` replaces, before weights are loaded, each linear layer (fused or not)
-whose checkpoint tensors are all block-quantized, and the token embedding if it is. The
-model's ``load_weights`` then finds, through :func:`lowbit_targets`, a :class:`WeightSlot` per
-checkpoint name and hands it the packed tensor; no float copy of those weights ever exists.
+The low-bit weight format (``deepinfer_core.builtin.lowbit``) swaps them into a model before its
+weights load. The model's ``load_weights`` then finds, through each module's
+``checkpoint_slots`` (the weight-format contract, :mod:`deepinfer_core.weight_format`), a
+:class:`WeightSlot` per checkpoint name and hands it the packed tensor; no float copy of those
+weights ever exists. As an LM head they multiply through the kernels (``project``) and answer
+greedy rows without the logits (``greedy_argmax``, head.c / head_screen.c).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import ops
-from .formats import QK, QuantWeight, quantize_q8
+from .formats import QuantWeight, quantize_q8
 
 
 class WeightSlot:
@@ -70,6 +72,25 @@ class LowBitLinear(nn.Module):
 
     project = forward  # as an output head
 
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, "WeightSlot | torch.Tensor"], set[str]]:
+        """``(checkpoint name -> slot or bias view, this module's own parameter names)``."""
+        parent = name.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        targets: dict[str, WeightSlot | torch.Tensor] = {}
+        for part, rows in self.parts.items():
+            targets[f"{prefix}{part}.weight"] = WeightSlot(self, part, (rows.stop - rows.start, self.in_features))
+            if self.bias is not None:
+                targets[f"{prefix}{part}.bias"] = self.bias.data[rows]
+        return targets, ({f"{name}.bias"} if self.bias is not None else set())
+
+    def greedy_argmax(
+        self, hidden: torch.Tensor, threads: int, screened: bool = True
+    ) -> "tuple[torch.Tensor, int] | None":
+        """As an LM head: :func:`greedy_argmax` (one format, no bias), else None."""
+        if len(self.segments) != 1 or self.bias is not None:
+            return None
+        return greedy_argmax(self, self.segments[0], hidden, threads, screened)
+
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out[..., sl] for sl in self.parts.values())
 
@@ -97,6 +118,40 @@ class LowBitEmbedding(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
         return ops.matmul(hidden, self.weight_q, self.int_rows, self.int8_rows)
+
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, "WeightSlot"], set[str]]:
+        return {f"{name}.weight": WeightSlot(self, "weight", (self.num_embeddings, self.in_features))}, set()
+
+    def greedy_argmax(
+        self, hidden: torch.Tensor, threads: int, screened: bool = True
+    ) -> "tuple[torch.Tensor, int] | None":
+        """As a tied LM head: :func:`greedy_argmax`."""
+        if self.weight_q is None:
+            return None
+        return greedy_argmax(self, self.weight_q, hidden, threads, screened)
+
+
+def greedy_argmax(
+    head: nn.Module, w: QuantWeight, hidden: torch.Tensor, threads: int, screened: bool
+) -> tuple[torch.Tensor, int] | None:  # [N, D] -> ([N] int64, vocab)
+    """``torch.argmax(head.project(hidden), -1)`` and the vocabulary size, without the [N, V]
+    logits (head.c: the same kernel and bits, ties to the lowest index); None for a NaN logit.
+    ``screened``: from ops.SCREEN_MIN_ROWS rows on, a q8 head may be screened in int8 (same
+    indices, less work), the screen built on first use (an engine that never steps that many
+    rows never holds its 37 MiB for SmolLM2) and kept on ``head`` with the weight it came from."""
+    screen = _head_screen(head, w) if screened and hidden.shape[0] >= ops.SCREEN_MIN_ROWS else None
+    tokens = ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, screen)
+    return None if tokens is None else (tokens, w.qs.shape[0])
+
+
+def _head_screen(head: nn.Module, w: QuantWeight) -> "ops.HeadScreen | None":
+    if not ops.screen_pays():
+        return None
+    cached = head.__dict__.get("_head_screen")
+    if cached is None or cached[0] is not w.qs:
+        cached = (w.qs, ops.prepare_screen(w))
+        head.__dict__["_head_screen"] = cached
+    return cached[1]
 
 
 def use_exact_kernels(model: nn.Module) -> int:
@@ -127,47 +182,3 @@ def _merge_same_kind(weights: list[QuantWeight]) -> list[QuantWeight]:
         QuantWeight(w.kind, w.qs.contiguous(), w.d.contiguous(), None if w.m is None else w.m.contiguous(), w.source)
         for w in merged
     ]
-
-
-def swap_in_lowbit(model: nn.Module, quantized: set[str]) -> int:
-    """Replace every ``nn.Linear`` (fused or not) whose checkpoint weights are all in
-    ``quantized`` and whose input width is a multiple of 32, and a quantized ``embed_tokens``.
-    Returns how many modules were replaced."""
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        parent_name, _, attr = name.rpartition(".")
-        prefix = f"{parent_name}." if parent_name else ""
-        new: nn.Module | None = None
-        if isinstance(module, nn.Linear) and module.in_features % QK == 0:
-            parts = getattr(module, "parts", None) or {attr: slice(0, module.out_features)}
-            if all(f"{prefix}{p}.weight" in quantized for p in parts):
-                new = LowBitLinear(module.in_features, parts, module.bias)
-        elif isinstance(module, nn.Embedding) and attr == "embed_tokens" and f"{name}.weight" in quantized:
-            if module.embedding_dim % QK == 0:
-                new = LowBitEmbedding(module.num_embeddings, module.embedding_dim)
-        if new is not None:
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-            replaced += 1
-    return replaced
-
-
-def lowbit_targets(model: nn.Module) -> tuple[dict[str, "WeightSlot | torch.Tensor"], set[str]]:
-    """``(checkpoint name -> slot or bias view, the modules' own parameter names)``, the
-    counterpart of :func:`deepinfer_core.models.layers.fused_targets` for low-bit modules."""
-    targets: dict[str, WeightSlot | torch.Tensor] = {}
-    own: set[str] = set()
-    for name, module in model.named_modules():
-        parent_name = name.rpartition(".")[0]
-        prefix = f"{parent_name}." if parent_name else ""
-        if isinstance(module, LowBitEmbedding):
-            targets[f"{name}.weight"] = WeightSlot(module, "weight", (module.num_embeddings, module.in_features))
-        elif isinstance(module, LowBitLinear):
-            for part, rows in module.parts.items():
-                targets[f"{prefix}{part}.weight"] = WeightSlot(
-                    module, part, (rows.stop - rows.start, module.in_features)
-                )
-                if module.bias is not None:
-                    targets[f"{prefix}{part}.bias"] = module.bias.data[rows]
-            if module.bias is not None:
-                own.add(f"{name}.bias")
-    return targets, own

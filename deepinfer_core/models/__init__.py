@@ -6,6 +6,22 @@ offer the engine (:class:`CausalLM`, :class:`ModelContext`, the factory and sour
 of the contract, in :mod:`deepinfer_core.causal_lm`, and named here too.
 """
 
-from ..causal_lm import CausalLM, ModelContext, ModelFactory, ModelFilesNotFound, ModelSource, WeightsError
+from ..causal_lm import (
+    CausalLM,
+    FusedDecodeStep,
+    ModelContext,
+    ModelFactory,
+    ModelFilesNotFound,
+    ModelSource,
+    WeightsError,
+)
 
-__all__ = ["CausalLM", "ModelContext", "ModelFactory", "ModelFilesNotFound", "ModelSource", "WeightsError"]
+__all__ = [
+    "CausalLM",
+    "FusedDecodeStep",
+    "ModelContext",
+    "ModelFactory",
+    "ModelFilesNotFound",
+    "ModelSource",
+    "WeightsError",
+]

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..lowbit.modules import lowbit_targets
 from ..moe import MoESpec
 
 if TYPE_CHECKING:
@@ -92,7 +91,8 @@ def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     """``(checkpoint name -> view of the parameter or buffer it fills, names of the parameters and
     buffers no checkpoint has)`` for every module of ``model`` that lays out its checkpoint tensors
     itself: each answers ``checkpoint_slots(name)`` (:class:`FusedLinear`, the FP8 modules of
-    ``models.fp8``), so this module imports none of them; low-bit modules through ``lowbit_targets``."""
+    ``models.fp8``, the modules a weight format swaps in: :mod:`deepinfer_core.weight_format`), so
+    this module imports none of them."""
     targets: dict[str, torch.Tensor] = {}
     own: set[str] = set()
     for module_name, module in model.named_modules():
@@ -101,8 +101,7 @@ def fused_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
             more, more_own = claim(module_name)
             targets |= more
             own |= more_own
-    lowbit, lowbit_own = lowbit_targets(model)
-    return targets | lowbit, own | lowbit_own
+    return targets, own
 
 
 def plain_linear(module: nn.Module | None) -> bool:

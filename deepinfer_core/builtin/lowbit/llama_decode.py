@@ -40,6 +40,8 @@ from ...lowbit.formats import KIND_CODE, QuantWeight
 from ...lowbit.modules import LowBitEmbedding, LowBitLinear
 from ...lowbit.native import load
 from ...lowbit.threads import ThreadChooser, adaptive_enabled
+from ...models.layers import GatedMLP, RMSNorm
+from ...models.llama.model import LlamaAttention, LlamaDecoderLayer
 
 log = logging.getLogger(__name__)
 ENV_SWITCH = "DEEPINFER_FUSED_DECODE"
@@ -272,9 +274,6 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
     """A plan for a :class:`~deepinfer_core.models.llama.model.LlamaForCausalLM` whose every layer is
     the plain Llama layer on packed weights with the paged-decode backend; None otherwise (or
     when the switch is off or the kernels are not built)."""
-    from ...models.layers import GatedMLP, RMSNorm
-    from ...models.llama.model import LlamaAttention, LlamaDecoderLayer
-
     lib = load().lib
     if not enabled() or lib is None:
         return None

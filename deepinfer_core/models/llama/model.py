@@ -19,18 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
-from ...builtin.lowbit import llama_decode
-from ...lowbit import ops as lowbit_ops
-from ...lowbit.formats import QuantWeight
-from ...lowbit.modules import LowBitEmbedding, LowBitLinear
 from .. import ModelContext, WeightsError
 from ..fast_init import materialize
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-LOWBIT_HEADS = (LowBitEmbedding, LowBitLinear)
-_UNPLANNED = object()
 
 
 def rope_settings(config: dict) -> tuple[float, dict | None]:
@@ -150,7 +144,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(
             ctx.device
         )
-        self._decode_plan: object | None = _UNPLANNED  # low-bit CPU: one native call per decode step
+
+    # A whole step in one call (FusedDecodeStep), installed by the engine through
+    # deepinfer_fused_decode_step (the low-bit CPU path: one native call per step); None: the layers below.
+    fused_step = None
 
     # -- forward -----------------------------------------------------------------------------
     def forward(
@@ -160,10 +157,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, D]
-        if self._decode_plan is _UNPLANNED:  # after the weights are in: the first forward
-            packed = len(self.model.layers) and isinstance(self.model.layers[0].self_attn.o_proj, LowBitLinear)
-            self._decode_plan = llama_decode.plan_for(self) if packed else None
-        if self._decode_plan is not None and (hidden := self._decode_plan.run(input_ids, kv_caches, meta)) is not None:
+        if self.fused_step is not None and (hidden := self.fused_step.run(input_ids, kv_caches, meta)) is not None:
             return hidden
         h = self.model.embed_tokens(input_ids)  # [T, D]
         rotary = self.rotary.at(positions, h.dtype)  # looked up once for all layers
@@ -177,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, LOWBIT_HEADS):  # packed weights: the low-bit kernels
+        if hasattr(head, "project"):  # a weight format's module (packed weights): its own kernels
             return head.project(hidden).float()
         if self.logits_kernel is not None and hidden.dtype != torch.float32 and hidden.dtype == head.weight.dtype:
             return self.logits_kernel(hidden, head.weight)
@@ -186,42 +180,20 @@ class LlamaForCausalLM(nn.Module):
     fused_greedy = True  # greedy_tokens may answer (benchmarks turn it off for side-by-side runs)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int] | None:  # [N, D] -> ([N] int64, vocab)
-        """``torch.argmax(compute_logits(hidden), -1)`` and the vocabulary size for a packed
-        head, without the [N, V] logits (lowbit/head.c: the same kernel and bits, ties to the
-        lowest index); None where it does not apply (a float head, several formats, a bias, a NaN
-        logit): the caller computes the logits."""
+        """``torch.argmax(compute_logits(hidden), -1)`` and the vocabulary size, without the
+        [N, V] logits, from a head module that offers ``greedy_argmax`` (a weight format's:
+        the low-bit head's kernel, the same bits, ties to the lowest index); None where it does
+        not apply (a float head, a NaN logit): the caller computes the logits."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if not self.fused_greedy or hidden.device.type != "cpu":
+        greedy = getattr(head, "greedy_argmax", None)
+        if not self.fused_greedy or greedy is None or hidden.device.type != "cpu":
             return None
-        if type(head) is LowBitEmbedding and head.weight_q is not None:
-            w = head.weight_q
-        elif type(head) is LowBitLinear and len(head.segments) == 1 and head.bias is None:
-            w = head.segments[0]
-        else:
-            return None
-        plan = self._decode_plan
-        chooser = getattr(plan, "threads", None) if plan is not _UNPLANNED else None
+        chooser = getattr(self.fused_step, "threads", None)
         most = torch.get_num_threads()
-        threads = min(chooser.current or most, most) if chooser is not None else most  # the native step's count
-        screen = (
-            self._head_screen(head, w) if hidden.shape[0] >= lowbit_ops.SCREEN_MIN_ROWS else None
-        )  # built when it pays
-        tokens = lowbit_ops.head_argmax(hidden, w, head.int_rows, head.int8_rows, threads, screen)
-        return None if tokens is None else (tokens, w.qs.shape[0])
+        threads = min(chooser.current or most, most) if chooser is not None else most  # the fused step's count
+        return greedy(hidden, threads, self.screened_head)
 
-    screened_head = True  # greedy_tokens may screen a q8 head in int8 (lowbit/head_screen.c; benchmarks turn it off)
-
-    def _head_screen(self, head: nn.Module, w) -> "lowbit_ops.HeadScreen | None":
-        """The head's int8 screen (same indices, less work from ops.SCREEN_MIN_ROWS rows on),
-        built on first use (an engine that never steps that many rows never holds its 37 MiB
-        for SmolLM2) and kept on the head module with the packed weight it was built from."""
-        if not self.screened_head or not lowbit_ops.screen_pays():
-            return None
-        cached = head.__dict__.get("_head_screen")
-        if cached is None or cached[0] is not w.qs:
-            cached = (w.qs, lowbit_ops.prepare_screen(w))
-            head.__dict__["_head_screen"] = cached
-        return cached[1]
+    screened_head = True  # greedy_argmax may screen a q8 head in int8 (lowbit/head_screen.c; benchmarks turn it off)
 
     # -- weights -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
                 misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
                 continue
             if isinstance(param, torch.Tensor):
-                param.copy_(tensor.dequantize() if isinstance(tensor, QuantWeight) else tensor)
-            else:  # a low-bit module's slot keeps the packed tensor
+                param.copy_(tensor)
+            else:  # a weight format's slot keeps the packed tensor
                 param.fill(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)

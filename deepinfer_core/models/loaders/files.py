@@ -41,12 +41,12 @@ class ModelFiles:
     # so two different checkpoints never share cached blocks.
     fingerprint: str
     # Block-quantized checkpoints (GGUF Q4_0, Q4_1, Q4_K, Q8_0...): a second stream that yields
-    # those tensors packed (``deepinfer_core.lowbit.formats.QuantWeight``) instead of as floats,
-    # and the names it packs. None / empty for float checkpoints.
+    # those tensors as stored (``deepinfer_core.weight_format.QuantizedTensor``: GGML type, shape,
+    # raw bytes) for a weight format to pack, and their names. None / empty for float checkpoints.
     quantized_weights: "WeightStream | None" = None
     quantized_names: frozenset = frozenset()
-    # The GGML type names of those packed tensors ("Q4_1", "Q8_0", ...): the low-bit path's KV
-    # cache dtype follows them (lowbit.attention.kv_dtype).
+    # The GGML type names of those tensors ("Q4_1", "Q8_0", ...), for a weight format to claim
+    # them by (the low-bit path's KV cache dtype follows them too).
     quantized_types: frozenset = frozenset()
     # FP8 block checkpoints (DeepSeek-V3 style, models.fp8_checkpoint): ``weights`` dequantizes;
     # ``fp8_weights(keep)`` passes the named FP8 weights (a subset of ``fp8_names``) through

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from ...lowbit.formats import FLOAT_TYPES, from_gguf
+from ...weight_format import QuantizedTensor
 from . import gguf_cache
 from .files import FileFormat, ModelFiles
 from .gguf_cache import GGUFParts
@@ -49,6 +49,7 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # GGML types stored as floats (every other is block-quantized)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _SAMPLE_BYTES = 1 << 20
 ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors of the rotary frequencies, read into the config
@@ -134,8 +135,9 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
         return tensor
 
     def quantized_weights() -> Iterator[tuple[str, Any]]:
-        """Block-quantized tensors packed for the low-bit kernels (never dequantized to a
-        float copy); float tensors (norms) as in ``weights``."""
+        """Block-quantized 2-D tensors as stored (:class:`QuantizedTensor`: GGML type, shape,
+        raw bytes and the rotary row order; a weight format packs them, never a float copy);
+        float tensors (norms) as in ``weights``."""
         file = np.memmap(path, dtype=np.uint8, mode="r")
         for t in parts.tensors:
             if t.name == ROPE_FREQS:
@@ -145,12 +147,9 @@ def files_from_parts(path: str, parts: GGUFParts) -> ModelFiles:
                 data = gguf.quants.dequantize(t.data(file), gguf.GGMLQuantizationType[t.type_name])
                 yield name, rotary_order(name, torch.from_numpy(np.array(data, dtype=np.float32).reshape(t.shape)))
                 continue
-            packed = from_gguf(t.type_name, t.data(file), t.shape)
             rows = torch.arange(t.shape[0])
-            order = rotary_order(name, rows)
-            if order is not rows:  # q/k rows of a permuted architecture, moved as whole packed rows
-                packed = packed.rows(order)
-            yield name, packed
+            order = rotary_order(name, rows)  # q/k rows of a permuted architecture move as whole rows
+            yield name, QuantizedTensor(t.type_name, tuple(t.shape), t.data(file), None if order is rows else order)
 
     packed = [t for t in parts.tensors if t.type_name not in FLOAT_TYPES and len(t.shape) == 2]
     quantized = frozenset(hf_name(t.name) for t in packed)
