@@ -94,7 +94,8 @@ def lowbit(request):
             "smollm2-135m-instruct", device="cpu", kv_cache_blocks=32, max_num_seqs=8, enable_prefix_caching=False
         )
     assert llm.engine.model.attention_specs[0].kv_dtype == getattr(torch, request.param)
-    use_exact_kernels(llm.engine.model)  # before the first forward builds the plan
+    use_exact_kernels(llm.engine.model)
+    llm.engine.model.fused_step = llama_decode.plan_for(llm.engine.model)  # the plan reads each module's kernel choice when built
     return llm
 
 

@@ -9,10 +9,12 @@ scale per row, docs/kv-cache-dtype.md). An int8-activation kernel for 4-bit weig
 is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it loses the float32 model's greedy tokens.
 
 ``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels (with VNNI where the
-CPU has it: ``DEEPINFER_LOWBIT_ISA``), ``ops`` calls them,
-``modules`` holds the packed layers and swaps them into a model before its weights load.
-Where the kernels cannot run (no AVX2, no C compiler), :func:`native.load` says why and the
-engine loads the same file dequantized to float instead.
+CPU has it: ``DEEPINFER_LOWBIT_ISA``), ``ops`` calls them, ``modules`` holds the packed layers,
+``attention`` the paged decode attention, ``threads`` the decode step's thread chooser. This
+package is the kernel layer: it imports nothing from ``models``, ``engine`` or ``builtin``, and
+only the builtin plugin ``core.lowbit`` (``deepinfer_core.builtin.lowbit``) imports it: the
+engine reaches it through that plugin's hooks. Where the kernels cannot run (no AVX2, no C
+compiler), :func:`native.load` says why and the engine loads the same file dequantized instead.
 """
 
 from __future__ import annotations
