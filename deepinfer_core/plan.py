@@ -139,7 +139,8 @@ def plan(
     state = sizing.state_bytes_per_request
     fit = int((budget - (state if sizing.num_state_slots else 0)) // (per_request * sizing.block_bytes + state))
     return Plan(
-        model=source, architecture=arch, dtype=str(ctx.kv_dtype or kv_dtype).removeprefix("torch."), block_size=block_size,
+        model=source, architecture=arch, block_size=block_size,
+        dtype=str(ctx.kv_dtype or kv_dtype).removeprefix("torch."),
         kinds=tuple(KindRow(k, n, b / block_size) for k, n, b in sizing.block_bytes_by_kind),
         bytes_per_token=sizing.block_bytes / block_size, block_bytes=sizing.block_bytes,
         state_bytes_per_request=state, max_num_seqs=max_num_seqs, state_slots=sizing.num_state_slots,

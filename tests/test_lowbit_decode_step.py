@@ -95,7 +95,8 @@ def lowbit(request):
         )
     assert llm.engine.model.attention_specs[0].kv_dtype == getattr(torch, request.param)
     use_exact_kernels(llm.engine.model)
-    llm.engine.model.fused_step = llama_decode.plan_for(llm.engine.model)  # the plan reads each module's kernel choice when built
+    # the plan reads each module's kernel choice when it is built: build it again
+    llm.engine.model.fused_step = llama_decode.plan_for(llm.engine.model)
     return llm
 
 
