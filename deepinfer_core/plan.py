@@ -81,9 +81,11 @@ def plan(
     device: str = "cpu",
     host=None,
     kv_cache_dtype: str = "auto",
+    weight_format: str | None = None,
 ) -> Plan:
     """Capacity of ``kv_gib`` GiB of KV cache for ``model``; ``device`` picks whose attention
-    backends' cache shapes count (the platform the deployment will run on)."""
+    backends' cache shapes count (the platform the deployment will run on); ``weight_format``
+    as the engine's option (a weight format may choose the compute and KV cache dtypes)."""
     import torch
 
     from .engine.config import EngineConfig
@@ -111,9 +113,10 @@ def plan(
     if files is not None:  # the engine's rule (engine.loading.choose_weight_format)
         from .engine.loading import choose_weight_format
 
-        fmt, why_not = choose_weight_format(files, host, platform, dtype, kv_cache_dtype)
+        fmt, why_not = choose_weight_format(files, host, platform, dtype, kv_cache_dtype, weight_format)
         if fmt is not None:
-            kv_dtype, why_not = fmt.compute_dtype or kv_dtype, None
+            kv_dtype = fmt.compute_dtype or kv_dtype
+            why_not = None if fmt.kv_cache_dtype() is not None else why_not
     from .engine.loading import check_kv_cache_dtype, model_context
 
     check_kv_cache_dtype(kv_cache_dtype, kv_dtype, why_not)

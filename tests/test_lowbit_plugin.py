@@ -16,6 +16,7 @@ from deepinfer_core.lowbit import native
 from deepinfer_core.models.loaders.formats import open_model_files
 from deepinfer_core.models.sources import smollm2_gguf
 from deepinfer_core.plugin_host import PluginHost
+from deepinfer_core.testing.weight_format import WeightFormatSuite
 from deepinfer_core.weight_format import QuantizedTensor, WeightFormat
 
 CORE = Path(__file__).resolve().parents[1] / "deepinfer_core"
@@ -165,3 +166,18 @@ def test_blocking_names_leave_the_installed_plugins_loaded(monkeypatch):
     assert allowed_plugins() == {"recipe"} and blocked_plugins() == {"core.lowbit"}
     monkeypatch.setenv("DEEPINFER_PLUGINS", "")
     assert allowed_plugins() == set() and blocked_plugins() == set()
+
+
+@needs_kernels
+class TestLowBitWeightFormat(WeightFormatSuite):
+    """The builtin format passes the suite every vendor's format runs (registered in-process)."""
+
+    plugin_name = "lowbit"
+    types = {"*": "Q8_0"}
+    dtype = "auto"
+
+    @pytest.fixture
+    def plugin(self):
+        from deepinfer_core.builtin import lowbit
+
+        return lowbit

@@ -190,6 +190,7 @@ def load(
     fmt, choice = choose_weight_format(files, host, platform, requested, kv_cache_dtype, weight_format, warn=True)
     if fmt is not None:
         dtype = fmt.compute_dtype or dtype
-    check_kv_cache_dtype(kv_cache_dtype, dtype, None if fmt is not None else choice)
+    chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
+    check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
     model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt)
     return files, model, ctx, fmt, choice
