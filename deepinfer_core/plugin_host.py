@@ -320,7 +320,8 @@ class PluginHost:
             answer = impl.function(**{arg: {"weights": weights, "platform": platform}[arg] for arg in impl.argnames})
             if answer is not None and answer.unavailable is None:
                 return answer
-            fallback = fallback or answer
+            if fallback is None:
+                fallback = answer
         return fallback
 
     def fused_decode_step(self, model, platform: Platform):
