@@ -40,6 +40,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "deepinfer_core.speculative",
     "deepinfer_core.causal_lm",
     "deepinfer_core.decode_graphs",
+    "deepinfer_core.weight_format",
     "deepinfer_core.models",  # re-exports causal_lm's names
     "deepinfer_core.models.sources",
     # reference kernels and helpers, reusable on purpose
@@ -67,6 +68,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "deepinfer_core.testing.v4_attention",
     "deepinfer_core.testing.v4_checkpoint",
     "deepinfer_core.testing.v4_tiny",
+    "deepinfer_core.testing.weight_format",
 )
 
 # Plugin tests only: the engine and the server end to end, and the host that finds plugins.

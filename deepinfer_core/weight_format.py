@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+__all__ = ["QuantizedTensor", "WeightFormat", "WeightsRequest"]
+
 if TYPE_CHECKING:
     import torch.nn as nn
 

@@ -16,6 +16,8 @@ import torch
 
 from ..weight_format import WeightFormat
 
+__all__ = ["PROMPT", "TINY", "WeightFormatSuite"]
+
 TINY = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2, vocab=512, tied=False)
 PROMPT = list(range(3, 70, 2))  # 34 token ids of the random vocabulary
 
