@@ -97,7 +97,7 @@ def test_unknown_subcommand_fails():
 def test_generate_is_offered_when_the_engine_provides_it():
     import importlib.util
 
-    from deepinfer_core.cli import GENERATE_MODULE
+    from deepinfer_core.entrypoints.main import GENERATE_MODULE
 
     result = deepinfer("--help")
     offered = importlib.util.find_spec(GENERATE_MODULE) is not None

@@ -1,5 +1,5 @@
 """`deepinfer serve` moves everything start-up made out of the garbage collector's view before it
-takes requests (serve/cli.py): a full collection then walks only what requests made, not the
+takes requests (entrypoints/serve.py): a full collection then walks only what requests made, not the
 start-up heap whose collection stalls every request in flight (benchmarks/serve/gc_pause.py)."""
 
 from __future__ import annotations

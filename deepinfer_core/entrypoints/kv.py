@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from .kv_store.url import add_kv_store_arguments
+from ..kv_store.url import add_kv_store_arguments
 
 COMMANDS = {
     "stats": "counters of every namespace in the store, as JSON",
@@ -39,9 +39,9 @@ def add_kv_parser(subparsers) -> argparse.ArgumentParser:
 def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> list:
     """Every namespace stored under ``url``'s root, opened (empty for a store that keeps
     nothing across processes, e.g. ``memory://``)."""
-    from .kv_store.local import stored_namespaces
-    from .kv_store.url import open_kv_store_url, parse_kv_store_url
-    from .plugin_host import PluginHost
+    from ..kv_store.local import stored_namespaces
+    from ..kv_store.url import open_kv_store_url, parse_kv_store_url
+    from ..plugin_host import PluginHost
 
     host = host or PluginHost()
     parsed = parse_kv_store_url(url)
@@ -51,7 +51,7 @@ def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> l
     root_for = getattr(factory, "root_for", None)
     if root_for is None:
         return []
-    from . import kv_store
+    from .. import kv_store
 
     root = root_for(kv_store.KVStoreConfig(namespace="-", block_bytes=1, path=parsed.path, options=parsed.options))
     return [

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--max-queue must be >= 0, got {args.max_queue}")
     from ..engine.config import EngineConfig
     from ..engine.llm_engine import LLMEngine
-    from .app import Server, ServerConfig
+    from ..serve.app import Server, ServerConfig
 
     try:
         config = EngineConfig(

@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..kv_store.url import add_kv_store_arguments
-from .kv_dtype_names import KV_CACHE_DTYPES
+from ..engine.kv_dtype_names import KV_CACHE_DTYPES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -89,8 +89,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..plugin_host import PluginConflictError
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
 
     prompts = list(args.prompts)
     try:

@@ -2,7 +2,7 @@
 
 Every subcommand is a ``cmd_<name>(args) -> int`` function plus an ``add_<name>_parser``
 function that adds its subparser and sets ``func``; all are registered in :data:`SUBCOMMANDS`.
-``generate`` lives in the engine (``deepinfer_core.engine.cli_generate``, same convention:
+``generate`` lives in its own module (``deepinfer_core.entrypoints.generate``, same convention:
 ``add_parser(subparsers)`` setting ``func=run``) and is offered only when that module exists. It
 is imported when the parser is built, so it keeps its top-level imports light and imports the
 engine inside ``run``; ``plugins`` and ``version`` never import the engine.
@@ -19,9 +19,9 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from .serve.cli import add_parser as add_serve_parser
+from .serve import add_parser as add_serve_parser
 
-GENERATE_MODULE = "deepinfer_core.engine.cli_generate"
+GENERATE_MODULE = "deepinfer_core.entrypoints.generate"
 
 
 # -- deepinfer plugins ------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def short_hook_name(hook: str) -> str:
 
 def plugin_rows() -> list[dict]:
     """One row per discovered plugin, with a fresh probe (what ``deepinfer plugins`` shows)."""
-    from .plugin_host import PluginHost
+    from ..plugin_host import PluginHost
 
     rows = []
     for info in PluginHost().plugins():
@@ -89,7 +89,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     rows = plugin_rows()
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     if not args.json:
-        from .builtin.cpu_features import cpu_summary
+        from ..builtin.cpu_features import cpu_summary
 
         print(f"\ncpu: {cpu_summary()}")
     return 0
@@ -105,14 +105,14 @@ def add_version_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_version(args: argparse.Namespace) -> int:
     import torch
 
-    from .builtin import core_version
+    from ..builtin import core_version
 
     print(f"deepinfer-core {core_version()} (python {sys.version.split()[0]}, torch {torch.__version__})")
     return 0
 
 
 # -- registration -----------------------------------------------------------------------------
-from .plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
+from ..plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
 
 SUBCOMMANDS: list[Callable] = [
     add_plugins_parser,
@@ -120,7 +120,7 @@ SUBCOMMANDS: list[Callable] = [
     add_plan_parser,
     add_serve_parser,
 ]  # the one registration point
-from .kv_cli import add_kv_parser  # noqa: E402  (deepinfer kv: its own module)
+from .kv import add_kv_parser  # noqa: E402  (deepinfer kv: its own module)
 
 SUBCOMMANDS.append(add_kv_parser)
 
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> None:
     """The ``deepinfer`` console script: :func:`main`, then an exit without the interpreter's
     module teardown (``fast_exit``: 3-4 s after the last token on a busy machine)."""
-    from .fast_exit import exit_process
+    from ..fast_exit import exit_process
 
     try:
         status = main()
@@ -172,6 +172,3 @@ def console_main() -> None:
             print(exc.code, file=sys.stderr)
     exit_process(status)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    console_main()
