@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pluggy
 
-from . import hookspecs
+from . import envs, hookspecs
 from .platform import Platform, PlatformRequest, ProbeResult
 
 try:  # Python < 3.12 ships an older importlib.metadata
@@ -82,10 +81,10 @@ class PluginInfo:
 
 def allowed_plugins() -> set[str] | None:
     """Names from ``DEEPINFER_PLUGINS`` (comma separated), or None when unset (all allowed)."""
-    raw = os.environ.get(ALLOW_ENV)
-    if raw is None:
+    names = envs.get(ALLOW_ENV)
+    if names is None:
         return None
-    return {name.strip() for name in raw.split(",") if name.strip()}
+    return set(names)
 
 
 class PluginHost:

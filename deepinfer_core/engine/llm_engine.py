@@ -13,14 +13,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
 import random
 import threading
 from typing import Sequence
 
 import torch
 
-from .. import fused_ops
+from .. import envs, fused_ops
 from ..lowbit import describe_weights
 from ..lowbit.modules import use_exact_kernels
 from ..plugin_host import PluginHost, default_host
@@ -122,7 +121,7 @@ class LLMEngine:
         self.overlap = overlap.enabled(
             config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
         )
-        self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
+        self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
         kv_dtype = (
             getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype
