@@ -39,7 +39,12 @@ def test_every_variable_named_in_code_is_in_the_table():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 value = node.value
-                if len(value) > 10 and value.startswith("DEEPINFER_") and value.replace("_", "").isalnum() and value.isupper():
+                if (
+                    len(value) > 10
+                    and value.startswith("DEEPINFER_")
+                    and value.replace("_", "").isalnum()
+                    and value.isupper()
+                ):
                     named.setdefault(value, str(path.relative_to(ROOT)))
     assert {n for n in named if n not in declared} == set(), named
     assert "DEEPINFER_OVERLAP_DEBUG" in declared and len(declared) >= 19
@@ -143,7 +148,11 @@ def test_a_plugin_declares_and_reads_its_own_variable():
 def test_a_bad_value_on_the_command_line_is_one_line():
     env = {**os.environ, "DEEPINFER_LOG_LEVEL": "loud"}
     result = subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.entrypoints", "plugins"], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "deepinfer_core.entrypoints", "plugins"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

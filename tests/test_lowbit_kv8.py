@@ -307,7 +307,7 @@ def test_the_cli_options_reach_the_engine_config():
     import argparse
 
     from deepinfer_core.entrypoints import generate as cli_generate
-    from deepinfer_core.serve import cli as serve_cli
+    from deepinfer_core.entrypoints import serve as serve_cli
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

@@ -1,5 +1,3 @@
-"""Every ``deepinfer`` command: one module per command, registered in :mod:`.main`."""
-
-from .main import build_parser, console_main, main
-
-__all__ = ["build_parser", "console_main", "main"]
+"""Every ``deepinfer`` command: one module per command, registered in :mod:`.main`
+(``deepinfer_core.entrypoints.main:console_main`` is the console script;
+``python -m deepinfer_core.entrypoints`` runs the same)."""

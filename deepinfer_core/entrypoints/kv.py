@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ..kv_store.url import add_kv_store_arguments
+from .engine_options import add_engine_options, require
 
 COMMANDS = {
     "stats": "counters of every namespace in the store, as JSON",
@@ -22,17 +22,19 @@ COMMANDS = {
 }
 
 
-def add_kv_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "kv", help="inspect and clean a persistent KV store", description=__doc__.split("\n\n")[0]
+        "kv",
+        help="inspect and clean a persistent KV store",
+        description="deepinfer kv stats|gc|ls --kv-store URL: the operator's view of a persistent KV store.",
     )
     sub = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
     for name, text in COMMANDS.items():
         action = sub.add_parser(name, help=text, description=text)
-        add_kv_store_arguments(action, required=True)
+        add_engine_options(action, only=("kv_store", "kv_store_gib"), required=("kv_store",), title="KV store")
         if name != "stats":
             action.add_argument("--json", action="store_true", help="print JSON")
-        action.set_defaults(func=cmd_kv)
+        action.set_defaults(func=run)
     return parser
 
 
@@ -60,9 +62,13 @@ def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> l
     ]
 
 
-def cmd_kv(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    missing = require(args, "kv_store")
+    if missing:
+        print(f"deepinfer kv {args.kv_command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
-        stores = open_namespaces(args.kv_store, args.kv_store_gib)
+        stores = open_namespaces(args.kv_store, getattr(args, "kv_store_gib", None))
     except ValueError as exc:
         print(f"deepinfer kv: error: {exc}", file=sys.stderr)
         return 2

@@ -1,137 +1,49 @@
-"""The ``deepinfer`` command line.
+"""The ``deepinfer`` command line: one module per command in this package.
 
-Every subcommand is a ``cmd_<name>(args) -> int`` function plus an ``add_<name>_parser``
-function that adds its subparser and sets ``func``; all are registered in :data:`SUBCOMMANDS`.
-``generate`` lives in its own module (``deepinfer_core.entrypoints.generate``, same convention:
-``add_parser(subparsers)`` setting ``func=run``) and is offered only when that module exists. It
-is imported when the parser is built, so it keeps its top-level imports light and imports the
-engine inside ``run``; ``plugins`` and ``version`` never import the engine.
+A command is a module with ``add_parser(subparsers)`` (adds its subparser and sets
+``func``) and ``run(args) -> int`` (the exit status), listed in :data:`COMMANDS`; a later
+command is one more module and one more line there. Modules are imported when the parser is
+built, so they keep their top-level imports light (no torch, no engine) and import the engine
+inside ``run``. Engine options come from ``EngineConfig`` (:mod:`.engine_options`).
+
+Errors a user can fix print one line, ``deepinfer <command>: error: ...``, and exit 2 (argparse's
+usage errors too: ``--help`` shows the usage); output cut short by a closed pipe
+(``deepinfer plugins --json | head -1``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
-import json
 import logging
-import os
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
-from .serve import add_parser as add_serve_parser
+from .. import envs
 
-GENERATE_MODULE = "deepinfer_core.entrypoints.generate"
-
-
-# -- deepinfer plugins ------------------------------------------------------------------------
-def short_hook_name(hook: str) -> str:
-    """``deepinfer_register_kv_stores`` -> ``kv_stores``; ``deepinfer_platform`` -> ``platform``."""
-    for prefix in ("deepinfer_register_", "deepinfer_"):
-        if hook.startswith(prefix):
-            return hook[len(prefix) :]
-    return hook
+COMMANDS = (
+    "deepinfer_core.entrypoints.generate",
+    "deepinfer_core.entrypoints.serve",
+    "deepinfer_core.entrypoints.plan",
+    "deepinfer_core.entrypoints.kv",
+    "deepinfer_core.entrypoints.plugins",
+    "deepinfer_core.entrypoints.version",
+)  # the one registration point
 
 
-def plugin_rows() -> list[dict]:
-    """One row per discovered plugin, with a fresh probe (what ``deepinfer plugins`` shows)."""
-    from ..plugin_host import PluginHost
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (``deepinfer serve: error: argument --port:
+    a port is 1-65535, got 99999``), like every other error the commands print."""
 
-    rows = []
-    for info in PluginHost().plugins():
-        rows.append(
-            {
-                "name": info.name,
-                "distribution": info.distribution,
-                "version": info.version,
-                "contract": info.contract,
-                "builtin": info.builtin,
-                "hooks": [short_hook_name(h) for h in info.hooks],
-                "usable": info.usable,
-                "reason": info.reason,
-                "note": info.note,
-            }
-        )
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    header = ("NAME", "DISTRIBUTION", "VERSION", "CONTRACT", "HOOKS", "USABLE")
-    lines = [
-        (
-            r["name"],
-            r["distribution"],
-            r["version"] or "-",
-            r["contract"] or "-",
-            ",".join(r["hooks"]) or "-",
-            ("yes" if r["usable"] else "no")
-            + (f" ({r['reason']})" if r["reason"] else "")
-            + (f"; {r['note']}" if r["note"] else ""),
-        )
-        for r in rows
-    ]
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header) - 1)]
-    out = []
-    for row in [header, *lines]:
-        cells = [str(cell).ljust(width) for cell, width in zip(row, widths)]
-        out.append("  ".join([*cells, row[-1]]))
-    return "\n".join(out)
-
-
-def add_plugins_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("plugins", help="list discovered plugins and whether they are usable here")
-    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.set_defaults(func=cmd_plugins)
-    return parser
-
-
-def cmd_plugins(args: argparse.Namespace) -> int:
-    rows = plugin_rows()
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
-    if not args.json:
-        from ..builtin.cpu_features import cpu_summary
-
-        print(f"\ncpu: {cpu_summary()}")
-    return 0
-
-
-# -- deepinfer version ------------------------------------------------------------------------
-def add_version_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("version", help="print the deepinfer-core version")
-    parser.set_defaults(func=cmd_version)
-    return parser
-
-
-def cmd_version(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..builtin import core_version
-
-    print(f"deepinfer-core {core_version()} (python {sys.version.split()[0]}, torch {torch.__version__})")
-    return 0
-
-
-# -- registration -----------------------------------------------------------------------------
-from ..plan import add_parser as add_plan_parser  # noqa: E402  (light: imports the engine in run)
-
-SUBCOMMANDS: list[Callable] = [
-    add_plugins_parser,
-    add_version_parser,
-    add_plan_parser,
-    add_serve_parser,
-]  # the one registration point
-from .kv import add_kv_parser  # noqa: E402  (deepinfer kv: its own module)
-
-SUBCOMMANDS.append(add_kv_parser)
+    def error(self, message: str):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer inference engine")
+    parser = ArgumentParser(prog="deepinfer", description="deepinfer inference engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add_parser in SUBCOMMANDS:
-        add_parser(sub)
-    if importlib.util.find_spec(GENERATE_MODULE) is not None:
-        importlib.import_module(GENERATE_MODULE).add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 
@@ -140,9 +52,7 @@ def _show_deepinfer_logs() -> None:
     platform, dtype, how the weights are held and why) and every library's warnings;
     ``DEEPINFER_LOG_LEVEL=warning`` hides the INFO lines. ``LLM(...)`` used as a library leaves
     logging to the application."""
-    level = logging.getLevelName(os.environ.get("DEEPINFER_LOG_LEVEL", "INFO").upper())
-    if not isinstance(level, int):
-        level = logging.INFO
+    level = logging.getLevelName(envs.get("DEEPINFER_LOG_LEVEL").upper())
     root = logging.getLogger()
     if root.handlers:  # configured by whoever called main()
         return
@@ -155,8 +65,16 @@ def _show_deepinfer_logs() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _show_deepinfer_logs()
-    return int(args.func(args) or 0)
+    try:
+        _show_deepinfer_logs()
+    except envs.EnvError as exc:
+        print(f"deepinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except envs.EnvError as exc:  # a bad DEEPINFER_* value met while running
+        print(f"deepinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def console_main() -> None:
@@ -166,9 +84,22 @@ def console_main() -> None:
 
     try:
         status = main()
+        sys.stdout.flush()  # a closed pipe shows here, not at the exit
     except SystemExit as exc:  # argparse's usage errors and --help
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except BrokenPipeError:
+        status = _closed_pipe()
     exit_process(status)
 
+
+def _closed_pipe() -> int:
+    """stdout's reader went away (``| head -1``): no traceback, and nothing more written to it
+    (the interpreter's own flush at exit would fail again); status 1, as Python's documentation
+    of SIGPIPE recommends."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
