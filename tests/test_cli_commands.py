@@ -65,7 +65,10 @@ def test_commands_agree_on_each_option_and_its_parsing():
         "--attention-backend", "builtin", "--moe-backend", "builtin", "--no-enable-prefix-caching",
         "--overlap-scheduling", "--kv-cache-gib", "0.5", "--kv-store", "memory://", "--seed", "7",
     ]  # fmt: skip
-    parsed = [engine_kwargs(build_parser().parse_args([c, *line, *(["hi"] if c == "generate" else [])])) for c in ENGINE_COMMANDS]
+    parsed = [
+        engine_kwargs(build_parser().parse_args([c, *line, *(["hi"] if c == "generate" else [])]))
+        for c in ENGINE_COMMANDS
+    ]
     assert parsed[0] == parsed[1] == parsed[2]
     assert parsed[0]["attention_backend"] == "builtin" and parsed[0]["enable_prefix_caching"] is False
     assert parsed[0]["overlap_scheduling"] is True and parsed[0]["max_num_seqs"] == 3
@@ -201,7 +204,9 @@ def test_generate_runs_a_tiny_v4_checkpoint_from_token_ids(tmp_path, capsys):
     assert main([*common, "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "7, 8", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     llm = LLM(path, device="cpu", kv_cache_blocks=16)
-    want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [7, 8]], SamplingParams(temperature=0, max_tokens=4))]
+    want = [
+        o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [7, 8]], SamplingParams(temperature=0, max_tokens=4))
+    ]
     assert [r["prompt"] for r in rows] == [[1, 2, 3], [7, 8]]
     assert [r["token_ids"] for r in rows] == [list(w) for w in want] and all(len(w) == 4 for w in want)
     assert main([*common, "--prompt-token-ids", "1,2,3", "--stream"]) == 0

@@ -35,9 +35,9 @@ def main() -> None:
 
     from deepinfer_core.engine.config import EngineConfig
     from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.entrypoints.serve import DEFAULT_MODEL
     from deepinfer_core.plugin_host import default_host
     from deepinfer_core.serve.app import Server, ServerConfig
-    from deepinfer_core.entrypoints.serve import DEFAULT_MODEL
 
     host = default_host()
     model = args.model or DEFAULT_MODEL
