@@ -35,7 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse with its usage errors on one line (``deepinfer serve: error: argument --port:
     a port is 1-65535, got 99999``), like every other error the commands print."""
 
-    def error(self, message: str):  # noqa: D102
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
