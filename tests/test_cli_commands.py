@@ -138,6 +138,8 @@ def test_serve_help_documents_host_port_and_engine_options():
 
 
 def test_serve_names_how_to_install_the_recipe_plugin():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
     result = deepinfer("serve", env={"DEEPINFER_PLUGINS": "none-installed"})
     one_line_error(result, "deepinfer serve: error: no protocol codecs", "pip install -e plugins/deepinfer_recipe")
     assert "pip install deepinfer-recipe" not in result.stderr  # not published
