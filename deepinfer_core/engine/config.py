@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from .kv_dtype_names import KV_CACHE_DTYPES
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch attribute names (torch is imported where a dtype is resolved)
 _DTYPES = {
     "float32": "float32",
     "fp32": "float32",
@@ -26,9 +30,7 @@ _DTYPES = {
     "float16": "float16",
     "fp16": "float16",
     "half": "float16",
-}  # fmt: skip  (name -> torch attribute)
-if TYPE_CHECKING:
-    import torch
+}
 DTYPE_NAMES = ("auto", "lowbit", *_DTYPES)
 
 
