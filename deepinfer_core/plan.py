@@ -1,7 +1,9 @@
-"""``deepinfer plan``: KV-cache capacity of a model from its config alone, before any weights
+"""KV-cache capacity of a model from its config alone, before any weights
 are downloaded or cards bought.
 
-    deepinfer plan --model M --kv-gib N [--max-model-len L] [--dtype auto] [--max-num-seqs S]
+    deepinfer plan --model M --kv-cache-gib N [--max-model-len L] [--dtype auto] [--max-num-seqs S]
+
+(the command: ``deepinfer_core/entrypoints/plan.py``)
 
 The model is built on the meta device (its config only; no weights read, no memory taken) and
 sized by :func:`deepinfer_core.engine.kv_sizing.kv_sizing`, the function the engine allocates
@@ -14,12 +16,9 @@ KV of ``max_num_seqs + 1`` slots, and how many requests of ``L`` tokens fit at o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
-
-from .engine.kv_dtype_names import KV_CACHE_DTYPES
+from dataclasses import dataclass
 
 GIB = 2**30
 
@@ -78,7 +77,7 @@ def plan(
     dtype: str = "auto",
     block_size: int = 128,
     max_num_seqs: int = 64,
-    device: str = "cpu",
+    device: str = "auto",
     host=None,
     kv_cache_dtype: str = "auto",
     weight_format: str | None = None,
@@ -172,54 +171,3 @@ def format_plan(p: Plan) -> str:
         f"requests    of {p.max_model_len:,} tokens ({p.blocks_per_request:,} blocks each): {p.concurrent_requests:,} fit at once (--max-num-seqs {p.concurrent_requests})",
     ]
     return "\n".join(lines)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan",
-        help="KV-cache capacity of a model from its config (no weights needed)",
-        description=__doc__.splitlines()[0],
-    )
-    p.add_argument(
-        "--model", "-m", required=True, help="HF directory (config.json is enough), GGUF file, or installed alias"
-    )
-    p.add_argument("--kv-gib", type=float, required=True, help="memory for the KV cache, GiB")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="request length to plan for (default: the model's context)"
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="KV / compute dtype, resolved as the engine does (default: %(default)s, the engine's default)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="the low-bit CPU path's KV cache elements, as the engine's option (default: %(default)s)",
-    )
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument(
-        "--max-num-seqs", type=int, default=64, help="running requests the engine is configured for (state KV slots)"
-    )
-    p.add_argument(
-        "--device", default="cpu", help="platform whose attention backends size the cache (default: %(default)s)"
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    result = plan(
-        args.model,
-        args.kv_gib,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        device=args.device,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    print(json.dumps(asdict(result), indent=2) if args.json else format_plan(result))
-    return 0

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pluggy
 
-from . import hookspecs
+from . import envs, hookspecs
 from .platform import Platform, PlatformRequest, ProbeResult
 
 try:  # Python < 3.12 ships an older importlib.metadata
@@ -87,18 +86,16 @@ class PluginInfo:
 def allowed_plugins() -> set[str] | None:
     """Installed plugins named in ``DEEPINFER_PLUGINS`` (comma separated), or None when it names
     none to allow: unset, or only names to block (all installed plugins load)."""
-    raw = os.environ.get(ALLOW_ENV)
-    if raw is None:
+    names = envs.get(ALLOW_ENV)
+    if names is None:
         return None
-    names = [name.strip() for name in raw.split(",") if name.strip()]
     allowed = {name for name in names if not name.startswith("-")}
     return None if names and not allowed else allowed
 
 
 def blocked_plugins() -> set[str]:
     """Plugins ``DEEPINFER_PLUGINS`` blocks with a leading ``-`` (``-core.lowbit``): builtins too."""
-    raw = os.environ.get(ALLOW_ENV) or ""
-    return {name.strip()[1:].strip() for name in raw.split(",") if name.strip().startswith("-")}
+    return {name[1:].strip() for name in envs.get(ALLOW_ENV) or () if name.startswith("-")}
 
 
 class PluginHost:

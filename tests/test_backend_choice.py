@@ -114,7 +114,7 @@ def test_llm_rejects_an_unknown_backend_before_reading_the_model(tmp_path):
 
 
 def test_cli_flags_reach_the_engine(capsys):
-    from deepinfer_core.cli import main
+    from deepinfer_core.entrypoints.main import main
 
     assert main(["generate", "--device", "cpu", "--attention-backend", "nope", "hello"]) == 2
     err = capsys.readouterr().err

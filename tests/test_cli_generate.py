@@ -91,7 +91,7 @@ def test_chat_stream_equals_chat(model_dir):
 
 
 def test_serve_takes_the_same_kv_store_flags_as_generate():
-    from deepinfer_core.cli import build_parser
+    from deepinfer_core.entrypoints.main import build_parser
 
     args = build_parser().parse_args(["serve", "--kv-store", "local:///tmp/deepinfer-kv", "--kv-store-gib", "2"])
     assert (args.kv_store, args.kv_store_gib) == ("local:///tmp/deepinfer-kv", 2.0)
@@ -102,7 +102,7 @@ def test_serve_takes_the_same_kv_store_flags_as_generate():
 def test_max_tokens_past_the_context_is_one_line(model_dir, capsys):
     """The tiny model's context is 512 tokens: --max-tokens 600 is refused with the numbers
     (exit 2), not capped. In-process (``cli.main``): no second interpreter to start."""
-    from deepinfer_core.cli import main
+    from deepinfer_core.entrypoints.main import main
 
     status = main(
         [

@@ -94,16 +94,15 @@ def test_unknown_subcommand_fails():
     assert deepinfer("no-such-command").returncode == 2
 
 
-def test_generate_is_offered_when_the_engine_provides_it():
-    import importlib.util
+def test_every_registered_command_is_offered():
+    from deepinfer_core.entrypoints.main import COMMANDS
 
-    from deepinfer_core.cli import GENERATE_MODULE
-
-    result = deepinfer("--help")
-    offered = importlib.util.find_spec(GENERATE_MODULE) is not None
-    assert ("generate" in result.stdout) == offered
-    if offered:
-        assert deepinfer("generate", "--help").returncode == 0
+    names = [module.rsplit(".", 1)[1] for module in COMMANDS]
+    assert {"generate", "serve", "plan", "kv", "plugins", "version"} <= set(names)
+    listed = deepinfer("--help").stdout
+    for name in names:
+        assert f"    {name} " in listed, listed
+        assert deepinfer(name, "--help").returncode == 0, name
 
 
 @pytest.mark.skipif(

@@ -41,12 +41,15 @@ def test_exit_keeps_status_output_atexit_and_threads(tmp_path):
 
 def test_console_entry_keeps_argparse_errors_and_help():
     bad = subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.cli", "no-such-command"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "deepinfer_core.entrypoints", "no-such-command"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode == 2
     assert "invalid choice: 'no-such-command'" in bad.stderr
     ok = subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "deepinfer_core.entrypoints", "--help"], capture_output=True, text=True, timeout=120
     )
     assert ok.returncode == 0
     assert ok.stdout.startswith("usage: deepinfer")

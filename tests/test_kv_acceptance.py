@@ -135,13 +135,13 @@ def payload_digest(path: str, key_hex: str) -> str:
 
 def deepinfer_kv(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.cli", "kv", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "deepinfer_core.entrypoints", "kv", *args], capture_output=True, text=True, timeout=300
     )
 
 
 def deepinfer_kv_here(capsys, *args: str) -> tuple[int, str, str]:
-    """The same command through ``deepinfer_core.cli.main`` in this process (cheaper)."""
-    from deepinfer_core.cli import main
+    """The same command through ``deepinfer_core.entrypoints.main.main`` in this process (cheaper)."""
+    from deepinfer_core.entrypoints.main import main
 
     capsys.readouterr()
     code = main(["kv", *args])

@@ -313,8 +313,8 @@ def test_kv_cache_dtype_on_the_dense_path_is_refused_naming_what_it_can_do():
 def test_the_cli_options_reach_the_engine_config():
     import argparse
 
-    from deepinfer_core.engine import cli_generate
-    from deepinfer_core.serve import cli as serve_cli
+    from deepinfer_core.entrypoints import generate as cli_generate
+    from deepinfer_core.entrypoints import serve as serve_cli
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

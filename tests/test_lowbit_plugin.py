@@ -142,7 +142,7 @@ def test_blocked_the_engine_runs_the_default_model_on_the_float_path(monkeypatch
 
 
 def test_deepinfer_plugins_lists_the_plugin_with_its_instruction_set_blocked_or_not(monkeypatch):
-    from deepinfer_core.cli import plugin_rows
+    from deepinfer_core.entrypoints.plugins import plugin_rows
 
     ok, _ = native.cpu_supports_kernels()
     row = next(r for r in plugin_rows() if r["name"] == "core.lowbit")

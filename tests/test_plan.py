@@ -10,10 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from deepinfer_core.cli import main  # noqa: E402
 from deepinfer_core.engine.config import EngineConfig  # noqa: E402
 from deepinfer_core.engine.kv_sizing import cache_bytes  # noqa: E402
 from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
+from deepinfer_core.entrypoints.main import main  # noqa: E402
 from deepinfer_core.plan import plan  # noqa: E402
 
 LLAMA = dict(

@@ -283,7 +283,7 @@ def test_cli_generate_chat_on_a_qwen2_gguf(files, capsys):
     as many prompt tokens as transformers' GGUF tokenizer gives, the offline chat's greedy text."""
     import json
 
-    from deepinfer_core.cli import main
+    from deepinfer_core.entrypoints.main import main
 
     paths, _ = files
     path = paths[(True, "Q8_0")]

@@ -563,7 +563,7 @@ def serve_check(path: str, clients: int = 40, new_tokens: int = 12) -> tuple[str
     cmd = [
         sys.executable,
         "-m",
-        "deepinfer_core.cli",
+        "deepinfer_core.entrypoints",
         "serve",
         "--model",
         path,

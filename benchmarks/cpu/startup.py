@@ -89,7 +89,7 @@ def deepinfer_cmd(model: str, dtype: str, threads: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "deepinfer_core.cli",
+        "deepinfer_core.entrypoints",
         "generate",
         "--model",
         model,

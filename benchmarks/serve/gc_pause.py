@@ -1,5 +1,5 @@
 """How long a full garbage collection stalls a `deepinfer serve` process, with and without the
-`gc.freeze()` the server does once its engine is up (serve/cli.py).
+`gc.freeze()` the server does once its engine is up (entrypoints/serve.py).
 
     .venv/bin/python benchmarks/serve/gc_pause.py [--model PATH] [--rounds 3]
 
@@ -35,9 +35,9 @@ def main() -> None:
 
     from deepinfer_core.engine.config import EngineConfig
     from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.entrypoints.serve import DEFAULT_MODEL
     from deepinfer_core.plugin_host import default_host
     from deepinfer_core.serve.app import Server, ServerConfig
-    from deepinfer_core.serve.cli import DEFAULT_MODEL
 
     host = default_host()
     model = args.model or DEFAULT_MODEL

@@ -66,7 +66,7 @@ def start_server(engine: str, threads: int, max_seqs: int, context: int) -> tupl
         cmd = [
             sys.executable,
             "-m",
-            "deepinfer_core.cli",
+            "deepinfer_core.entrypoints",
             "serve",
             "--port",
             str(port),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Iterator, Sequence, Union
 
-from .config import EngineConfig
+from .config import engine_config, with_engine_options
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .request_streams import RequestStreams
@@ -25,59 +25,11 @@ class LLM:
     """One engine instance. ``model`` is a path (GGUF file or Hugging Face directory) or an
     alias of an installed model (``"smollm2-135m-instruct"``)."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_blocks: int | None = None,
-        kv_cache_gib: float | None = None,
-        block_size: int = 128,
-        max_model_len: int | None = None,
-        batch_invariant: bool = False,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        attention_backend: str | None = None,
-        moe_backend: str | None = None,
-        weight_format: str | None = None,
-        enforce_eager: bool = False,
-        kv_store: str | None = None,
-        kv_store_gib: float | None = None,
-        kv_host_pool_gib: float = 1.0,
-        overlap_scheduling: bool | None = None,
-        overlap_debug: bool = False,
-        fused_ops: bool = True,
-        host=None,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_blocks=kv_cache_blocks,
-            kv_cache_gib=kv_cache_gib,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            batch_invariant=batch_invariant,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            attention_backend=attention_backend,
-            moe_backend=moe_backend,
-            weight_format=weight_format,
-            enforce_eager=enforce_eager,
-            kv_store=kv_store,
-            kv_store_gib=kv_store_gib,
-            kv_host_pool_gib=kv_host_pool_gib,
-            overlap_scheduling=overlap_scheduling,
-            overlap_debug=overlap_debug,
-            fused_ops=fused_ops,
-        )
+    @with_engine_options
+    def __init__(self, model: str, *, host=None, **engine_options) -> None:
+        """``engine_options`` are :class:`.config.EngineConfig`'s fields (listed below); an
+        unknown name is a TypeError naming it and the closest known ones."""
+        config = engine_config(model, **engine_options)
         self.engine = LLMEngine(config, host)
         self._streams = RequestStreams(self.engine)
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import os
 import random
 import threading
 from typing import Sequence
 
 import torch
 
-from .. import fused_ops
+from .. import envs, fused_ops
 from ..plugin_host import PluginHost, default_host
 from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
@@ -121,7 +120,7 @@ class LLMEngine:
         self.overlap = overlap.enabled(
             config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
         )
-        self.overlap_debug = config.overlap_debug or os.environ.get("DEEPINFER_OVERLAP_DEBUG", "") not in ("", "0")
+        self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
         kv_dtype = (
             getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype

@@ -4,9 +4,8 @@ The scheme names a backend registered through ``deepinfer_register_kv_stores`` (
 ``local``, ``3fs`` from the deepinfer-3fs plugin, or any plugin's); the path is the store's
 directory or mount; query parameters become store options (``3fs:///mnt/3fs?io=posix&subdir=kv``).
 
-For front ends (``deepinfer generate``, ``deepinfer serve``, ``deepinfer kv``): call
-:func:`add_kv_store_arguments` on the subcommand's parser, then pass
-``kv_store=args.kv_store, kv_store_gib=args.kv_store_gib`` to ``LLM``/``EngineConfig``; the
+Front ends pass ``kv_store`` / ``kv_store_gib`` (engine options, so every command's
+``--kv-store`` and ``--kv-store-gib`` come from ``EngineConfig``) to ``LLM``/``EngineConfig``; the
 engine opens the store itself (it knows the namespace and block size) with
 :func:`open_kv_store_url`. Tools that open a store without an engine (``deepinfer kv``) use
 :func:`parse_kv_store_url` and :func:`open_kv_store_url` directly.
@@ -14,7 +13,6 @@ engine opens the store itself (it knows the namespace and block size) with
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -63,23 +61,3 @@ def open_kv_store_url(
         namespace=namespace, block_bytes=block_bytes, path=parsed.path, capacity_blocks=capacity, options=parsed.options
     )
     return stores[parsed.scheme](config)
-
-
-def add_kv_store_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """``--kv-store URL`` and ``--kv-store-gib N`` (one place, so every subcommand spells them
-    the same)."""
-    parser.add_argument(
-        "--kv-store",
-        required=required,
-        default=None,
-        metavar="URL",
-        help="persistent KV cache: memory://, local:///path, 3fs:///mount/path or a plugin's scheme "
-        "(default: none, device prefix cache only)",
-    )
-    parser.add_argument(
-        "--kv-store-gib",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="capacity of the KV store; least recently used blocks are evicted past it",
-    )

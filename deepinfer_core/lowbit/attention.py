@@ -22,11 +22,11 @@ read the step's blocks dequantized to float32 (:func:`dequantize_blocks`).
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import replace
 
 import torch
 
+from .. import envs
 from ..attention import AttentionLayerSpec, AttentionMetadata
 from ..attention.torch_ref import TorchAttentionBackend
 
@@ -68,10 +68,7 @@ def kv_dtype(weight_types: frozenset = frozenset(), requested: str = "auto") -> 
             raise ValueError(f"kv_cache_dtype={requested!r}: allowed values are {', '.join(KV_CACHE_DTYPES)}")
         return _KV_NAMES[requested]
     default = "float32" if weight_types and weight_types <= EIGHT_BIT_TYPES else "float16"
-    name = os.environ.get(KV_ENV, default)
-    if name not in _KV_NAMES:
-        raise ValueError(f"{KV_ENV}={name!r}: allowed values are {', '.join(_KV_NAMES)}")
-    return _KV_NAMES[name]
+    return _KV_NAMES[envs.get(KV_ENV) or default]
 
 
 class PagedDecodeAttention(TorchAttentionBackend):

@@ -26,13 +26,14 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .. import build_cache
+from .. import build_cache, envs
 
 _SOURCES = tuple(
     os.path.join(os.path.dirname(__file__), f)
@@ -108,11 +109,9 @@ def isa_choice(environ: "os._Environ[str] | dict[str, str]" = os.environ, flags:
     default: the best of avx512vnni, avxvnni, avx2 the CPU has), refused by name when unknown or
     when the CPU lacks it (the library would die of an illegal instruction)."""
     flags = cpu_flags() if flags is None else flags
-    raw = environ.get(ISA_ENV, "") or "auto"
+    raw = envs.get(ISA_ENV, environ)  # auto or a name of _ISA_FLAGS
     if raw == "auto":
         return next((isa for isa in ("avx512vnni", "avxvnni") if all(f in flags for f in _ISA_NEEDS[isa])), "avx2")
-    if raw not in _ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={raw!r}: allowed values are auto, {', '.join(_ISA_FLAGS)}")
     if raw != "avx2" and not all(f in flags for f in _ISA_NEEDS[raw]):
         raise ValueError(f"{ISA_ENV}={raw!r}: this CPU lacks {', '.join(f for f in _ISA_NEEDS[raw] if f not in flags)}")
     return raw
@@ -155,7 +154,10 @@ def load_isa(isa: str) -> NativeKernels:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
             try:
+                started = time.monotonic()  # the first run's wait, said on stderr (once per machine)
+                _say(f"building the low-bit CPU kernels ({isa}) once for this machine (about a minute)...")
                 _build(compiler, flags, tmp)
+                _say(f"built the low-bit CPU kernels in {time.monotonic() - started:.1f} s, cached in {cache_dir()}")
                 os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
             finally:
                 if os.path.exists(tmp):  # a failed build leaves nothing behind
@@ -168,6 +170,11 @@ def load_isa(isa: str) -> NativeKernels:
         build_cache.prune(cache_dir(), "lowbit-*.so")  # other source versions' builds, least recently used first
     with build_cache.loading(target):
         return _open(target, isa)
+
+
+def _say(message: str) -> None:
+    """One line on stderr, for the first run's kernel build (a minute of silence otherwise)."""
+    print(f"deepinfer: {message}", file=sys.stderr, flush=True)
 
 
 BUILD_TIMEOUT_S = 900  # a whole build; ~20 s on an idle 2-core machine, minutes under heavy load

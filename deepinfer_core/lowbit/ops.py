@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import envs
 from .formats import KIND_CODE, QuantWeight
 from .native import load
 
@@ -59,18 +60,9 @@ def int8_rows(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
 def _rows_setting(environ: "os._Environ[str] | dict[str, str]", name: str, default: int, meaning: str) -> int:
     """A row-count setting: ``default`` when unset, 0 under ``DEEPINFER_LOWBIT_EXACT=1``, a
     value that is not a whole number >= 0 refused by name."""
-    if environ.get("DEEPINFER_LOWBIT_EXACT", "0") not in ("", "0"):
+    if envs.get("DEEPINFER_LOWBIT_EXACT", environ):
         return 0
-    raw = environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: expected a whole number >= 0 ({meaning})")
-    return value
+    return envs.get(name, environ)  # a whole number >= 0, refused by name otherwise
 
 
 def kernel_for(M: int, kind: str, max_int_rows: int, min_int8_rows: int) -> str:

@@ -21,7 +21,7 @@ changes tokens. ``DEEPINFER_ADAPTIVE_THREADS=0`` keeps torch's thread count.
 
 from __future__ import annotations
 
-import os
+from .. import envs
 
 ENV_SWITCH = "DEEPINFER_ADAPTIVE_THREADS"
 
@@ -29,12 +29,7 @@ ENV_SWITCH = "DEEPINFER_ADAPTIVE_THREADS"
 def adaptive_enabled() -> bool:
     """Read when a decode plan is built. Only ``1`` (the default) and ``0`` are accepted, so that
     a value such as ``false`` or ``off`` is refused instead of silently leaving the switch on."""
-    raw = os.environ.get(ENV_SWITCH, "1")
-    if raw not in ("0", "1", ""):
-        raise ValueError(
-            f"{ENV_SWITCH}={raw!r}: allowed values are 1 (choose the thread count by measured wall time, the default) and 0 (keep torch's count)"
-        )
-    return raw != "0"
+    return envs.get(ENV_SWITCH)
 
 
 class ThreadChooser:

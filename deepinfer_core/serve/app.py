@@ -19,10 +19,15 @@ from .metrics import ServerMetrics
 from .sampling_defaults import SamplingDefaults, model_sampling_defaults
 
 log = logging.getLogger(__name__)
+# deepinfer-recipe is not on PyPI: it installs from the repository
+RECIPE_INSTALL_HINT = (
+    "install the deepinfer-recipe plugin from the deepinfer repository: pip install -e plugins/deepinfer_recipe "
+    "in a checkout, or pip install 'deepinfer-recipe @ git+<repository URL>#subdirectory=plugins/deepinfer_recipe'"
+)
 
 
 class NoProtocolCodecs(RuntimeError):
-    """No installed plugin registers a protocol codec (``pip install deepinfer-recipe``)."""
+    """No installed plugin registers a protocol codec (:data:`RECIPE_INSTALL_HINT` says what to do)."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +44,7 @@ class Server:
     def __init__(self, engine, host, config: ServerConfig) -> None:
         codecs = {name: factory() for name, factory in host.protocols().items()}
         if not codecs:
-            raise NoProtocolCodecs(
-                "deepinfer serve: no protocol codecs are installed; install the deepinfer-recipe package "
-                "(pip install deepinfer-recipe)"
-            )
+            raise NoProtocolCodecs(f"deepinfer serve: no protocol codecs are installed; {RECIPE_INSTALL_HINT}")
         codecs.setdefault(CompletionsCodec.name, CompletionsCodec())
         self.codecs = codecs
         self.config = config

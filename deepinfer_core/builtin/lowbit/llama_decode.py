@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 
 import torch
 import torch.nn as nn
 
+from ... import envs
 from ...attention import AttentionMetadata
 from ...lowbit.attention import CACHE_DTYPES, PagedDecodeAttention, kv_kind
 from ...lowbit.formats import KIND_CODE, QuantWeight
@@ -86,17 +86,12 @@ class _Model(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.get(ENV_SWITCH)
 
 
 def prefill_enabled() -> bool:
     """Read when a plan is built; only ``1`` (the default) and ``0`` are accepted."""
-    raw = os.environ.get(PREFILL_SWITCH, "1")
-    if raw not in ("0", "1", ""):
-        raise ValueError(
-            f"{PREFILL_SWITCH}={raw!r}: allowed values are 1 (prefill steps in one native call per chunk, the default) and 0 (the torch path)"
-        )
-    return raw != "0"
+    return envs.get(PREFILL_SWITCH)
 
 
 def prefill_attention_mode() -> int:
@@ -104,13 +99,7 @@ def prefill_attention_mode() -> int:
     built): 2 (the default) ``prefill_attention.c`` with the call's own keys and values in
     float32 as computed, earlier positions from the cache; 1 the same kernel reading every key
     and value from the cache (rounded to half there); 0 the decode kernel, a query at a time."""
-    raw = os.environ.get(PREFILL_ATTENTION_SWITCH, "2")
-    if raw not in PREFILL_ATTENTION_MODES:
-        raise ValueError(
-            f"{PREFILL_ATTENTION_SWITCH}={raw!r}: allowed values are 2 (the call's keys and values in float32, the default), "
-            "1 (every key and value read from the cache) and 0 (the decode attention kernel)"
-        )
-    return int(raw)
+    return int(envs.get(PREFILL_ATTENTION_SWITCH))
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> int | None:

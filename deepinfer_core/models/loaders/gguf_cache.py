@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from ... import envs
 from .files import ModelFiles
 from .gguf_index import TensorInfo
 
@@ -67,20 +68,13 @@ class GGUFParts:
 
 def cache_dir() -> str | None:
     """Where entries live, or None when caching is turned off."""
-    if os.environ.get("DEEPINFER_GGUF_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.get("DEEPINFER_GGUF_CACHE"):
         return None
-    root = os.environ.get("DEEPINFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "deepinfer"
-    )
-    return os.path.join(root, "gguf")
+    return os.path.join(envs.cache_dir(), "gguf")
 
 
 def max_bytes() -> int:
-    try:
-        gib = float(os.environ.get("DEEPINFER_GGUF_CACHE_MAX_GIB", "4"))
-    except ValueError:
-        gib = 4.0
-    return int(gib * (1 << 30))
+    return int(envs.get("DEEPINFER_GGUF_CACHE_MAX_GIB") * (1 << 30))
 
 
 def cache_key(path: str) -> str:

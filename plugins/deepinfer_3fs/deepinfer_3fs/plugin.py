@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from deepinfer_core import envs
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.platform import ProbeResult
 
@@ -52,7 +53,7 @@ def probe_mount(mount: str | None) -> ProbeResult:
 
 @hookimpl
 def deepinfer_probe() -> ProbeResult:
-    result = probe_mount(os.environ.get(MOUNT_ENV))
+    result = probe_mount(envs.get(MOUNT_ENV))
     usrbio = (
         "USRBIO available" if usrbio_importable() else f"USRBIO unavailable ({USRBIO_MODULE} not importable; POSIX I/O)"
     )

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from deepinfer_core import envs
 from deepinfer_core.kv_store import KVStoreConfig
 from deepinfer_core.kv_store.local import LocalDiskKVStore
 from deepinfer_core.kv_store.records import PosixRecordIO, RecordIO, record_bytes
@@ -42,7 +43,7 @@ class ThreeFSConfigError(ValueError):
 
 def mount_path(config: KVStoreConfig) -> str:
     """The 3FS mount: option ``path``, else ``config.path``, else ``$DEEPINFER_3FS_MOUNT``."""
-    mount = config.options.get("path") or config.path or os.environ.get(MOUNT_ENV)
+    mount = config.options.get("path") or config.path or envs.get(MOUNT_ENV)
     if not mount:
         raise ThreeFSConfigError(f"no 3FS mount configured (set {MOUNT_ENV} or the store option 'path')")
     if not os.path.isdir(mount):

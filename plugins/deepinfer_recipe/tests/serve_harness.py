@@ -79,7 +79,7 @@ def start_subprocess(*extra: str, env: dict | None = None) -> tuple[subprocess.P
     args = [
         sys.executable,
         "-m",
-        "deepinfer_core.cli",
+        "deepinfer_core.entrypoints",
         "serve",
         "--port",
         str(port),

@@ -270,7 +270,7 @@ def test_sigterm_drains_and_exits_zero():
 
 def test_serve_without_protocol_plugins_exits_at_once():
     proc = subprocess.run(
-        [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", "1"],
+        [sys.executable, "-m", "deepinfer_core.entrypoints", "serve", "--port", "1"],
         env={**os.environ, "DEEPINFER_PLUGINS": "none-installed"},
         capture_output=True,
         text=True,

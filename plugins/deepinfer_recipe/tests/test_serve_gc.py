@@ -1,22 +1,29 @@
 """`deepinfer serve` moves everything start-up made out of the garbage collector's view before it
-takes requests (serve/cli.py): a full collection then walks only what requests made, not the
+takes requests (entrypoints/serve.py): a full collection then walks only what requests made, not the
 start-up heap whose collection stalls every request in flight (benchmarks/serve/gc_pause.py)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import socket
 
-from deepinfer_core.serve import cli as serve_cli
+from deepinfer_core.entrypoints import serve as serve_cli
 
 
 def test_serve_freezes_the_start_up_heap_before_serving(monkeypatch):
     parser = argparse.ArgumentParser()
     serve_cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--max-model-len", "512", "--kv-cache-blocks", "16", "--max-num-seqs", "2"])
+    with socket.socket() as probe:  # serve binds its port before loading: a free one
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    args = parser.parse_args(
+        ["serve", "--port", port, "--max-model-len", "512", "--kv-cache-blocks", "16", "--max-num-seqs", "2"]
+    )
     seen = {}
 
-    def fake_serve(app, host, port, drain_timeout, log_level="info"):
+    def fake_serve(app, sock, drain_timeout, log_level="info"):
+        sock.close()
         seen["frozen"] = gc.get_freeze_count()
         seen["engine_frozen"] = not any(type(o).__name__ == "LLMEngine" for o in gc.get_objects())
 

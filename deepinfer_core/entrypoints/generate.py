@@ -10,8 +10,7 @@ import argparse
 import json
 import sys
 
-from ..kv_store.url import add_kv_store_arguments
-from .kv_dtype_names import KV_CACHE_DTYPES
+from .engine_options import add_engine_options, add_model_option, engine_kwargs
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,32 +18,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "generate",
         help="generate text for one or more prompts",
         description="Generate completions with the offline engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("prompts", nargs="*", help="prompts (or use --prompts-file)")
-    p.add_argument(
-        "--model",
-        "-m",
-        default="smollm2-135m-instruct",
-        help="path to a GGUF file / HF directory, or an installed alias",
-    )
+    p.add_argument("prompts", nargs="*", help="prompts (or use --prompts-file / --prompt-token-ids)")
+    add_model_option(p)
     p.add_argument("--prompts-file", help="a text file with one prompt per line")
     p.add_argument(
+        "--prompt-token-ids",
+        action="append",
+        type=_token_ids,
+        default=None,
+        metavar="IDS",
+        help="a prompt given as comma-separated token ids, e.g. 1,2,3 (repeatable; for models without a tokenizer)",
+    )
+    p.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template"
-    )
-    p.add_argument(
-        "--device", default="auto", help="cpu, cuda, cuda:1, ... or auto (the first usable installed platform)"
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="the KV cache's element type on the low-bit CPU path: auto (float16; float32 for an all-8-bit GGUF), float16, float32, or int8 (opt-in: half float16's bytes, a scale per token and head; changes the numbers). Dense weights accept only auto or their dtype",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (CPU: a quantized GGUF's weights kept packed, low-bit kernels; dense weights bfloat16 with AVX512-BF16/AMX, else float32; bfloat16 elsewhere), lowbit (the same), or float32 / bfloat16 / float16 (dense; float32 is the exact reference)",
     )
     p.add_argument(
         "--threads",
@@ -52,55 +39,52 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="CPU threads for torch (default: torch's choice, one per core; on a busy machine fewer is faster)",
     )
-    p.add_argument(
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument(
         "--max-tokens",
         type=int,
         default=128,
-        help="new tokens per prompt at most (the Python API's SamplingParams defaults to 16)",
+        help="new tokens per prompt at most (the Python API's SamplingParams defaults to 16) (default: %(default)s)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 disables it")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    p.add_argument(
-        "--kv-cache-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from free memory)"
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    sampling.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling; 1 disables it (default: %(default)s)"
     )
-    p.add_argument(
-        "--attention-backend",
+    sampling.add_argument("--top-k", type=int, default=0, help="0 disables it (default: %(default)s)")
+    sampling.add_argument(
+        "--sampling-seed",
+        type=int,
         default=None,
-        help="plugin whose attention kernels to use, or 'builtin' (default: installed plugins by name, then builtin)",
+        help="one sampling seed for every prompt (default: each request's seed is drawn from the engine's --seed)",
     )
-    p.add_argument("--enforce-eager", action="store_true", help="never replay captured decode graphs")
-    p.add_argument(
-        "--moe-backend",
-        default=None,
-        help="plugin whose MoE dispatcher to use, or 'builtin' (default: as for --attention-backend)",
-    )
-    add_kv_store_arguments(p)
+    sampling.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument(
         "--stream", action="store_true", help="print tokens as they are generated (prompts one after another)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_options(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
     from ..plugin_host import PluginConflictError
-    from .llm import LLM
-    from .sampling_params import SamplingParams
 
-    prompts = list(args.prompts)
+    prompts: list = list(args.prompts)
     try:
         if args.prompts_file:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         return _usage_error(f"cannot read --prompts-file: {exc}")
+    if args.prompt_token_ids:
+        if args.chat:
+            return _usage_error("--chat renders text messages; it cannot be combined with --prompt-token-ids")
+        prompts += args.prompt_token_ids
     if not prompts:
-        return _usage_error("no prompt given (pass prompts or --prompts-file)")
+        return _usage_error("no prompt given (pass prompts, --prompts-file or --prompt-token-ids)")
     if args.stream and args.json:
         return _usage_error("--stream prints text as it comes; it cannot be combined with --json")
     if args.threads is not None:
@@ -112,23 +96,11 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.seed,
+            seed=args.sampling_seed,
             max_tokens=args.max_tokens,
             stop=args.stop,
         )
-        llm = LLM(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_blocks=args.kv_cache_blocks,
-            attention_backend=args.attention_backend,
-            moe_backend=args.moe_backend,
-            enforce_eager=args.enforce_eager,
-            kv_store=args.kv_store,
-            kv_store_gib=args.kv_store_gib,
-        )
+        llm = LLM(args.model, **engine_kwargs(args))
         if args.stream:
             return _stream(llm, prompts, params, args.chat)
         if args.chat:
@@ -145,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     {
                         "prompt": prompt,
                         "text": o.text,
+                        "token_ids": list(o.token_ids),
                         "finish_reason": o.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids),
                         "completion_tokens": len(o.token_ids),
@@ -155,14 +128,16 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"--- {prompt!r} ({o.finish_reason}, {len(o.token_ids)} tokens)\n{o.text}")
+            if isinstance(prompt, list):  # token ids in, token ids out (the model may have no tokenizer)
+                print(f"token ids: {' '.join(map(str, o.token_ids))}")
             if o.error:
                 print(f"deepinfer generate: error: {o.error}", file=sys.stderr)
     return 1 if any(out.outputs[0].error for out in results) else 0
 
 
-def _stream(llm, prompts: list[str], params, chat: bool) -> int:
+def _stream(llm, prompts: list, params, chat: bool) -> int:
     """Each prompt in turn, its text printed as it is generated (under a header when there
-    are several)."""
+    are several); for a prompt of token ids, the new token ids."""
     failed = False
     for prompt in prompts:
         if len(prompts) > 1:
@@ -172,8 +147,13 @@ def _stream(llm, prompts: list[str], params, chat: bool) -> int:
             source = {"prompt_token_ids": ids, "prompt": text}
         else:
             source = prompt
+        printed = 0
         for out in llm.stream(source, params):
-            print(out.outputs[0].delta_text, end="", flush=True)
+            if isinstance(prompt, list):
+                new, printed = out.outputs[0].token_ids[printed:], len(out.outputs[0].token_ids)
+                print("".join(f"{token} " for token in new), end="", flush=True)
+            else:
+                print(out.outputs[0].delta_text, end="", flush=True)
             if out.outputs[0].error:
                 failed = True
                 print(f"\ndeepinfer generate: error: {out.outputs[0].error}", file=sys.stderr)
@@ -184,6 +164,17 @@ def _stream(llm, prompts: list[str], params, chat: bool) -> int:
 def _usage_error(message: str) -> int:
     print(f"deepinfer generate: error: {message}", file=sys.stderr)
     return 2
+
+
+def _token_ids(text: str) -> list[int]:
+    """``1,2,3`` -> ``[1, 2, 3]`` (spaces allowed); refused unless every item is an id >= 0."""
+    try:
+        ids = [int(item) for item in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 1,2,3, got {text!r}")
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are whole numbers >= 0, got {text!r}")
+    return ids
 
 
 def _positive_int(text: str) -> int:

@@ -10,30 +10,29 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import signal
+import socket
 import sys
 
-from ..engine.kv_dtype_names import KV_CACHE_DTYPES
-from ..kv_store.url import add_kv_store_arguments
+from .engine_options import DEFAULT_MODEL, add_engine_options, add_model_option, engine_kwargs
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+__all__ = ["DEFAULT_MODEL", "add_parser", "run", "serve"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over HTTP (OpenAI / Anthropic APIs)",
-        description="Serve a model over HTTP with the protocol codecs installed plugins register.",
+        description="Serve a model over HTTP with the protocol codecs installed plugins register. "
+        "The port is bound before the model loads, so a port in use is reported at once.",
     )
-    p.add_argument(
-        "--model",
-        "-m",
-        default=DEFAULT_MODEL,
-        help="path to a GGUF file / HF directory, or an installed alias (default: %(default)s)",
-    )
+    add_model_option(p)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)"
+    )
+    p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on, 1-65535 (default: %(default)s)")
     p.add_argument(
         "--max-queue",
         type=int,
@@ -53,30 +52,43 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="for requests that leave temperature / top_p / top_k unset: the model's recommendation (generation_config.json, "
         "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)",
     )
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    engine = p.add_argument_group("engine options")
-    engine.add_argument("--device", default="auto")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="KV cache elements on the low-bit CPU path (int8: opt-in, half float16's bytes; default: %(default)s)",
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default: %(default)s)",
     )
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--kv-cache-blocks", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=128)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--seed", type=int, default=0)
-    add_kv_store_arguments(engine)
+    add_engine_options(p)
     p.set_defaults(func=run)
     return p
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {value}")
+    return value
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, bound now (before the model loads: a port in use costs no load);
+    uvicorn listens on it once the engine is up. OSError when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and asyncio do
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _fail(message: str) -> int:
-    print(f"deepinfer serve: {message}", file=sys.stderr)
+    print(f"deepinfer serve: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -90,26 +102,28 @@ def run(args: argparse.Namespace) -> int:
 
     host = default_host()
     if not host.protocols():
-        return _fail(
-            "no protocol codecs are installed; install the deepinfer-recipe package (pip install deepinfer-recipe)"
-        )
+        from ..serve.app import RECIPE_INSTALL_HINT
+
+        return _fail(f"no protocol codecs are installed; {RECIPE_INSTALL_HINT}")
     if args.max_queue < 0:
         return _fail(f"--max-queue must be >= 0, got {args.max_queue}")
-    from ..engine.config import EngineConfig
+    from ..engine.config import engine_config
     from ..engine.llm_engine import LLMEngine
-    from .app import Server, ServerConfig
+    from ..serve.app import Server, ServerConfig
 
     try:
-        config = EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_blocks=args.kv_cache_blocks,
-            block_size=args.block_size, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-            kv_store=args.kv_store, kv_store_gib=args.kv_store_gib,
-        )  # fmt: skip
+        config = engine_config(args.model, **engine_kwargs(args))
+    except (ValueError, TypeError) as exc:
+        return _fail(str(exc))
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    try:
         engine = LLMEngine(config, host)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        return _fail(f"error: {exc}")
+    except (ValueError, TypeError, OSError, LookupError) as exc:
+        sock.close()
+        return _fail(str(exc))
     server = Server(
         engine,
         host,
@@ -125,19 +139,24 @@ def run(args: argparse.Namespace) -> int:
     # model, benchmarks/serve/gc_pause.py; 100-130 ms in the H200 runs).
     gc.collect()
     gc.freeze()
-    serve(server.app, args.host, args.port, args.drain_timeout, args.log_level)
+    logging.getLogger("deepinfer.serve").info("deepinfer serve: listening on http://%s:%d", args.host, args.port)
+    serve(server.app, sock, args.drain_timeout, args.log_level)
     if engine.tiers is not None:  # queued KV write-backs reach the store before exit
         engine.tiers.flush(timeout=args.drain_timeout + 30)
     return 0
 
 
-def serve(app, host: str, port: int, drain_timeout: float, log_level: str = "info") -> None:
+def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info") -> None:
+    """Run ``app`` on the bound socket ``sock`` until SIGTERM / SIGINT (then drain)."""
     import uvicorn
 
     # uvicorn re-raises the signal that stopped it once it has drained; with a Python handler
     # in place that re-raise is harmless and a drained server exits 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+        host, port = sock.getsockname()[:2]
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()

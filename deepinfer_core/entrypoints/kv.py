@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from .kv_store.url import add_kv_store_arguments
+from .engine_options import add_engine_options, require
 
 COMMANDS = {
     "stats": "counters of every namespace in the store, as JSON",
@@ -22,26 +22,28 @@ COMMANDS = {
 }
 
 
-def add_kv_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "kv", help="inspect and clean a persistent KV store", description=__doc__.split("\n\n")[0]
+        "kv",
+        help="inspect and clean a persistent KV store",
+        description="deepinfer kv stats|gc|ls --kv-store URL: the operator's view of a persistent KV store.",
     )
     sub = parser.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
     for name, text in COMMANDS.items():
         action = sub.add_parser(name, help=text, description=text)
-        add_kv_store_arguments(action, required=True)
+        add_engine_options(action, only=("kv_store", "kv_store_gib"), required=("kv_store",), title="KV store")
         if name != "stats":
             action.add_argument("--json", action="store_true", help="print JSON")
-        action.set_defaults(func=cmd_kv)
+        action.set_defaults(func=run)
     return parser
 
 
 def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> list:
     """Every namespace stored under ``url``'s root, opened (empty for a store that keeps
     nothing across processes, e.g. ``memory://``)."""
-    from .kv_store.local import stored_namespaces
-    from .kv_store.url import open_kv_store_url, parse_kv_store_url
-    from .plugin_host import PluginHost
+    from ..kv_store.local import stored_namespaces
+    from ..kv_store.url import open_kv_store_url, parse_kv_store_url
+    from ..plugin_host import PluginHost
 
     host = host or PluginHost()
     parsed = parse_kv_store_url(url)
@@ -51,7 +53,7 @@ def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> l
     root_for = getattr(factory, "root_for", None)
     if root_for is None:
         return []
-    from . import kv_store
+    from .. import kv_store
 
     root = root_for(kv_store.KVStoreConfig(namespace="-", block_bytes=1, path=parsed.path, options=parsed.options))
     return [
@@ -60,9 +62,13 @@ def open_namespaces(url: str, capacity_gib: float | None = None, host=None) -> l
     ]
 
 
-def cmd_kv(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    missing = require(args, "kv_store")
+    if missing:
+        print(f"deepinfer kv {args.kv_command}: error: {missing}", file=sys.stderr)
+        return 2
     try:
-        stores = open_namespaces(args.kv_store, args.kv_store_gib)
+        stores = open_namespaces(args.kv_store, getattr(args, "kv_store_gib", None))
     except ValueError as exc:
         print(f"deepinfer kv: error: {exc}", file=sys.stderr)
         return 2
