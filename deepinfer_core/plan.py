@@ -164,10 +164,14 @@ def format_plan(p: Plan) -> str:
     lines += [f"{'all layers':<32}{sum(r.layers for r in p.kinds):>7}{p.bytes_per_token:>24,.1f}", ""]
     if p.state_bytes_per_request:
         lines.append(
-            f"state KV    {mib(p.state_bytes_per_request)} per running request ({p.state_slots} slots with max_num_seqs={p.max_num_seqs}: {mib(p.state_slots * p.state_bytes_per_request)})"
+            f"state KV    {mib(p.state_bytes_per_request)} per running request "
+            f"({p.state_slots} slots with max_num_seqs={p.max_num_seqs}: "
+            f"{mib(p.state_slots * p.state_bytes_per_request)})"
         )
     lines += [
-        f"budget      {p.kv_budget_bytes / GIB:g} GiB -> {p.blocks:,} blocks = {p.context_tokens:,} tokens of context (allocated {mib(p.total_bytes)})",
-        f"requests    of {p.max_model_len:,} tokens ({p.blocks_per_request:,} blocks each): {p.concurrent_requests:,} fit at once (--max-num-seqs {p.concurrent_requests})",
+        f"budget      {p.kv_budget_bytes / GIB:g} GiB -> {p.blocks:,} blocks = {p.context_tokens:,} tokens of "
+        f"context (allocated {mib(p.total_bytes)})",
+        f"requests    of {p.max_model_len:,} tokens ({p.blocks_per_request:,} blocks each): "
+        f"{p.concurrent_requests:,} fit at once (--max-num-seqs {p.concurrent_requests})",
     ]
     return "\n".join(lines)

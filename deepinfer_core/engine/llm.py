@@ -70,7 +70,8 @@ class LLM:
             return [prompts]  # one prompt (a list of token ids is one prompt)
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(
-                f"prompts are a string, a list of token ids, a prompt dict, or a list of those; got {type(prompts).__name__}"
+                "prompts are a string, a list of token ids, a prompt dict, or a list of those; got "
+                f"{type(prompts).__name__}"
             )
         return list(prompts)
 
@@ -79,7 +80,8 @@ class LLM:
             params = [params or SamplingParams()] * len(encoded)
         if not isinstance(params, (list, tuple)):
             raise TypeError(
-                f"sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got {type(params).__name__}"
+                "sampling_params must be a SamplingParams, a list of them (one per prompt), or None; got "
+                f"{type(params).__name__}"
             )
         if len(params) != len(encoded):
             raise ValueError(f"got {len(params)} sampling params for {len(encoded)} prompts")
@@ -119,7 +121,8 @@ class LLM:
         special-token text typed in a message is encoded as plain text."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError(
-                f"messages are a non-empty list of {{'role', 'content'}} dicts (or a list of such lists), got {type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}"
+                "messages are a non-empty list of {'role', 'content'} dicts (or a list of such lists), got "
+                f"{type(messages).__name__ if not isinstance(messages, (list, tuple)) else 'an empty list'}"
             )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         encoded = [self._encode_chat(c, add_generation_prompt) for c in conversations]

@@ -93,8 +93,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
         self.kv.state = state
         self.tiers = None if config.kv_store is None else kv_tiers.open_tiers(
-            config.kv_store, namespace=namespace, kv=self.kv, kv_caches=kv_caches, shapes_one_two=kv_tiers.cache_shapes(sizing), device=self.device,
-            capacity_gib=config.kv_store_gib, host_pool_gib=config.kv_host_pool_gib, plugin_host=self.host,
+            config.kv_store, namespace=namespace, kv=self.kv, kv_caches=kv_caches,
+            shapes_one_two=kv_tiers.cache_shapes(sizing), device=self.device, capacity_gib=config.kv_store_gib,
+            host_pool_gib=config.kv_host_pool_gib, plugin_host=self.host,
         )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers

@@ -55,7 +55,8 @@ def build_model(
     arch = next((a for a in archs if a in models), None)
     if arch is None:
         raise ValueError(
-            f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: {', '.join(sorted(models))}"
+            f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: "
+            f"{', '.join(sorted(models))}"
         )
     ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint

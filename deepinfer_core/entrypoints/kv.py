@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         extra = f"  removed {row['removed']}" if "removed" in row else ""
         print(
-            f"{row['namespace'][:16]}  {row['blocks']:>8} blocks  {row['bytes'] / 2**30:8.3f} GiB  block {row['block_bytes']} B{extra}"
+            f"{row['namespace'][:16]}  {row['blocks']:>8} blocks  {row['bytes'] / 2**30:8.3f} GiB  block "
+            f"{row['block_bytes']} B{extra}"
         )
     return 0

@@ -49,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--sampling-defaults",
         default="model",
         choices=("model", "protocol"),
-        help="for requests that leave temperature / top_p / top_k unset: the model's recommendation (generation_config.json, "
+        help="for requests that leave temperature / top_p / top_k unset: the model's recommendation "
+        "(generation_config.json, "
         "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)",
     )
     p.add_argument(

@@ -5,8 +5,9 @@ per 32-block and uses exact integer dot products (``kernels_i16.c``; ``ops`` say
 ``DEEPINFER_LOWBIT_EXACT=1`` keeps float32 activations everywhere). The KV cache of this
 path is float16 (``attention.kv_dtype``): decode attention at many requests is bounded by its
 reads of the cache; ``kv_cache_dtype="int8"`` (opt-in) halves those bytes again (codes and a
-scale per row, docs/kv-cache-dtype.md). An int8-activation kernel for 4-bit weights (llama.cpp's arithmetic, ~2x faster from 5 rows on)
-is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it loses the float32 model's greedy tokens.
+scale per row, docs/kv-cache-dtype.md). An int8-activation kernel for 4-bit weights (llama.cpp's
+arithmetic, ~2x faster from 5 rows on) is opt-in through ``DEEPINFER_LOWBIT_INT8_ROWS``: it
+loses the float32 model's greedy tokens.
 
 ``formats`` packs GGUF blocks, ``native`` builds and loads the AVX2 kernels (with VNNI where the
 CPU has it: ``DEEPINFER_LOWBIT_ISA``), ``ops`` calls them, ``modules`` holds the packed layers,

@@ -83,7 +83,8 @@ class PagedDecodeAttention(TorchAttentionBackend):
             return shape
         if spec.kv_shared:
             raise ValueError(
-                "kv_cache_dtype='int8' needs separate key and value planes; this model shares them (use float16 or float32)"
+                "kv_cache_dtype='int8' needs separate key and value planes; this model shares them "
+                "(use float16 or float32)"
             )
         return (*shape[:-1], shape[-1] + SCALE_BYTES)  # each row: codes, then its float32 scale
 

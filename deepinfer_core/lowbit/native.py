@@ -6,7 +6,8 @@ Why ctypes and not a torch C++ extension: the C files need no torch headers, so 
 any C compiler (one process per file, ~20 s of CPU in all) and need no ninja. Linked with ``-fopenmp``, it resolves
 ``libgomp.so.1`` to the runtime torch already loaded, so it shares torch's threads. The shared
 object is cached under ``$XDG_CACHE_HOME/deepinfer`` (or ``~/.cache``) keyed by the hash of the
-source and flags (builds of other versions pruned: ``deepinfer_core.build_cache``); a failed build is reported, never raised: callers fall back to float weights.
+source and flags (builds of other versions pruned: ``deepinfer_core.build_cache``); a failed build is reported,
+never raised: callers fall back to float weights.
 
 Which instructions (:func:`isa_choice`): the kernels are written for AVX2 + FMA; where the running
 CPU has AVX512-VNNI with AVX512-VL (Zen 4, Ice Lake and later Xeons) or AVX-VNNI, the library is

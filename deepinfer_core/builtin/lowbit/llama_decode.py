@@ -49,7 +49,9 @@ PREFILL_SWITCH = "DEEPINFER_NATIVE_PREFILL"
 PREFILL_ATTENTION_SWITCH = "DEEPINFER_PREFILL_ATTENTION"
 PREFILL_ATTENTION_MODES = ("0", "1", "2")
 PREFILL_CHUNK = 512  # rows per native call in a prefill step (the GEMMs run at ~96% of their 2,048-row speed)
-PREFILL_MAX_CONTEXT = 2048  # longest context a prefill step takes natively: measured ahead of the torch path up to 2,000 (benchmarks/README.md, cpu9)
+# longest context a prefill step takes natively: measured ahead of the torch path up to 2,000
+# (benchmarks/README.md, cpu9)
+PREFILL_MAX_CONTEXT = 2048
 _MAX_SEGMENTS = 4  # layer.c's MAX_SEGMENTS
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -167,13 +169,15 @@ class LlamaDecodePlan:
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every request feeds one token, positions inside the rotary table, no replay."""
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests and not meta.replay
-                and not meta.batch_invariant and meta.max_seq_len <= self._max_positions and input_ids.device.type == "cpu")  # fmt: skip
+                and not meta.batch_invariant and meta.max_seq_len <= self._max_positions
+                and input_ids.device.type == "cpu")  # fmt: skip
 
     def applies_prefill(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A multi-token step (prefill, chunked prefill, prefill mixed with decode rows) whose
         contexts stay within :data:`PREFILL_MAX_CONTEXT` and the rotary table."""
         return (self.prefill and meta.max_query_len > 1 and not meta.replay and not meta.batch_invariant
-                and meta.max_seq_len <= min(self._max_positions, PREFILL_MAX_CONTEXT) and input_ids.device.type == "cpu")  # fmt: skip
+                and meta.max_seq_len <= min(self._max_positions, PREFILL_MAX_CONTEXT)
+                and input_ids.device.type == "cpu")  # fmt: skip
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at the engine's caches (once; again only if they were reallocated)."""
@@ -247,12 +251,14 @@ class LlamaDecodePlan:
             threads = most
         elif decode:
             threads = self.threads.pick(most, R)
-        else:  # prefill takes the count the decode steps chose, never a probe (a 512-row probe on the slower count costs ~0.7 s)
+        else:
+            # prefill takes the count the decode steps chose, never a probe (a 512-row probe on the slower
+            # count costs ~0.7 s)
             threads = min(self.threads.current or most, most)
         start = time.perf_counter()
         self._lib.llama_decode_step(
-            ctypes.byref(self._md), self._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), threads,
+            ctypes.byref(self._md), self._layers, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.shape[1], R, self._scratch.data_ptr(), out.data_ptr(), threads,
             None if self.phase_ms is None else self.phase_ms.data_ptr(),
         )  # fmt: skip
         if self.threads is not None and decode:
@@ -278,7 +284,9 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
         attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
         if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not GatedMLP
                 or type(attn.backend) is not PagedDecodeAttention or spec.kv_shared or spec.v_head_dim != hd
-                or (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, spec.window) != (H, Hkv, hd, spec0.scale, spec0.window)
+                or (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, spec.window) != (H, Hkv, hd,
+                                                                                                   spec0.scale,
+                                                                                                   spec0.window)
                 or mlp.fused_act is not None or hd % 2):  # fmt: skip
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -296,7 +304,8 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
                 if v is None
             )
             log.warning(
-                "decode steps take the per-op torch path, not the one-call native plan: layer %d's %s cannot be run by it "
+                "decode steps take the per-op torch path, not the one-call native plan: layer %d's %s cannot be run "
+                "by it "
                 "(a dense tensor in a block-quantized file, e.g. an input width that is not a multiple of 32)",
                 i,
                 bad,
@@ -315,7 +324,8 @@ def plan_for(model: nn.Module) -> LlamaDecodePlan | None:
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] != hd for t in (cos, sin)):
         return None
     md = _Model(num_layers=len(layers), hidden=D, intermediate=I, heads=H, kv_heads=Hkv, head_dim=hd, eps=eps,
-                scale=spec0.scale, window=spec0.window or 0, cos=cos.data_ptr(), sin=sin.data_ptr(), final_norm=final_ptr)  # fmt: skip
+                scale=spec0.scale, window=spec0.window or 0, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                final_norm=final_ptr)  # fmt: skip
     embed = model.model.embed_tokens
     if type(embed) is LowBitEmbedding and isinstance(embed.weight_q, QuantWeight) and embed.weight_q.kind in KIND_CODE:
         w = embed.weight_q

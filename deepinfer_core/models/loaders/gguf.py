@@ -91,7 +91,8 @@ def parse_gguf(path: str) -> GGUFParts:
     if factors is not None:  # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as this tensor
         if config["rope_scaling"] is not None:
             raise NotImplementedError(
-                f"{path}: a {ROPE_FREQS} tensor together with rope scaling {config['rope_scaling']['rope_type']!r} is not supported"
+                f"{path}: a {ROPE_FREQS} tensor together with rope scaling {config['rope_scaling']['rope_type']!r} "
+                "is not supported"
             )
         import gguf
 
