@@ -115,7 +115,12 @@ def test_installed_plugins_are_exactly_the_expected_ones():
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert {r["name"] for r in rows if not r["builtin"]} == expected
-    assert {r["name"] for r in rows if r["builtin"]} == {"core.platforms", "core.kernels", "core.catalogues"}
+    assert {r["name"] for r in rows if r["builtin"]} == {
+        "core.platforms",
+        "core.kernels",
+        "core.catalogues",
+        "core.lowbit",
+    }
     if expected:  # the allow-list filters installed plugins down to the named one
         keep = sorted(expected)[0]
         filtered = json.loads(deepinfer("plugins", "--json", env_extra={"DEEPINFER_PLUGINS": keep}).stdout)

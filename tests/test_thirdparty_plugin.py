@@ -44,7 +44,11 @@ def test_discovered_and_listed(host):
     assert (info.distribution, info.version, info.builtin) == ("deepinfer-acme-example", DIST.version, False)
     assert info.usable and info.error is None
     assert info.contract == CONTRACT_VERSION  # declared: DEEPINFER_CONTRACT in deepinfer_acme.plugin
-    assert set(info.hooks) == {"deepinfer_register_kv_stores", "deepinfer_register_spec_policies"}
+    assert set(info.hooks) == {
+        "deepinfer_register_kv_stores",
+        "deepinfer_register_spec_policies",
+        "deepinfer_weight_format",
+    }
 
 
 def test_its_store_replaces_the_builtin_memory_store(host):
@@ -87,4 +91,4 @@ def test_cli_lists_it():
     assert out.returncode == 0, out.stderr
     row = {r["name"]: r for r in json.loads(out.stdout)}["acme"]
     assert row["distribution"] == "deepinfer-acme-example" and row["usable"]
-    assert sorted(row["hooks"]) == ["kv_stores", "spec_policies"]
+    assert sorted(row["hooks"]) == ["kv_stores", "spec_policies", "weight_format"]
