@@ -7,6 +7,7 @@ from ..attention.torch_ref import SUPPORTED, TorchAttentionBackend
 from ..attention.v4_ref import SUPPORTED_V4, TorchV4AttentionBackend
 from ..hookspecs import hookimpl
 from ..moe import MoESpec
+from ..moe.ep import ExpertParallelDispatcher
 from ..moe.torch_ref import TorchMoEDispatcher
 
 
@@ -21,6 +22,6 @@ def deepinfer_attention_backend(layer: AttentionLayerSpec, platform):
 
 @hookimpl(trylast=True)
 def deepinfer_moe_dispatcher(moe: MoESpec, platform, parallel):
-    if moe.scoring in ("softmax", "sigmoid", "sqrtsoftplus", "hash") and parallel.ep_size == 1:
-        return TorchMoEDispatcher()
-    return None
+    if moe.scoring not in ("softmax", "sigmoid", "sqrtsoftplus", "hash"):
+        return None
+    return TorchMoEDispatcher() if parallel.ep_size == 1 else ExpertParallelDispatcher(moe, parallel)

@@ -77,12 +77,17 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the instance is split across ranks. ``ep_size == 1`` means no expert parallelism."""
+    """How the instance is split across ranks. ``ep_size == 1`` means no expert parallelism.
+
+    With ``ep_size > 1`` the ranks of the default ``torch.distributed`` process group are the
+    expert-parallel group: each MoE layer's ``num_experts + num_redundant_experts`` physical
+    slots are split evenly over them (``deepinfer_core.moe.ep``)."""
 
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
     rank: int = 0
+    num_redundant_experts: int = 0  # physical slots beyond one per expert (EPLB's replicas)
 
 
 @dataclass
