@@ -125,6 +125,25 @@ class EngineConfig:
         False, "check every device-fed token against the committed history (also DEEPINFER_OVERLAP_DEBUG=1)"
     )
     fused_ops: bool = option(True, "a platform's fused RMSNorm / SiLU-and-mul kernels (deepinfer_fused_ops)")
+    data_parallel_size: int = option(
+        1,
+        "attention data-parallel ranks: each schedules its own requests (spread by load) and all run "
+        "their steps in lockstep; one process per rank (docs/parallel.md)",
+    )
+    expert_parallel_size: int = option(
+        1,
+        "ranks the routed experts are split over (all-to-all dispatch); with it > 1 the ranks are "
+        "max(data_parallel_size, expert_parallel_size) processes, gloo on CPU, NCCL on GPUs",
+    )
+    num_redundant_experts: int = option(
+        0, "expert slots per MoE layer beyond one per expert, for replicas of hot experts (EPLB)"
+    )
+    eplb_interval: int = option(
+        0, "re-place the experts from their counted load every N engine steps while serving (0: never)", metavar="N"
+    )
+    collective_timeout_s: float = option(
+        60.0, "a parallel group's collective timeout: a rank that dies or stalls fails every request within it"
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -134,12 +153,29 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        for name in ("data_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_parallel_size > 1 and self.data_parallel_size > self.expert_parallel_size:
+            raise ValueError(
+                f"data_parallel_size ({self.data_parallel_size}) must be <= expert_parallel_size "
+                f"({self.expert_parallel_size}): with expert parallelism every rank is in the expert group"
+            )
+        if self.num_redundant_experts < 0 or self.eplb_interval < 0:
+            raise ValueError("num_redundant_experts and eplb_interval must be >= 0")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if not self.kv_host_pool_gib > 0:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
         if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not _is_torch_dtype(self.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of a parallel engine (1: the engine runs in the caller's process)."""
+        return max(self.data_parallel_size, self.expert_parallel_size)
 
     def torch_dtype(self, device_type: str) -> torch.dtype:
         import torch

@@ -30,8 +30,19 @@ class LLM:
         """``engine_options`` are :class:`.config.EngineConfig`'s fields (listed below); an
         unknown name is a TypeError naming it and the closest known ones."""
         config = engine_config(model, **engine_options)
-        self.engine = LLMEngine(config, host)
+        if config.world_size > 1:  # one worker process per rank, this process drives them
+            from .parallel.driver import ParallelEngine
+
+            self.engine = ParallelEngine(config, host)
+        else:
+            self.engine = LLMEngine(config, host)
         self._streams = RequestStreams(self.engine)
+
+    def shutdown(self) -> None:
+        """Stop a parallel engine's rank processes now (also done at exit); nothing for one process."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

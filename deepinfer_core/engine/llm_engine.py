@@ -40,8 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, host: PluginHost | None = None) -> None:
+    def __init__(self, config: EngineConfig, host: PluginHost | None = None, parallel=None) -> None:
+        """``parallel``: this rank's :class:`~deepinfer_core.moe.ParallelConfig` when the engine
+        is one rank of a parallel group (``deepinfer_core.engine.parallel`` builds it); None: alone."""
         self.config = config
+        self.parallel = parallel
         self.host = host or default_host()
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
@@ -57,6 +60,7 @@ class LLMEngine:
             requested_dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
             weight_format=config.weight_format,
+            parallel=parallel,
         )
         self.dtype = ctx.dtype  # a weight format may compute in its own dtype (low-bit: float32)
         if config.batch_invariant and self.weight_format is not None:
@@ -81,8 +85,9 @@ class LLMEngine:
             self.num_blocks = sizing.blocks_for_budget(config.kv_cache_gib * 2**30)
         else:
             self.num_blocks = self._default_num_blocks(block_bytes, sizing.state_bytes)
+        rank = parallel.rank if parallel is not None else 0
         namespace = hashlib.sha256(
-            f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank=0|weights={weights}".encode()
+            f"{self.files.fingerprint}|{sizing.layout}|bs={bs}|rank={rank}|weights={weights}".encode()
         ).hexdigest()  # packed vs dense weights compute different KV
         graphs = None if config.enforce_eager or config.batch_invariant else self.host.decode_graphs(self.platform)
         scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
@@ -123,6 +128,9 @@ class LLMEngine:
         )
         self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
+        # a rank of a parallel group: agrees every step with the other ranks before its forward
+        # (engine/parallel/lockstep.py: the vote, and the empty passes of a rank with less work)
+        self.lockstep = None
         kv_dtype = (
             getattr(kv_caches[0], "dtype", self.dtype) if kv_caches else self.dtype
         )  # a weight format's cache may differ (low-bit: float16 under float32)
@@ -278,6 +286,8 @@ class LLMEngine:
                         if self.kv.state is None
                         else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
                     )
+                    if self.lockstep is not None:
+                        self.lockstep.align(sched, replay)
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
                     changed = self.scheduler.update(sched, result.sampled)
                     if self.tiers is not None:  # new full blocks -> host -> store (writer thread)

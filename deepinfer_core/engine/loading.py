@@ -46,6 +46,7 @@ def build_model(
     attention_backend: str | None = None,
     moe_backend: str | None = None,
     weight_format: WeightFormat | None = None,
+    parallel=None,
 ):
     """``weight_format``: a usable format (``choose_weight_format``) holds the weights it
     claims its own way (packed), computes in its ``compute_dtype`` over its KV cache dtype and
@@ -58,7 +59,7 @@ def build_model(
             f"{files.source}: architecture {archs or '(none given)'} is not supported; installed: "
             f"{', '.join(sorted(models))}"
         )
-    ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format)
+    ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format, parallel)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if weight_format is not None and weight_format.prepare(model):
@@ -81,16 +82,18 @@ def model_context(
     attention_backend: str | None = None,
     moe_backend: str | None = None,
     weight_format: WeightFormat | None = None,
+    parallel=None,
 ) -> ModelContext:
     """What a model is built with: the hooks' attention and MoE objects, and for a weight format
-    its compute dtype, its KV cache dtype and its say on each layer's attention backend (the
-    low-bit format: one-token rows read its float16 / int8 cache in C). ``deepinfer plan`` builds
-    its meta-device model with the same context."""
+        its compute dtype, its KV cache dtype and its say on each layer's attention backend (the
+        low-bit format: one-token rows read its float16 / int8 cache in C). ``deepinfer plan`` builds
+        its meta-device model with the same context. ``parallel``: the rank's ParallelConfig (the
+    dispatcher hook's third argument; None: one rank)."""
     ctx = ModelContext(
         device=device,
         dtype=dtype,
         attention_backend=lambda spec: host.attention_backend(spec, platform, name=attention_backend),
-        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, name=moe_backend),
+        moe_dispatcher=lambda spec: host.moe_dispatcher(spec, platform, parallel, name=moe_backend),
     )
     if weight_format is None:
         return ctx
@@ -175,6 +178,7 @@ def load(
     requested_dtype: str | torch.dtype | None = None,
     kv_cache_dtype: str = "auto",
     weight_format: str | None = None,
+    parallel=None,
 ):
     """``attention_backend`` / ``moe_backend`` / ``weight_format``: a plugin name or
     ``"builtin"`` picks that provider's implementation; None takes the host's default order.
@@ -193,5 +197,5 @@ def load(
         dtype = fmt.compute_dtype or dtype
     chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
     check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt, parallel)
     return files, model, ctx, fmt, choice

@@ -82,7 +82,7 @@ class ExpertParallelDispatcher:
     # -- placement ---------------------------------------------------------------------------
     def set_placement(self, physical_to_logical: torch.Tensor) -> None:
         """Adopt a placement ([S] logical expert per physical slot, the same on every rank); the
-        caller moves the weights (``deepinfer_core.parallel.replacement``)."""
+        caller moves the weights (``deepinfer_core.engine.parallel.replacement``)."""
         if physical_to_logical.shape != (self.num_slots,):
             raise ValueError(f"placement must have {self.num_slots} slots, got {tuple(physical_to_logical.shape)}")
         self.physical_to_logical = physical_to_logical.to(torch.int64).cpu().clone()
@@ -148,17 +148,6 @@ class ExpertParallelDispatcher:
         out = self._local.forward(self._local_spec, rows, local_slots[:, None], ones, experts)
         self._local.expert_load()  # the local reference counts slots; this dispatcher counts experts
         return out
-
-    def forward_empty(self, experts: ExpertWeights, dtype: torch.dtype, device: torch.device) -> None:
-        """Take part in this layer's exchange with no tokens of our own (an empty step)."""
-        D = self.spec.hidden_size
-        self.forward(
-            self.spec,
-            torch.empty(0, D, dtype=dtype, device=device),
-            torch.empty(0, self.spec.top_k, dtype=torch.int64, device=device),
-            torch.empty(0, self.spec.top_k, dtype=torch.float32, device=device),
-            experts,
-        )
 
     def expert_load(self):
         load, self._load = self._load, None

@@ -27,8 +27,8 @@ import traceback
 import pytest
 import torch
 
+from ..engine.parallel.launch import RankEnv, free_port, init_process_group, start_ranks
 from ..moe import ExpertWeights, MoESpec, ParallelConfig
-from ..parallel.launch import RankEnv, free_port, init_process_group, start_ranks
 from .moe import naive_moe
 
 __all__ = ["ExpertParallelSuite", "builtin_ep_dispatcher", "run_ep_cases"]

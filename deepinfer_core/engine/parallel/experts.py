@@ -1,0 +1,96 @@
+"""A model's expert-parallel MoE layers, found the generic way, and the rank's share of them.
+
+A MoE layer is any module holding a ``dispatcher`` (an expert-parallel one: it has
+``local_logical_experts``) next to its stacked ``experts`` (tensors with the experts along dim 0:
+``gate_up_proj``, ``down_proj`` and, for FP8 experts, their scales). Only the layers of the main
+forward count (a DeepSeek-V4 MTP block's MoE has ``layer_index >= num_hidden_layers``): their
+order is the order of the expert exchanges in every forward pass, which an empty pass repeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...moe import ExpertWeights, MoESpec
+
+__all__ = ["MoELayer", "empty_pass", "moe_layers", "shard_experts"]
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    spec: MoESpec
+    dispatcher: object
+    module: nn.Module  # holds ``experts`` (its stacked tensors) and ``dispatcher``
+
+    @property
+    def experts_module(self) -> nn.Module:
+        return self.module.experts
+
+    def weights(self) -> ExpertWeights:
+        e = self.experts_module
+        return ExpertWeights(
+            gate_up=e.gate_up_proj,
+            down=e.down_proj,
+            gate_up_scale=getattr(e, "gate_up_scale", None),
+            down_scale=getattr(e, "down_scale", None),
+        )
+
+    def tensors(self, leading: int) -> dict[str, torch.Tensor]:
+        """The experts module's parameters and buffers with ``leading`` rows along dim 0."""
+        e = self.experts_module
+        named = dict(e.named_parameters(recurse=False)) | dict(e.named_buffers(recurse=False))
+        for name in ("gate_up_scale", "down_scale"):  # FP8 scales may be plain attributes
+            if isinstance(getattr(e, name, None), torch.Tensor):
+                named.setdefault(name, getattr(e, name))
+        return {n: t for n, t in named.items() if t.dim() > 0 and t.shape[0] == leading}
+
+    def replace_tensors(self, new: dict[str, torch.Tensor]) -> None:
+        e = self.experts_module
+        for name, tensor in new.items():
+            if name in e._parameters:
+                e._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+            elif name in e._buffers:
+                e._buffers[name] = tensor
+            else:
+                setattr(e, name, tensor)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The main forward's expert-parallel MoE layers, in layer order."""
+    limit = (getattr(model, "config", None) or {}).get("num_hidden_layers")
+    found: dict[int, MoELayer] = {}
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        spec = getattr(module, "spec", None)
+        if not isinstance(spec, MoESpec) or not hasattr(dispatcher, "local_logical_experts"):
+            continue
+        if not hasattr(module, "experts") or (limit is not None and spec.layer_index >= limit):
+            continue
+        found[spec.layer_index] = MoELayer(spec, dispatcher, module)
+    return [found[i] for i in sorted(found)]
+
+
+def shard_experts(layers: list[MoELayer]) -> None:
+    """Keep only this rank's slots of each layer (its dispatcher's placement says which)."""
+    for layer in layers:
+        keep = torch.tensor(layer.dispatcher.local_logical_experts())
+        tensors = layer.tensors(layer.spec.num_experts)
+        layer.replace_tensors({n: t.detach()[keep.to(t.device)].clone() for n, t in tensors.items()})
+
+
+@torch.inference_mode()
+def empty_pass(layers: list[MoELayer], dtype: torch.dtype, device: torch.device) -> None:
+    """Every layer's expert exchange with no tokens of our own, in forward order: what a rank
+    with nothing to compute runs so that the others' collectives find it."""
+    for layer in layers:
+        k, d = layer.spec.top_k, layer.spec.hidden_size
+        layer.dispatcher.forward(
+            layer.spec,
+            torch.empty(0, d, dtype=dtype, device=device),
+            torch.empty(0, k, dtype=torch.int64, device=device),
+            torch.empty(0, k, dtype=torch.float32, device=device),
+            layer.weights(),
+        )
