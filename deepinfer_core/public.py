@@ -13,7 +13,8 @@ What the list holds, on purpose:
 - the reference kernels that plugins reuse or subclass: the torch attention backends
   (``attention.torch_ref``, ``attention.v4_ref``) and MoE dispatcher (``moe.torch_ref``), the KV
   record format (``kv_store.records``) and the local store as a base class
-  (``kv_store.local.LocalDiskKVStore``), the compiled-helper cache (``build_cache``);
+  (``kv_store.local.LocalDiskKVStore``), the compiled-helper cache (``build_cache``), the EPLB
+  planner and its placement tables (``parallel.eplb``);
 - the table of environment variables (``envs``), through which a plugin reads its own;
 - ``deepinfer_core`` itself (the end-user API: ``LLM``, ``SamplingParams``);
 - the conformance suites and their helpers (``deepinfer_core.testing`` and its modules), for a
@@ -52,6 +53,8 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "deepinfer_core.kv_store.records",
     "deepinfer_core.kv_store.local",
     "deepinfer_core.build_cache",
+    "deepinfer_core.parallel",
+    "deepinfer_core.parallel.eplb",  # expert placement tables a plugin's EP dispatcher reads
     "deepinfer_core.envs",  # DEEPINFER_* variables: a plugin reads (and declares) its own through the table
     # conformance suites and test helpers
     "deepinfer_core.testing",
