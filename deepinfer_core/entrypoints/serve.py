@@ -121,7 +121,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     try:
-        engine = LLMEngine(config, host)
+        if config.world_size > 1:  # one endpoint over every rank: requests go to the least-loaded DP rank
+            from ..engine.parallel.driver import ParallelEngine, ParallelGroupError
+
+            try:
+                engine = ParallelEngine(config, host)
+            except ParallelGroupError as exc:
+                raise ValueError(str(exc)) from None
+        else:
+            engine = LLMEngine(config, host)
     except (ValueError, TypeError, OSError, LookupError) as exc:
         sock.close()
         return _fail(str(exc))
@@ -144,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     serve(server.app, sock, args.drain_timeout, args.log_level)
     if engine.tiers is not None:  # queued KV write-backs reach the store before exit
         engine.tiers.flush(timeout=args.drain_timeout + 30)
+    if hasattr(engine, "shutdown"):  # a parallel engine's rank processes
+        engine.shutdown()
     return 0
 
 

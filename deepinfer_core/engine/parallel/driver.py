@@ -84,6 +84,7 @@ class ParallelEngine:
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self.rank_stats: dict[int, dict] = {}
+        self._held: list[tuple] = []  # messages read by rank_report, for the next step
         info = self._wait_ready()
         self.limits = info["limits"]
         self.max_model_len = info["max_model_len"]
@@ -191,19 +192,15 @@ class ParallelEngine:
         """The outputs the ranks sent since the last call (waiting up to ``wait_s`` for some)."""
         if self._down is not None:
             return self._fail_all()
+        messages, self._held = self._held + self._read(0.0 if self._held else wait_s), []
         outputs: list[RequestOutput] = []
-        messages = []
-        try:
-            messages.append(self._results.get(timeout=wait_s))
-            while True:
-                messages.append(self._results.get_nowait())
-        except queue.Empty:
-            pass
         for kind, rank, *rest in messages:
             if kind == "out":
                 outs, stats = rest
                 self.rank_stats[rank] = stats
                 outputs += [out for out in outs if out.request_id in self._pending]
+            elif kind == "stats":
+                self.rank_stats[rank] = rest[0]
             elif kind == "fatal":
                 self._go_down(rest[0])
         for out in outputs:
@@ -214,6 +211,36 @@ class ParallelEngine:
         if self._down is not None:
             outputs += self._fail_all()
         return outputs
+
+    def _read(self, wait_s: float) -> list[tuple]:
+        messages = []
+        try:
+            messages.append(self._results.get(timeout=wait_s) if wait_s else self._results.get_nowait())
+            while True:
+                messages.append(self._results.get_nowait())
+        except queue.Empty:
+            return messages
+
+    def rank_report(self, timeout_s: float = 30.0) -> list[dict]:
+        """Every rank's current counters (steps, busy steps, empty passes, re-placements with
+        their pause, scheduler state), asked for now; outputs that arrive meanwhile wait for
+        the next :meth:`step`."""
+        if self._down is not None:
+            raise ParallelGroupError(self._down)
+        for command in self._commands:
+            command.put(("stats",))
+        fresh: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(fresh) < self.world_size and time.monotonic() < deadline and self._down is None:
+            for message in self._read(0.05):
+                if message[0] == "stats":
+                    fresh[message[1]] = self.rank_stats[message[1]] = message[2]
+                else:
+                    self._held.append(message)
+            self._check_alive()
+        if len(fresh) < self.world_size:
+            raise ParallelGroupError(self._down or f"only ranks {sorted(fresh)} reported within {timeout_s} s")
+        return [fresh[r] for r in range(self.world_size)]
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self._ranks.processes):

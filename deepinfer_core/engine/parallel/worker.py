@@ -6,9 +6,10 @@ The worker model (what a cluster manager runs, one process per rank)::
     worker_main(rank, spec: WorkerSpec, commands: list[Queue], results: Queue)
 
 ``commands[rank]`` (driver -> this rank) carry :class:`Command` tuples: ``add`` (a request, already
-checked by the driver), ``abort``, ``rebalance`` (rank 0 only: re-place now, optionally to a given
+checked by the driver), ``abort``, ``stats``, ``rebalance`` (rank 0 only: re-place now, optionally to a given
 table), ``stop``. ``results`` (all ranks -> driver) carry ``("ready", rank, info)`` once the model
-is loaded, ``("out", rank, outputs, stats)`` after a step that produced outputs, and
+is loaded, ``("out", rank, outputs, stats)`` after a step that produced outputs, ``("stats", rank, stats)``
+when asked (``stats`` command), and
 ``("fatal", rank, message)`` before the rank exits on an error. The loop: take the commands that
 wait, run one engine step (its vote happens inside, :class:`~.lockstep.Lockstep`), send the
 outputs, re-place when the group decided to. A broken group (a collective fails or times out)
@@ -110,7 +111,7 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
     replacements: list[dict] = []
     while True:
         idle = lockstep.decision is None or (not lockstep.decision.max_tokens and not engine.has_unfinished_requests())
-        outputs = []
+        outputs, report = [], False
         for command in _take(commands, IDLE_POLL_S if idle else 0.0):
             kind = command[0]
             if kind == "add":
@@ -127,6 +128,8 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
                 lockstep.want_rebalance, forced = True, command[1]
             elif kind == "stop":
                 lockstep.want_stop = True
+            elif kind == "stats":
+                report = True
         if idle and os.getppid() != spec.parent_pid:
             lockstep.want_stop = True  # the driver is gone: leave with the group
         outputs += engine.step()
@@ -136,10 +139,13 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
         decision = lockstep.decision
         due = config.eplb_interval and decision.max_tokens and lockstep.steps % config.eplb_interval == 0
         if decision.rebalance or (due and layers):
-            replacements.append(rebalance(layers, rank, spec.world_size, forced if rank == 0 else None))
+            done = rebalance(layers, rank, spec.world_size, forced if rank == 0 else None)
+            replacements.append({**done, "after_step": lockstep.steps})
             lockstep.want_rebalance, forced = False, None
-        if outputs or decision.rebalance:
+        if outputs:
             results.put(("out", rank, outputs, _stats(engine, lockstep, replacements)))
+        if report:
+            results.put(("stats", rank, _stats(engine, lockstep, replacements)))
         if decision.stop:
             return
 
