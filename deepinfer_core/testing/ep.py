@@ -27,7 +27,7 @@ import traceback
 import pytest
 import torch
 
-from ..engine.parallel.launch import RankEnv, free_port, init_process_group, start_ranks
+from ..engine.parallel.launch import RankEnv, free_port, init_process_group, rank_context, start_ranks
 from ..moe import ExpertWeights, MoESpec, ParallelConfig
 from .moe import naive_moe
 
@@ -105,9 +105,7 @@ def run_ep_cases(factory, timeout_s: float = 120.0) -> dict[int, dict]:
     (or ``{rank: {"error": traceback}}``)."""
     import queue
 
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").Queue()
+    results = rank_context().Queue()
     ctx = start_ranks(_rank_main, WORLD, (factory, free_port(), results))
     got: dict[int, dict] = {}
     try:

@@ -24,11 +24,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch.multiprocessing as mp
-
 from .. import validation
 from ..outputs import CompletionOutput, RequestOutput
-from .launch import free_port, start_ranks
+from .launch import free_port, rank_context, start_ranks
 from .worker import WorkerSpec, worker_main
 
 __all__ = ["ParallelEngine", "ParallelGroupError"]
@@ -74,7 +72,7 @@ class ParallelEngine:
         self.world_size = config.world_size
         self.dp_ranks = list(range(config.data_parallel_size))  # the ranks that take requests
         spec = WorkerSpec(config, self.world_size, free_port(), platform.device_type, os.getpid())
-        context = mp.get_context("spawn")
+        context = rank_context()
         self._commands = [context.Queue() for _ in range(self.world_size)]
         self._results = context.Queue()
         self._ranks = start_ranks(worker_main, self.world_size, (spec, self._commands, self._results))

@@ -1,7 +1,9 @@
 """Starting the rank processes and their process group (torchrun's environment, without torchrun).
 
-One process per rank from ``torch.multiprocessing`` (the ``spawn`` start method: a fresh
-interpreter, safe with threads and CUDA), each told who it is the way ``torchrun`` tells it
+One process per rank from ``torch.multiprocessing``, each forked from a fork server (a fresh
+interpreter that has imported torch and the engine once and never touched a device or started a
+thread: safe with CUDA, and a rank starts without paying the imports again; ``spawn`` where
+there is no fork server), each told who it is the way ``torchrun`` tells it
 (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), so the same worker
 runs under torchrun or a cluster manager unchanged. The process group is gloo on CPU and NCCL on
 GPUs (one device per rank, ``cuda:LOCAL_RANK``); its timeout bounds every collective, so a rank
@@ -19,7 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankEnv", "free_port", "init_process_group", "start_ranks"]
+__all__ = ["RankEnv", "free_port", "init_process_group", "rank_context", "start_ranks"]
+
+# what the fork server imports once, so that each rank it forks starts with them loaded
+PRELOAD = ["torch", "deepinfer_core.engine.llm_engine", "deepinfer_core.engine.parallel.worker"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,19 @@ def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> str:
     return backend
 
 
+def rank_context():
+    """The multiprocessing context the ranks start in (make their queues from it)."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (once per process)
+        return context
+    return mp.get_context("spawn")
+
+
 def start_ranks(fn, world_size: int, args: tuple) -> mp.ProcessContext:
-    """Start ``fn(rank, *args)`` in ``world_size`` spawned processes and return at once
-    (``.processes``: the ``multiprocessing.Process`` objects, to watch and to stop)."""
-    return mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
+    """Start ``fn(rank, *args)`` in ``world_size`` processes of :func:`rank_context` and return at
+    once (``.processes``: the ``multiprocessing.Process`` objects, to watch and to stop)."""
+    method = rank_context().get_start_method()
+    return mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method=method)

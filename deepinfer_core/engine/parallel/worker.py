@@ -130,7 +130,7 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
                 lockstep.want_stop = True
             elif kind == "stats":
                 report = True
-        if idle and os.getppid() != spec.parent_pid:
+        if idle and not _alive(spec.parent_pid):
             lockstep.want_stop = True  # the driver is gone: leave with the group
         outputs += engine.step()
         if lockstep.broken is not None:
@@ -148,6 +148,16 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
             results.put(("stats", rank, _stats(engine, lockstep, replacements)))
         if decision.stop:
             return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _take(commands, wait_s: float) -> list:
