@@ -7,6 +7,7 @@ hook family               suite                                       factory to
 deepinfer_probe/platform  ``testing.platform.PlatformSuite``          ``platform``
 attention                 ``testing.attention.AttentionBackendSuite`` ``backend``, ``platform``
 MoE dispatch              ``testing.moe.MoEDispatcherSuite``          ``dispatcher``, ``platform``
+MoE, expert parallel      ``testing.ep.ExpertParallelSuite``          ``dispatcher_factory``
 KV storage                ``testing.kv_store.KVStoreSuite``           ``make_store``
 protocol codecs           ``testing.codecs.ProtocolCodecSuite``       ``codec``
 prompt encodings          ``testing.codecs.PromptEncodingSuite``      ``encoding``

@@ -2,10 +2,11 @@
 
 All ranks call :func:`rebalance` at the same step (the vote's ``rebalance`` flag, or every
 ``eplb_interval`` steps): the per-expert load each rank counted since the last plan is summed
-over the group (``all_reduce``), rank 0 plans (``plan_placement``, or takes the table it was
-given) and broadcasts the plan, then :func:`move_experts` moves weights layer by layer. Between
-two steps, so no request sees a half-moved layer; requests in flight just continue (their KV
-does not depend on where an expert lives), none is dropped.
+over the group (``all_reduce``), rank 0 plans (``plan_placement``, its slots reordered by
+``MigrationPlan`` so experts stay where they are; or the table it was given) and broadcasts it,
+then :func:`move_experts` moves weights layer by layer. Between two steps, so no request sees a
+half-moved layer; requests in flight just continue (their KV does not depend on where an expert
+lives), none is dropped.
 
 Moving one layer: each new slot reads its expert from a slot that held it before, on its own rank
 when possible (a local copy), else from the lowest old slot holding it. Every rank derives the
@@ -101,11 +102,14 @@ def rebalance(layers: list[MoELayer], rank: int, world: int, forced: torch.Tenso
         if forced is not None:
             plan[0] = torch.as_tensor(forced, dtype=torch.int64).reshape(len(layers), -1)
         else:
-            from ...parallel.eplb import plan_placement  # the EPLB planner (a pure function)
+            from ...parallel.eplb import MigrationPlan, plan_placement  # the EPLB planner (pure functions)
 
             d = layers[0].dispatcher
             num_groups = layers[0].spec.num_groups if layers[0].spec.num_groups > 1 else 1
-            plan[0] = plan_placement(load.cpu(), d.num_slots, num_groups, 1, world)[0]
+            planned = plan_placement(load.cpu(), d.num_slots, num_groups, 1, world)[0]
+            current = torch.stack([layer.dispatcher.physical_to_logical for layer in layers])
+            # each rank keeps the experts it already holds in their slots: fewer weights move
+            plan[0] = MigrationPlan.between(current, planned, world).new_physical_to_logical
     dist.broadcast_object_list(plan, src=0, group=group)
     if plan[0] is None:
         return {"pause_s": time.perf_counter() - start, "received": 0, "changed_layers": 0}
