@@ -59,16 +59,24 @@ class MoELayer:
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The main forward's expert-parallel MoE layers, in layer order."""
+    """The main forward's expert-parallel MoE layers, in layer order. A MoE layer whose
+    dispatcher does not do expert parallelism (no ``local_logical_experts``: a plugin's that
+    ignored ``ParallelConfig.ep_size``) is a ``ValueError``: its sharded experts would be wrong."""
     limit = (getattr(model, "config", None) or {}).get("num_hidden_layers")
     found: dict[int, MoELayer] = {}
     for module in model.modules():
         dispatcher = getattr(module, "dispatcher", None)
         spec = getattr(module, "spec", None)
-        if not isinstance(spec, MoESpec) or not hasattr(dispatcher, "local_logical_experts"):
+        if not isinstance(spec, MoESpec) or dispatcher is None or not hasattr(module, "experts"):
             continue
-        if not hasattr(module, "experts") or (limit is not None and spec.layer_index >= limit):
+        if limit is not None and spec.layer_index >= limit:
             continue
+        if not hasattr(dispatcher, "local_logical_experts"):
+            name = getattr(dispatcher, "name", type(dispatcher).__name__)
+            raise ValueError(
+                f"MoE layer {spec.layer_index}: dispatcher {name!r} does not do expert parallelism "
+                "(it has no local_logical_experts); its plugin must decline when ParallelConfig.ep_size > 1"
+            )
         found[spec.layer_index] = MoELayer(spec, dispatcher, module)
     return [found[i] for i in sorted(found)]
 

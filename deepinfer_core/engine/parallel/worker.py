@@ -88,6 +88,11 @@ def _start(rank: int, spec: WorkerSpec):
     )
     engine = LLMEngine(rank_config(config, rank, spec.device_type), parallel=parallel)
     layers = moe_layers(engine.model) if config.expert_parallel_size > 1 else []
+    if config.expert_parallel_size > 1 and not layers:
+        raise ValueError(
+            f"{config.model} has no MoE layer served by an expert-parallel dispatcher: use expert_parallel_size=1 "
+            "(data_parallel_size alone replicates a dense model)"
+        )
     shard_experts(layers)
     lockstep = Lockstep(layers, engine.device, engine.dtype)
     engine.lockstep = lockstep
