@@ -23,9 +23,8 @@ Part of ``benchmarks/ep/ep.py`` (``--part throughput``); also runs alone:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import tempfile
 import time
 
@@ -133,9 +132,12 @@ def main() -> None:
     rows = throughput_part(args)
     print_throughput(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "ep_throughput", "machine": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "torch": torch.__version__, "rows": rows}, f, indent=1)  # fmt: skip
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import bench_json
+
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        bench_json.write(args.json, "ep_throughput", rows, peer="EP=1 in one process (same run)",
+                         notes=f"CPU gloo; 1-min load average at the end {load:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
