@@ -67,7 +67,9 @@ def test_v3_ep2_with_replicas_and_periodic_eplb_matches_one_process(v3):
     llm = LLM(path, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=3, **COMMON)
     try:
         assert tokens(llm.generate(ps, greedy())) == reference
-        done = [r for s in llm.engine.rank_report() for r in s["replacements"]]
+        report = llm.engine.rank_report()
+        assert [s["expert_slots"] for s in report] == [[5], [5]], "each rank holds its 10 / 2 slots only"
+        done = [r for s in report for r in s["replacements"]]
         assert done, "eplb_interval=3 re-placed nothing in 10 steps"
         assert sum(r["received"] for r in done) > 0, "the load-based plans moved no expert"
     finally:

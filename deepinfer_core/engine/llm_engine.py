@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, host: PluginHost | None = None, parallel=None) -> None:
+    def __init__(self, config: EngineConfig, host: PluginHost | None = None, parallel=None, prepare_model=None) -> None:
         """``parallel``: this rank's :class:`~deepinfer_core.moe.ParallelConfig` when the engine
-        is one rank of a parallel group (``deepinfer_core.engine.parallel`` builds it); None: alone."""
+        is one rank of a parallel group (``deepinfer_core.engine.parallel`` builds it), and
+        ``prepare_model`` what it does to the model before loading (``loading.build_model``)."""
         self.config = config
         self.parallel = parallel
         self.host = host or default_host()
@@ -61,6 +62,7 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype,
             weight_format=config.weight_format,
             parallel=parallel,
+            prepare_model=prepare_model,
         )
         self.dtype = ctx.dtype  # a weight format may compute in its own dtype (low-bit: float32)
         if config.batch_invariant and self.weight_format is not None:

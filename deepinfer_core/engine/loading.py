@@ -47,8 +47,11 @@ def build_model(
     moe_backend: str | None = None,
     weight_format: WeightFormat | None = None,
     parallel=None,
+    prepare_model=None,
 ):
-    """``weight_format``: a usable format (``choose_weight_format``) holds the weights it
+    """``prepare_model(model)``: called between construction and loading (a rank of an
+    expert-parallel group keeps its expert slots there); it may return a filter for the weight
+    stream. ``weight_format``: a usable format (``choose_weight_format``) holds the weights it
     claims its own way (packed), computes in its ``compute_dtype`` over its KV cache dtype and
     may replace each layer's attention backend; None: dense weights in ``dtype``."""
     archs = files.config.get("architectures") or []
@@ -62,12 +65,13 @@ def build_model(
     ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format, parallel)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
+    stream = (prepare_model(model) if prepare_model is not None else None) or (lambda weights: weights)
     if weight_format is not None and weight_format.prepare(model):
-        model.load_weights(weight_format.weights(files))
+        model.load_weights(stream(weight_format.weights(files)))
     elif files.fp8_weights is not None and (kept := keep_fp8(model, files, host, platform)):
-        model.load_weights(files.fp8_weights(frozenset(kept)))
+        model.load_weights(stream(files.fp8_weights(frozenset(kept))))
     else:
-        model.load_weights(files.weights())
+        model.load_weights(stream(files.weights()))
     model = model.to(ctx.dtype).eval()
     if hasattr(model, "restore_float32"):  # parameters the model keeps in float32 whatever the dtype
         model.restore_float32()
@@ -179,6 +183,7 @@ def load(
     kv_cache_dtype: str = "auto",
     weight_format: str | None = None,
     parallel=None,
+    prepare_model=None,
 ):
     """``attention_backend`` / ``moe_backend`` / ``weight_format``: a plugin name or
     ``"builtin"`` picks that provider's implementation; None takes the host's default order.
@@ -197,5 +202,7 @@ def load(
         dtype = fmt.compute_dtype or dtype
     chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
     check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt, parallel)
+    model, ctx = build_model(
+        files, host, platform, device, dtype, attention_backend, moe_backend, fmt, parallel, prepare_model
+    )
     return files, model, ctx, fmt, choice

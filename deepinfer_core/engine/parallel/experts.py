@@ -1,5 +1,12 @@
 """A model's expert-parallel MoE layers, found the generic way, and the rank's share of them.
 
+A rank loads only its experts: before the checkpoint is read, each layer's stacked expert tensors
+are re-made with the rank's ``S / ep_size`` slots (:func:`keep_local_slots`), and the weight
+stream is rewritten (:func:`local_expert_weights`): a per-expert tensor
+(``...layers.L.mlp.experts.E.gate_proj.weight``, or DeepSeek's ``...ffn.experts.E.w1.weight``)
+goes to every local slot holding expert ``E`` under that slot's number and is dropped when none
+does; a fused one (``...experts.gate_up_proj [E, ...]``) keeps the local experts' rows.
+
 A MoE layer is any module holding a ``dispatcher`` (an expert-parallel one: it has
 ``local_logical_experts``) next to its stacked ``experts`` (tensors with the experts along dim 0:
 ``gate_up_proj``, ``down_proj`` and, for FP8 experts, their scales). Only the layers of the main
@@ -9,14 +16,19 @@ order is the order of the expert exchanges in every forward pass, which an empty
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ...moe import ExpertWeights, MoESpec
 
-__all__ = ["MoELayer", "empty_pass", "moe_layers", "shard_experts"]
+__all__ = ["MoELayer", "empty_pass", "keep_local_slots", "local_expert_weights", "moe_layers", "prepare_rank_model"]
+
+_PER_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?layers\.(?P<layer>\d+)\.\w+\.experts\.)(?P<expert>\d+)(?P<rest>\..+)$")
+_FUSED = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.\w+\.experts\.(?:gate_up_proj|down_proj)")
 
 
 @dataclass(frozen=True)
@@ -81,12 +93,50 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [found[i] for i in sorted(found)]
 
 
-def shard_experts(layers: list[MoELayer]) -> None:
-    """Keep only this rank's slots of each layer (its dispatcher's placement says which)."""
+def keep_local_slots(layers: list[MoELayer]) -> None:
+    """Re-make each layer's stacked expert tensors with this rank's slots only (uninitialised:
+    the checkpoint fills them through :func:`local_expert_weights`)."""
     for layer in layers:
-        keep = torch.tensor(layer.dispatcher.local_logical_experts())
+        spr = layer.dispatcher.slots_per_rank
         tensors = layer.tensors(layer.spec.num_experts)
-        layer.replace_tensors({n: t.detach()[keep.to(t.device)].clone() for n, t in tensors.items()})
+        layer.replace_tensors(
+            {n: torch.empty((spr, *t.shape[1:]), dtype=t.dtype, device=t.device) for n, t in tensors.items()}
+        )
+
+
+def local_expert_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], layers: list[MoELayer]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each expert-parallel layer's routed experts renumbered to
+    this rank's slots (a replicated expert once per slot), the other experts left out."""
+    local = {layer.spec.layer_index: (layer.spec.num_experts, layer.dispatcher.local_logical_experts())
+             for layer in layers}  # fmt: skip
+    for name, tensor in weights:
+        per_expert = _PER_EXPERT.match(name)
+        if per_expert and int(per_expert["layer"]) in local:
+            expert = int(per_expert["expert"])
+            for slot, logical in enumerate(local[int(per_expert["layer"])][1]):
+                if logical == expert:
+                    yield f"{per_expert['pre']}{slot}{per_expert['rest']}", tensor
+            continue
+        fused = _FUSED.match(name)
+        if fused and int(fused["layer"]) in local:
+            num_experts, mine = local[int(fused["layer"])]
+            if tensor.dim() and tensor.shape[0] == num_experts:
+                yield name, tensor[torch.tensor(mine, device=tensor.device)]
+                continue
+        yield name, tensor
+
+
+def prepare_rank_model(model: nn.Module) -> Callable | None:
+    """What a rank does to its model between construction and loading (``LLMEngine``'s
+    ``prepare_model``): keep only its slots; returns the weight-stream filter (None: no
+    expert-parallel layer)."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    keep_local_slots(layers)
+    return lambda weights: local_expert_weights(weights, layers)
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...moe import ParallelConfig
-from .experts import moe_layers, shard_experts
+from .experts import moe_layers, prepare_rank_model
 from .launch import RankEnv, init_process_group
 from .lockstep import Lockstep
 from .replacement import rebalance
@@ -86,14 +86,14 @@ def _start(rank: int, spec: WorkerSpec):
         rank=rank,
         num_redundant_experts=config.num_redundant_experts,
     )
-    engine = LLMEngine(rank_config(config, rank, spec.device_type), parallel=parallel)
+    prepare = prepare_rank_model if config.expert_parallel_size > 1 else None  # load only this rank's experts
+    engine = LLMEngine(rank_config(config, rank, spec.device_type), parallel=parallel, prepare_model=prepare)
     layers = moe_layers(engine.model) if config.expert_parallel_size > 1 else []
     if config.expert_parallel_size > 1 and not layers:
         raise ValueError(
             f"{config.model} has no MoE layer served by an expert-parallel dispatcher: use expert_parallel_size=1 "
             "(data_parallel_size alone replicates a dense model)"
         )
-    shard_experts(layers)
     lockstep = Lockstep(layers, engine.device, engine.dtype)
     engine.lockstep = lockstep
     return engine, lockstep, layers
@@ -187,5 +187,6 @@ def _stats(engine, lockstep, replacements) -> dict:
         "steps": lockstep.steps,
         "busy_steps": lockstep.busy_steps,
         "empty_passes": lockstep.empty_passes,
+        "expert_slots": [layer.weights().gate_up.shape[0] for layer in lockstep.layers],  # rows held per layer
         "replacements": list(replacements),
     }
