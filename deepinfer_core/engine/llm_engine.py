@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .. import envs, fused_ops
+from ..parallel.load import ExpertLoadCounter
 from ..plugin_host import PluginHost, default_host
 from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
@@ -46,6 +47,8 @@ class LLMEngine:
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
+        window = config.expert_load_window  # per-expert load for EPLB, counted on the device
+        self.expert_load = ExpertLoadCounter(self.device, window) if window else None
         self.files, self.model, ctx, self.weight_format, self.weights_choice = loading.load(
             config.model,
             self.host,
@@ -57,6 +60,7 @@ class LLMEngine:
             requested_dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
             weight_format=config.weight_format,
+            expert_load=self.expert_load,
         )
         self.dtype = ctx.dtype  # a weight format may compute in its own dtype (low-bit: float32)
         if config.batch_invariant and self.weight_format is not None:
@@ -101,6 +105,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers
         )
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
+        self.runner.expert_load = self.expert_load
         if config.batch_invariant:
             self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
         if graphs is not None:

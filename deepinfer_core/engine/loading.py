@@ -12,6 +12,7 @@ from ..models import ModelContext
 from ..models.fast_init import skip_random_init
 from ..models.loaders.files import ModelFiles
 from ..models.loaders.formats import open_model_files
+from ..parallel.load import ExpertLoadCounter
 from ..platform import Platform
 from ..plugin_host import PluginHost
 from ..weight_format import WeightFormat, WeightsRequest
@@ -46,10 +47,12 @@ def build_model(
     attention_backend: str | None = None,
     moe_backend: str | None = None,
     weight_format: WeightFormat | None = None,
+    expert_load: ExpertLoadCounter | None = None,
 ):
     """``weight_format``: a usable format (``choose_weight_format``) holds the weights it
     claims its own way (packed), computes in its ``compute_dtype`` over its KV cache dtype and
-    may replace each layer's attention backend; None: dense weights in ``dtype``."""
+    may replace each layer's attention backend; None: dense weights in ``dtype``.
+    ``expert_load``: the counter the MoE layers feed (``ModelContext.expert_load``)."""
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -59,6 +62,7 @@ def build_model(
             f"{', '.join(sorted(models))}"
         )
     ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format)
+    ctx = ctx if expert_load is None else replace(ctx, expert_load=expert_load)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     if weight_format is not None and weight_format.prepare(model):
@@ -175,6 +179,7 @@ def load(
     requested_dtype: str | torch.dtype | None = None,
     kv_cache_dtype: str = "auto",
     weight_format: str | None = None,
+    expert_load: ExpertLoadCounter | None = None,
 ):
     """``attention_backend`` / ``moe_backend`` / ``weight_format``: a plugin name or
     ``"builtin"`` picks that provider's implementation; None takes the host's default order.
@@ -193,5 +198,5 @@ def load(
         dtype = fmt.compute_dtype or dtype
     chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
     check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
-    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt)
+    model, ctx = build_model(files, host, platform, device, dtype, attention_backend, moe_backend, fmt, expert_load)
     return files, model, ctx, fmt, choice
