@@ -22,12 +22,15 @@ __all__ = [
 ]
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
 from .attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from .moe import MoEDispatcher, MoESpec
+
+if TYPE_CHECKING:
+    from .parallel.load import ExpertLoadCounter
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class ModelContext:
     # the KV cache's element type where it differs from ``dtype`` (None: ``dtype``); a weight
     # format may choose it (the low-bit CPU path: float32 activations over a float16 cache)
     kv_dtype: torch.dtype | None = None
+    # per-expert load for EPLB (engine option expert_load_window): a MoE layer adds its row at
+    # build time (add_layer) and its router's choices each forward (record); None: not counted
+    expert_load: ExpertLoadCounter | None = None
 
 
 class WeightsError(ValueError):

@@ -55,6 +55,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "deepinfer_core.build_cache",
     "deepinfer_core.parallel",
     "deepinfer_core.parallel.eplb",  # expert placement tables a plugin's EP dispatcher reads
+    "deepinfer_core.parallel.load",  # ModelContext.expert_load's type: a plugin's model feeds it
     "deepinfer_core.envs",  # DEEPINFER_* variables: a plugin reads (and declares) its own through the table
     # conformance suites and test helpers
     "deepinfer_core.testing",
@@ -65,6 +66,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "deepinfer_core.testing.gguf_files",
     "deepinfer_core.testing.greedy_check",
     "deepinfer_core.testing.hooks",
+    "deepinfer_core.testing.host_sync",
     "deepinfer_core.testing.kv_store",
     "deepinfer_core.testing.models",
     "deepinfer_core.testing.moe",

@@ -165,6 +165,20 @@ def test_skewed_load_gets_close_to_perfect_with_a_spare_slot_per_device():
     p2l, _, _ = plan_placement(load, E + devices, 8, 1, devices)
     after = balance(load, p2l, devices)
     assert bool((before > 1.3).all()) and bool((after <= 1.10).all())
+    # hierarchical (2 nodes, 4 groups of 8 experts each): one group can hold 40% of a layer's
+    # load, so the nodes are as even as the groups allow (the brute-force best split, within 2%)
+    # and the devices inside each node within 10% of that node's mean
+    hierarchical, _, _ = plan_placement(load, E + devices, 8, 2, devices)
+    per_device = device_loads(load, hierarchical, devices).view(3, 2, devices // 2)
+    group_load = load.view(3, 8, 8).sum(dim=2)
+    for layer in range(3):
+        best = min(
+            max(group_load[layer, list(c)].sum(), group_load[layer].sum() - group_load[layer, list(c)].sum()).item()
+            for c in itertools.combinations(range(8), 4)
+        )
+        node = per_device[layer].sum(dim=1)
+        assert node.max().item() <= best * 1.02
+        assert bool((per_device[layer].max(dim=1).values <= node / (devices // 2) * 1.10).all())
 
 
 def test_bad_arguments_are_clear_errors():
@@ -222,3 +236,7 @@ def test_migration_plan_moves_only_what_changed_and_sources_hold_the_expert():
     local = int((plan.changed & (plan.source_device == torch.arange(E + devices)[None] // k)).sum())
     assert incoming == plan.num_changed and outgoing == plan.num_changed - local
     assert MigrationPlan.between(old, old, devices).num_changed == 0
+    with pytest.raises(ValueError, match="must both be"):
+        MigrationPlan.between(old, old[:, :-1], devices)
+    with pytest.raises(ValueError, match="no slot in the old placement"):
+        MigrationPlan.between(torch.zeros_like(old), new, devices)

@@ -144,11 +144,19 @@ class EngineConfig:
     collective_timeout_s: float = option(
         60.0, "a parallel group's collective timeout: a rank that dies or stalls fails every request within it"
     )
+    expert_load_window: int = option(
+        0,
+        "count the tokens routed to each expert on the device, in windows of this many steps, for expert "
+        "placement (EPLB, docs/eplb.md; DeepSeek: 1000); 0: off",
+        metavar="STEPS",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_load_window < 0:
+            raise ValueError(f"expert_load_window must be >= 0, got {self.expert_load_window}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:

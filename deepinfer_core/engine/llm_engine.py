@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .. import envs, fused_ops
+from ..parallel.load import ExpertLoadCounter
 from ..plugin_host import PluginHost, default_host
 from . import kv_tiers, loading, overlap, validation
 from .config import EngineConfig
@@ -50,6 +51,8 @@ class LLMEngine:
         self.platform = self.host.platform(config.device)
         self.device = self.platform.torch_device(_device_index(config.device))
         self.dtype = config.torch_dtype(self.platform.device_type)
+        window = config.expert_load_window  # per-expert load for EPLB, counted on the device
+        self.expert_load = ExpertLoadCounter(self.device, window) if window else None
         self.files, self.model, ctx, self.weight_format, self.weights_choice = loading.load(
             config.model,
             self.host,
@@ -63,6 +66,7 @@ class LLMEngine:
             weight_format=config.weight_format,
             parallel=parallel,
             prepare_model=prepare_model,
+            expert_load=self.expert_load,
         )
         self.dtype = ctx.dtype  # a weight format may compute in its own dtype (low-bit: float32)
         if config.batch_invariant and self.weight_format is not None:
@@ -108,6 +112,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.tiers
         )
         self.runner = ModelRunner(self.model, kv_caches, bs, self.device, config.batch_invariant, state)
+        self.runner.expert_load = self.expert_load
         if config.batch_invariant:
             self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
         if graphs is not None:

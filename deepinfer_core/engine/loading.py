@@ -12,6 +12,7 @@ from ..models import ModelContext
 from ..models.fast_init import skip_random_init
 from ..models.loaders.files import ModelFiles
 from ..models.loaders.formats import open_model_files
+from ..parallel.load import ExpertLoadCounter
 from ..platform import Platform
 from ..plugin_host import PluginHost
 from ..weight_format import WeightFormat, WeightsRequest
@@ -48,12 +49,14 @@ def build_model(
     weight_format: WeightFormat | None = None,
     parallel=None,
     prepare_model=None,
+    expert_load: ExpertLoadCounter | None = None,
 ):
     """``prepare_model(model)``: called between construction and loading (a rank of an
     expert-parallel group keeps its expert slots there); it may return a filter for the weight
     stream. ``weight_format``: a usable format (``choose_weight_format``) holds the weights it
     claims its own way (packed), computes in its ``compute_dtype`` over its KV cache dtype and
-    may replace each layer's attention backend; None: dense weights in ``dtype``."""
+    may replace each layer's attention backend; None: dense weights in ``dtype``.
+    ``expert_load``: the counter the MoE layers feed (``ModelContext.expert_load``)."""
     archs = files.config.get("architectures") or []
     models = host.models()
     arch = next((a for a in archs if a in models), None)
@@ -63,6 +66,7 @@ def build_model(
             f"{', '.join(sorted(models))}"
         )
     ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format, parallel)
+    ctx = ctx if expert_load is None else replace(ctx, expert_load=expert_load)
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     stream = (prepare_model(model) if prepare_model is not None else None) or (lambda weights: weights)
@@ -184,6 +188,7 @@ def load(
     weight_format: str | None = None,
     parallel=None,
     prepare_model=None,
+    expert_load: ExpertLoadCounter | None = None,
 ):
     """``attention_backend`` / ``moe_backend`` / ``weight_format``: a plugin name or
     ``"builtin"`` picks that provider's implementation; None takes the host's default order.
@@ -203,6 +208,7 @@ def load(
     chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
     check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
     model, ctx = build_model(
-        files, host, platform, device, dtype, attention_backend, moe_backend, fmt, parallel, prepare_model
+        files, host, platform, device, dtype, attention_backend, moe_backend, fmt,
+        parallel=parallel, prepare_model=prepare_model, expert_load=expert_load,
     )
     return files, model, ctx, fmt, choice

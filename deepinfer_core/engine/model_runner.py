@@ -16,6 +16,7 @@ import torch
 from ..attention import AttentionMetadata
 from ..decode_graphs import DecodeGraphs
 from ..models import CausalLM
+from ..parallel.load import ExpertLoadCounter
 from ..staging import staging_for
 from .batch_build import Batch, build
 from .isolation import sample_isolated
@@ -48,6 +49,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set by the engine when the platform captures decode steps
         self.invariant_ops: Callable[[], ContextManager] | None = None  # deepinfer_batch_invariant_ops
+        self.expert_load: ExpertLoadCounter | None = None  # set by the engine: its windows advance per step
 
     def build_batch(
         self, out: SchedulerOutput, replay: bool = False
@@ -87,6 +89,8 @@ class ModelRunner:
         ``input_ids`` (device ids, one per scheduled token) stands in for tokens still pending."""
         if not out.requests:
             return Launched(out, (), None, None, None, RunnerOutput({}))
+        if self.expert_load is not None:
+            self.expert_load.step()
         if replay is not None:  # rebuild state KV of requests resuming past a prefix hit first
             rb = self._build(replay, replay=True)
             self.model.forward(rb.input_ids, rb.meta.positions, self.kv_caches, rb.meta)

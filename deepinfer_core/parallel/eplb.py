@@ -19,9 +19,10 @@ Two policies (DeepSeek's), chosen by the arguments:
 - **hierarchical** (``num_groups % num_nodes == 0``): the ``num_groups`` expert groups (the
   router's group-limited routing splits the experts into equal consecutive groups) are first
   packed onto the ``num_nodes`` nodes, ``num_groups / num_nodes`` groups each, balancing the
-  groups' load; then steps 1-3 run inside each node on its experts, its ``S / num_nodes`` slots
-  and its ``D / num_nodes`` devices. Every replica of a group's experts stays on that group's
-  node, so group-limited routing keeps a token's experts on few nodes.
+  groups' load (heaviest first, then swaps, as in step 2); then steps 1-3 run inside each node
+  on its experts, its ``S / num_nodes`` slots and its ``D / num_nodes`` devices. Every replica
+  of a group's experts stays on that group's node, so group-limited routing keeps a token's
+  experts on few nodes.
 - **global** (otherwise): steps 1-3 over all experts, slots and devices.
 
 Layouts (all int64, on the CPU)::
@@ -254,7 +255,7 @@ def _plan_layer(load: list[float], S: int, G: int, N: int, D: int, hierarchical:
         G, N = 1, 1
     group_size = E // G
     group_load = [sum(load[g * group_size : (g + 1) * group_size]) for g in range(G)]
-    nodes = _pack(group_load, N, G // N)  # [N][G/N] group ids
+    nodes = _refine(_pack(group_load, N, G // N), group_load)  # [N][G/N] group ids
     row: list[int] = []
     for groups in nodes:
         experts = [g * group_size + i for g in sorted(groups) for i in range(group_size)]

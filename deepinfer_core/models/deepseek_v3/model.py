@@ -70,6 +70,7 @@ class DeepseekV3MoE(nn.Module):
             else None
         )
         self._shared: tuple[ExpertWeights | None] | None = None  # (shared_weights(),) once derived
+        self.expert_load = None  # ModelContext.expert_load, set by the model once built
 
     def bind_shared(self) -> None:
         """Derive :meth:`shared_weights` once the weights are in place (``load_weights`` calls
@@ -83,6 +84,8 @@ class DeepseekV3MoE(nn.Module):
             router(x, self.gate.weight) if router else F.linear(x.float(), self.gate.weight.float())
         )  # [T, E] float32
         ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
+        if self.expert_load is not None:
+            self.expert_load.record(self.spec.layer_index, ids)
         experts = ExpertWeights(
             gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # FP8 experts (models.fp8) add scales
             gate_up_scale=getattr(self.experts, "gate_up_scale", None),
@@ -191,6 +194,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.rotary = build_rotary(config, ctx.device)  # shared by all layers, not a weight
         self.attention_specs = [layer.self_attn.spec for layer in self.model.layers]
         self.requires_grad_(False)
+        if ctx.expert_load is not None:
+            for layer in self.model.layers:
+                if isinstance(layer.mlp, DeepseekV3MoE):
+                    ctx.expert_load.add_layer(layer.mlp.spec.layer_index, layer.mlp.spec.num_experts)
+                    layer.mlp.expert_load = ctx.expert_load
 
     def restore_float32(self) -> None:
         """The router (weight and correction bias) in float32 whatever the model dtype, as

@@ -260,6 +260,7 @@ class V4MoE(nn.Module):
         self.gate = V4Router(cfg, self.hashed)
         self.experts = V4Experts(spec)
         self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        self.expert_load = None  # ModelContext.expert_load, set by the model once built
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, D]
         logits = F.linear(x, self.gate.weight)  # model dtype, as the reference
@@ -269,6 +270,8 @@ class V4MoE(nn.Module):
             )
         else:
             ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
+        if self.expert_load is not None:
+            self.expert_load.record(self.spec.layer_index, ids)
         experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)
         routed = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         return routed + self.shared_experts(x)

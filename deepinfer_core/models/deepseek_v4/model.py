@@ -243,6 +243,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress": V4Rope(cfg.rope_dim, cfg.compress_rope, cfg.max_position_embeddings, ctx.device),
         }
         self.requires_grad_(False)
+        if ctx.expert_load is not None:  # the main layers (the MTP blocks are dropped with no weights)
+            for layer in self.model.layers:
+                ctx.expert_load.add_layer(layer.mlp.spec.layer_index, layer.mlp.spec.num_experts)
+                layer.mlp.expert_load = ctx.expert_load
 
     def restore_float32(self) -> None:
         """Mixing weights, sinks, biases and norms in float32 whatever the model dtype, as

@@ -14,61 +14,19 @@ On a GPU: captured graphs give the eager engine's greedy tokens (float32).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 pytest.importorskip("transformers")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.testing.host_sync import NoHostSync, host_reads_allowed  # noqa: E402
 from deepinfer_core.testing.v4_tiny import save_tiny_v4, tiny_v4_config  # noqa: E402
 
 PROMPTS_LENS = (5, 23, 61)  # CSA ranks > index_topk (6) entries from 28 tokens on
 NEW = 16
-
-HOST_READS = (torch.Tensor.tolist, torch.Tensor.numpy)
-HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "item", "_assert_async", "is_nonzero"}
-
-
-class NoHostSync(TorchDispatchMode):
-    """Fails on every op that needs a device value on the host (what CUDA-graph capture refuses).
-    ``.tolist()`` and ``.numpy()`` of a CPU tensor read memory without an op: patched to fail."""
-
-    def __enter__(self):
-        def refuse(name):
-            def method(*args, **kwargs):
-                raise AssertionError(f"host synchronisation in the V4 decode step: Tensor.{name}()")
-
-            return method
-
-        torch.Tensor.tolist, torch.Tensor.numpy = refuse("tolist"), refuse("numpy")
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in HOST_SYNCS or (name in ("index", "index_put_", "index_put") and any(
-                t is not None and getattr(t, "dtype", None) == torch.bool
-                for t in (args[1] if len(args) > 1 else ()))):  # fmt: skip
-            raise AssertionError(f"host synchronisation in the V4 decode step: aten.{name}")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def host_reads_allowed():
-    guarded = torch.Tensor.tolist, torch.Tensor.numpy
-    torch.Tensor.tolist, torch.Tensor.numpy = HOST_READS
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        torch.Tensor.tolist, torch.Tensor.numpy = guarded
 
 
 class KernelCompressors:
@@ -148,7 +106,7 @@ def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoin
         def run(self, input_ids, meta):
             copy = [type(c)(c.entries.clone(), c.window.clone(), c.tail.clone()) for c in caches]
             want = model.forward(input_ids, meta.positions, copy, meta)
-            with NoHostSync():
+            with NoHostSync("the V4 decode step"):
                 got = static.run(input_ids, meta)
             assert got is not None
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
