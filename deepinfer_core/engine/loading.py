@@ -208,7 +208,16 @@ def load(
     chooses_cache = fmt is not None and fmt.kv_cache_dtype() is not None  # else the compute dtype's rule
     check_kv_cache_dtype(kv_cache_dtype, dtype, None if chooses_cache else choice)
     model, ctx = build_model(
-        files, host, platform, device, dtype, attention_backend, moe_backend, fmt,
-        parallel=parallel, prepare_model=prepare_model, expert_load=expert_load,
+        files,
+        host,
+        platform,
+        device,
+        dtype,
+        attention_backend,
+        moe_backend,
+        fmt,
+        parallel=parallel,
+        prepare_model=prepare_model,
+        expert_load=expert_load,
     )
     return files, model, ctx, fmt, choice

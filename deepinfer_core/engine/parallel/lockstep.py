@@ -71,8 +71,12 @@ class Lockstep:
     """What an engine that is one rank of a group runs before each forward (``LLMEngine.lockstep``):
     the vote, then the empty passes that bring it level with the busiest rank."""
 
-    def __init__(self, layers: list[MoELayer], device: torch.device, dtype: torch.dtype, group=None) -> None:
-        self.layers, self.device, self.dtype, self.group = layers, device, dtype, group
+    def __init__(
+        self, layers: list[MoELayer], device: torch.device, dtype: torch.dtype, group=None, solo: bool = False
+    ) -> None:
+        """``solo``: the ranks share no collective (data parallelism alone, every rank a whole
+        model): each decides its steps alone, nobody waits for a slower rank."""
+        self.layers, self.device, self.dtype, self.group, self.solo = layers, device, dtype, group, solo
         self.want_stop = False
         self.want_rebalance = False
         self.decision: StepDecision | None = None
@@ -85,6 +89,11 @@ class Lockstep:
         passes = (1 if sched.requests else 0) + (1 if replay is not None else 0)
         prefill = any(len(s.token_ids) > 1 or not s.sample for s in sched.requests)
         mine = StepVote(sched.num_tokens, prefill, False, passes, self.want_stop, self.want_rebalance)
+        if self.solo:
+            self.decision = StepDecision(mine.tokens, prefill, False, passes, mine.stop, mine.rebalance)
+            self.steps += bool(sched.num_tokens)
+            self.busy_steps += bool(sched.num_tokens)
+            return
         try:
             self.decision = decision = vote(mine, self.device, group=self.group)
             for _ in range(decision.passes - passes):

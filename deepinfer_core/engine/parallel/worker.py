@@ -94,7 +94,7 @@ def _start(rank: int, spec: WorkerSpec):
             f"{config.model} has no MoE layer served by an expert-parallel dispatcher: use expert_parallel_size=1 "
             "(data_parallel_size alone replicates a dense model)"
         )
-    lockstep = Lockstep(layers, engine.device, engine.dtype)
+    lockstep = Lockstep(layers, engine.device, engine.dtype, solo=config.expert_parallel_size == 1)
     engine.lockstep = lockstep
     return engine, lockstep, layers
 
