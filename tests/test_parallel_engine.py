@@ -64,7 +64,8 @@ def v4(tmp_path_factory):
 
 def test_v3_ep2_with_replicas_and_periodic_eplb_matches_one_process(v3):
     path, ps, reference = v3
-    llm = LLM(path, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=3, **COMMON)
+    # the plans read the engine's windowed counter (2-step windows) once a window has ended
+    llm = LLM(path, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=3, expert_load_window=2, **COMMON)
     try:
         assert tokens(llm.generate(ps, greedy())) == reference
         report = llm.engine.rank_report()

@@ -78,25 +78,32 @@ def move_experts(layers: list[MoELayer], new_tables: torch.Tensor, rank: int, wo
     return received
 
 
-def plan_from_load(layers: list[MoELayer], world: int, group=None) -> torch.Tensor | None:
-    """The group's summed per-expert load ([L, E], collective); None without layers."""
+def plan_from_load(layers: list[MoELayer], world: int, group=None, counter=None) -> torch.Tensor | None:
+    """The group's summed per-expert load ([L, E], collective); None without layers. Each rank's
+    share: the engine's windowed counter (``expert_load_window``, DeepSeek's ring of windows) once
+    it has a finished window, else what the dispatchers counted since the last plan."""
     if not layers:
         return None
     device = layers[0].weights().gate_up.device
-    rows = []
-    for layer in layers:
-        load = layer.dispatcher.expert_load()
-        rows.append(torch.zeros(layer.spec.num_experts, dtype=torch.int64, device=device) if load is None else load)
+    own = [layer.dispatcher.expert_load() for layer in layers]  # read (and reset) either way
+    if counter is not None and counter.windows_done:
+        ring, row = counter.load(), {index: i for i, index in enumerate(counter.layers)}
+        rows = [ring[row[layer.spec.layer_index]] for layer in layers]
+    else:
+        rows = [torch.zeros(layer.spec.num_experts, dtype=torch.int64, device=device) if load is None else load
+                for layer, load in zip(layers, own)]  # fmt: skip
     load = torch.stack([r.to(device, torch.int64) for r in rows])
     dist.all_reduce(load, group=group)
     return load
 
 
-def rebalance(layers: list[MoELayer], rank: int, world: int, forced: torch.Tensor | None = None, group=None) -> dict:
+def rebalance(
+    layers: list[MoELayer], rank: int, world: int, forced: torch.Tensor | None = None, group=None, counter=None
+) -> dict:
     """Plan (rank 0: ``forced`` when given, else ``plan_placement`` of the summed load) and move.
     Collective. Returns ``{"pause_s", "received", "changed_layers"}`` for this rank."""
     start = time.perf_counter()
-    load = plan_from_load(layers, world, group)
+    load = plan_from_load(layers, world, group, counter)
     plan = [None]
     if rank == 0 and layers:
         if forced is not None:

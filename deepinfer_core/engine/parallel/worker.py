@@ -144,7 +144,7 @@ def _serve(rank, spec, engine, lockstep, layers, commands, results) -> None:
         decision = lockstep.decision
         due = config.eplb_interval and decision.max_tokens and lockstep.steps % config.eplb_interval == 0
         if decision.rebalance or (due and layers):
-            done = rebalance(layers, rank, spec.world_size, forced if rank == 0 else None)
+            done = rebalance(layers, rank, spec.world_size, forced if rank == 0 else None, counter=engine.expert_load)
             replacements.append({**done, "after_step": lockstep.steps})
             lockstep.want_rebalance, forced = False, None
         if outputs:
