@@ -104,9 +104,12 @@ def test_v3_dp2_ep2_idle_rank_votes_and_forced_replacement_keep_tokens(v3):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("dp, ep", [(1, 4), (2, 2)])
-def test_v4_expert_parallel_matches_one_process(v4, dp, ep):
-    path, ps, reference = v4
+@pytest.mark.parametrize(
+    "model, dp, ep",
+    [("v4", 1, 2), ("v4", 1, 4), ("v4", 2, 2), ("v3", 1, 4)],  # V3 at EP=2 and DP=2 x EP=2: the tests above
+)
+def test_expert_parallel_matches_one_process(request, model, dp, ep):
+    path, ps, reference = request.getfixturevalue(model)
     llm = LLM(path, data_parallel_size=dp, expert_parallel_size=ep, **COMMON)
     try:
         assert tokens(llm.generate(ps, greedy())) == reference
