@@ -17,6 +17,7 @@ from .exchange import ProtocolRoute
 from .front import EngineFront
 from .metrics import ServerMetrics
 from .sampling_defaults import SamplingDefaults, model_sampling_defaults
+from .web import add_web_routes, build_openapi
 
 log = logging.getLogger(__name__)
 # deepinfer-recipe is not on PyPI: it installs from the repository
@@ -36,6 +37,7 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting beyond the running batch before 429
     retry_after_s: int = 1
     sampling_defaults: str = "model"  # "model": the model's recommended sampling; "protocol": each API's
+    root_path: str = ""  # the prefix a proxy serves this server under ("/deepinfer"); "" at the root
 
 
 class Server:
@@ -49,6 +51,7 @@ class Server:
         self.codecs = codecs
         self.config = config
         self.engine = engine
+        self.host = host
         self.metrics = ServerMetrics(config.model_name)
         self.front = EngineFront(
             engine,
@@ -70,6 +73,7 @@ class Server:
 
     def _build_app(self):
         from fastapi import FastAPI
+        from fastapi.responses import PlainTextResponse
 
         @contextlib.asynccontextmanager
         async def lifespan(app):
@@ -80,13 +84,29 @@ class Server:
             finally:
                 self.front.shutdown()
 
-        app = FastAPI(title="deepinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(
+            title="deepinfer",
+            lifespan=lifespan,
+            docs_url=None,  # web.py serves Swagger UI from local files
+            redoc_url=None,
+            openapi_url="/openapi.json",
+            root_path=self.config.root_path,
+        )
         for codec in self.codecs.values():
             for method, path in codec.routes:
-                app.add_route(path, ProtocolRoute(self, codec), methods=[method])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
+                app.add_route(path, ProtocolRoute(self, codec), methods=[method], include_in_schema=False)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], summary="The served model")
+        app.add_api_route("/v1/plugins", self.plugins, methods=["GET"], summary="Installed plugins")
+        app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness and engine load")
+        app.add_api_route(
+            "/metrics",
+            self.render_metrics,
+            methods=["GET"],
+            summary="Prometheus metrics",
+            response_class=PlainTextResponse,
+        )
+        add_web_routes(app, self)
+        app.openapi = lambda: build_openapi(app, self)
         return app
 
     # -- plain routes -------------------------------------------------------------------------
@@ -101,6 +121,30 @@ class Server:
         }  # fmt: skip
         name = self.config.model_name
         return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
+
+    async def plugins(self):
+        """Every discovered plugin, and whether it is usable here (and if not, why): what
+        ``deepinfer plugins`` prints, from this server's own plugin host."""
+        import asyncio
+
+        infos = await asyncio.to_thread(self.host.plugins)  # a first probe may take a moment
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "name": i.name,
+                    "distribution": i.distribution,
+                    "version": i.version,
+                    "builtin": i.builtin,
+                    "usable": i.usable,
+                    "reason": i.reason,
+                    "note": i.note,
+                    "contract": i.contract,
+                    "hooks": [h.removeprefix("deepinfer_register_").removeprefix("deepinfer_") for h in i.hooks],
+                }
+                for i in infos
+            ],
+        }
 
     async def health(self):
         from fastapi.responses import JSONResponse
