@@ -7,14 +7,20 @@ the codec's shape); this module holds the server's state and the plain routes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
 
+from starlette.requests import Request
+
+from ..codecs import ProtocolError
+from . import inspect as inspect_module
 from .completions import CompletionsCodec
 from .conversation import ConversationPreparer
 from .exchange import ProtocolRoute
 from .front import EngineFront
+from .inspect import InspectBody, PromptInspector
 from .metrics import ServerMetrics
 from .sampling_defaults import SamplingDefaults, model_sampling_defaults
 from .web import add_web_routes, build_openapi
@@ -69,6 +75,7 @@ class Server:
         log.info("sampling defaults for requests that leave them unset: %s", self.sampling_defaults.describe())
         self.preparer = ConversationPreparer(engine, host, self.sampling_defaults)
         self.warm_up = None  # the encoding's warm-up thread, once the app has started
+        self.inspector = PromptInspector(self)
         self.app = self._build_app()
 
     def _build_app(self):
@@ -97,6 +104,19 @@ class Server:
                 app.add_route(path, ProtocolRoute(self, codec), methods=[method], include_in_schema=False)
         app.add_api_route("/v1/models", self.models, methods=["GET"], summary="The served model")
         app.add_api_route("/v1/plugins", self.plugins, methods=["GET"], summary="Installed plugins")
+        app.add_api_route(
+            "/v1/inspect",
+            self.inspect,
+            methods=["POST"],
+            summary="The rendered prompt, its tokens and cached blocks, and what the parser extracts",
+            description=(InspectBody.__doc__ or "") + "\n\n" + (inspect_module.__doc__ or ""),
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InspectBody"}}},
+                }
+            },
+        )
         app.add_api_route("/health", self.health, methods=["GET"], summary="Liveness and engine load")
         app.add_api_route(
             "/metrics",
@@ -121,6 +141,22 @@ class Server:
         }  # fmt: skip
         name = self.config.model_name
         return {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name}
+
+    async def inspect(self, request: Request):
+        """``POST /v1/inspect`` (serve/inspect.py); errors in the named endpoint's own shape."""
+        from fastapi.responses import JSONResponse
+
+        codec = self.codecs.get("openai.chat_completions") or self.codecs[CompletionsCodec.name]
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, RecursionError) as exc:
+                raise ProtocolError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+            codec = self.inspector.codec_for(body) or codec
+            return JSONResponse(await self.inspector.inspect(body))
+        except ProtocolError as error:
+            status, payload = codec.render_error(error)
+            return JSONResponse(payload, status_code=status)
 
     async def plugins(self):
         """Every discovered plugin, and whether it is usable here (and if not, why): what

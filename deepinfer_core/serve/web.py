@@ -15,6 +15,7 @@ import importlib.util
 from pathlib import Path
 
 from .api_schema import protocol_paths
+from .inspect import InspectBody
 
 __all__ = ["WEB_DIR", "add_web_routes", "build_openapi"]
 
@@ -36,7 +37,9 @@ def build_openapi(app, server) -> dict:
         )
         paths, components = protocol_paths(server.codecs, server.config.model_name)
         schema["paths"] = {**paths, **schema.get("paths", {})}
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(components)
+        schemas["InspectBody"] = InspectBody.model_json_schema()
         app.openapi_schema = schema
     return app.openapi_schema
 

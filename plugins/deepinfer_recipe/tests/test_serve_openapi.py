@@ -99,7 +99,7 @@ def test_every_protocol_route_is_documented_with_its_body(spec):
         schema = _validator(spec, path).schema
         assert schema["$ref"].startswith("#/components/schemas/")
         assert {"200", "400", "404", "429"} <= set(operation["responses"])
-    for path in ("/v1/models", "/v1/plugins", "/health", "/metrics"):
+    for path in ("/v1/models", "/v1/plugins", "/health", "/metrics", "/v1/inspect"):
         assert path in spec["paths"], path
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["properties"]["model"]["enum"] == [MODEL]  # the one model this server serves
