@@ -145,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
             max_queue=args.max_queue,
             sampling_defaults=args.sampling_defaults,
-            root_path=args.root_path,
         ),
     )
     # This process serves the engine until it exits: what start-up made (imports, the engine, the

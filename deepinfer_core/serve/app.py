@@ -43,7 +43,6 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting beyond the running batch before 429
     retry_after_s: int = 1
     sampling_defaults: str = "model"  # "model": the model's recommended sampling; "protocol": each API's
-    root_path: str = ""  # the prefix a proxy serves this server under ("/deepinfer"); "" at the root
 
 
 class Server:
@@ -96,8 +95,7 @@ class Server:
             lifespan=lifespan,
             docs_url=None,  # web.py serves Swagger UI from local files
             redoc_url=None,
-            openapi_url="/openapi.json",
-            root_path=self.config.root_path,
+            openapi_url="/openapi.json",  # FastAPI adds the request's root_path (--root-path) to its servers
         )
         for codec in self.codecs.values():
             for method, path in codec.routes:

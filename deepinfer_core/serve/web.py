@@ -33,7 +33,6 @@ def build_openapi(app, server) -> dict:
             version=_version(),
             description="OpenAI- and Anthropic-compatible inference server. The web page is at `./`.",
             routes=app.routes,
-            servers=[{"url": app.root_path}] if app.root_path else None,
         )
         paths, components = protocol_paths(server.codecs, server.config.model_name)
         schema["paths"] = {**paths, **schema.get("paths", {})}

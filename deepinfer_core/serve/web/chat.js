@@ -64,7 +64,8 @@ export class Chat {
   async persist() {
     const c = this.conversation;
     if (!c.messages.length) return;
-    if (c.title === "New chat") c.title = c.messages[0].content.slice(0, 40) || "Chat";
+    const first = c.messages.find((m) => m.role === "user");
+    if (first && !c.imported) c.title = first.content.slice(0, 40) || "Chat"; // follows an edited first turn
     try { await store.saveConversation(c); } catch (e) { this.showError(`browser storage: ${e.message}`); }
     this.refreshList();
   }

@@ -81,6 +81,7 @@ async function loadCluster() {
 }
 
 let views = {};
+let clusterTimer = null;
 
 function select(tabId, focus = false) {
   for (const tab of document.querySelectorAll('[role="tab"]')) {
@@ -94,7 +95,11 @@ function select(tabId, focus = false) {
   if (tabId === "tab-metrics") views.metrics.draw();
   if (tabId === "tab-inspector") views.inspector.show();
   if (tabId === "tab-plugins") loadPlugins();
-  if (tabId === "tab-cluster") loadCluster();
+  clearInterval(clusterTimer);
+  if (tabId === "tab-cluster") {
+    loadCluster();
+    clusterTimer = setInterval(loadCluster, 2000);
+  }
   if (location.hash !== `#${tabId.slice(4)}`) history.replaceState(null, "", `#${tabId.slice(4)}`);
 }
 

@@ -45,7 +45,7 @@ export async function importJSON(text) {
   let n = 0;
   for (const c of list) {
     if (!c || typeof c.id !== "string" || !Array.isArray(c.messages)) throw new Error("a conversation needs an id and messages");
-    await saveConversation({ title: "Imported chat", created: Date.now(), ...c });
+    await saveConversation({ title: "Imported chat", created: Date.now(), ...c, imported: true });
     n += 1;
   }
   return n;
