@@ -5,7 +5,8 @@ a body of any protocol route (``endpoint`` names it; ``model`` may be left out).
 
 - ``prompt``: the rendered prompt as the model sees it (special tokens written out) and its
   ``tokens``: ``{id, text, special}`` each, ``text`` being what the token adds to the prompt
-  (empty for a token that only completes a character the next one finishes);
+  (empty for a token that only completes a character the next one finishes), ``special`` true
+  for the tokenizer's added tokens (control tokens and prompt markers, never text a user typed);
 - ``blocks``: the prompt's full KV blocks (``block_size`` tokens) and where each is cached now:
   ``device``, ``host`` (the tiers' host pool), ``store`` (the persistent KV store) or ``null``,
   looked up along the hash chain as admission would, from metadata only;
@@ -102,8 +103,9 @@ class PromptInspector:
         tok = self.server.engine.tokenizer
         if tok is None:
             return {"text": None, "tokens": [{"id": i, "text": None, "special": False} for i in ids]}
-        added = tok.backend.get_added_tokens_decoder()  # id -> AddedToken
-        special = {i for i, t in added.items() if t.special}
+        # the tokenizer's added tokens: control tokens (<|im_start|>) and the markers a prompt
+        # encoding writes whole (DeepSeek's <｜User｜>, <think>), whatever their "special" flag
+        special = set(tok.backend.get_added_tokens_decoder())
         pieces = IncrementalDetokenizer(tok, skip_special_tokens=False)
         tokens = [{"id": i, "text": pieces.push(i), "special": i in special} for i in ids]
         if tokens:

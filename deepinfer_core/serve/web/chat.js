@@ -113,6 +113,7 @@ export class Chat {
     const tools = $("tools").value.trim();
     if (tools) {
       try { body.tools = JSON.parse(tools); } catch (e) { throw new Error(`the tools box is not valid JSON: ${e.message}`); }
+      body.tool_choice = $("tool-choice").value;
     }
     return body;
   }

@@ -1,18 +1,16 @@
 """The web page at ``/`` in a real headless Chromium (Playwright), against a real server
 (SmolLM2) started with root path ``/deepinfer`` (``--root-path``) behind a reverse proxy that
-serves it under that prefix. What the page shows is checked against the server's own answers to the official ``openai``
-SDK. Screenshots of every view go to ``$WEB_SCREENSHOT_DIR`` (default: a temporary folder; the
+serves it under that prefix. What the page shows is checked against the server's own answers to
+the official ``openai`` SDK. Screenshots of every view go to ``$WEB_SCREENSHOT_DIR`` (default: a temporary folder; the
 ones in ``docs/web/`` are refreshed with ``WEB_SCREENSHOT_DIR=docs/web``).
 
-Browser: the Debian ``chromium`` package (``.ci/run`` installs it); ``$CHROMIUM`` names another
-binary. The tests skip, saying why, only where no browser can be had."""
+The browser: :mod:`web_browser` (Debian's ``chromium``, which ``.ci/run`` installs)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -20,20 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 from serve_harness import ENGINE_ARGS, MAX_QUEUE, MODEL, free_port
-
-playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+from web_browser import Console, launch_chromium, wait_idle
 
 PREFIX = "/deepinfer"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 CLUSTER = {  # what a `deepinfer cluster` front would report (the view renders any such JSON)
     "replicas": [
         {"name": "prefill-0", "role": "prefill", "running": 1, "waiting": 0, "resident_kv_blocks": 12},
@@ -41,13 +28,6 @@ CLUSTER = {  # what a `deepinfer cluster` front would report (the view renders a
     ],
     "router_decisions": [{"request": "r1", "replica": "prefill-0", "reason": "longest cached prefix"}],
 }
-
-
-def _chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        if candidate and (path := shutil.which(candidate)):
-            return path
-    return None
 
 
 def _serve_in_thread(app, **config):
@@ -134,16 +114,7 @@ def prefixed():
 
 @pytest.fixture(scope="module")
 def browser():
-    path = _chromium()
-    if path is None:
-        pytest.skip("no Chromium binary (apt-get install chromium, or set CHROMIUM)")
-    with playwright_api.sync_playwright() as p:
-        try:  # Playwright gives every launch a fresh temporary profile (its --user-data-dir)
-            instance = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
-        except Exception as exc:  # a browser that cannot start here is an environment problem
-            pytest.skip(f"Chromium at {path} does not start: {exc}")
-        yield instance
-        instance.close()
+    yield from launch_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +123,6 @@ def shots(tmp_path_factory) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     print(f"web screenshots: {folder}")
     return folder
-
-
-class Console:
-    def __init__(self, page) -> None:
-        self.errors: list[str] = []
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +150,6 @@ def _reference(prefixed, question: str) -> str:
     return reply.choices[0].message.content
 
 
-def _wait_idle(page):
-    page.wait_for_function("!document.querySelector('#send').disabled", timeout=90_000)
-
-
 def test_chat_streams_the_reply_keyboard_only(page, prefixed, shots):
     question = "What is the capital of France?"
     page.fill("#temperature", "0")
@@ -211,7 +171,7 @@ def test_chat_streams_the_reply_keyboard_only(page, prefixed, shots):
 def test_edit_regenerate_and_conversations_persist(page, prefixed, tmp_path):
     first = page.inner_text(".msg.assistant .content")
     page.click("#regenerate")  # temperature 0: the same reply again, replacing the old one
-    _wait_idle(page)
+    wait_idle(page)
     assert page.locator(".msg.assistant").count() == 1
     assert page.inner_text(".msg.assistant .content") == first
     page.click(".msg.user .actions button")  # edit and resend: the turn comes back to the box
@@ -219,7 +179,7 @@ def test_edit_regenerate_and_conversations_persist(page, prefixed, tmp_path):
     assert page.locator(".msg").count() == 0
     page.fill("#prompt", "What is the capital of Italy?")
     page.press("#prompt", "Enter")
-    _wait_idle(page)
+    wait_idle(page)
     italy = page.inner_text(".msg.assistant .content")
     assert italy == _reference(prefixed, "What is the capital of Italy?")  # not the France turn's context
     page.reload()  # kept in IndexedDB
@@ -250,7 +210,7 @@ def test_stop_ends_the_stream_and_the_request(page, prefixed):
     page.keyboard.press("Tab")  # from the message box: Send (disabled, skipped) then Stop
     assert page.evaluate("document.activeElement.id") == "stop"
     page.keyboard.press("Enter")
-    _wait_idle(page)
+    wait_idle(page)
     assert "stopped" in page.locator(".msg.assistant .meta").last.inner_text()
     deadline = time.monotonic() + 30
     while (health := httpx.get(f"{prefixed}{PREFIX}/health", timeout=10).json())["in_flight"] or health["running"]:
