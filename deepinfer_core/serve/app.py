@@ -108,6 +108,9 @@ class Server:
             methods=["POST"],
             summary="The rendered prompt, its tokens and cached blocks, and what the parser extracts",
             description=(InspectBody.__doc__ or "") + "\n\n" + (inspect_module.__doc__ or ""),
+            responses={
+                400: {"description": "a bad body, in the named endpoint's error shape (the message names the field)"}
+            },
             openapi_extra={
                 "requestBody": {
                     "required": True,
