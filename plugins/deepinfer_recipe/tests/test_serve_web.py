@@ -272,7 +272,7 @@ def test_cluster_view(page, shots):
 def test_every_control_is_labelled_and_no_console_errors(page):
     page.click("#tab-chat")
     snapshot = page.locator("body").aria_snapshot()
-    controls = re.findall(r"^\s*- (button|textbox|checkbox|spinbutton|tab)\b(.*)$", snapshot, re.M)
+    controls = re.findall(r"^\s*- (button|textbox|checkbox|spinbutton|combobox|tab|link)\b(.*)$", snapshot, re.M)
     assert len(controls) > 15
     unlabeled = [f"{role}{rest}" for role, rest in controls if not rest.strip().startswith('"')]
     assert not unlabeled, unlabeled
