@@ -113,6 +113,12 @@ def test_serve_refuses_a_port_out_of_range(port):
     one_line_error(deepinfer("serve", "--port", port), "deepinfer serve: error: argument --port", port)
 
 
+def test_serve_root_path_is_a_path_prefix():
+    assert build_parser().parse_args(["serve", "--root-path", "/deepinfer/"]).root_path == "/deepinfer"
+    assert build_parser().parse_args(["serve"]).root_path == ""
+    one_line_error(deepinfer("serve", "--root-path", "deepinfer"), "deepinfer serve: error: argument --root-path")
+
+
 def test_serve_reports_a_port_in_use_before_loading_the_model():
     """The model path does not exist: had it loaded first, the error would name the model."""
     pytest.importorskip("fastapi")

@@ -76,17 +76,39 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
+    def _block_key(self, parent: bytes, tokens) -> bytes:
+        h = hashlib.sha256(self.namespace)
+        h.update(parent)
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
+        return h.digest()
+
     def _update_keys(self, req: Request) -> None:
         """Extend the request's hash chain over all of its full known blocks."""
         bs = self.block_size
         while (len(req.block_keys) + 1) * bs <= req.num_tokens:
             i = len(req.block_keys)
             parent = req.block_keys[-1] if req.block_keys else b""
-            tokens = req.token_slice(i * bs, (i + 1) * bs)
-            h = hashlib.sha256(self.namespace)
-            h.update(parent)
-            h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
-            req.block_keys.append(h.digest())
+            req.block_keys.append(self._block_key(parent, req.token_slice(i * bs, (i + 1) * bs)))
+
+    def prefix_keys(self, token_ids) -> list[bytes]:
+        """The hash-chain keys of the full blocks of ``token_ids`` (the keys a request with
+        these tokens would look up); pure: no request, no counter, no block is touched."""
+        keys: list[bytes] = []
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            keys.append(self._block_key(keys[-1] if keys else b"", token_ids[start : start + bs]))
+        return keys
+
+    def cached_prefix(self, keys) -> int:
+        """How many leading ``keys`` are cached in device blocks now (read only)."""
+        if not self.enabled:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in self.pool.cached:
+                break
+            n += 1
+        return n
 
     def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks. The last known token is never

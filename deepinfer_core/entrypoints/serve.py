@@ -54,6 +54,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "GGUF general.sampling.*, the embedded model's card) or each API's documented defaults (default: %(default)s)",
     )
     p.add_argument(
+        "--root-path",
+        default="",
+        type=_root_path,
+        help="the path prefix a reverse proxy serves this server under, e.g. /deepinfer: the web page, "
+        "/docs and /openapi.json then link under it (default: none)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -72,6 +79,12 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {value}")
     return value
+
+
+def _root_path(text: str) -> str:
+    if text and not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"a root path starts with '/', got {text!r}")
+    return text.rstrip("/")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     logging.getLogger("deepinfer.serve").info("deepinfer serve: listening on http://%s:%d", args.host, args.port)
-    serve(server.app, sock, args.drain_timeout, args.log_level)
+    serve(server.app, sock, args.drain_timeout, args.log_level, args.root_path)
     if engine.tiers is not None:  # queued KV write-backs reach the store before exit
         engine.tiers.flush(timeout=args.drain_timeout + 30)
     if hasattr(engine, "shutdown"):  # a parallel engine's rank processes
@@ -157,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info") -> None:
+def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info", root_path: str = "") -> None:
     """Run ``app`` on the bound socket ``sock`` until SIGTERM / SIGINT (then drain)."""
     import uvicorn
 
@@ -166,7 +179,14 @@ def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         host, port = sock.getsockname()[:2]
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=drain_timeout,
+            root_path=root_path,
+        )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)

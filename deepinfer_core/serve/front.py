@@ -187,6 +187,14 @@ class EngineFront:
         parser found a stop sequence): freed like an abort, counted as a normal stop."""
         self._commands.put(("stop", request_id, None))
 
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Run ``fn()`` in the step thread between two steps (where reading the engine's state
+        is safe); the returned future resolves to its result or its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future), None))
+        return future
+
     def _release(self, request_id: str) -> None:
         self.abort(request_id)  # after the request's "add" in the queue; no-op once finished
         with self._lock:
@@ -231,6 +239,22 @@ class EngineFront:
                         self._on_early_stop(payload, entry[1].arrival)
                     else:
                         self._on_abort(payload)
+        elif kind == "call":
+            fn, loop, future = payload
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # handed to the caller, not the step thread's concern
+                result, error = None, exc
+
+            def resolve() -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(resolve)
         elif kind == "abort_all":
             for request_id in list(self._sinks):
                 self._handle("abort", request_id, None)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from recipe_testdata import GOLDEN
 from serve_harness import start_in_thread
+from web_browser import Console, launch_chromium, wait_idle
 
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint
 from deepinfer_recipe.deepseek_v4.dsml import V4_1_TAGS, V4_TAGS
@@ -458,3 +459,40 @@ def test_start_up_warms_the_tokenizer_and_compiles_nothing_the_server_does_not_u
         native.load.cache_clear()
     assert (said, built) == ("the V4 tokenizer is loaded", [])
     assert type(make_parser({})) is DeepSeekV4Parser  # the server's parser: no C front before it
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from launch_chromium()
+
+
+def test_thinking_and_tool_calls_render_apart_v4(browser, v4, force):
+    """DeepSeek-V4 (tiny random weights, the real tokenizer, encoding and parser) made to write
+    DeepSeek's own reference completion: reasoning, then a DSML tool call; the page shows the
+    reasoning in its fold and the call as DeepSeek's reference parse has it."""
+    golden = PARSE["thinking_tool_call"]
+    force(golden["completion"], by_character=False)
+    context = browser.new_context()
+    tab = context.new_page()
+    console = Console(tab)
+    tab.goto(f"{v4.base_url}/")
+    tab.wait_for_selector("body[data-ready=true]")
+    tab.check("#thinking")
+    tab.fill("#tools", json.dumps([WEATHER]))
+    tab.fill("#max-tokens", "200")
+    tab.fill("#prompt", "What's the weather in Beijing?")
+    tab.press("#prompt", "Enter")
+    wait_idle(tab)
+    assert tab.text_content(".msg.assistant details.thinking .reasoning") == golden["parsed"]["reasoning_content"]
+    assert tab.inner_text(".msg.assistant .content") == golden["parsed"]["content"]
+    calls = tab.locator(".msg.assistant .tool-call").all_inner_texts()
+    shown = [(c.split("(", 1)[0], json.loads(c.split("(", 1)[1][:-1])) for c in calls]
+    assert shown == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in golden["parsed"]["tool_calls"]
+    ]
+    tab.click("#tab-inspector")
+    tab.click("#inspect-run")
+    tab.wait_for_selector("#inspect-prompt .special")
+    assert "<｜User｜>" in tab.locator("#inspect-prompt .special").all_inner_texts()
+    assert console.errors == []
+    context.close()
