@@ -64,6 +64,34 @@ def test_fp8_fp4_checkpoint_greedy_tokens_match_transformers(quantized):
         assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), f"prompt of {len(p)} tokens"
 
 
+def test_fp8_projections_kept_fp8_match_transformers(quantized, monkeypatch):
+    """Where the platform has an FP8 GEMM the engine keeps the released FP8 projections (e4m3
+    bytes + UE8M0 tile scales) as they are. The CPU has no such kernel, so the check that offers
+    one is bypassed here: each kept module then dequantizes on the fly, which must give
+    transformers' logits and tokens as dequantizing at load does."""
+    from deepinfer_core.engine import loading
+    from deepinfer_core.models.fp8 import Fp8Linear, swap_in_fp8
+
+    path, hf = quantized
+    monkeypatch.setattr(loading, "keep_fp8", lambda model, files, host, platform: swap_in_fp8(model, files.fp8_names))
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16)
+    kept = {n for n, m in llm.engine.model.named_modules() if isinstance(m, Fp8Linear)}
+    layers = TINY_V4_CONFIG["num_hidden_layers"]
+    assert {f"model.layers.{i}.self_attn.q_a_proj" for i in range(layers)} <= kept
+    assert {f"model.layers.{i}.mlp.shared_experts.down_proj" for i in range(layers)} <= kept
+    fp8 = [m for m in llm.engine.model.modules() if isinstance(m, Fp8Linear)]
+    assert all(m.qweight.dtype == torch.uint8 for m in fp8)  # the stored bytes, not widened by .to(dtype)
+    for p in prompts():
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        assert (llm.engine.prompt_logits(p) - ref).abs().max().item() < 1e-4, f"prompt of {len(p)} tokens"
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    want = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16).generate(
+        prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+
+
 @pytest.mark.parametrize("kv_gib, max_num_seqs", [(0.02, 2), (0.05, 8)])
 def test_v4_plan_is_what_the_engine_allocates(quantized, kv_gib, max_num_seqs):
     path, _ = quantized
