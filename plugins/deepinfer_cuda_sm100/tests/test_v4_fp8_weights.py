@@ -63,3 +63,19 @@ def test_bf16_fp8_engine_runs_in_graphs_and_overlap_equals_serial(checkpoint):
     on = LLM(path, device="cuda", dtype="bfloat16", kv_cache_blocks=16, overlap_debug=True)
     off = LLM(path, device="cuda", dtype="bfloat16", kv_cache_blocks=16, overlap_scheduling=False)
     assert greedy(on, prompts) == greedy(off, prompts)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_v4_batch_invariant_request_alone_equals_in_a_batch(tmp_path, weights):
+    """``batch_invariant=True``: a V4 request's bf16 tokens do not depend on what it is batched
+    with (every V4 kernel and GEMM in its fixed-order mode), for a bf16 and an FP8 + MXFP4 file."""
+    write_tiny_v4_checkpoint(tmp_path, weights=weights, experts="fp4" if weights == "fp8" else "bf16", seed=5)
+    llm = LLM(
+        str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_blocks=128, max_num_seqs=32, batch_invariant=True
+    )
+    g = torch.Generator().manual_seed(9)
+    others = [torch.randint(2, TINY_V4_CONFIG["vocab_size"], (n,), generator=g).tolist() for n in range(3, 300, 10)]
+    probe = torch.randint(2, TINY_V4_CONFIG["vocab_size"], (77,), generator=g).tolist()
+    alone = greedy(llm, [probe])[0]
+    together = greedy(llm, others[:15] + [probe] + others[15:])[15]
+    assert alone == together
