@@ -130,9 +130,7 @@ class LLMEngine:
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
         # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
-        self.overlap = overlap.enabled(
-            config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
-        )
+        self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None)
         self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
         # a rank of a parallel group: agrees every step with the other ranks before its forward
@@ -288,11 +286,7 @@ class LLMEngine:
                     return self._step_overlapped()
                 try:
                     sched = self.scheduler.schedule()
-                    replay = (
-                        None
-                        if self.kv.state is None
-                        else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
-                    )
+                    replay = self._replays(sched)
                     if self.lockstep is not None:
                         self.lockstep.align(sched, replay)
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
@@ -330,7 +324,8 @@ class LLMEngine:
                 rows = self._sampling_rows(sched)
                 reqs = tuple(self.scheduler.requests[s.request_id] for s in sched.requests)
             if sched.requests:
-                self._in_flight = overlap.InFlight(self.runner.launch(sched, rows, None, fed), reqs, chain)
+                replay = None if cont is not None else self._replays(sched)  # a continuation's requests hold state
+                self._in_flight = overlap.InFlight(self.runner.launch(sched, rows, replay, fed), reqs, chain)
             if flight is not None:
                 outputs += self._commit(flight)
         except Exception as exc:  # no single request is at fault: fail them all
@@ -352,6 +347,12 @@ class LLMEngine:
         changed = self.scheduler.update(sched, sampled)
         outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in failed.items()]
         return outputs + [out for req in changed if (out := self._process(req)) is not None]
+
+    def _replays(self, sched: SchedulerOutput) -> SchedulerOutput | None:
+        """The state-KV replay steps ``sched`` needs first (models with state KV, see state_replay)."""
+        if self.kv.state is None:
+            return None
+        return replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}

@@ -51,10 +51,17 @@ class InFlight:
     chain: Chain | None = None  # set when the step is a continuation: what the next one may take as checked
 
 
-def enabled(setting: bool | None, device_type: str, has_tiers: bool, has_state: bool) -> bool:
+def enabled(setting: bool | None, device_type: str, has_tiers: bool) -> bool:
     """``None`` means on wherever the device runs asynchronously (not the CPU). Off with a
-    persistent KV store or per-request state KV, whose bookkeeping runs once per committed step."""
-    if has_tiers or has_state:
+    persistent KV store, whose write-back runs once per committed step.
+
+    Per-request state KV (DeepSeek-V4's window rings and compressor tails) overlaps like block
+    KV: a continuation's requests all hold their state slots already (nothing to replay), and
+    every step that may need a replay is built by ``schedule()`` after the step in flight was
+    committed, as in serial stepping. A slot freed at commit while the next step of its request
+    is still queued is safe for the reason freed blocks are: the device runs in queue order, and
+    a new owner's first step (from position 0 or a replay) rewrites the state it reads."""
+    if has_tiers:
         return False
     return device_type != "cpu" if setting is None else bool(setting)
 

@@ -233,9 +233,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             ]
             self.mtp = nn.ModuleList(mtp) if mtp else None
         self.mtp_unavailable = None if mtp else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
-        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
+        # cast while still on the meta device: materialising first in float32 and casting then
+        # held the whole model in float32 for a moment (twice the bf16 bytes: V4-mini's load peak)
         self.to(dtype=ctx.dtype)
         self.restore_float32()
+        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ropes = {

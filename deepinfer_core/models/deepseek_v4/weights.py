@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ...quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape
+from ...quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_block_shape, scale_to_float
 from .. import WeightsError
 
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -287,9 +287,29 @@ def is_released_layout(names) -> bool:
 
 def renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """For a model's ``load_weights``: every name in transformers' spelling (the MTP module keeps
-    its ``mtp.N.`` prefix). Already-renamed names pass unchanged."""
+    its ``mtp.N.`` prefix). Already-renamed names pass unchanged. The tile scales of a weight kept
+    FP8 (:func:`iter_weights` with ``keep``) arrive as ``X.weight_scale_inv``, the name the FP8
+    modules' ``checkpoint_slots`` give them."""
     for name, tensor in weights:
-        yield hf_name(released_name(name)), tensor
+        if name.endswith(".weight_scale_inv"):
+            yield hf_name(released_name(name[: -len("_scale_inv")])) + "_scale_inv", tensor
+        else:
+            yield hf_name(released_name(name)), tensor
+
+
+def fp8_weight_names(headers: dict[str, tuple[str, dict]]) -> frozenset[str]:
+    """transformers' names (``X.weight``) of a released checkpoint's FP8 e4m3 weights that come
+    with their UE8M0 tile scales: the weights a model may keep FP8 (``models.fp8.swap_in_fp8``).
+    The MTP module's are left out (it loads under its own prefix and stays dequantized)."""
+    if not is_released_layout(headers):
+        return frozenset()
+    names = {released_name(n): meta for n, (_, meta) in headers.items()}
+    return frozenset(
+        hf_name(n)
+        for n, meta in names.items()
+        if meta["dtype"] == "F8_E4M3" and n.endswith(".weight") and n[: -len("weight")] + "scale" in names
+        and not n.startswith("mtp.")
+    )  # fmt: skip
 
 
 def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None:
@@ -353,10 +373,13 @@ def _check_one(name: str, spec: TensorSpec, meta: dict, headers) -> tuple[str, s
 
 
 def iter_weights(
-    paths: list[str], headers: dict[str, tuple[str, dict]] | None = None
+    paths: list[str], headers: dict[str, tuple[str, dict]] | None = None, keep: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(transformers name, tensor)`` one at a time: FP8 / MXFP4 weights dequantized with their
-    scales, other floats as float32, integer tables unchanged. Scales are consumed, not yielded."""
+    scales, other floats as float32, integer tables unchanged. Scales are consumed, not yielded,
+    except for the FP8 weights named in ``keep`` (transformers' names, from
+    :func:`fp8_weight_names`): those pass as stored (float8 e4m3) followed by
+    ``X.weight_scale_inv``, their UE8M0 tile scales as float32 multipliers (exact: powers of two)."""
     from safetensors import safe_open
 
     headers = headers if headers is not None else read_headers(paths)
@@ -375,6 +398,10 @@ def iter_weights(
             if released and scale_name in canonical and meta["dtype"] in ("F8_E4M3", "I8", "U8"):
                 scale_stored = canonical[scale_name]
                 scale = handles[headers[scale_stored][0]].get_tensor(scale_stored)
+                if meta["dtype"] == "F8_E4M3" and hf_name(name) in keep:
+                    yield hf_name(name), tensor
+                    yield hf_name(name) + "_scale_inv", scale_to_float(scale)
+                    continue
                 tensor = dequant_fp4(tensor, scale) if meta["dtype"] != "F8_E4M3" else dequant_fp8_block(tensor, scale)
             elif tensor.is_floating_point():
                 tensor = tensor.float()

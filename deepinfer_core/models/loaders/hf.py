@@ -64,13 +64,29 @@ def _fp8_streams(config: dict, paths: list[str]):
     that let an engine keep them FP8); None for any other checkpoint."""
     from .fp8_checkpoint import is_fp8_block_checkpoint
 
-    if "DeepseekV4ForCausalLM" in (config.get("architectures") or []) or not is_fp8_block_checkpoint(config):
+    if "DeepseekV4ForCausalLM" in (config.get("architectures") or []):
+        return _v4_fp8_streams(config, paths)
+    if not is_fp8_block_checkpoint(config):
         return None
     from .fp8_checkpoint import fp8_index, iter_dequantized, iter_keeping
 
     index = fp8_index(paths)
     fields = {"fp8_weights": lambda keep: iter_keeping(paths, index, keep), "fp8_names": frozenset(index)}
     return (lambda: iter_dequantized(paths, index)), fields
+
+
+def _v4_fp8_streams(config: dict, paths: list[str]):
+    """DeepSeek-V4's released FP8 projections (UE8M0 tile scales), kept FP8 where the engine can
+    (the same fields as V3's FP8 blocks); None for a checkpoint without them."""
+    from ..deepseek_v4.weights import check_checkpoint, fp8_weight_names, iter_weights, read_headers
+
+    headers = read_headers(paths)
+    names = fp8_weight_names(headers)
+    if not names:
+        return None
+    check_checkpoint(config, headers)
+    fields = {"fp8_weights": lambda keep: iter_weights(paths, headers, keep), "fp8_names": names}
+    return (lambda: iter_weights(paths, headers)), fields
 
 
 def _checkpoint_reader(config: dict, paths: list[str]):
