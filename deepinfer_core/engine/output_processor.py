@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 
 
@@ -80,7 +80,13 @@ class OutputProcessor:
         # every snapshot of a request shares one copy of its prompt (as vLLM's outputs do): a
         # 256-request decode step copied 256 prompts per step; the engine's own list stays apart
         return RequestOutput(
-            req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0
+            req.request_id,
+            req.prompt,
+            prog.prompt_token_ids,
+            [completion],
+            finished,
+            req.num_cached_tokens or 0,
+            _metrics(req),
         )
 
     def finish(self, req: Request) -> RequestOutput:
@@ -101,8 +107,24 @@ class OutputProcessor:
             error=message,
         )
         return RequestOutput(
-            req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0
+            req.request_id,
+            req.prompt,
+            list(req.prompt_token_ids),
+            [completion],
+            True,
+            req.num_cached_tokens or 0,
+            _metrics(req),
         )
+
+
+_NO_METRICS = RequestMetrics()
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    """The request's metrics (one shared object for the usual request, which replayed nothing)."""
+    if not (req.num_replayed_tokens or req.window_cache_hits):
+        return _NO_METRICS
+    return RequestMetrics(req.num_replayed_tokens, req.window_cache_hits)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -1,9 +1,9 @@
 """Prometheus metrics, named like vLLM's where the meaning is the same (``deepinfer:`` prefix).
 
 One registry per server (no global state): latency histograms are observed in the step thread as
-outputs arrive, the engine's cumulative counters (prefix-cache queries and hits, preemptions) are
-mirrored after every step, 429s are counted by the HTTP layer. ``prometheus_client`` metrics are
-thread safe.
+outputs arrive, the engine's cumulative counters (prefix-cache queries and hits, preemptions,
+DeepSeek-V4's replayed tokens and window-cache queries and hits) are mirrored after every step,
+429s are counted by the HTTP layer. ``prometheus_client`` metrics are thread safe.
 """
 
 from __future__ import annotations
@@ -80,7 +80,21 @@ class ServerMetrics:
         self.rejected = counter(
             "deepinfer:requests_rejected", "Requests refused because the waiting queue was full (HTTP 429)."
         )
-        self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
+        self.swa_replayed = counter(
+            "deepinfer:swa_replayed_tokens",
+            "Tokens re-run to rebuild sliding-window state after prefix hits (DeepSeek-V4, --swa-replay).",
+        )
+        self.window_queries = counter(
+            "deepinfer:window_cache_queries",
+            "Prefix hits that looked for their sliding-window state in the window cache.",
+        )
+        self.window_hits = counter(
+            "deepinfer:window_cache_hits", "Prefix hits whose sliding-window state came from the window cache."
+        )
+        self._mirrored = dict.fromkeys(
+            ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "swa_replayed_tokens",
+             "window_cache_queries", "window_cache_hits"), 0,
+        )  # fmt: skip
 
     # -- called in the step thread ----------------------------------------------------------
     def on_output(self, out: RequestOutput, timing: StepTiming) -> None:
@@ -119,6 +133,9 @@ class ServerMetrics:
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
             ("preemptions", self.preemptions),
+            ("swa_replayed_tokens", self.swa_replayed),
+            ("window_cache_queries", self.window_queries),
+            ("window_cache_hits", self.window_hits),
         ):
             value = int(stats.get(key, 0))
             if value > self._mirrored[key]:
