@@ -164,9 +164,20 @@ def test_window_cache_byte_bound_evicts_the_oldest():
         cache.capture(name, 0, name.encode())
         cache.release(name, 0)
     assert list(cache.entries) == [b"b", b"c"] and cache.nbytes == 2 * entry_bytes and cache.evicted == 1
+    state[0][0].fill_(4)
+    cache.capture("d", 0, b"d")  # a running request's pending copy counts too: the oldest entry goes
+    assert list(cache.entries) == [b"c"] and cache.evicted == 2
+    state[0][1].fill_(5)
+    state[1][1].fill_(-5)
+    cache.capture("e", 1, b"e")
+    cache.capture("f", 2, b"f")  # pending copies fill the bound: not captured (its hits will replay)
+    assert list(cache.entries) == [] and "f" not in cache.pending and cache.not_captured == 1
+    cache.release("d", 0)
+    cache.release("e", 1)
+    assert list(cache.entries) == [b"d", b"e"] and cache.nbytes == 2 * entry_bytes and cache.pending_bytes == 0
     assert not cache.restore(b"a", lambda: 1)
-    assert cache.restore(b"b", lambda: 2)
-    assert bool((state[0][2] == 2).all()) and bool((state[1][2] == -2).all())
+    assert cache.restore(b"e", lambda: 2)
+    assert bool((state[0][2] == 5).all()) and bool((state[1][2] == -5).all())  # slot 1 at e's capture
     assert cache.stats()["window_cache_hits"] == 1 and cache.stats()["window_cache_queries"] == 2
     small = WindowCache(state, ttl_s=60.0, max_bytes=entry_bytes - 1)
     small.capture("x", 0, b"x")

@@ -141,7 +141,10 @@ class EngineConfig:
         metavar="SECONDS",
     )
     window_cache_gib: float = option(
-        1.0, "host memory the window cache may hold, GiB; the oldest entries go first", metavar="GIB"
+        4.0,
+        "host memory the window cache may hold (entries and running requests' copies), GiB; the oldest "
+        "entries go first (one entry is a request's state KV: 12 MiB for DeepSeek-V4-Flash in bfloat16)",
+        metavar="GIB",
     )
 
     def __post_init__(self) -> None:

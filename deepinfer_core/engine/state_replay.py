@@ -103,7 +103,9 @@ class StateRebuild:
             if end % bs:
                 continue
             req = requests.get(s.request_id)
-            if req is None or end // bs > len(req.block_keys) or not self.state.holds(s.request_id):
+            if req is None or req.num_computed_tokens != end or end // bs > len(req.block_keys):
+                continue  # gone, or not every scheduled token committed (the state may hold rejected drafts)
+            if not self.state.holds(s.request_id):
                 continue
             self.window_cache.capture(s.request_id, self.state.owner[s.request_id], req.block_keys[end // bs - 1])
 

@@ -43,8 +43,9 @@ class WindowCache:
 
     ``state``: per layer, the state tensors whose first dimension is the slot (for DeepSeek-V4
     ``[cache.window, cache.tail]``). ``ttl_s``: seconds an entry is served after its request
-    left; ``max_bytes``: the most the entries may hold (pending copies of running requests are
-    bounded by the number of slots and not counted)."""
+    left; ``max_bytes``: the most host memory the entries and the running requests' pending
+    copies hold together (a new pending copy first evicts the oldest entries; when the pending
+    copies alone fill it, a request is not captured and its later hits replay)."""
 
     def __init__(
         self,
@@ -59,13 +60,15 @@ class WindowCache:
         self.clock = clock
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # oldest first
         self.pending: dict[str, tuple[bytes, _Entry]] = {}  # request id -> its latest boundary copy
-        self.nbytes = 0
+        self.nbytes = 0  # held by entries
+        self.pending_bytes = 0  # held by pending copies
         self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.state)
         self._pin = any(t.device.type != "cpu" for t in self.state)
         self.queries = 0  # rebuilds looked up here (a request past position 0 without state)
         self.hits = 0
         self.evicted = 0
         self.expired = 0
+        self.not_captured = 0  # boundaries not saved: the bound was full of pending copies
 
     # -- producing ----------------------------------------------------------------------------
     def capture(self, request_id: str, slot: int, key: bytes) -> None:
@@ -75,8 +78,12 @@ class WindowCache:
         if old is not None:
             entry = old[1]
         else:
+            if self.ttl_s <= 0 or not self._make_room(self.slot_bytes):
+                self.not_captured += 1
+                return
             entry = _Entry([torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=self._pin) for t in self.state], 0)
             entry.nbytes = self.slot_bytes
+            self.pending_bytes += entry.nbytes
         for host, tensor in zip(entry.tensors, self.state):
             host.copy_(tensor[slot], non_blocking=self._pin)  # stream-ordered before any later step
         self.pending[request_id] = (key, entry)
@@ -85,25 +92,31 @@ class WindowCache:
         """The request gave its slot back (finished or preempted): its pending copy becomes an
         entry (``StateKVSlots.on_release``)."""
         got = self.pending.pop(request_id, None)
-        if got is None or self.ttl_s <= 0:
+        if got is None:
             return
         key, entry = got
-        if entry.nbytes > self.max_bytes:
-            return
+        self.pending_bytes -= entry.nbytes  # its room was made at capture: it moves, no eviction
         self.expire()
         if key in self.entries:
             self.nbytes -= self.entries.pop(key).nbytes
-        while self.entries and self.nbytes + entry.nbytes > self.max_bytes:
-            _, oldest = self.entries.popitem(last=False)
-            self.nbytes -= oldest.nbytes
-            self.evicted += 1
         entry.stored_at = self.clock()
         self.entries[key] = entry
         self.nbytes += entry.nbytes
 
     def forget(self, request_id: str) -> None:
         """Drop a request's pending copy without keeping it."""
-        self.pending.pop(request_id, None)
+        got = self.pending.pop(request_id, None)
+        if got is not None:
+            self.pending_bytes -= got[1].nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict the oldest entries until ``nbytes`` more fit; False when they cannot."""
+        self.expire()
+        while self.entries and self.nbytes + self.pending_bytes + nbytes > self.max_bytes:
+            _, oldest = self.entries.popitem(last=False)
+            self.nbytes -= oldest.nbytes
+            self.evicted += 1
+        return self.nbytes + self.pending_bytes + nbytes <= self.max_bytes
 
     # -- serving ------------------------------------------------------------------------------
     def restore(self, key: bytes, take_slot: Callable[[], int]) -> bool:
@@ -139,6 +152,7 @@ class WindowCache:
             "window_cache_bytes": self.nbytes,
             "window_cache_evicted": self.evicted,
             "window_cache_expired": self.expired,
+            "window_cache_not_captured": self.not_captured,
         }
 
 
