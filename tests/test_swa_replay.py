@@ -78,7 +78,7 @@ def test_exact_replay_rebuilds_the_state_as_a_full_prefill(tiny):
     llm.generate([base], greedy(1))
     out = llm.generate([base[:384] + suffix], greedy(10))[0]
     assert out.num_cached_tokens == 384
-    assert out.metrics.num_replayed_tokens == EXACT and out.metrics.window_cache_hits == 0
+    assert out.metrics["swa_num_replayed_tokens"] == EXACT and out.metrics["swa_window_cache_hits"] == 0
     assert llm.engine.stats()["swa_replayed_tokens"] == EXACT
     assert out.outputs[0].token_ids == hf_generate(hf, base[:384] + suffix, 10)
 
@@ -92,7 +92,7 @@ def test_compact_replays_keep_tokens_with_attention_bounded_to_them(sliding, kee
     # another request's window first: a replay that read the slot's old rows would see them
     llm.generate([tokens(200, 5)], greedy(3))
     out, logits = first_logits(llm, base[:256] + suffix, 8)
-    assert out.num_cached_tokens == 256 and out.metrics.num_replayed_tokens == keep
+    assert out.num_cached_tokens == 256 and out.metrics["swa_num_replayed_tokens"] == keep
     window = base[256 - keep : 256] + suffix  # what the bounded replay + suffix can see
     with torch.no_grad():
         ref = hf(torch.tensor([window])).logits[0, -1].float()
@@ -112,7 +112,7 @@ def test_compact_keep_past_exact_is_exact_and_too_small_a_keep_is_refused(tiny):
     llm = engine(path, window_cache_seconds=0, swa_replay="compact")  # keep 140 > 76: exact already
     llm.generate([base], greedy(1))
     out = llm.generate([base[:256] + suffix], greedy(8))[0]
-    assert out.metrics.num_replayed_tokens == EXACT
+    assert out.metrics["swa_num_replayed_tokens"] == EXACT
     assert out.outputs[0].token_ids == hf_generate(hf, base[:256] + suffix, 8)
     with pytest.raises(ValueError, match="swa_replay_keep=15 is too small.*at least 16"):
         engine(path, swa_replay="compact", swa_replay_keep=15)  # the HCA tail holds 16 positions
@@ -127,7 +127,7 @@ def test_window_cache_hit_needs_no_replay_and_gives_the_tokens_of_no_cache(tiny,
     turn = tokens(380, 8) + first.outputs[0].token_ids + tokens(7, 9)
     out = llm.generate([turn], greedy(10))[0]
     assert out.num_cached_tokens == 384
-    assert out.metrics.window_cache_hits == 1 and out.metrics.num_replayed_tokens == 0
+    assert out.metrics["swa_window_cache_hits"] == 1 and out.metrics["swa_num_replayed_tokens"] == 0
     stats = llm.engine.stats()
     assert stats["window_cache_hits"] == stats["window_cache_queries"] == 1 and stats["swa_replayed_tokens"] == 0
     assert out.outputs[0].token_ids == hf_generate(hf, turn, 10)  # exact state even in compact mode
@@ -142,10 +142,10 @@ def test_window_cache_entries_expire_on_the_clock(tiny):
     first = llm.generate([prompt], greedy(5))[0]  # state saved at 384, kept from t = 1000
     turn = prompt + first.outputs[0].token_ids + tokens(3, 11)
     now[0] += 179.0
-    assert llm.generate([turn], greedy(4))[0].metrics.window_cache_hits == 1
+    assert llm.generate([turn], greedy(4))[0].metrics["swa_window_cache_hits"] == 1
     now[0] += 181.0  # the entry was stored again when that request left (t = 1179): now past 180 s
     late = llm.generate([turn], greedy(4))[0]
-    assert late.metrics.window_cache_hits == 0 and late.metrics.num_replayed_tokens == EXACT
+    assert late.metrics["swa_window_cache_hits"] == 0 and late.metrics["swa_num_replayed_tokens"] == EXACT
     assert llm.engine.stats()["window_cache_expired"] == 1
     assert late.outputs[0].token_ids == hf_generate(hf, turn, 4)
 

@@ -16,7 +16,7 @@ max) and greedy agreement (compact's argmax = exact's token). A third engine wit
 caching checks that exact replay is exact (its KL against no cache). Where ``keep`` reaches the
 layout's exact replay length, compact is exact replay (marked "= exact").
 
-Part 2, prefill tokens computed per request (``RequestOutput.metrics.num_replayed_tokens`` +
+Part 2, prefill tokens computed per request (``RequestOutput.metrics["swa_num_replayed_tokens"]`` +
 uncached prompt tokens) as the cached context grows, on the window-128 model: exact replay grows
 with the context until ``layers * (window - 1) + window``, compact stays at ``keep``; the line for
 the released DeepSeek-V4-Flash layout (43 layers) is computed from its layout, not run.
@@ -150,14 +150,14 @@ def error_rows(models, args, context: int, more_keeps: tuple[int, ...] = ()) -> 
                 compact = engine(path, block, window_cache_seconds=0, swa_replay="compact", swa_replay_keep=keep)
                 got = run_hits(compact, bases, queries, args.new, force=[t for t, _, _ in exact])
                 note = ""
-            replayed = [o.metrics.num_replayed_tokens for _, _, o in got]
+            replayed = [o.metrics["swa_num_replayed_tokens"] for _, _, o in got]
             row = {
                 "config": name,
                 "window": window,
                 "layers": len(layout.layers),
                 "context": context,
                 "exact_replay_tokens": exact_n,
-                "exact_replayed": [o.metrics.num_replayed_tokens for _, _, o in exact],
+                "exact_replayed": [o.metrics["swa_num_replayed_tokens"] for _, _, o in exact],
                 "keep": keep,
                 "replayed": replayed,
                 "note": note,
@@ -192,8 +192,8 @@ def prefill_rows(path: str, args) -> list[dict]:
             llm.generate([base], params, use_tqdm=False)
             o = llm.generate([query], params, use_tqdm=False)[0]
             assert o.num_cached_tokens == context
-            row[f"{mode}_replayed"] = o.metrics.num_replayed_tokens
-            row[mode] = o.metrics.num_replayed_tokens + len(query) - o.num_cached_tokens
+            row[f"{mode}_replayed"] = o.metrics["swa_num_replayed_tokens"]
+            row[mode] = o.metrics["swa_num_replayed_tokens"] + len(query) - o.num_cached_tokens
         row["compact_over_exact"] = row["compact"] / row["exact"]
         rows.append(row)
         print(

@@ -109,7 +109,7 @@ class LLMEngine:
                 self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,
                 max_num_seqs=config.max_num_seqs, max_blocks=-(-self.max_model_len // bs),
             )  # fmt: skip
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, state_metrics=state is not None)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self.limits = validation.ModelLimits(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 
 
@@ -19,8 +19,9 @@ class _Progress:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, state_metrics: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.state_metrics = state_metrics  # the model keeps state KV: snapshots carry its replay counts
         self._progress: dict[str, _Progress] = {}
 
     def add(self, req: Request) -> None:
@@ -86,7 +87,7 @@ class OutputProcessor:
             [completion],
             finished,
             req.num_cached_tokens or 0,
-            _metrics(req),
+            _state_metrics(req) if self.state_metrics else None,
         )
 
     def finish(self, req: Request) -> RequestOutput:
@@ -113,18 +114,12 @@ class OutputProcessor:
             [completion],
             True,
             req.num_cached_tokens or 0,
-            _metrics(req),
+            _state_metrics(req) if self.state_metrics else None,
         )
 
 
-_NO_METRICS = RequestMetrics()
-
-
-def _metrics(req: Request) -> RequestMetrics:
-    """The request's metrics (one shared object for the usual request, which replayed nothing)."""
-    if not (req.num_replayed_tokens or req.window_cache_hits):
-        return _NO_METRICS
-    return RequestMetrics(req.num_replayed_tokens, req.window_cache_hits)
+def _state_metrics(req: Request) -> dict:
+    return {"swa_num_replayed_tokens": req.num_replayed_tokens, "swa_window_cache_hits": req.window_cache_hits}
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

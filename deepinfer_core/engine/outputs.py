@@ -21,14 +21,6 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
-    """What serving the request cost beyond its own tokens (DeepSeek-V4 state KV)."""
-
-    num_replayed_tokens: int = 0  # tokens re-run to rebuild sliding-window state after prefix hits
-    window_cache_hits: int = 0  # prefix hits whose window state came from the window cache instead
-
-
 @dataclass
 class RequestOutput:
     request_id: str
@@ -37,4 +29,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # models with per-request state KV (DeepSeek-V4): {"swa_num_replayed_tokens": tokens re-run to
+    # rebuild sliding-window state after prefix hits, "swa_window_cache_hits": hits whose state came
+    # from the window cache instead}; None for other models
+    metrics: dict | None = None

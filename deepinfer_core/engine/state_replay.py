@@ -34,7 +34,8 @@ from .window_cache import WindowCache
 
 class StateRebuild:
     """How one engine rebuilds state KV: the replay length of its mode, and its window cache
-    (None: off). Counts replayed tokens per request (``Request.num_replayed_tokens``) and in all."""
+    (None: off). Counts replayed tokens per request (``Request.num_replayed_tokens``, reported in
+    ``RequestOutput.metrics``) and in all."""
 
     def __init__(
         self,
