@@ -274,11 +274,10 @@ class LLMEngine:
                     return self._step_overlapped()
                 try:
                     sched = self.scheduler.schedule()
-                    replay = None if self.rebuild is None else self.rebuild.replays(sched, self.scheduler.requests)
-                    result = self.runner.execute(sched, self._sampling_rows(sched), replay)
+                    result = self.runner.execute(sched, self._sampling_rows(sched), self._replays(sched))
                     changed = self.scheduler.update(sched, result.sampled)
                     if self.rebuild is not None:  # before any request finishes: its state at a block boundary
-                        self.rebuild.after_step(sched, self.scheduler.requests)
+                        self.rebuild.after_step(sched, self.scheduler.requests)  # serial steps only (see there)
                     if self.tiers is not None:  # new full blocks -> host -> store (writer thread)
                         self.tiers.write_back(
                             [
@@ -334,6 +333,13 @@ class LLMEngine:
         changed = self.scheduler.update(sched, sampled)
         outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in failed.items()]
         return outputs + [out for req in changed if (out := self._process(req)) is not None]
+
+    def _replays(self, sched: SchedulerOutput) -> SchedulerOutput | None:
+        """The state-KV replay steps ``sched`` needs first, after the window cache served what it
+        holds (models with state KV, see state_replay)."""
+        if self.rebuild is None:
+            return None
+        return self.rebuild.replays(sched, self.scheduler.requests)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}

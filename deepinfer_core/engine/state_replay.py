@@ -95,7 +95,10 @@ class StateRebuild:
         return cache.restore(key, lambda: self.state.slot(req.request_id))
 
     def after_step(self, sched: SchedulerOutput, requests: dict) -> None:
-        """Save the state of requests this step left exactly on a block boundary (window cache)."""
+        """Save the state of requests this step left exactly on a block boundary (window cache).
+        Serial steps only, right after the step's forward: with a later step already queued
+        behind it (overlapped scheduling) the slot would be copied after that step moved it on,
+        under this boundary's key. Not called there, the window cache only misses (replays)."""
         if self.window_cache is None:
             return
         bs = self.block_size
