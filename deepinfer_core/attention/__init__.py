@@ -217,7 +217,9 @@ class V4AttentionBackend(Protocol):
         """Read each request's last ``window - 1`` keys from its state ring (``meta.state_slots``),
         attend over them, the new keys and the compressed entries, then store the new keys in
         the ring. Entries of window ``w`` are visible to position ``p`` when ``(w + 1) * ratio
-        <= p + 1``; they are read from ``cache.entries`` through ``meta.block_tables``."""
+        <= p + 1``; they are read from ``cache.entries`` through ``meta.block_tables``. A replay
+        (``meta.replay``) reads no ring rows: its window attention sees only the replayed tokens
+        (positions from each request's first new token), as the bounded replay needs."""
         ...
 
     # Optional: ``index_scores(q, weights, entries, key_col, positions, batch, ratio, n_max, scale, meta)``

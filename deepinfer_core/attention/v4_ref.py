@@ -8,7 +8,9 @@ Per request (exact lengths, so results never depend on the rest of the batch):
     softmax over the scores plus one sink logit per head; the sink takes mass but adds nothing
     out_t = sum_j prob(t, j) key_j        (K = V)
 
-then the new keys go into the ring at ``pos % rows``.
+then the new keys go into the ring at ``pos % rows``. A replay (``meta.replay``: tokens re-run
+to rebuild state KV after a prefix hit) reads no ring rows before its first position: its window
+attention is bounded to the replayed tokens, whatever the slot held before (engine/state_replay.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class TorchV4AttentionBackend:
     def forward_v4(self, spec: AttentionLayerSpec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
         if spec.kind not in SUPPORTED_V4:
             raise ValueError(f"{self.name} does not implement attention kind {spec.kind.value!r}")
-        if meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not meta.batch_invariant:
+        if meta.max_query_len == 1 and q.shape[0] == meta.num_requests and not (meta.batch_invariant or meta.replay):
             return self._decode(spec, q, kv, sinks, cache, meta, selected)
         out = q.new_empty(q.shape)
         starts = meta.query_start_loc.tolist()
@@ -46,7 +48,7 @@ class TorchV4AttentionBackend:
                 continue
             e = ends[r]
             s = e - (b - a)
-            lo = max(0, s - W + 1)
+            lo = s if meta.replay else max(0, s - W + 1)  # a replay's window starts at the replay (bounded)
             old = ring[slot, torch.arange(lo, s, device=q.device) % rows].to(kv.dtype)
             keys = torch.cat([old, kv[a:b]], dim=0)  # positions lo..e-1
             pos = meta.positions[a:b]

@@ -32,6 +32,7 @@ _DTYPES = {
     "half": "float16",
 }
 DTYPE_NAMES = ("auto", "lowbit", *_DTYPES)
+SWA_REPLAY_MODES = ("exact", "compact")
 
 
 def option(
@@ -150,6 +151,26 @@ class EngineConfig:
         "placement (EPLB, docs/eplb.md; DeepSeek: 1000); 0: off",
         metavar="STEPS",
     )
+    swa_replay: str = option(
+        "exact",
+        "how a prefix hit whose sliding-window state is not cached rebuilds it (DeepSeek-V4): exact re-runs "
+        "enough tokens before the hit for exact state; compact re-runs only the last --swa-replay-keep tokens "
+        "with attention bounded to them (constant cost, approximate: docs/kv-cache.md gives its measured error)",
+        choices=SWA_REPLAY_MODES,
+    )
+    swa_replay_keep: int = option(140, "tokens a compact replay re-runs before the hit", metavar="TOKENS")
+    window_cache_seconds: float = option(
+        180.0,
+        "how long the sliding-window state of a finished request stays in host memory for a later request "
+        "with the same prefix on this instance (DeepSeek-V4; 0: off); never written to the KV store",
+        metavar="SECONDS",
+    )
+    window_cache_gib: float = option(
+        4.0,
+        "host memory the window cache may hold (entries and running requests' copies), GiB; the oldest "
+        "entries go first (one entry is a request's state KV: 12 MiB for DeepSeek-V4-Flash in bfloat16)",
+        metavar="GIB",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -177,6 +198,18 @@ class EngineConfig:
             raise ValueError(f"kv_host_pool_gib must be > 0, got {self.kv_host_pool_gib}")
         if self.dtype not in ("auto", "lowbit") and self.dtype not in _DTYPES and not _is_torch_dtype(self.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
+        if self.swa_replay not in SWA_REPLAY_MODES:
+            raise ValueError(f"unknown swa_replay {self.swa_replay!r}; use one of {', '.join(SWA_REPLAY_MODES)}")
+        if (
+            isinstance(self.swa_replay_keep, bool)
+            or not isinstance(self.swa_replay_keep, int)
+            or self.swa_replay_keep < 1
+        ):
+            raise ValueError(f"swa_replay_keep must be an integer >= 1, got {self.swa_replay_keep!r}")
+        if not self.window_cache_seconds >= 0:
+            raise ValueError(f"window_cache_seconds must be >= 0 (0: off), got {self.window_cache_seconds}")
+        if not self.window_cache_gib > 0:
+            raise ValueError(f"window_cache_gib must be > 0, got {self.window_cache_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
 

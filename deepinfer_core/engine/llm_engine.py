@@ -35,7 +35,8 @@ from .sampler import SamplingRow, sampling_row
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from .state_kv_manager import StateKVSlots
-from .state_replay import replays_needed
+from .state_replay import StateRebuild
+from .window_cache import WindowCache, state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,10 @@ class LLMEngine:
         scratch = 1 if graphs is not None else 0  # block num_blocks: where padded graph rows write
         kv_caches = sizing.allocate(self.num_blocks + scratch, self.device)
         state = StateKVSlots(sizing.num_state_slots) if sizing.num_state_slots else None  # DeepSeek-V4
-        # tokens re-run to rebuild state KV after a prefix hit (exact; see state_replay)
-        self.replay_tokens = self.model.kv_layout(bs).exact_replay_tokens if state is not None else 0
         self.kv = KVCacheManager(self.num_blocks, bs, namespace if config.enable_prefix_caching else None)
         self.kv.state = state
+        # state KV after a prefix hit: the window cache, else a replay (exact or compact; see state_replay)
+        self.rebuild = None if state is None else _state_rebuild(config, self.model.kv_layout(bs), state, kv_caches)
         self.tiers = None if config.kv_store is None else kv_tiers.open_tiers(
             config.kv_store, namespace=namespace, kv=self.kv, kv_caches=kv_caches,
             shapes_one_two=kv_tiers.cache_shapes(sizing), device=self.device, capacity_gib=config.kv_store_gib,
@@ -120,7 +121,7 @@ class LLMEngine:
                 self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,
                 max_num_seqs=config.max_num_seqs, max_blocks=-(-self.max_model_len // bs),
             )  # fmt: skip
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, state_metrics=state is not None)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self.limits = validation.ModelLimits(
@@ -291,6 +292,8 @@ class LLMEngine:
                         self.lockstep.align(sched, replay)
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
                     changed = self.scheduler.update(sched, result.sampled)
+                    if self.rebuild is not None:  # before any request finishes: its state at a block boundary
+                        self.rebuild.after_step(sched, self.scheduler.requests)  # serial steps only (see there)
                     if self.tiers is not None:  # new full blocks -> host -> store (writer thread)
                         self.tiers.write_back(
                             [
@@ -349,10 +352,11 @@ class LLMEngine:
         return outputs + [out for req in changed if (out := self._process(req)) is not None]
 
     def _replays(self, sched: SchedulerOutput) -> SchedulerOutput | None:
-        """The state-KV replay steps ``sched`` needs first (models with state KV, see state_replay)."""
-        if self.kv.state is None:
+        """The state-KV replay steps ``sched`` needs first, after the window cache served what it
+        holds (models with state KV, see state_replay)."""
+        if self.rebuild is None:
             return None
-        return replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
+        return self.rebuild.replays(sched, self.scheduler.requests)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}
@@ -435,7 +439,25 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.hits,
             "preemptions": self.scheduler.num_preemptions,
             **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
+            **(self.rebuild.stats() if self.rebuild is not None else {}),
         }
+
+
+def _state_rebuild(config: EngineConfig, layout, state: StateKVSlots, kv_caches) -> StateRebuild:
+    """The engine's state-KV rebuild (replay mode, window cache) from its options."""
+    cache = None
+    if config.window_cache_seconds > 0 and config.enable_prefix_caching:  # entries are keyed by prefix hashes
+        cache = WindowCache(state_tensors(kv_caches), config.window_cache_seconds, int(config.window_cache_gib * 2**30))
+        state.on_release = cache.release
+    return StateRebuild(
+        state,
+        config.block_size,
+        layout.exact_replay_tokens,
+        config.swa_replay,
+        config.swa_replay_keep,
+        layout.min_replay_tokens,
+        cache,
+    )
 
 
 def _params_copy(params) -> SamplingParams:

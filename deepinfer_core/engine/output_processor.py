@@ -19,8 +19,9 @@ class _Progress:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, state_metrics: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.state_metrics = state_metrics  # the model keeps state KV: snapshots carry its replay counts
         self._progress: dict[str, _Progress] = {}
 
     def add(self, req: Request) -> None:
@@ -80,7 +81,13 @@ class OutputProcessor:
         # every snapshot of a request shares one copy of its prompt (as vLLM's outputs do): a
         # 256-request decode step copied 256 prompts per step; the engine's own list stays apart
         return RequestOutput(
-            req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0
+            req.request_id,
+            req.prompt,
+            prog.prompt_token_ids,
+            [completion],
+            finished,
+            req.num_cached_tokens or 0,
+            _state_metrics(req) if self.state_metrics else None,
         )
 
     def finish(self, req: Request) -> RequestOutput:
@@ -101,8 +108,18 @@ class OutputProcessor:
             error=message,
         )
         return RequestOutput(
-            req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0
+            req.request_id,
+            req.prompt,
+            list(req.prompt_token_ids),
+            [completion],
+            True,
+            req.num_cached_tokens or 0,
+            _state_metrics(req) if self.state_metrics else None,
         )
+
+
+def _state_metrics(req: Request) -> dict:
+    return {"swa_num_replayed_tokens": req.num_replayed_tokens, "swa_window_cache_hits": req.window_cache_hits}
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -29,3 +29,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # models with per-request state KV (DeepSeek-V4): {"swa_num_replayed_tokens": tokens re-run to
+    # rebuild sliding-window state after prefix hits, "swa_window_cache_hits": hits whose state came
+    # from the window cache instead}; None for other models
+    metrics: dict | None = None

@@ -35,6 +35,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_replayed_tokens: int = 0  # tokens re-run to rebuild state KV after prefix hits (engine/state_replay.py)
+    window_cache_hits: int = 0  # prefix hits whose state KV came from the window cache (no replay)
     num_stored_blocks: int = 0  # leading full blocks already handed to the KV store writer
     final_only: bool = (
         False  # its caller reads only the last output (LLM.generate, non-streamed HTTP): first and last snapshot only

@@ -16,6 +16,9 @@ class StateKVSlots:
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.owner: dict[str, int] = {}  # request id -> slot
+        # called as on_release(request_id, slot) before a slot goes back (its state still there):
+        # the window cache keeps what it saved of the request (engine/window_cache.py)
+        self.on_release = None
 
     def slot(self, request_id: str) -> int:
         """The request's slot, taken on first use."""
@@ -35,4 +38,6 @@ class StateKVSlots:
     def release(self, request_id: str) -> None:
         slot = self.owner.pop(request_id, None)
         if slot is not None:
+            if self.on_release is not None:
+                self.on_release(request_id, slot)
             self.free_slots.append(slot)

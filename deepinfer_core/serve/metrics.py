@@ -1,9 +1,9 @@
 """Prometheus metrics, named like vLLM's where the meaning is the same (``deepinfer:`` prefix).
 
 One registry per server (no global state): latency histograms are observed in the step thread as
-outputs arrive, the engine's cumulative counters (prefix-cache queries and hits, preemptions) are
-mirrored after every step, 429s are counted by the HTTP layer. ``prometheus_client`` metrics are
-thread safe.
+outputs arrive, the engine's cumulative counters (prefix-cache queries and hits, preemptions;
+DeepSeek-V4's replayed tokens and window-cache queries and hits) are mirrored after every step,
+429s are counted by the HTTP layer. ``prometheus_client`` metrics are thread safe.
 """
 
 from __future__ import annotations
@@ -74,6 +74,21 @@ class ServerMetrics:
             "deepinfer:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
         )
         self.generation_tokens = counter("deepinfer:generation_tokens", "Generated tokens.")
+        # DeepSeek-V4 state KV after prefix hits (engine/state_replay.py): engine stats key -> counter
+        self.state_kv = {
+            "swa_replayed_tokens": counter(
+                "deepinfer:swa_replayed_tokens",
+                "Tokens re-run to rebuild sliding-window state after prefix hits (DeepSeek-V4, --swa-replay).",
+            ),
+            "window_cache_queries": counter(
+                "deepinfer:window_cache_queries",
+                "Prefix hits that looked for their sliding-window state in the window cache.",
+            ),
+            "window_cache_hits": counter(
+                "deepinfer:window_cache_hits", "Prefix hits whose sliding-window state came from the window cache."
+            ),
+        }
+        self._state_kv_mirrored = dict.fromkeys(self.state_kv, 0)
         self.request_success = counter(
             "deepinfer:request_success", "Finished requests by finish reason.", ("finished_reason",)
         )
@@ -112,6 +127,11 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, "stop").inc()
 
     def on_step(self, stats: dict) -> None:
+        for key, metric in self.state_kv.items():
+            value = int(stats.get(key, 0))
+            if value > self._state_kv_mirrored[key]:
+                metric.inc(value - self._state_kv_mirrored[key])
+                self._state_kv_mirrored[key] = value
         self.running.set(stats.get("running", 0))
         self.waiting.set(stats.get("waiting", 0))
         self.kv_usage.set(stats.get("kv_usage", 0.0))

@@ -84,6 +84,14 @@ class V4KVLayout:
         back = self.layers[0].window_rows - self.num_speculative_tokens if self.layers else 0
         return max((l * back + max(back, layer.tail_rows) for l, layer in enumerate(self.layers)), default=0)
 
+    @property
+    def min_replay_tokens(self) -> int:
+        """The fewest tokens a bounded (compact) replay may re-run: then it rewrites every window
+        ring row and compressor tail row a later step reads (``max(window - 1, tail rows)`` of
+        one layer), so nothing of the slot's previous owner survives in the state."""
+        back = self.layers[0].window_rows - self.num_speculative_tokens if self.layers else 0
+        return max((max(back, layer.tail_rows) for layer in self.layers), default=0)
+
     def block_bytes_by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for layer in self.layers:

@@ -43,7 +43,8 @@ class TritonV4Attention(TorchV4AttentionBackend):
     def forward_v4(self, spec, q, kv, sinks, cache, meta: AttentionMetadata, selected=None):
         from .kernels.v4_attention import supported_head_dim, v4_attention
 
-        if spec.kind not in SUPPORTED_V4 or not supported_head_dim(spec.head_dim):
+        if spec.kind not in SUPPORTED_V4 or not supported_head_dim(spec.head_dim) or meta.replay:
+            # a replay's window is bounded to the replayed tokens (the reference does that; rare, short)
             return super().forward_v4(spec, q, kv, sinks, cache, meta, selected)
         if spec.kind is AttentionKind.COMPRESSED_SPARSE and selected is None:
             raise ValueError(
