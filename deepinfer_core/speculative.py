@@ -3,8 +3,8 @@ each proposal to verify this step. Registered through ``deepinfer_register_spec_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -12,6 +12,7 @@ __all__ = [
     "ConfidenceScheduledVerification",
     "DraftBatch",
     "Drafter",
+    "DrafterContext",
     "DrafterFactory",
     "FixedLengthVerification",
     "VerificationPolicy",
@@ -21,21 +22,41 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DraftBatch:
-    """The running requests a drafter proposes for (device tensors)."""
+    """The running requests a drafter proposes for, one row each (R rows).
 
-    last_token_ids: torch.Tensor  # [R]
-    positions: torch.Tensor  # [R], position of the last token
-    # [R, D] last hidden state, for MTP-style drafters ([R, hc, D] streams for DeepSeek-V4: model.hidden_streams)
-    hidden: torch.Tensor | None = None
+    ``last_token_ids[r]`` is request r's newest committed token: sampled by the target, NOT yet
+    in the target's KV cache; ``positions[r]`` is its position (the request's committed length
+    minus one). Drafts continue the sequence at ``positions + 1, positions + 2, ...``.
+    ``hidden[r]`` is the target's last decoder layer output BEFORE the final norm at position
+    ``positions[r] - 1`` (the hidden state whose logits produced ``last_token_ids[r]``): [R, D],
+    or [R, hc, D] hyper-connection streams for DeepSeek-V4; None when the engine was not asked
+    for it (a drafter that needs it sets ``needs_hidden = True``). ``token_ids[r]`` is the
+    request's whole committed history (prompt + output, ending with ``last_token_ids[r]``) as a
+    host list, for model-free drafters (n-gram); None when the engine did not build it (a drafter
+    that needs it sets ``needs_token_ids = True``).
+    """
+
+    last_token_ids: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64, position of last_token_ids
+    hidden: torch.Tensor | None = None  # [R, D] or [R, hc, D]
+    request_ids: tuple[str, ...] = ()
+    token_ids: list[list[int]] | None = field(default=None, compare=False, repr=False)
 
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Proposes draft tokens. Optional attributes the engine reads when present:
+    ``needs_hidden`` / ``needs_token_ids`` (bool, default False: fill those DraftBatch fields),
+    ``release(request_id)`` (called when a request finishes or is preempted). A drafter that keeps
+    per-request state (its own KV cache) truncates it to ``positions`` at every call: drafts the
+    target rejected are never committed."""
+
     name: str
 
     def propose(self, batch: DraftBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(draft_ids [R, num_tokens], confidences [R, num_tokens])``; confidence k is the
-        drafter's probability that draft k is accepted given drafts < k were."""
+        """``(draft_ids [R, num_tokens] int64, confidences [R, num_tokens] float in [0, 1])``;
+        confidence k is the drafter's probability that draft k is accepted given drafts < k
+        were. ``num_tokens`` >= 1."""
         ...
 
 
@@ -80,5 +101,23 @@ class ConfidenceScheduledVerification:
         return chosen.view(num_reqs, gamma).sum(dim=1)
 
 
-DrafterFactory = Callable[[dict], Drafter]
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a drafter factory gets besides the user's ``speculative_config`` dict.
+
+    ``model``: the loaded target (a :class:`~deepinfer_core.models.CausalLM`: its ``config``
+    dict, ``embed_tokens``/``lm_head`` style modules for drafters that share them);
+    ``model_path``: the target's resolved path or alias; ``device`` / ``dtype``: where and in
+    what the target computes; ``tokenizer``: the target's tokenizer or None."""
+
+    model: Any
+    model_path: str = ""
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    tokenizer: Any = None
+
+
+#: ``factory(config, ctx) -> Drafter``: ``config`` is the whole ``speculative_config`` dict
+#: (``method``, ``num_speculative_tokens``, ``model`` for ``"draft"``, ...).
+DrafterFactory = Callable[[dict, DrafterContext], Drafter]
 VerificationPolicyFactory = Callable[[dict], VerificationPolicy]
