@@ -17,6 +17,7 @@ __all__ = [
     "FixedLengthVerification",
     "VerificationPolicy",
     "VerificationPolicyFactory",
+    "rejection_sample",
 ]
 
 
@@ -99,6 +100,55 @@ class ConfidenceScheduledVerification:
         if k > 0:
             chosen[torch.topk(survival.flatten(), k).indices] = 1
         return chosen.view(num_reqs, gamma).sum(dim=1)
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard speculative acceptance rule (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft k is accepted with probability min(1, p_k(d_k) / q_k(d_k)) while every earlier one was;
+    at the first rejection a token is drawn from norm(max(0, p_k - q_k)); when all are accepted a
+    bonus token is drawn from the target's next distribution. The emitted tokens are then
+    distributed exactly as sampling the target alone.
+
+    ``target_probs`` [R, k+1, V] (row k: the distribution after all k drafts), ``draft_ids`` [R, k],
+    ``draft_probs`` [R, k, V] or None for deterministic drafters (q one-hot at the draft: accept
+    with probability p(d), else draw from p without d). Returns ``(tokens [R, k+1], num_accepted
+    [R])``: ``tokens[r, :num_accepted[r] + 1]`` are emitted (the accepted drafts, then the
+    correction or bonus token); the rest is padding. Device ops only, no host synchronisation.
+
+    The engine itself verifies deterministic drafts by comparing each draft with the token its
+    seeded sampler draws at that position (engine/spec_verify.py): the same law for one-hot q,
+    and it reproduces the non-speculative output token for token.
+    """
+    num_reqs, k = draft_ids.shape
+    p = target_probs.float()
+    vocab = p.shape[-1]
+    rows = torch.arange(num_reqs, device=p.device)
+    if draft_probs is None:
+        q = torch.zeros(num_reqs, k, vocab, device=p.device).scatter_(2, draft_ids.unsqueeze(-1), 1.0)
+    else:
+        q = draft_probs.float()
+    p_draft = p[:, :k].gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)  # [R, k]
+    q_draft = q.gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand(num_reqs, k, device=p.device, generator=generator)
+    accept = u * q_draft < p_draft  # u < p/q without dividing by a zero q
+    num_accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [R]
+    # the distribution the next token is drawn from: residual at the first rejection, else p_k
+    residual = (p[:, :k] - q).clamp(min=0)  # [R, k, V]
+    residual = torch.cat([residual, p[:, k:]], dim=1)  # [R, k+1, V]: the bonus row is p itself
+    chosen = residual[rows, num_accepted]  # [R, V]
+    total = chosen.sum(-1, keepdim=True)
+    # a residual that is all zero (p == q) cannot be reached: acceptance then has probability 1
+    chosen = torch.where(total > 0, chosen / total.clamp(min=1e-30), p[rows, num_accepted])
+    extra = torch.multinomial(chosen, 1, generator=generator).squeeze(-1)  # [R]
+    tokens = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], dim=1)
+    tokens[rows, num_accepted] = extra
+    return tokens, num_accepted
 
 
 @dataclass(frozen=True)
