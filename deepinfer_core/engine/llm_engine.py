@@ -110,8 +110,7 @@ class LLMEngine:
                 self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,
                 max_num_seqs=config.max_num_seqs, max_blocks=-(-self.max_model_len // bs),
             )  # fmt: skip
-        self.spec = None if spec_cfg is None else self._spec_decoder(spec_cfg, state is not None)
-        self.outputs = OutputProcessor(self.tokenizer, spec_metrics=self.spec is not None)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self.limits = validation.ModelLimits(
@@ -120,6 +119,9 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
+        # speculative decoding (engine/spec_decode.py); DSpark may time a few forwards here
+        self.spec = None if spec_cfg is None else self._spec_decoder(spec_cfg)
+        self.outputs.spec_metrics = self.spec is not None
         # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
         self.overlap = overlap.enabled(
             config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
@@ -147,7 +149,7 @@ class LLMEngine:
             _cpu_note(self.platform.device_type),
         )
 
-    def _spec_decoder(self, spec_cfg, has_state: bool) -> spec_decode.SpecDecoder:
+    def _spec_decoder(self, spec_cfg) -> spec_decode.SpecDecoder:
         from ..speculative import DrafterContext
 
         ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer)
