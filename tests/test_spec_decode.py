@@ -273,3 +273,33 @@ def test_bad_speculative_config_is_a_clear_error(tiny_llama):
         LLM(tiny_llama, device="cpu", speculative_config='{"method": "eagle"}')
     with pytest.raises(ValueError, match="needs a model with an MTP block"):
         LLM(tiny_llama, device="cpu", speculative_config={"method": "mtp"})
+
+
+def test_metrics_endpoint_counts_what_the_requests_report(tiny_llama, llama_reference):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deepinfer_core.serve.metrics import ServerMetrics
+
+    prompts, params, expected = llama_reference
+    drafter = TableDrafter([p + e for p, e in zip(prompts, expected)], 96, wrong=False)
+    llm = LLM(
+        tiny_llama, host=host_with(drafter), device="cpu", dtype="float32", block_size=16, kv_cache_blocks=64,
+        speculative_config={"method": "table", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    metrics = ServerMetrics("tiny")
+    _, per_request = run(llm, prompts[:2], params[:2])
+    metrics.on_step(llm.engine.stats())
+    metrics.on_step(llm.engine.stats())  # mirrored by difference: counted once
+    samples = {}
+    for family in text_string_to_metric_families(metrics.render()[0].decode()):
+        for sample in family.samples:
+            samples[(sample.name, sample.labels.get("position"))] = sample.value
+    drafts = sum(m["spec_num_drafts"] for m in per_request)
+    draft_tokens = sum(m["spec_num_draft_tokens"] for m in per_request)
+    accepted = sum(m["spec_num_accepted_tokens"] for m in per_request)
+    assert samples[("deepinfer:spec_decode_num_drafts_total", None)] == drafts
+    assert samples[("deepinfer:spec_decode_num_draft_tokens_total", None)] == draft_tokens
+    assert samples[("deepinfer:spec_decode_num_accepted_tokens_total", None)] == accepted == draft_tokens
+    per_pos = [samples[("deepinfer:spec_decode_num_accepted_tokens_per_pos_total", str(j))] for j in range(3)]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2] > 0
