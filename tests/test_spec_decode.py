@@ -303,3 +303,53 @@ def test_metrics_endpoint_counts_what_the_requests_report(tiny_llama, llama_refe
     assert samples[("deepinfer:spec_decode_num_accepted_tokens_total", None)] == accepted == draft_tokens
     per_pos = [samples[("deepinfer:spec_decode_num_accepted_tokens_per_pos_total", str(j))] for j in range(3)]
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2] > 0
+
+
+class HiddenProbe:
+    """Records what the engine hands a drafter that reads the target's hidden state."""
+
+    name = "probe"
+    needs_hidden = True
+    needs_token_ids = True
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def propose(self, batch, num_tokens):
+        self.seen.append((list(batch.token_ids[0]), int(batch.positions[0]), batch.hidden[0].clone()))
+        R = batch.last_token_ids.shape[0]
+        return torch.zeros(R, num_tokens, dtype=torch.long), torch.full((R, num_tokens), 0.5)
+
+
+def test_drafter_hidden_is_the_pre_norm_state_that_produced_the_last_token(tiny_llama):
+    """DraftBatch.hidden, checked with transformers: its final norm applied to our hidden equals
+    transformers' last hidden state at ``positions - 1`` (the row whose logits gave the token)."""
+    transformers = pytest.importorskip("transformers")
+    probe = HiddenProbe()
+    llm = LLM(tiny_llama, host=host_with(probe), device="cpu", dtype="float32", block_size=16, kv_cache_blocks=16,
+              speculative_config={"method": "table", "num_speculative_tokens": 2})  # fmt: skip
+    run(llm, [[3, 14, 15, 92, 65, 35]], [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)])
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    assert len(probe.seen) >= 2
+    for tokens, pos, hidden in probe.seen:
+        assert pos == len(tokens) - 1
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0, pos - 1]
+            ours = hf.model.norm(hidden[None])[0]
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_config_on_the_command_line():
+    import argparse
+
+    from deepinfer_core.engine.config import engine_config
+    from deepinfer_core.entrypoints.engine_options import add_engine_options, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    config = engine_config("m", **engine_kwargs(args)).speculative_config
+    assert (config.method, config.num_speculative_tokens, config.verification) == ("ngram", 3, "fixed")
+    assert engine_config("m", **engine_kwargs(parser.parse_args([]))).speculative_config is None
+    with pytest.raises(ValueError, match="'verification' must be one of"):
+        engine_config("m", speculative_config={"method": "ngram", "verification": 3})
