@@ -116,6 +116,9 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
+            if req.draft_token_ids:  # drafts never cost a preemption: decode without them first
+                req.draft_token_ids = []
+                continue
             victim = queue.pop()  # newest
             self._preempt(victim)
             preempted.append(victim.request_id)
