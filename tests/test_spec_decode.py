@@ -261,6 +261,29 @@ def test_smollm2_ngram_greedy_sampled_and_json_in_one_batch():
     assert sum(m["spec_num_accepted_tokens"] for m in metrics) > 0  # the repeat prompt is drafted well
     assert tok.decode(tokens[2]).lstrip().startswith("{")
 
+    # the low-bit native step hands a drafter the same pre-norm hidden as the model's torch layers
+    from deepinfer_core.engine.request import Request
+    from deepinfer_core.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    engine, model = llm.engine, llm.engine.model
+    assert hasattr(model.fused_step, "run_hidden")
+    ids = prompts[0]
+
+    def hidden(fused):
+        req = Request("probe", list(ids), SamplingParams(max_tokens=1), seed=0)
+        assert engine.kv.allocate(req, len(ids))
+        sched = SchedulerOutput((ScheduledRequest("probe", tuple(ids), 0, tuple(req.block_ids), False, 0),), len(ids))
+        input_ids, meta, _ = engine.runner.build_batch(sched)
+        saved, model.fused_step = model.fused_step, (model.fused_step if fused else None)
+        try:
+            return model.forward_hidden(input_ids, meta.positions, engine.runner.kv_caches, meta)[1]
+        finally:
+            model.fused_step = saved
+            engine.kv.free(req)
+
+    native, layers = hidden(True), hidden(False)
+    assert (native - layers).abs().max() <= 1e-3 * layers.abs().max()
+
 
 def test_bad_speculative_config_is_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):

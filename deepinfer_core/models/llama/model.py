@@ -171,8 +171,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` ([T, D], after the final norm) and the last layer's output before that
-        norm ([T, D]): what a drafter that reads the target's hidden state consumes. Runs the
-        layers (never the fused step, which returns only the normed states)."""
+        norm ([T, D]): what a drafter that reads the target's hidden state consumes. A fused
+        step that offers ``run_hidden`` (the low-bit native plan) answers it; else the layers run."""
+        run_hidden = getattr(self.fused_step, "run_hidden", None)
+        if run_hidden is not None and (got := run_hidden(input_ids, kv_caches, meta)) is not None:
+            return got
         h = self.model.embed_tokens(input_ids)
         rotary = self.rotary.at(positions, h.dtype)
         meta = dataclasses.replace(meta, scratch={})
