@@ -174,7 +174,8 @@ class LLMEngine:
     def _time_forward(self, num_tokens: int) -> None:
         """One target forward over ``num_tokens`` new tokens (DSpark's steps/s curve)."""
         n = min(num_tokens, self.max_model_len - 1, self.num_blocks * self.config.block_size - 1)
-        self._prompt_logits([1 + (i % 97) for i in range(max(1, n))])
+        span = max(1, min(97, self.model.vocab_size - 1))  # ids 1..span: valid in any vocabulary
+        self._prompt_logits([1 + (i % span) for i in range(max(1, n))])
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
