@@ -304,9 +304,12 @@ def deepinfer_register_spec_policies(
 ) -> None:
     """Register speculative-decoding drafters and verification policies by name.
 
-    Called once when an engine with speculative decoding is built. Builtins: verification
-    policies ``"fixed"`` and ``"confidence"`` (DSpark). A plugin may register only one kind
-    (declare only the argument it uses).
+    Called once when an engine with speculative decoding is built.
+    ``register_drafter(name, factory)`` with ``factory(config: dict, ctx: DrafterContext) ->
+    Drafter`` (``config``: the whole ``speculative_config``; its ``method`` names the drafter);
+    ``register_verification(name, factory(options) -> VerificationPolicy)``. Builtins:
+    verification policies ``"fixed"`` and ``"confidence"`` (DSpark). A plugin may register only
+    one kind (declare only the argument it uses).
 
     :return: None (results go through the callbacks).
     """

@@ -19,9 +19,10 @@ class _Progress:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, state_metrics: bool = False) -> None:
+    def __init__(self, tokenizer, state_metrics: bool = False, spec_metrics: bool = False) -> None:
         self.tokenizer = tokenizer
         self.state_metrics = state_metrics  # the model keeps state KV: snapshots carry its replay counts
+        self.spec_metrics = spec_metrics  # speculative decoding is on: snapshots carry its counts
         self._progress: dict[str, _Progress] = {}
 
     def add(self, req: Request) -> None:
@@ -87,7 +88,7 @@ class OutputProcessor:
             [completion],
             finished,
             req.num_cached_tokens or 0,
-            _state_metrics(req) if self.state_metrics else None,
+            self._metrics(req),
         )
 
     def finish(self, req: Request) -> RequestOutput:
@@ -114,12 +115,30 @@ class OutputProcessor:
             [completion],
             True,
             req.num_cached_tokens or 0,
-            _state_metrics(req) if self.state_metrics else None,
+            self._metrics(req),
         )
+
+    def _metrics(self, req: Request) -> dict | None:
+        """RequestOutput.metrics: the state-KV replay counts and/or the speculative counts, None
+        when neither applies."""
+        if not (self.state_metrics or self.spec_metrics):
+            return None
+        return {
+            **(_state_metrics(req) if self.state_metrics else {}),
+            **(_spec_metrics(req) if self.spec_metrics else {}),
+        }
 
 
 def _state_metrics(req: Request) -> dict:
     return {"swa_num_replayed_tokens": req.num_replayed_tokens, "swa_window_cache_hits": req.window_cache_hits}
+
+
+def _spec_metrics(req: Request) -> dict:
+    return {
+        "spec_num_drafts": req.num_drafts,
+        "spec_num_draft_tokens": req.num_draft_tokens,
+        "spec_num_accepted_tokens": req.num_accepted_tokens,
+    }
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -32,4 +32,6 @@ class RequestOutput:
     # models with per-request state KV (DeepSeek-V4): {"swa_num_replayed_tokens": tokens re-run to
     # rebuild sliding-window state after prefix hits, "swa_window_cache_hits": hits whose state came
     # from the window cache instead}; None for other models
+    # and with speculative decoding on: {"spec_num_drafts": verify steps with drafts, "spec_num_draft_tokens":
+    # drafts verified, "spec_num_accepted_tokens": drafts accepted}; None when it is off
     metrics: dict | None = None

@@ -205,6 +205,19 @@ class LlamaDecodePlan:
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor | None:
         """The final-normed hidden states [R, D], or None when this step must take the torch path."""
+        return self._run(input_ids, kv_caches, meta, None)
+
+    def run_hidden(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`run` and the last layer's output before the final norm ([T, D] each), for a
+        speculative drafter: the native plan leaves the residual sum in the scratch's first
+        rows (layer.c: ``add_rmsnorm(h, ...)``, h = scratch)."""
+        pre = torch.empty(input_ids.shape[0], self._md.hidden)
+        out = self._run(input_ids, kv_caches, meta, pre)
+        return None if out is None else (out, pre)
+
+    def _run(self, input_ids, kv_caches, meta, pre: torch.Tensor | None) -> torch.Tensor | None:
         decode = self.applies(input_ids, meta)
         if not (decode or self.applies_prefill(input_ids, meta)) or not self._bind(kv_caches):
             return None
@@ -235,6 +248,9 @@ class LlamaDecodePlan:
                 out[a : a + rows],
                 decode,
             )
+            if pre is not None:
+                n = min(rows, T - a)
+                pre[a : a + n] = self._scratch[: n * self._md.hidden].view(n, self._md.hidden)
         return out
 
     def _call(
