@@ -20,6 +20,23 @@ from collections import OrderedDict
 from .request import Request
 
 
+def block_key(namespace: bytes, parent: bytes, tokens) -> bytes:
+    """One link of the hash chain: the key of a full block of ``tokens`` after ``parent``'s."""
+    h = hashlib.sha256(namespace)
+    h.update(parent)
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
+    return h.digest()
+
+
+def chain_keys(namespace: bytes, token_ids, block_size: int) -> list[bytes]:
+    """The keys of every full block of ``token_ids`` (what an engine with this namespace computes;
+    the cluster's router matches prompts against the keys replicas publish)."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(block_key(namespace, keys[-1] if keys else b"", token_ids[start : start + block_size]))
+    return keys
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -82,11 +99,7 @@ class KVCacheManager:
         while (len(req.block_keys) + 1) * bs <= req.num_tokens:
             i = len(req.block_keys)
             parent = req.block_keys[-1] if req.block_keys else b""
-            tokens = req.token_slice(i * bs, (i + 1) * bs)
-            h = hashlib.sha256(self.namespace)
-            h.update(parent)
-            h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
-            req.block_keys.append(h.digest())
+            req.block_keys.append(block_key(self.namespace, parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks. The last known token is never
