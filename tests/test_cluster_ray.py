@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         spec = ClusterSpec(
             model=MODEL, served_name="smol", engine_kwargs={**ENGINE, "kv_store": f"local://{store}"},
-            prefill=1, decode=1, routing_stats_period_s=0.2,
+            prefill=1, decode=1, routing_stats_period_s=0.2, prefill_timeout_s=30.0,
         )  # fmt: skip
         serve.run(build_application(spec), name="deepinfer", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -131,3 +131,37 @@ def test_cluster_view_and_metrics(cluster):
         if line.startswith("deepinfer:prompt_tokens_cached_total") and decode["name"] in line
     ]  # fmt: skip
     assert cached and float(cached[0].split()[-1]) == decode["prompt_tokens_cached"]
+
+
+def _kill_replica(deployment: str) -> str:
+    """kill -9 for a Serve replica: its actor dies at once; Serve starts another."""
+    from ray.util import list_named_actors
+
+    names = [a["name"] for a in list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return names[0]
+
+
+def test_replica_kills_lose_no_token(cluster, reference):
+    """The prefill replica is dead when the request comes (its prefill fails or times out and
+    decode computes the prompt, or it waits for the replica Serve starts instead), and the
+    decode replica is killed mid-stream: the stream goes on on the replica Serve starts
+    instead, and the client's text is one engine's greedy text."""
+    from deepinfer_core import SamplingParams
+
+    messages = [{"role": "user", "content": "Count from one to fifty in words. " + TEXT[:700]}]
+    expected = reference.chat(messages, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=300)
+    _kill_replica("prefill")
+    stream = client.chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=40, stream=True)
+    pieces, killed = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            if len(pieces) == 5:
+                killed = _kill_replica("decode")
+    assert killed is not None
+    assert "".join(pieces) == expected
+    counters = get(cluster + "/cluster")["ingress"]
+    assert counters["decode_retries"] >= 1

@@ -35,6 +35,7 @@ class ClusterSpec:
     replica_gpus: float = 0.0
     routing_stats_period_s: float = 0.5
     sampling_defaults: str = "model"
+    prefill_timeout_s: float = 60.0  # then decode computes the prompt itself
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -114,4 +115,4 @@ def build_application(spec: ClusterSpec):
         "model_name": spec.served_name, "max_queue": spec.max_queue, "sampling_defaults": spec.sampling_defaults,
     }  # fmt: skip
     max_num_seqs = spec.engine_kwargs.get("max_num_seqs") or 64
-    return ingress.bind(decode, prefill, spec.model, server_config, BOARD_NAME, max_num_seqs)
+    return ingress.bind(decode, prefill, spec.model, server_config, BOARD_NAME, max_num_seqs, spec.prefill_timeout_s)

@@ -68,7 +68,18 @@ class _Lease:
 class ClusterFront:
     """serve/front.py's EngineFront interface (submit, abort, stop_early, stats) over replicas."""
 
-    def __init__(self, decode, prefill, namespace: bytes | None, block_size: int, capacity: int) -> None:
+    def __init__(
+        self,
+        decode,
+        prefill,
+        namespace: bytes | None,
+        block_size: int,
+        capacity: int,
+        prefill_timeout_s: float = 60.0,
+        decode_retries: int = 2,
+    ) -> None:
+        self.prefill_timeout_s = prefill_timeout_s
+        self.decode_retries = decode_retries
         self.decode = decode  # DeploymentHandle of the decode (or colocated) replicas
         self.prefill = prefill  # DeploymentHandle of the prefill replicas, or None
         self.namespace = namespace
@@ -127,43 +138,103 @@ class ClusterFront:
         tokens = tuple(submission.prompt_token_ids)
         keys = tuple(chain_keys(self.namespace, tokens, self.block_size)) if self.namespace is not None else ()
         job = Job(submission.request_id, tokens, submission.params, keys, "decode", submission.final_only)
-        admitted = False
+        stream = _Continuation(job, sink)
         try:
             if self.prefill is not None and (len(tokens) - 1) // self.block_size >= 1:
-                self.counters["prefill_jobs"] += 1
+                await self._prefill(job)
+            for attempt in range(1 + self.decode_retries):
                 try:
-                    await self.prefill.prefill.remote(replace(job, role="prefill"))
-                except (ValueError, TypeError):
-                    raise
-                except Exception:  # a dead prefill replica: decode recomputes what the store lacks
-                    self.counters["prefill_failures"] += 1
-                    log.warning("prefill of %s failed; decode recomputes it", job.request_id, exc_info=True)
-            for attempt in range(2):
-                try:
-                    async for out in self.decode.options(stream=True).generate.remote(job):
-                        if not admitted:
-                            admitted = True
-                            sink.admit(None)
-                        sink.put(out)
+                    async for out in self.decode.options(stream=True).generate.remote(stream.job()):
+                        stream.put(out)
                     break
                 except (ValueError, TypeError):
                     raise
-                except Exception:
-                    if admitted or attempt:
+                except Exception:  # the replica died (or was drained away): continue elsewhere
+                    if attempt == self.decode_retries:
                         raise
                     self.counters["decode_retries"] += 1
-                    log.warning("decode of %s failed before its first token; retrying", job.request_id, exc_info=True)
-            if not admitted:
-                sink.admit(None)
-                sink.close()
+                    log.warning("decode of %s failed after %d tokens; continuing on another replica",
+                                job.request_id, len(stream.ids), exc_info=True)  # fmt: skip
+            stream.end()
         except asyncio.CancelledError:
             sink.close()
             raise
         except Exception as exc:
-            if not admitted:
-                sink.admit(exc if isinstance(exc, (ValueError, TypeError)) else RuntimeError(str(exc)))
-            else:
-                sink.close(exc)
+            stream.fail(exc)
+
+    async def _prefill(self, job: Job) -> None:
+        """PD: the prompt's blocks into the store. A failure or a timeout only costs time: the
+        decode replica computes whatever the store does not hold."""
+        self.counters["prefill_jobs"] += 1
+        response = self.prefill.prefill.remote(replace(job, role="prefill"))
+        try:
+            await asyncio.wait_for(asyncio.ensure_future(_awaited(response)), self.prefill_timeout_s)
+        except (ValueError, TypeError):
+            raise
+        except Exception:  # a dead prefill replica, a lease lost, a timeout
+            response.cancel()
+            self.counters["prefill_failures"] += 1
+            log.warning("prefill of %s failed; decode recomputes it", job.request_id, exc_info=True)
+
+
+async def _awaited(response):
+    return await response
+
+
+class _Continuation:
+    """One request's outputs across decode attempts. A retry sends the prompt plus the tokens
+    already streamed, asks for the rest, and its snapshots are rebased on what was sent, so the
+    client sees one reply: no token repeated, none dropped (greedy and seeded sampling pick the
+    same tokens, the noise being a function of seed and position)."""
+
+    def __init__(self, job: Job, sink: RequestSink) -> None:
+        self.first, self.sink = job, sink
+        self.ids: list[int] = []  # tokens sent to the client, over all attempts
+        self.text = ""
+        self.base_ids: list[int] = []  # what earlier attempts produced (the current one's offset)
+        self.base_text = ""
+        self.admitted = False
+        self.num_cached_tokens = 0
+        self.attempts = 0
+
+    def job(self) -> Job:
+        self.base_ids, self.base_text = list(self.ids), self.text
+        self.attempts += 1
+        if not self.ids:  # nothing sent yet: the same job again (a fresh id: the old may linger)
+            return self.first if self.attempts == 1 else replace(self.first, request_id=self._attempt_id())
+        params = replace(self.first.params, max_tokens=max(1, self.first.max_tokens - len(self.ids)))
+        params.min_tokens = max(0, params.min_tokens - len(self.ids))
+        prompt = self.first.prompt_token_ids + tuple(self.ids)
+        return replace(self.first, request_id=self._attempt_id(), prompt_token_ids=prompt, params=params, block_keys=())
+
+    def _attempt_id(self) -> str:
+        return f"{self.first.request_id}-{self.attempts}"
+
+    def put(self, out) -> None:
+        completion = out.outputs[0]
+        if self.base_ids:
+            out.prompt_token_ids = list(self.first.prompt_token_ids)
+            out.num_cached_tokens = self.num_cached_tokens
+            completion.token_ids = self.base_ids + list(completion.token_ids)
+            completion.text = self.base_text + completion.text
+        else:
+            self.num_cached_tokens = out.num_cached_tokens
+        self.ids, self.text = list(completion.token_ids), completion.text
+        if not self.admitted:
+            self.admitted = True
+            self.sink.admit(None)
+        self.sink.put(out)
+
+    def end(self) -> None:
+        if not self.admitted:
+            self.sink.admit(None)
+            self.sink.close()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.admitted:
+            self.sink.admit(exc if isinstance(exc, (ValueError, TypeError)) else RuntimeError(str(exc)))
+        else:
+            self.sink.close(exc)
 
 
 class ClusterServer(Server):
@@ -219,7 +290,14 @@ class ClusterIngress:
     """The ingress deployment (``serve.ingress()`` + ``serve.deployment`` in :mod:`.app`)."""
 
     async def __init__(
-        self, decode, prefill, model: str, server_config: dict, board_name: str | None, max_num_seqs: int
+        self,
+        decode,
+        prefill,
+        model: str,
+        server_config: dict,
+        board_name: str | None,
+        max_num_seqs: int,
+        prefill_timeout_s: float = 60.0,
     ) -> None:
         from ..plugin_host import default_host
 
@@ -234,7 +312,9 @@ class ClusterIngress:
 
             board = ray.get_actor(board_name, namespace=BOARD_NAMESPACE)
         capacity = 4 * (max_num_seqs + config.max_queue)  # the replicas refuse beyond their own queues
-        front = ClusterFront(decode, prefill, described["namespace"], described["block_size"], capacity)
+        front = ClusterFront(
+            decode, prefill, described["namespace"], described["block_size"], capacity, prefill_timeout_s
+        )
         self.server = ClusterServer(view, host, config, front, board)
 
     def __serve_build_asgi_app__(self):

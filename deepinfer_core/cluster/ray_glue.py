@@ -60,7 +60,7 @@ class ClusterRequestRouter(RequestRouter):
             return [candidate_replicas]
         loads = [replica_load(r) for r in candidate_replicas]
         n = len(job.prompt_token_ids)
-        if job.role == "prefill":
+        if job.role == "prefill" or self.role == "both":  # colocated replicas prefill themselves
             decision = route_prefill(job.block_keys, n, loads, self.config)
         else:
             decision = route_decode(n, job.max_tokens, loads, self.config)
@@ -81,7 +81,7 @@ class ClusterRequestRouter(RequestRouter):
                 "request": job.request_id, "stage": job.role, "replica": f"{self.role}-{decision.replica}",
                 "reason": decision.reason, "prompt_tokens": len(job.prompt_token_ids),
             }  # fmt: skip
-            if job.role == "prefill":
+            if decision.tier is not None:
                 record.update(tier=decision.tier, cached_tokens=decision.cached_tokens)
             self._board.decide.remote(record)
         except Exception:  # the board is for people; routing goes on without it

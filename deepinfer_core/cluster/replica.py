@@ -92,19 +92,25 @@ class EngineReplica:
         """Stream the job's :class:`RequestOutput` snapshots (a Ray Serve streaming call)."""
         loop = asyncio.get_running_loop()
         sink = RequestSink(loop, stream=True)
-        lease = self.front.submit(Submission(job.request_id, job.prompt_token_ids, job.params), sink)
+        submission = Submission(job.request_id, job.prompt_token_ids, job.params, final_only=job.final_only)
+        lease = self.front.submit(submission, sink)
         self.jobs["decode"] += 1
+        waiting = len(job.prompt_token_ids)  # not through prefill yet: the load colocated routing reads
+        self.prefill_tokens += waiting
         try:
             refused = await sink.admitted
             if refused is not None:
                 raise refused
             while (out := await asyncio.to_thread(sink.outputs.get)) is not None:
-                if out.finished or len(out.outputs[0].token_ids) <= 1:
+                if waiting:
+                    self.prefill_tokens -= waiting
+                    waiting = 0
                     self._count_prompt(out)
                 yield out
             if sink.final.done() and sink.final.result() is None:
                 raise RuntimeError(f"the engine failed: {sink.error}" if sink.error else "the request was aborted")
         finally:
+            self.prefill_tokens -= waiting
             lease.release()
 
     async def prefill(self, job: Job) -> dict:
@@ -135,10 +141,9 @@ class EngineReplica:
             "stored_blocks": len(job.prompt_token_ids) // bs,
         }
 
-    def _count_prompt(self, out) -> None:
-        if len(out.outputs[0].token_ids) <= 1:  # the first snapshot (or a one-token request's last)
-            self.prompt_tokens += len(out.prompt_token_ids)
-            self.cached_tokens += out.num_cached_tokens
+    def _count_prompt(self, out) -> None:  # once per job, at its first snapshot
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.cached_tokens += out.num_cached_tokens
 
     def record_routing_stats(self) -> dict:
         return self._snapshot["routing"]
