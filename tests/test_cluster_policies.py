@@ -252,3 +252,35 @@ def test_bad_config_is_refused():
         ScalingConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="target_per_replica"):
         ScalingConfig(target_per_replica=0)
+
+
+# -- the command line (no Ray needed: it checks its arguments first) ------------------------------
+def cluster_command(capsys, *args):
+    from deepinfer_core.entrypoints.main import main
+
+    status = main(["cluster", *args])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--prefill", "1"], "give --kv-store"),
+        (["--decode", "0"], "--decode >= 1"),
+        (["--autoscale", "decode=4:2"], "0 <= min <= max"),
+        (["--autoscale", "3"], "[ROLE=]MIN:MAX"),
+        (["--autoscale", "vision=1:2"], "unknown role 'vision'"),
+        (["--tier-bounds", "16k,64k"], "--tier-bounds"),
+    ],
+)
+def test_cluster_command_errors_are_one_line(capsys, args, needle):
+    status, err = cluster_command(capsys, *args)
+    assert status == 2 and err.startswith("deepinfer cluster: error:") and needle in err
+    assert err.count("\n") == 1
+
+
+def test_autoscale_values():
+    from deepinfer_core.entrypoints.cluster import parse_autoscale
+
+    assert parse_autoscale(["1:4"], prefill=0) == {"decode": (1, 4)}
+    assert parse_autoscale(["1:4", "prefill=2:3"], prefill=1) == {"decode": (1, 4), "prefill": (2, 3)}

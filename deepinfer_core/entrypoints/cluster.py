@@ -118,15 +118,16 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         import ray
         from ray import serve
     except ImportError:
         return _fail("the cluster runs on Ray Serve: pip install 'deepinfer-core[cluster]'")
-    try:
-        spec = spec_from_args(args)
-        from ..cluster.app import build_application
-    except ValueError as exc:
-        return _fail(str(exc))
+    from ..cluster.app import build_application
+
     ray.init(address=args.address, include_dashboard=False if args.address is None else None)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
