@@ -9,10 +9,13 @@ Prefill (:func:`route_prefill`)::
     cached(r)  = tokens of the prompt's leading blocks replica r holds (its published hash chain)
     uncached   = prompt - max cached(r)
     tier       = bucket of uncached: < 16K | 16-64K | 64-256K | >= 256K   (RouterConfig.tier_bounds)
-    pool       = the replicas serving that tier (replicas sorted by name, split into tiers in order)
-    choice     = longest cached prefix in the pool (ties: least loaded), unless the pool is
-                 imbalanced (max load - min load > imbalance_abs and max > imbalance_ratio * min):
-                 then the least loaded (a hot prefix must not pile onto one replica)
+    pool       = the replicas holding the longest cached prefix, if any holds one; else the
+                 replicas serving the tier (sorted by name, split into tiers in order), so that
+                 long cold prompts and short ones queue on different replicas
+    choice     = the least loaded of the pool, unless it is overloaded
+                 against the least loaded replica of any tier (load - least > imbalance_abs and
+                 load > imbalance_ratio * least): then that one. A hot prefix must not pile onto
+                 one replica, nor a busy tier (agent traffic is mostly the shortest) onto its few.
 
 Decode (:func:`route_decode`): a decode job brings its whole prompt plus ``max_tokens`` of KV.
 Long jobs go to the replica with the least resident KV, short ones to the replica with the most
@@ -126,12 +129,16 @@ def route_prefill(
     cached = {r.name: min(cached_blocks(keys, r.prefix_keys), usable) * config.block_size for r in replicas}
     uncached = prompt_tokens - max(cached.values())
     tier = tier_of(uncached, config.tier_bounds)
-    pool = tier_members(replicas, tier, len(config.tier_bounds) + 1)
-    if len(pool) > 1 and _imbalanced([r.waiting_tokens for r in pool], config):
-        best, reason = min(pool, key=lambda r: (r.waiting_tokens, r.name)), "imbalance override"
+    longest = max(cached.values())
+    if longest:  # the replicas holding the longest prefix, whatever their tier: the job is short there
+        pool = [r for r in replicas if cached[r.name] == longest]
     else:
-        best = min(pool, key=lambda r: (-cached[r.name], r.waiting_tokens, r.name))
-        reason = "longest cached prefix" if cached[best.name] else "least loaded"
+        pool = tier_members(replicas, tier, len(config.tier_bounds) + 1)
+    best = min(pool, key=lambda r: (r.waiting_tokens, r.name))
+    reason = "longest cached prefix" if cached[best.name] else "least loaded"
+    least = min(replicas, key=lambda r: (r.waiting_tokens, r.name))
+    if least is not best and _imbalanced([best.waiting_tokens, least.waiting_tokens], config):
+        best, reason = least, "imbalance override"
     return Decision(best.name, reason, tier, cached[best.name], prompt_tokens - cached[best.name], cached)
 
 
