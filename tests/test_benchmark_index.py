@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-TOPICS = ("cpu", "gpu", "serve", "kv", "kernels", "ep", "spec")
+TOPICS = ("cpu", "gpu", "serve", "kv", "kernels", "ep", "spec", "cluster")
 FIELDS = ("benchmark", "script", "command", "machine", "date", "commit", "peer", "rows")
 
 

@@ -20,6 +20,23 @@ from collections import OrderedDict
 from .request import Request
 
 
+def block_key(namespace: bytes, parent: bytes, tokens) -> bytes:
+    """One link of the hash chain: the key of a full block of ``tokens`` after ``parent``'s."""
+    h = hashlib.sha256(namespace)
+    h.update(parent)
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
+    return h.digest()
+
+
+def chain_keys(namespace: bytes, token_ids, block_size: int) -> list[bytes]:
+    """The keys of every full block of ``token_ids`` (what an engine with this namespace computes;
+    the cluster's router matches prompts against the keys replicas publish)."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(block_key(namespace, keys[-1] if keys else b"", token_ids[start : start + block_size]))
+    return keys
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -76,28 +93,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def _block_key(self, parent: bytes, tokens) -> bytes:
-        h = hashlib.sha256(self.namespace)
-        h.update(parent)
-        h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes, packed in C
-        return h.digest()
-
     def _update_keys(self, req: Request) -> None:
         """Extend the request's hash chain over all of its full known blocks."""
         bs = self.block_size
         while (len(req.block_keys) + 1) * bs <= req.num_tokens:
             i = len(req.block_keys)
             parent = req.block_keys[-1] if req.block_keys else b""
-            req.block_keys.append(self._block_key(parent, req.token_slice(i * bs, (i + 1) * bs)))
+            req.block_keys.append(block_key(self.namespace, parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def prefix_keys(self, token_ids) -> list[bytes]:
         """The hash-chain keys of the full blocks of ``token_ids`` (the keys a request with
         these tokens would look up); pure: no request, no counter, no block is touched."""
-        keys: list[bytes] = []
-        bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            keys.append(self._block_key(keys[-1] if keys else b"", token_ids[start : start + bs]))
-        return keys
+        return chain_keys(self.namespace, token_ids, self.block_size)
 
     def cached_prefix(self, keys) -> int:
         """How many leading ``keys`` are cached in device blocks now (read only)."""

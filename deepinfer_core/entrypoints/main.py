@@ -24,6 +24,7 @@ from .. import envs
 COMMANDS = (
     "deepinfer_core.entrypoints.generate",
     "deepinfer_core.entrypoints.serve",
+    "deepinfer_core.entrypoints.cluster",
     "deepinfer_core.entrypoints.plan",
     "deepinfer_core.entrypoints.kv",
     "deepinfer_core.entrypoints.plugins",

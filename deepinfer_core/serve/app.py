@@ -48,7 +48,9 @@ class ServerConfig:
 class Server:
     """The server's state: engine front, metrics, codecs. ``app`` is the ASGI application."""
 
-    def __init__(self, engine, host, config: ServerConfig) -> None:
+    def __init__(self, engine, host, config: ServerConfig, front=None) -> None:
+        """``front``: what requests are submitted to (default: an :class:`EngineFront` around
+        ``engine``); ``deepinfer cluster``'s ingress passes one that forwards to its replicas."""
         codecs = {name: factory() for name, factory in host.protocols().items()}
         if not codecs:
             raise NoProtocolCodecs(f"deepinfer serve: no protocol codecs are installed; {RECIPE_INSTALL_HINT}")
@@ -58,13 +60,17 @@ class Server:
         self.engine = engine
         self.host = host
         self.metrics = ServerMetrics(config.model_name)
-        self.front = EngineFront(
-            engine,
-            max_queue=config.max_queue,
-            on_output=self.metrics.on_output,
-            on_step=self.metrics.on_step,
-            on_abort=self.metrics.on_abort,
-            on_early_stop=self.metrics.on_early_stop,
+        self.front = (
+            front
+            if front is not None
+            else EngineFront(
+                engine,
+                max_queue=config.max_queue,
+                on_output=self.metrics.on_output,
+                on_step=self.metrics.on_step,
+                on_abort=self.metrics.on_abort,
+                on_early_stop=self.metrics.on_early_stop,
+            )
         )
         files = getattr(engine, "files", None)
         if config.sampling_defaults == "model" and files is not None:

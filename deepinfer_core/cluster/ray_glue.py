@@ -1,0 +1,114 @@
+"""The policies inside Ray Serve: a custom request router and a custom autoscaling policy.
+
+:class:`ClusterRequestRouter` is a ``ray.serve.request_router.RequestRouter``: Ray calls
+``choose_replicas`` with the candidate replicas (each carrying the ``routing_stats`` its replica
+last returned from ``record_routing_stats``) and the pending request, whose first argument is
+the :class:`~.jobs.Job`; the pure policy in :mod:`.router` picks. :class:`ClusterScalingPolicy`
+is a class-style custom autoscaling policy: Ray instantiates it once with ``policy_kwargs`` and
+calls it every control-loop tick with an ``AutoscalingContext`` whose aggregated metrics are the
+replicas' ``record_autoscaling_stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from .autoscaler import Autoscaler, ScalingConfig
+from .board import BOARD_NAMESPACE
+from .router import ReplicaLoad, RouterConfig, route_decode, route_prefill
+
+__all__ = ["ClusterRequestRouter", "ClusterScalingPolicy", "DEMAND_METRIC"]
+
+log = logging.getLogger(__name__)
+DEMAND_METRIC = {"prefill": "waiting_prompt_tokens", "decode": "running_requests", "both": "running_requests"}
+
+
+def replica_load(replica: RunningReplica) -> ReplicaLoad:
+    stats = replica.routing_stats or {}
+    return ReplicaLoad(
+        name=replica.replica_id.unique_id,
+        role=stats.get("role", "both"),
+        running=stats.get("running", 0),
+        waiting=stats.get("waiting", 0),
+        waiting_tokens=stats.get("waiting_tokens", 0),
+        resident_blocks=stats.get("resident_blocks", 0),
+        num_blocks=stats.get("num_blocks", 1),
+        prefix_keys=frozenset(stats.get("prefix_keys", ())),
+    )
+
+
+class ClusterRequestRouter(RequestRouter):
+    """``request_router_kwargs``: ``role`` ("prefill" | "decode" | "both"), ``board`` (the cluster
+    board actor's name, or None) and RouterConfig's fields."""
+
+    def initialize_state(self, role: str = "decode", board: str | None = None, **config) -> None:
+        if "tier_bounds" in config:
+            config["tier_bounds"] = tuple(config["tier_bounds"])
+        self.role = role
+        self.config = RouterConfig(**config)
+        self.board_name = board
+        self._board = None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        job = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if job is None or not hasattr(job, "block_keys") or not candidate_replicas:
+            return [candidate_replicas]
+        loads = [replica_load(r) for r in candidate_replicas]
+        n = len(job.prompt_token_ids)
+        if job.role == "prefill" or self.role == "both":  # colocated replicas prefill themselves
+            decision = route_prefill(job.block_keys, n, loads, self.config)
+        else:
+            decision = route_decode(n, job.max_tokens, loads, self.config)
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
+        self._post(job, decision)
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
+        return [chosen, rest] if rest else [chosen]
+
+    def _post(self, job, decision) -> None:
+        if self.board_name is None:
+            return
+        try:
+            if self._board is None:
+                import ray
+
+                self._board = ray.get_actor(self.board_name, namespace=BOARD_NAMESPACE)
+            record = {
+                "request": job.request_id, "stage": job.role, "replica": f"{self.role}-{decision.replica}",
+                "reason": decision.reason, "prompt_tokens": len(job.prompt_token_ids),
+            }  # fmt: skip
+            if decision.tier is not None:
+                record.update(tier=decision.tier, cached_tokens=decision.cached_tokens)
+            self._board.decide.remote(record)
+        except Exception:  # the board is for people; routing goes on without it
+            log.debug("posting a router decision failed", exc_info=True)
+
+
+class ClusterScalingPolicy:
+    """``policy_kwargs``: ``role`` and ScalingConfig's fields (its bounds are the deployment's)."""
+
+    def __init__(self, role: str = "decode", **config) -> None:
+        self.role = role
+        self.metric = DEMAND_METRIC[role]
+        self.autoscaler = Autoscaler(ScalingConfig(**config))
+        self.last = None
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        per_replica = (ctx.aggregated_metrics or {}).get(self.metric, {})
+        demand = float(sum(per_replica.values()))
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        self.last = self.autoscaler.decide(now, ctx.current_num_replicas, demand)
+        if self.last.replicas != ctx.current_num_replicas:
+            log.info(
+                "%s: %d -> %d replicas (%s; demand %.0f)",
+                self.role,
+                ctx.current_num_replicas,
+                self.last.replicas,
+                self.last.reason,
+                demand,
+            )
+        return self.last.replicas, ctx.policy_state

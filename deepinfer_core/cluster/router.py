@@ -1,0 +1,164 @@
+"""The load balancer's policies: where a prefill job and where a decode job go.
+
+Pure functions of what replicas last published (:class:`ReplicaLoad`); no Ray, no clock, no
+round trip to any replica per request. :mod:`.ray_glue` calls them from Ray Serve's request
+router, the simulator calls them directly.
+
+Prefill (:func:`route_prefill`)::
+
+    cached(r)  = tokens of the prompt's leading blocks replica r holds (its published hash chain)
+    uncached   = prompt - max cached(r)
+    tier       = bucket of uncached: < 16K | 16-64K | 64-256K | >= 256K   (RouterConfig.tier_bounds)
+    pool       = the replicas holding the longest cached prefix, if any holds one; else the
+                 replicas serving the tier (sorted by name, split into tiers in order), so that
+                 long cold prompts and short ones queue on different replicas
+    choice     = the least loaded of the pool, unless it is overloaded
+                 against the least loaded replica of any tier (load - least > imbalance_abs and
+                 load > imbalance_ratio * least): then that one. A hot prefix must not pile onto
+                 one replica, nor a busy tier (agent traffic is mostly the shortest) onto its few.
+
+Decode (:func:`route_decode`): a decode job brings its whole prompt plus ``max_tokens`` of KV.
+Long jobs go to the replica with the least resident KV, short ones to the replica with the most
+resident KV that has room for them, among the replicas whose running count is within
+``decode_slack`` of the least busy: resident KV evens out while request counts stay balanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+__all__ = [
+    "KEY_DIGEST_BYTES",
+    "Decision",
+    "ReplicaLoad",
+    "RouterConfig",
+    "cached_blocks",
+    "digest",
+    "route_decode",
+    "route_prefill",
+    "tier_members",
+    "tier_of",
+]
+
+KEY_DIGEST_BYTES = 8  # replicas publish this much of each block key (collisions only cost a miss)
+
+
+def digest(key: bytes) -> bytes:
+    return key[:KEY_DIGEST_BYTES]
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What one replica last published about itself."""
+
+    name: str
+    role: str = "both"  # "prefill" | "decode" | "both" (colocated)
+    running: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0  # uncached prompt tokens queued or being prefilled (prefill load)
+    resident_blocks: int = 0  # KV blocks held by its requests
+    num_blocks: int = 1
+    prefix_keys: frozenset = frozenset()  # digests of the block keys its device cache holds
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self.resident_blocks
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    block_size: int = 128
+    tier_bounds: tuple[int, ...] = (16 * 1024, 64 * 1024, 256 * 1024)  # uncached tokens: four tiers
+    imbalance_abs: int = 32 * 1024  # prefill load is queued uncached tokens
+    imbalance_ratio: float = 1.5
+    decode_slack: int = 2  # running requests above the least busy replica that still count as even
+
+    def __post_init__(self) -> None:
+        if list(self.tier_bounds) != sorted(self.tier_bounds) or any(b <= 0 for b in self.tier_bounds):
+            raise ValueError(f"tier bounds must be positive and increasing, got {self.tier_bounds}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    reason: str  # "longest cached prefix" | "imbalance override" | "least loaded" | "long request" | ...
+    tier: int | None = None
+    cached_tokens: int = 0
+    uncached_tokens: int = 0
+    alternatives: dict = field(default_factory=dict)  # replica -> its cached tokens (prefill)
+
+
+def tier_of(uncached_tokens: int, bounds: Sequence[int]) -> int:
+    """0 for the shortest tier ... len(bounds) for the longest."""
+    return sum(1 for b in bounds if uncached_tokens >= b)
+
+
+def tier_members(replicas: Sequence[ReplicaLoad], tier: int, num_tiers: int) -> list[ReplicaLoad]:
+    """The replicas that serve ``tier``: sorted by name and split into ``num_tiers`` runs in
+    order (4 replicas: one each; 2 replicas: tiers 0-1 on the first, 2-3 on the second)."""
+    ordered = sorted(replicas, key=lambda r: r.name)
+    n = len(ordered)
+    if n >= num_tiers:
+        return [r for i, r in enumerate(ordered) if i * num_tiers // n == tier]
+    return [ordered[tier * n // num_tiers]]
+
+
+def cached_blocks(keys: Sequence[bytes], prefix_keys: frozenset) -> int:
+    """Leading blocks of the chain ``keys`` found among ``prefix_keys`` (digests)."""
+    n = 0
+    for key in keys:
+        if digest(key) not in prefix_keys:
+            break
+        n += 1
+    return n
+
+
+def _imbalanced(loads: Sequence[float], config: RouterConfig) -> bool:
+    hi, lo = max(loads), min(loads)
+    return hi - lo > config.imbalance_abs and hi > config.imbalance_ratio * lo
+
+
+def route_prefill(
+    keys: Sequence[bytes], prompt_tokens: int, replicas: Sequence[ReplicaLoad], config: RouterConfig
+) -> Decision:
+    """``keys``: the prompt's block chain (its full blocks); at least one replica."""
+    if not replicas:
+        raise ValueError("no prefill replica to route to")
+    usable = (prompt_tokens - 1) // config.block_size  # the last token is always computed
+    cached = {r.name: min(cached_blocks(keys, r.prefix_keys), usable) * config.block_size for r in replicas}
+    uncached = prompt_tokens - max(cached.values())
+    tier = tier_of(uncached, config.tier_bounds)
+    longest = max(cached.values())
+    if longest:  # the replicas holding the longest prefix, whatever their tier: the job is short there
+        pool = [r for r in replicas if cached[r.name] == longest]
+    else:
+        pool = tier_members(replicas, tier, len(config.tier_bounds) + 1)
+    best = min(pool, key=lambda r: (r.waiting_tokens, r.name))
+    reason = "longest cached prefix" if cached[best.name] else "least loaded"
+    least = min(replicas, key=lambda r: (r.waiting_tokens, r.name))
+    if least is not best and _imbalanced([best.waiting_tokens, least.waiting_tokens], config):
+        best, reason = least, "imbalance override"
+    return Decision(best.name, reason, tier, cached[best.name], prompt_tokens - cached[best.name], cached)
+
+
+def route_decode(
+    prompt_tokens: int, max_tokens: int, replicas: Sequence[ReplicaLoad], config: RouterConfig
+) -> Decision:
+    """Place a decode job of ``prompt_tokens`` + up to ``max_tokens`` so resident KV evens out."""
+    if not replicas:
+        raise ValueError("no decode replica to route to")
+    need = -(-(prompt_tokens + max_tokens) // config.block_size)
+    fits = [r for r in replicas if r.free_blocks >= need] or list(replicas)
+    least_busy = min(r.running for r in fits)
+    even = [r for r in fits if r.running <= least_busy + config.decode_slack]
+    running = sum(r.running for r in replicas)
+    # long or short against the requests already resident (mean blocks per running request)
+    typical = sum(r.resident_blocks for r in replicas) / running if running else 0
+    if need >= typical:
+        best = min(even, key=lambda r: (r.resident_blocks, r.running, r.name))
+        reason = "long request: least resident KV"
+    else:
+        best = max(even, key=lambda r: (r.resident_blocks, -r.running, r.name))
+        reason = "short request: most resident KV"
+    return Decision(best.name, reason)
