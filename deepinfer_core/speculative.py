@@ -57,7 +57,8 @@ class Drafter(Protocol):
     def propose(self, batch: DraftBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(draft_ids [R, num_tokens] int64, confidences [R, num_tokens] float in [0, 1])``;
         confidence k is the drafter's probability that draft k is accepted given drafts < k
-        were. ``num_tokens`` >= 1."""
+        were; 0 means "no draft here" (the engine verifies no draft at or after it, whatever the
+        policy). ``num_tokens`` >= 1."""
         ...
 
 

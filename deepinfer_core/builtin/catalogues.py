@@ -17,9 +17,13 @@ def deepinfer_register_kv_stores(register):
 
 @hookimpl(trylast=True)
 def deepinfer_register_spec_policies(register_drafter, register_verification):
+    from .drafters import mtp_drafter, ngram_drafter
+
+    register_drafter("ngram", ngram_drafter)
+    register_drafter("mtp", mtp_drafter)
+    register_drafter("draft", _learned_drafter)
     register_verification("fixed", lambda options=None: FixedLengthVerification())
     register_verification("confidence", lambda options=None: ConfidenceScheduledVerification())
-    register_drafter("draft", _learned_drafter)
 
 
 def _learned_drafter(config, ctx):

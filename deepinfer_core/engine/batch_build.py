@@ -94,7 +94,13 @@ def build(
         )
     slots = tables[row_of, block_of] * bs + positions % bs
     seq_lens = starts + lens
-    sample_rows = cu[1:][sample] - 1
+    spec = None if columns is not None else np.fromiter((s.num_spec for s in reqs), np.int64, R)
+    if spec is not None and spec.any():  # a verify step samples the last num_spec + 1 rows of each request
+        per = np.where(sample, spec + 1, 0)
+        first = np.repeat(cu[1:] - per, per)
+        sample_rows = first + np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    else:
+        sample_rows = cu[1:][sample] - 1
     parts = [positions, slots, cu, seq_lens, tables.ravel(), sample_rows]
     if input_ids is None:
         arrays = [s.token_array for s in reqs]

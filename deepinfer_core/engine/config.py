@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .kv_dtype_names import KV_CACHE_DTYPES
+from .spec_config import parse_spec_config
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +126,13 @@ class EngineConfig:
         False, "check every device-fed token against the committed history (also DEEPINFER_OVERLAP_DEBUG=1)"
     )
     fused_ops: bool = option(True, "a platform's fused RMSNorm / SiLU-and-mul kernels (deepinfer_fused_ops)")
+    speculative_config: dict | str | None = option(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram"|"mtp"|"draft", "num_speculative_tokens": 5, '
+        '"verification": "fixed"|"confidence", "model": PATH (draft)}; docs/speculative.md',
+        default_text="off",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -140,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of auto, lowbit, {', '.join(_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+        # checked here (a clear ValueError at LLM(...) / the command line); kept as the SpecConfig
+        object.__setattr__(self, "speculative_config", parse_spec_config(self.speculative_config))
 
     def torch_dtype(self, device_type: str) -> torch.dtype:
         import torch

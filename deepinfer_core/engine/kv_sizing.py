@@ -58,11 +58,17 @@ class KVSizing:
         return self._allocate(num_blocks, device)
 
 
-def kv_sizing(model, attention_backend: Callable, block_size: int, max_num_seqs: int) -> KVSizing:
+def kv_sizing(
+    model, attention_backend: Callable, block_size: int, max_num_seqs: int, num_speculative_tokens: int = 0
+) -> KVSizing:
     """Sizing of ``model``'s KV cache; ``attention_backend(spec)`` resolves each layer's backend
     (the engine's resolver, so plugin backends' cache shapes count)."""
     if hasattr(model, "kv_layout"):
-        layout = model.kv_layout(block_size)
+        layout = (
+            model.kv_layout(block_size, num_speculative_tokens)
+            if num_speculative_tokens
+            else model.kv_layout(block_size)
+        )
         slots = max_num_seqs + 1
         kinds: dict[str, list[int]] = {}
         for layer in layout.layers:

@@ -21,7 +21,7 @@ import torch
 
 from .. import envs, fused_ops
 from ..plugin_host import PluginHost, default_host
-from . import kv_tiers, loading, overlap, validation
+from . import kv_tiers, loading, overlap, spec_decode, validation
 from .config import EngineConfig
 from .isolation import describe
 from .kv_cache_manager import KVCacheManager
@@ -71,8 +71,10 @@ class LLMEngine:
         )
 
         bs = config.block_size
+        spec_cfg = config.speculative_config  # a checked SpecConfig, or None
+        gamma = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
         self.kv_sizing = sizing = kv_sizing(
-            self.model, ctx.attention_backend, bs, config.max_num_seqs
+            self.model, ctx.attention_backend, bs, config.max_num_seqs, gamma
         )  # also `deepinfer plan`'s
         block_bytes = sizing.block_bytes
         if config.kv_cache_blocks:
@@ -117,10 +119,16 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._stepping = False  # an abort that arrives re-entrantly mid-step waits for the next step
         self._deferred_aborts: list[str] = []
+        # speculative decoding (engine/spec_decode.py); DSpark may time a few forwards here
+        self.spec = None if spec_cfg is None else self._spec_decoder(spec_cfg)
+        self.outputs.spec_metrics = self.spec is not None
         # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
         self.overlap = overlap.enabled(
             config.overlap_scheduling, self.platform.device_type, self.tiers is not None, state is not None
         )
+        if self.overlap and self.spec is not None:
+            log.info("speculative decoding runs the non-overlapped step (overlapped scheduling is off with it)")
+            self.overlap = False
         self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
         kv_dtype = (
@@ -140,6 +148,33 @@ class LLMEngine:
             self.weights_choice,
             _cpu_note(self.platform.device_type),
         )
+
+    def _spec_decoder(self, spec_cfg) -> spec_decode.SpecDecoder:
+        from ..speculative import DrafterContext
+
+        ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer)
+        spec = spec_decode.build_spec_decoder(
+            spec_cfg, self.host, ctx, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, measure=self._time_forward,
+            curve_key=(self.files.fingerprint, str(self.device), str(self.dtype), self.weights_choice),
+        )  # fmt: skip
+        self.runner.keep_hidden = spec.needs_hidden
+        self.scheduler.on_release = spec.release
+        if self.runner.graphs is not None:  # verify steps run eagerly; plain decode steps still replay graphs
+            log.info("speculative decoding: verify steps run eagerly (no captured verify widths)")
+        log.info(
+            "speculative decoding: %s, %d tokens, %s verification",
+            spec_cfg.method,
+            spec_cfg.num_speculative_tokens,
+            spec_cfg.verification,
+        )
+        return spec
+
+    @torch.inference_mode()
+    def _time_forward(self, num_tokens: int) -> None:
+        """One target forward over ``num_tokens`` new tokens (DSpark's steps/s curve)."""
+        n = min(num_tokens, self.max_model_len - 1, self.num_blocks * self.config.block_size - 1)
+        self._prompt_logits([1 + (i % 97) for i in range(max(1, n))])
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
@@ -279,7 +314,9 @@ class LLMEngine:
                         else replays_needed(sched, self.scheduler.requests, self.kv.state, self.replay_tokens)
                     )
                     result = self.runner.execute(sched, self._sampling_rows(sched), replay)
-                    changed = self.scheduler.update(sched, result.sampled)
+                    changed = self.scheduler.update(sched, result.sampled, result.verified)
+                    if self.spec is not None:
+                        self._record_verified(sched, result.verified)
                     if self.tiers is not None:  # new full blocks -> host -> store (writer thread)
                         self.tiers.write_back(
                             [
@@ -292,7 +329,16 @@ class LLMEngine:
                     log.exception("engine step failed; failing every request")
                     return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
                 outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items()]
-                return outputs + [out for req in changed if (out := self._process(req)) is not None]
+                outputs += [out for req in changed if (out := self._process(req)) is not None]
+                if self.spec is not None:  # drafts for the next step, from what this one committed
+                    try:
+                        self.spec.propose(self.scheduler.running, result.hidden, result.hidden_row)
+                    except Exception as exc:
+                        log.exception("drafting failed; failing every request")
+                        return outputs + [
+                            self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())
+                        ]
+                return outputs
             finally:
                 self._stepping = False
 
@@ -336,9 +382,23 @@ class LLMEngine:
         outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in failed.items()]
         return outputs + [out for req in changed if (out := self._process(req)) is not None]
 
+    def _record_verified(self, sched: SchedulerOutput, verified: dict[str, list[int]]) -> None:
+        for s in sched.requests:
+            if s.num_spec and s.request_id in verified:
+                self.spec.record(self.scheduler.requests[s.request_id], s.num_spec, verified[s.request_id])
+
     def _sampling_rows(self, sched: SchedulerOutput) -> dict[str, SamplingRow]:
         rows = {}
         for s in sched.requests:
+            if s.num_spec:  # one row per verified position
+                req = self.scheduler.requests[s.request_id]
+                drafts = list(s.token_ids[len(s.token_ids) - s.num_spec :])
+                stops = req.eos_token_ids + tuple(req.params.stop_token_ids)
+                min_tokens = req.params.min_tokens
+                rows[s.request_id] = spec_decode.SpecDecoder.verify_rows(
+                    req, drafts, lambda n_out: stops if n_out < min_tokens else ()
+                )
+                continue
             if s.sample:
                 req = self.scheduler.requests[s.request_id]
                 suppressed = (
@@ -355,7 +415,10 @@ class LLMEngine:
         """Stop checks and detokenization of the request's new token, contained to it; None
         when the request runs on past its first token and its caller wants only its last output."""
         try:
-            reason, stop_reason = self.outputs.process(req)
+            if req.num_new_tokens > 1:  # a verify step's tokens, checked one at a time
+                reason, stop_reason = self._process_several(req)
+            else:
+                reason, stop_reason = self.outputs.process(req)
             if reason is not None:
                 self.scheduler.finish(req, reason, stop_reason)
             elif req.final_only and len(req.output_token_ids) > 1:  # its first output still comes
@@ -364,6 +427,20 @@ class LLMEngine:
         except Exception as exc:
             log.exception("request %s failed", req.request_id)
             return self._fail(req, describe(exc))
+
+    def _process_several(self, req: Request) -> tuple[str | None, int | str | None]:
+        """Stop checks over the tokens a verify step appended, in order; tokens after the one
+        that finishes the request are dropped (as if they had never been sampled)."""
+        n = req.num_new_tokens
+        new = req.output_token_ids[-n:]
+        del req.output_token_ids[-n:]
+        req.num_new_tokens = 1
+        for token in new:
+            req.output_token_ids.append(token)
+            reason, stop_reason = self.outputs.process(req)
+            if reason is not None:
+                return reason, stop_reason
+        return None, None
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """Finish ``req`` with ``finish_reason="error"`` and free its blocks."""
@@ -416,6 +493,7 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
             "preemptions": self.scheduler.num_preemptions,
+            **({"spec_decode": self.spec.stats()} if self.spec is not None else {}),
             **({"kv_tiers": self.tiers.stats()} if self.tiers is not None else {}),
         }
 

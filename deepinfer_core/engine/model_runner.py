@@ -19,7 +19,7 @@ from ..models import CausalLM
 from ..staging import staging_for
 from .batch_build import Batch, build
 from .isolation import sample_isolated
-from .sampler import Sampler, SamplingRow, invalid_token_message
+from .sampler import ALL_MASKED, Sampler, SamplingRow, invalid_token_message
 from .scheduler import SchedulerOutput
 
 
@@ -27,6 +27,12 @@ from .scheduler import SchedulerOutput
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token, for requests that reached their end
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
+    # speculative verify rows: request id -> accepted drafts + the correction or bonus token
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    # ModelRunner.keep_hidden: the target's pre-norm hidden at the sampled rows ([S, D] or [S, hc, D])
+    # and, per request, the row that produced its newest token
+    hidden: torch.Tensor | None = None
+    hidden_row: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -48,6 +54,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set by the engine when the platform captures decode steps
         self.invariant_ops: Callable[[], ContextManager] | None = None  # deepinfer_batch_invariant_ops
+        self.keep_hidden = False  # a drafter reads the target's hidden states (model.forward_hidden)
 
     def build_batch(
         self, out: SchedulerOutput, replay: bool = False
@@ -103,20 +110,28 @@ class ModelRunner:
         tokens = launched.host.tolist()
         if launched.staged is not None:  # read: the buffer may take the next step's ids
             staging_for(launched.tokens.device).release(launched.staged)
+        if launched.verifying:
+            return _verified(launched, tokens)
         sampled, failed = {}, {}
         for request_id, token in zip(launched.request_ids, tokens):
             if 0 <= token < launched.vocab:
                 sampled[request_id] = token
             else:  # ALL_MASKED: nothing was allowed (see the sampler)
                 failed[request_id] = invalid_token_message(token, launched.vocab)
+        if launched.pre_hidden is not None:
+            rows = {request_id: i for i, request_id in enumerate(launched.request_ids)}
+            return RunnerOutput(sampled, failed, hidden=launched.pre_hidden, hidden_row=rows)
         return RunnerOutput(sampled, failed)
 
     def _forward_and_sample(
         self, out: SchedulerOutput, rows: dict[str, SamplingRow], batch: Batch, fed: torch.Tensor | None
     ) -> Launched:
         input_ids, meta = batch.input_ids, batch.meta
-        hidden = logits = greedy = None
-        if self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
+        hidden = logits = greedy = pre = None
+        verifying = any(s.num_spec for s in out.requests)
+        if self.keep_hidden:  # the drafter reads the pre-norm hidden states: the model's own layers
+            hidden, pre = self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
+        elif self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
             with_head = getattr(self.graphs, "run_logits", None)  # the LM head and argmax captured too
             got = (
                 with_head(input_ids, meta)
@@ -131,15 +146,23 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, meta.positions, self.kv_caches, meta)  # [T, D]
         if not batch.sample_rows:
             return Launched(out, (), None, None, None, RunnerOutput({}), fed)
-        ids = (
-            out.columns.ids if out.columns is not None else tuple(s.request_id for s in out.requests if s.sample)
-        )  # columns: every row samples
+        if pre is not None:
+            pre = pre if batch.sample_index is None else pre[batch.sample_index]
+        if verifying:  # one id per sampled row: a verify request's id once per verified position
+            ids = tuple(s.request_id for s in out.requests if s.sample for _ in range(s.num_spec + 1))
+        else:
+            ids = (
+                out.columns.ids if out.columns is not None else tuple(s.request_id for s in out.requests if s.sample)
+            )  # columns: every row samples
         if type(self.sampler) is Sampler and getattr(
             rows, "plain_greedy", False
         ):  # a continuation that knows, without reading the rows
             row_list, plain = None, True
         else:
-            row_list = [rows[i] for i in ids]
+            if verifying:  # rows[id]: a tuple of SamplingRows for a verify request, one per position
+                row_list = [r for s in out.requests if s.sample for r in _as_rows(rows[s.request_id])]
+            else:
+                row_list = [rows[i] for i in ids]
             plain = type(self.sampler) is Sampler and all(
                 _plain_greedy(r) for r in row_list
             )  # the sampler would return the argmax
@@ -151,7 +174,7 @@ class ModelRunner:
             if fused is not None and plain:
                 if (got := fused(sample_hidden)) is not None:
                     host, ready, buf = _copy_back(got[0])
-                    return Launched(out, ids, got[0], host, ready, None, fed, got[1], buf)
+                    return Launched(out, ids, got[0], host, ready, None, fed, got[1], buf, pre, verifying)
             logits = self.model.compute_logits(sample_hidden)  # [N, V]
         on_device = getattr(self.sampler, "sample_device", None)  # a plain callable samples on the host
         try:  # penalties change the logits in place: keep them for the per-row retry
@@ -162,12 +185,15 @@ class ModelRunner:
             else:
                 tokens = on_device(logits.clone() if any(_mutates(r) for r in row_list) else logits, row_list)
         except Exception:  # find the rows at fault, sampling each alone (on the host's clock)
+            if verifying:  # per position: a row after a rejected draft may fail harmlessly
+                tokens = _sample_rows_alone(self.sampler, logits, row_list)
+                return Launched(out, ids, tokens, tokens, None, None, fed, logits.shape[-1], None, pre, True)
             sampled, failed = sample_isolated(
                 self.sampler, logits, ids, row_list if row_list is not None else [rows[i] for i in ids]
             )
             return Launched(out, ids, None, None, None, RunnerOutput(sampled, failed), fed)
         host, ready, buf = _copy_back(tokens)
-        return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1], buf)
+        return Launched(out, ids, tokens, host, ready, None, fed, logits.shape[-1], buf, pre, verifying)
 
 
 @dataclass(frozen=True)
@@ -184,6 +210,58 @@ class Launched:
     fed: torch.Tensor | None = None  # device ids that stood in for pending tokens (checked in debug)
     vocab: int = 0
     staged: torch.Tensor | None = None  # the pinned buffer under ``host``: back to the staging once read
+    pre_hidden: torch.Tensor | None = None  # [S, ...] the target's pre-norm hidden at the sampled rows
+    verifying: bool = False  # some request verifies drafts: request_ids repeat once per verified position
+
+
+def _as_rows(row) -> tuple[SamplingRow, ...]:
+    return row if isinstance(row, tuple) else (row,)
+
+
+def _sample_rows_alone(sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row sampled on its own; a row whose sampling raises gets ALL_MASKED (it fails its
+    request only if the verification reaches it)."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(int(sampler(logits[i : i + 1].clone(), [row])[0]))
+        except Exception:
+            out.append(ALL_MASKED)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _verified(launched: Launched, tokens: list[int]) -> RunnerOutput:
+    """Accept each request's drafts while they equal the token the target's sampler drew at that
+    position (seeded by request and position, as without drafts): for greedy rows the standard
+    rule (draft == argmax), for sampled rows the standard rule for a deterministic draft (accepted
+    with probability p(draft), else a token from p without it; speculative.rejection_sample).
+    The output is the accepted drafts and the target's token at the first mismatch (or the bonus
+    token after the last draft): token for token what decoding without drafts samples."""
+    sampled, failed, verified, hidden_row = {}, {}, {}, {}
+    i = 0
+    vocab = launched.vocab
+    for s in launched.sched.requests:
+        if not s.sample:
+            continue
+        n = s.num_spec + 1
+        drafts = s.token_ids[len(s.token_ids) - s.num_spec :] if s.num_spec else ()
+        emitted = []
+        for j in range(n):
+            token = tokens[i + j]
+            if not 0 <= token < vocab:
+                failed[s.request_id] = invalid_token_message(token, vocab)
+                break
+            emitted.append(token)
+            if j == n - 1 or token != drafts[j]:
+                break
+        if s.request_id not in failed:
+            hidden_row[s.request_id] = i + len(emitted) - 1
+            if s.num_spec:
+                verified[s.request_id] = emitted
+            else:
+                sampled[s.request_id] = emitted[0]
+        i += n
+    return RunnerOutput(sampled, failed, verified, launched.pre_hidden, hidden_row)
 
 
 def _mutates(row: SamplingRow) -> bool:

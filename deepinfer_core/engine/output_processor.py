@@ -19,8 +19,9 @@ class _Progress:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, spec_metrics: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.spec_metrics = spec_metrics  # speculative decoding is on: snapshots carry its counts
         self._progress: dict[str, _Progress] = {}
 
     def add(self, req: Request) -> None:
@@ -80,7 +81,13 @@ class OutputProcessor:
         # every snapshot of a request shares one copy of its prompt (as vLLM's outputs do): a
         # 256-request decode step copied 256 prompts per step; the engine's own list stays apart
         return RequestOutput(
-            req.request_id, req.prompt, prog.prompt_token_ids, [completion], finished, req.num_cached_tokens or 0
+            req.request_id,
+            req.prompt,
+            prog.prompt_token_ids,
+            [completion],
+            finished,
+            req.num_cached_tokens or 0,
+            _spec_metrics(req) if self.spec_metrics else None,
         )
 
     def finish(self, req: Request) -> RequestOutput:
@@ -103,6 +110,14 @@ class OutputProcessor:
         return RequestOutput(
             req.request_id, req.prompt, list(req.prompt_token_ids), [completion], True, req.num_cached_tokens or 0
         )
+
+
+def _spec_metrics(req: Request) -> dict:
+    return {
+        "spec_num_drafts": req.num_drafts,
+        "spec_num_draft_tokens": req.num_draft_tokens,
+        "spec_num_accepted_tokens": req.num_accepted_tokens,
+    }
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -29,3 +29,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # speculative decoding on: {"spec_num_drafts": verify steps with drafts, "spec_num_draft_tokens":
+    # drafts verified, "spec_num_accepted_tokens": drafts accepted}; None when it is off
+    metrics: dict | None = None

@@ -42,6 +42,13 @@ class Request:
     prompt_array: Any = field(
         default=None, repr=False
     )  # np.ndarray [n] uint32 of prompt_token_ids, from the entry check (None: not made)
+    # speculative decoding (engine/spec_decode.py): drafts to verify at the next step, after the
+    # last known token; never part of the known tokens (never hashed, cached or streamed)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: int = 1  # tokens the last step appended (a verify step may add several)
+    num_drafts: int = 0  # verify steps with at least one draft
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # ... and accepted
 
     @property
     def num_tokens(self) -> int:

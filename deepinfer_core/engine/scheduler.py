@@ -29,11 +29,13 @@ class ScheduledRequest:
     # token_ids as a uint32 array where they lie in the prompt (a view of Request.prompt_array);
     # None: build from token_ids
     token_array: Any = field(default=None, compare=False, repr=False)
+    # speculative drafts at the end of token_ids (verified: each of the last num_spec + 1 rows samples)
+    num_spec: int = 0
 
 
 def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_position: int, block_ids: tuple[int, ...],
                       sample: bool, seed: int, prompt_len: int = 0,
-                      token_array: Any = None) -> ScheduledRequest:  # fmt: skip
+                      token_array: Any = None, num_spec: int = 0) -> ScheduledRequest:  # fmt: skip
     """``ScheduledRequest(...)`` for the per-request paths of every step: the frozen dataclass's
     generated ``__init__`` sets each field through ``object.__setattr__`` (1.9 us here, 512 of
     these and :func:`.sampler.sampling_row` a 256-request step); filling the instance dict is
@@ -47,6 +49,7 @@ def scheduled_request(request_id: str, token_ids: tuple[int, ...], start_positio
         block_ids,
     )
     d["sample"], d["seed"], d["prompt_len"], d["token_array"] = sample, seed, prompt_len, token_array
+    d["num_spec"] = num_spec
     return obj
 
 
@@ -80,6 +83,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.on_release = None  # callable(request) at preemption and finish: speculative decoding's drafter state
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -102,6 +106,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if req.draft_token_ids:  # a decode step with drafts: verify what the budget allows
+                if num_new == 1:
+                    num_new += min(len(req.draft_token_ids), budget - 1)
+                else:
+                    req.draft_token_ids = []
             if self.kv.allocate(req, num_new):
                 chosen.append((req, num_new))
                 budget -= num_new
@@ -139,17 +148,7 @@ class Scheduler:
             budget -= num_new
 
         scheduled = tuple(
-            scheduled_request(
-                req.request_id,
-                tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
-                req.num_computed_tokens,
-                tuple(req.block_ids),
-                req.num_computed_tokens + n == req.num_tokens,
-                req.seed,
-                len(req.prompt_token_ids),
-                _prompt_view(req, req.num_computed_tokens, n),
-            )
-            for req, n in chosen
+            _scheduled(req, n) if not req.draft_token_ids else _scheduled_with_drafts(req, n) for req, n in chosen
         )
         return SchedulerOutput(scheduled, sum(n for _, n in chosen), tuple(preempted))
 
@@ -163,6 +162,9 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
+        if self.on_release is not None:
+            self.on_release(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -171,18 +173,38 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Commit a step: advance computed counts, append sampled tokens, publish full blocks,
-        finish requests. Returns the requests that changed (for output processing)."""
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], verified: dict[str, list[int]] | None = None
+    ) -> list[Request]:
+        """Commit a step: advance computed counts, append sampled tokens (``verified``: a verify
+        step's accepted drafts and its one correction or bonus token, per request), publish full
+        blocks, finish requests. Returns the requests that changed (for output processing)."""
+        verified = verified or {}
         changed = []
         publish = self.kv.cache_computed_blocks if self.kv.enabled else None  # prefix caching off: nothing to publish
         for sched in out.requests:
             req = self.requests[sched.request_id]
+            if sched.num_spec:  # a verify step: the last known token and the accepted drafts have KV
+                emitted = verified.get(sched.request_id)
+                req.draft_token_ids = []
+                if emitted is None:  # failed: nothing is committed
+                    continue
+                req.num_computed_tokens += len(emitted)
+                req.output_token_ids.extend(emitted)
+                req.num_new_tokens = len(emitted)
+                req.num_drafts += 1
+                req.num_draft_tokens += sched.num_spec
+                req.num_accepted_tokens += len(emitted) - 1
+                if publish is not None:
+                    publish(req)
+                changed.append(req)
+                continue
             req.num_computed_tokens += len(sched.token_ids)
             if publish is not None:
                 publish(req)
             if sched.request_id in sampled:
                 req.output_token_ids.append(sampled[sched.request_id])
+                req.num_new_tokens = 1
                 changed.append(req)
         return changed
 
@@ -192,6 +214,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
+        if self.on_release is not None:
+            self.on_release(req)
         if self.tiers is not None:
             self.tiers.forget(req.request_id)
         if req in self.loading:
@@ -211,6 +235,38 @@ class Scheduler:
         if req is not None:
             self.finish(req, "abort")
         return req
+
+
+def _scheduled(req: Request, n: int) -> ScheduledRequest:
+    start = req.num_computed_tokens
+    return scheduled_request(
+        req.request_id,
+        tuple(req.token_slice(start, start + n)),
+        start,
+        tuple(req.block_ids),
+        start + n == req.num_tokens,
+        req.seed,
+        len(req.prompt_token_ids),
+        _prompt_view(req, start, n),
+    )
+
+
+def _scheduled_with_drafts(req: Request, n: int) -> ScheduledRequest:
+    """The last known token and the first ``n - 1`` drafts (the budget may cut them)."""
+    drafts = req.draft_token_ids[: n - 1]
+    req.draft_token_ids = drafts
+    start = req.num_computed_tokens
+    return scheduled_request(
+        req.request_id,
+        (req.token_at(start), *drafts),
+        start,
+        tuple(req.block_ids),
+        True,
+        req.seed,
+        len(req.prompt_token_ids),
+        None,
+        len(drafts),
+    )
 
 
 def _prompt_view(req: Request, start: int, n: int):

@@ -41,13 +41,24 @@ class GrammarProcessor:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
-        self._accepted = 0
+        self._history: list[int] = []  # the tokens the matcher has accepted, in order
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        for token in output_token_ids[self._accepted :]:
+        # Speculative decoding asks with the history plus drafts, then with the history plus the
+        # accepted ones: roll the matcher back to the common prefix, then catch up.
+        hist = self._history
+        common = min(len(hist), len(output_token_ids))
+        if hist[:common] != list(output_token_ids[:common]):
+            common = next(i for i in range(common) if hist[i] != output_token_ids[i])
+        if common < len(hist):
+            self.matcher.rollback(len(hist) - common)
+            del hist[common:]
+        for token in output_token_ids[common:]:
             if not self.matcher.accept_token(token):
-                raise RuntimeError(f"token {token} was sampled against the grammar")
-        self._accepted = len(output_token_ids)
+                # a draft the grammar forbids: nothing may follow it (its verification stops
+                # before this row; a sampled token never gets here, the mask allowed it)
+                return torch.full_like(logits, float("-inf"))
+            hist.append(token)
         self.matcher.fill_next_token_bitmask(self.bitmask)
         row = logits.unsqueeze(0)  # [1, V]
         self._xgr.apply_token_bitmask_inplace(row, self.bitmask.to(logits.device), vocab_size=self.vocab_size)

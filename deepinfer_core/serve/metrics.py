@@ -80,7 +80,17 @@ class ServerMetrics:
         self.rejected = counter(
             "deepinfer:requests_rejected", "Requests refused because the waiting queue was full (HTTP 429)."
         )
+        # speculative decoding, vLLM's meanings (exposed with the _total suffix)
+        self.spec_drafts = counter("deepinfer:spec_decode_num_drafts", "Verify steps of a request with drafts.")
+        self.spec_draft_tokens = counter("deepinfer:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("deepinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "deepinfer:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            ("position",),
+        )
         self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
+        self._spec_mirrored: dict[str, int] = {}
 
     # -- called in the step thread ----------------------------------------------------------
     def on_output(self, out: RequestOutput, timing: StepTiming) -> None:
@@ -124,6 +134,24 @@ class ServerMetrics:
             if value > self._mirrored[key]:
                 metric.inc(value - self._mirrored[key])
                 self._mirrored[key] = value
+        spec = stats.get("spec_decode")
+        if spec:
+            self._mirror_spec(spec)
+
+    def _mirror_spec(self, spec: dict) -> None:
+        """The engine's running totals (SpecDecoder.stats) into the counters, by difference."""
+        pairs = [
+            ("num_drafts", self.spec_drafts, spec.get("num_drafts", 0)),
+            ("num_draft_tokens", self.spec_draft_tokens, spec.get("num_draft_tokens", 0)),
+            ("num_accepted_tokens", self.spec_accepted_tokens, spec.get("num_accepted_tokens", 0)),
+        ]
+        for pos, count in enumerate(spec.get("accepted_per_position", ())):
+            pairs.append((f"pos{pos}", self.spec_accepted_per_pos.labels(self.model_name, str(pos)), count))
+        for key, metric, value in pairs:
+            before = self._spec_mirrored.get(key, 0)
+            if value > before:
+                metric.inc(value - before)
+                self._spec_mirrored[key] = value
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

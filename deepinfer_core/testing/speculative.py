@@ -66,6 +66,15 @@ class VerificationPolicySuite:
         best = float(surv.flatten().topk(min(budget, surv.numel())).values.sum())
         assert chosen == pytest.approx(best, rel=1e-9), "verified drafts are not the global top survivals"
 
+    @pytest.mark.parametrize("budget", (0, 7))
+    def test_plan_reads_nothing_back_from_the_device(self, policy, budget):
+        """The sync guard on any machine: on the ``meta`` device a tensor has no values, so a
+        plan that reads one back (``.item()``, ``.tolist()``, ``int(t)``, a data-dependent
+        ``if``) raises here, as ``torch.cuda.set_sync_debug_mode("error")`` would on a GPU."""
+        conf = torch.empty(4, 5, device="meta")
+        plan = policy.plan(conf, budget)
+        assert plan.device.type == "meta" and tuple(plan.shape) == (4,)
+
     def test_confident_request_gets_more(self, policy):
         if not self.maximises_survival:
             pytest.skip(f"{policy.name} does not claim to maximise expected acceptance")

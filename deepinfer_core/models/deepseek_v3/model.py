@@ -220,6 +220,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             h, residual = layer.forward_residual(h, residual, positions, self.rotary, cache, meta)
         return self.model.norm(h) if residual is None else self.model.norm.add_forward(h, residual)[0]
 
+    def forward_hidden(self, input_ids, positions, kv_caches, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and the last layer's output before the final norm (both [T, D])."""
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer.forward_residual(h, residual, positions, self.rotary, cache, meta)
+        return (self.model.norm(h), h) if residual is None else self.model.norm.add_forward(h, residual)
+
     logits_kernel = None  # FusedOps.logits: a 16-bit LM head with float32 output (fused_ops.install)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]

@@ -8,7 +8,8 @@ Per layer, what a request needs to continue from position ``p`` splits in two::
         sliding: nothing
     state KV  (one slot per running request, overwritten as it advances)
         window  [window - 1 + speculative, head_dim]   ring of the last keys (K = V), by pos % rows
-        tail    [2 * ratio (CSA) | ratio (HCA), width]  raw compressor (and indexer) projections
+        tail    [2 * ratio (CSA) | ratio (HCA)          raw compressor (and indexer) projections
+                 + speculative, width]
                                                        kv | gate of the last positions, by pos % rows
 
 Compressed entry ``w`` summarises positions ``[w * ratio, (w + 1) * ratio)`` and lives in the
@@ -132,7 +133,9 @@ def layer_layouts(cfg: V4Config, block_size: int, num_speculative_tokens: int = 
                 entry_width=entry_width if ratio else 0,
                 window_rows=max(1, cfg.window - 1 + num_speculative_tokens),
                 head_dim=cfg.head_dim,
-                tail_rows=tail_rows,
+                # drafts past the last committed position write the tail ring too: keep the rows a
+                # later window close still reads (as the window ring does)
+                tail_rows=tail_rows + (num_speculative_tokens if tail_rows else 0),
                 tail_width=tail_width,
             )
         )

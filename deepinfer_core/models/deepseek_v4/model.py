@@ -298,6 +298,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta)))
 
+    def forward_hidden(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata):
+        """:meth:`forward` ([T, D]) and the last layer's streams before ``hc_head`` and the final
+        norm ([T, hc, D], what the MTP blocks consume)."""
+        streams = self.hidden_streams(input_ids, positions, kv_caches, meta)
+        return self.model.norm(self.model.hc_head(streams)), streams
+
     def forward_decode(
         self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata
     ) -> torch.Tensor:

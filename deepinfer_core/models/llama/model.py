@@ -167,6 +167,20 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer.forward_residual(h, residual, positions, rotary, kv_cache, meta)
         return self.model.norm(h) if residual is None else self.model.norm.add_forward(h, residual)[0]
 
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` ([T, D], after the final norm) and the last layer's output before that
+        norm ([T, D]): what a drafter that reads the target's hidden state consumes. Runs the
+        layers (never the fused step, which returns only the normed states)."""
+        h = self.model.embed_tokens(input_ids)
+        rotary = self.rotary.at(positions, h.dtype)
+        meta = dataclasses.replace(meta, scratch={})
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h, residual = layer.forward_residual(h, residual, positions, rotary, kv_cache, meta)
+        return (self.model.norm(h), h) if residual is None else self.model.norm.add_forward(h, residual)
+
     logits_kernel = None  # FusedOps.logits: a 16-bit LM head with float32 output (fused_ops.install)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
