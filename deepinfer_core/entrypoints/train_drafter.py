@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                             else target.config.get("eos_token_id") or [])]  # fmt: skip
     vocab_ids, covered = top_tokens(train, args.draft_vocab, int(target.config["vocab_size"]), eos)
     _log(f"  draft vocabulary: {len(vocab_ids)} tokens cover {covered:.1%} of the training data's greedy tokens")
-    cfg = DraftHeadConfig.for_target(target.config, len(vocab_ids), target=os.path.basename(str(args.model)))
+    name = os.path.basename(str(args.model))
+    cfg = DraftHeadConfig.for_target(target.config, len(vocab_ids), name, max(8, args.chain), args.chain)
     head = DraftHead(cfg)
     head.vocab_ids.copy_(vocab_ids)
     shared = SharedTarget(target, head.vocab_ids, torch.float32)

@@ -12,7 +12,7 @@ One chain step, for a request whose newest committed token ``t`` sits at positio
       -> draft = vocab_ids[argmax]; confidence = sigmoid(w . [norm(out), max prob, entropy, step])
 
 γ > 1 chains by feeding ``out`` back as the next step's hidden (feature recurrence). The
-attention spans only the steps of the current ``propose`` call (at most ``max_chain``), so the
+attention spans only the steps of the current ``propose`` call (at most ``MAX_DRAFT_TOKENS``), so the
 drafter keeps no per-request state: nothing to truncate or release when drafts are rejected.
 The LM head is restricted to ``vocab_ids`` (the target's most frequent greedy tokens in the
 training data), which makes a draft step several times cheaper than the full vocabulary.
@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+MAX_DRAFT_TOKENS = 64  # the longest chain one propose call runs (the rotary table's length)
 _SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct"}  # normalised target name -> package folder
 
 
@@ -60,12 +61,19 @@ class DraftHeadConfig:
     vocab_size: int  # the target's
     draft_vocab_size: int  # rows of the target's LM head the head predicts over
     rms_norm_eps: float = 1e-5
-    max_chain: int = 8  # the longest chain one propose call runs
+    max_chain: int = 8  # step features of the confidence output (one-hot width)
+    trained_chain: int = 0  # chain steps seen in training (0: max_chain); later steps reuse the last one's feature
     target: str = ""  # the model it was trained for (informational)
     format: str = "deepinfer-llama-draft-head-v1"
 
+    @property
+    def step_features(self) -> int:
+        return min(self.trained_chain or self.max_chain, self.max_chain)
+
     @classmethod
-    def for_target(cls, config: dict, draft_vocab_size: int, target: str = "", max_chain: int = 8) -> DraftHeadConfig:
+    def for_target(
+        cls, config: dict, draft_vocab_size: int, target: str = "", max_chain: int = 8, trained_chain: int = 0
+    ) -> DraftHeadConfig:
         heads = int(config["num_attention_heads"])
         return cls(
             hidden_size=int(config["hidden_size"]),
@@ -77,6 +85,7 @@ class DraftHeadConfig:
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             max_chain=max_chain,
+            trained_chain=trained_chain,
             target=target,
         )
 
@@ -127,7 +136,7 @@ class DraftHead(nn.Module):
         self.out_norm = RMSNorm(D, eps)
         self.confidence = nn.Linear(D + 2 + cfg.max_chain, 1)
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
-        self.rotary = Rotary(cfg.head_dim, cfg.max_chain, rope_inv_freq(cfg.head_dim, 10000.0)[0])
+        self.rotary = Rotary(cfg.head_dim, MAX_DRAFT_TOKENS, rope_inv_freq(cfg.head_dim, 10000.0)[0])
 
     def step(
         self, hidden: torch.Tensor, token_embed: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
@@ -153,7 +162,8 @@ class DraftHead(nn.Module):
         logp = torch.log_softmax(logits.detach().float(), dim=-1)  # [N, Vd]
         top = logp.max(dim=-1).values.exp()
         entropy = -(logp.exp() * logp).sum(dim=-1)
-        step = F.one_hot(torch.full_like(top, k, dtype=torch.long), self.cfg.max_chain).to(out.dtype)
+        step_index = min(k, self.cfg.step_features - 1)  # steps past the trained chain look like its last
+        step = F.one_hot(torch.full_like(top, step_index, dtype=torch.long), self.cfg.max_chain).to(out.dtype)
         feats = torch.cat(
             [self.out_norm(out.detach()), top[:, None].to(out.dtype), entropy[:, None].to(out.dtype), step], -1
         )
@@ -174,8 +184,8 @@ class LlamaDrafter:
     def propose(self, batch: DraftBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         if batch.hidden is None:
             raise ValueError("the 'draft' drafter needs the target's hidden states (DraftBatch.hidden)")
-        if not 1 <= num_tokens <= self.head.cfg.max_chain:
-            raise ValueError(f"num_speculative_tokens for this head is 1..{self.head.cfg.max_chain}, got {num_tokens}")
+        if not 1 <= num_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_speculative_tokens for this head is 1..{MAX_DRAFT_TOKENS}, got {num_tokens}")
         dtype = self.target.dtype
         hidden, tokens = batch.hidden.to(dtype), batch.last_token_ids.long()
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
