@@ -40,6 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     parser.add_argument("--batch-size", type=int, default=128, help="chains per step (default 128)")
     parser.add_argument("--chain", type=int, default=4, help="draft steps trained per chain (default 4)")
+    parser.add_argument(
+        "--intermediate-size", type=int, default=None, help="the head's MLP width (default: the model's)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     parser.add_argument("--max-prompt-tokens", type=int, default=48, help="user turn length cap (default 48)")
     parser.add_argument("--max-answer-tokens", type=int, default=160, help="answer length cap (default 160)")
@@ -130,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     vocab_ids, covered = top_tokens(train, args.draft_vocab, int(target.config["vocab_size"]), eos)
     _log(f"  draft vocabulary: {len(vocab_ids)} tokens cover {covered:.1%} of the training data's greedy tokens")
     name = os.path.basename(str(args.model))
-    cfg = DraftHeadConfig.for_target(target.config, len(vocab_ids), name, max(8, args.chain), args.chain)
+    shape = dict(target.config, **({"intermediate_size": args.intermediate_size} if args.intermediate_size else {}))
+    cfg = DraftHeadConfig.for_target(shape, len(vocab_ids), name, max(8, args.chain), args.chain)
     head = DraftHead(cfg)
     head.vocab_ids.copy_(vocab_ids)
     shared = SharedTarget(target, head.vocab_ids, torch.float32)
