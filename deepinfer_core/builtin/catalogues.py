@@ -21,8 +21,16 @@ def deepinfer_register_spec_policies(register_drafter, register_verification):
 
     register_drafter("ngram", ngram_drafter)
     register_drafter("mtp", mtp_drafter)
+    register_drafter("draft", _learned_drafter)
     register_verification("fixed", lambda options=None: FixedLengthVerification())
     register_verification("confidence", lambda options=None: ConfidenceScheduledVerification())
+
+
+def _learned_drafter(config, ctx):
+    """The learned head for Llama-family targets (``models/llama/drafter.py``), imported on use."""
+    from ..models.llama.drafter import build_draft_drafter
+
+    return build_draft_drafter(config, ctx)
 
 
 @hookimpl(trylast=True)

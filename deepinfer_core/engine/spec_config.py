@@ -20,7 +20,7 @@ _KEYS = {
     "method": "the drafter: ngram (prompt lookup, model-free), mtp (the model's MTP block), draft (a trained head)",
     "num_speculative_tokens": f"tokens drafted per request and step, 1..{MAX_SPECULATIVE_TOKENS} (default 5)",
     "verification": "fixed (verify every draft) or confidence (DSpark: the global top-K survivals)",
-    "model": "the drafter's weights (method draft): a directory or file",
+    "model": "the drafter's weights (method draft): a head directory (default: the head shipped for the model)",
     "prompt_lookup_min": "n-gram: shortest suffix matched (default 1)",
     "prompt_lookup_max": "n-gram: longest suffix matched (default 4)",
     "steps_per_second": "DSpark: [[batch_tokens, steps_per_second], ...] instead of measuring this engine",
@@ -81,8 +81,6 @@ def parse_spec_config(value: Any) -> SpecConfig | None:
     model = value.get("model")
     if model is not None and not isinstance(model, str):
         raise _fail(f"'model' must be a path, got {model!r}")
-    if method == "draft" and model is None:
-        raise _fail("method 'draft' needs 'model': the drafter's directory or file")
     lo, hi = value.get("prompt_lookup_min", 1), value.get("prompt_lookup_max", 4)
     for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

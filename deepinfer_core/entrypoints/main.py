@@ -29,6 +29,7 @@ COMMANDS = (
     "deepinfer_core.entrypoints.kv",
     "deepinfer_core.entrypoints.plugins",
     "deepinfer_core.entrypoints.version",
+    "deepinfer_core.entrypoints.train_drafter",
 )  # the one registration point
 
 
