@@ -42,6 +42,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError, ToolCall, ToolCallDelta
+from .grammar import bounded_schema
 
 START, END = "<tool_call>", "</tool_call>"
 # the head of a call's body up to its arguments value (which must have begun: (?=\S))
@@ -170,7 +171,11 @@ def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]
             schema = ANY_OBJECT
         begin = f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
         tags.append(
-            TagFormat(begin=begin, content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1), end=f"}}\n{END}")
+            TagFormat(
+                begin=begin,
+                content=JSONSchemaFormat(json_schema=bounded_schema(schema), max_whitespace_cnt=1),
+                end=f"}}\n{END}",
+            )
         )
     parallel = request.extra.get("parallel_tool_calls") is True
     if isinstance(choice, dict):
