@@ -11,7 +11,8 @@ reasoning is everything before ``</think>`` (newlines included); up to two newli
 a tool-call block are dropped; ``\\s*`` may precede ``name=``; ``string="false"`` values are
 kept as the model wrote them. Where the reference raises we go on: text with no end of sentence
 (a length stop), a block with fewer newlines before it, text after the block (more content), a
-block cut short (complete invokes are kept, an unfinished one is dropped), a repeated parameter
+block cut short (complete invokes are kept, and an unfinished one with its complete parameters,
+as the reference does), a repeated parameter
 (the first value wins), a parameter still open at its invoke's close (it ends there; both rules
 let arguments stream, see ``call_stream.py``), a non-JSON value (kept as a string).
 
@@ -255,12 +256,30 @@ class DeepSeekV4Parser:
                 self._buf = self._buf[pos + len(marker) :]
                 self.state = DONE if marker == EOS else CONTENT
                 return True
-            if final:  # an unterminated call is dropped: its arguments may be incomplete
+            if final:  # the output ended inside the block (a length stop)
+                call = self._cut_invoke(self._buf)
+                if call is not None:
+                    calls.append(call)
                 self.state, self._buf = DONE, ""
                 return True
             return False
 
-    def _parse_invoke(self, segment: str) -> ToolCall | None:
+    def _cut_invoke(self, segment: str) -> ToolCall | None:
+        """An invoke the end of the output cut short: as DeepSeek's reference parser does, the
+        call is returned with its complete parameters (up to the last closing parameter
+        marker); a parameter still open is dropped (its value may be incomplete), and so is an
+        invoke with no complete parameter."""
+        last = segment.rfind(self.tags.parameter_close)
+        if last == -1 or segment.find(self._invoke_tag) == -1:
+            return None
+        call = self._parse_invoke(segment[: last + len(self.tags.parameter_close)], closed=False)
+        if call is None or self._streamer is None:
+            return call
+        call, rest = self._streamer.cut_call(call)
+        self._deltas += rest
+        return call
+
+    def _parse_invoke(self, segment: str, *, closed: bool = True) -> ToolCall | None:
         """One ``<invoke ...>...`` segment (its closing marker already cut off) as a call.
 
         As in the reference, the head (up to the first parameter) names the call up to its last
@@ -289,7 +308,7 @@ class DeepSeekV4Parser:
                 params[match.group(1)] = argument_json(match.group(2), segment[match.end() : end])
             pos = end + len(close)
         call = ToolCall(name=head.group(1), arguments=arguments_text(params))
-        if self._streamer is None:
+        if self._streamer is None or not closed:
             return call
         call, rest = self._streamer.close_call(self._invokes, call)
         self._deltas += rest
