@@ -256,30 +256,15 @@ class DeepSeekV4Parser:
                 self._buf = self._buf[pos + len(marker) :]
                 self.state = DONE if marker == EOS else CONTENT
                 return True
-            if final:  # the output ended inside the block (a length stop)
-                call = self._cut_invoke(self._buf)
-                if call is not None:
-                    calls.append(call)
+            if final:  # cut short: as the reference, the open invoke with its complete parameters
+                last = self._buf.rfind(close_param := self.tags.parameter_close)
+                call = self._parse_invoke(self._buf[: last + len(close_param)], cut=True) if last != -1 else None
+                calls += [call] if call is not None else []
                 self.state, self._buf = DONE, ""
                 return True
             return False
 
-    def _cut_invoke(self, segment: str) -> ToolCall | None:
-        """An invoke the end of the output cut short: as DeepSeek's reference parser does, the
-        call is returned with its complete parameters (up to the last closing parameter
-        marker); a parameter still open is dropped (its value may be incomplete), and so is an
-        invoke with no complete parameter."""
-        last = segment.rfind(self.tags.parameter_close)
-        if last == -1 or segment.find(self._invoke_tag) == -1:
-            return None
-        call = self._parse_invoke(segment[: last + len(self.tags.parameter_close)], closed=False)
-        if call is None or self._streamer is None:
-            return call
-        call, rest = self._streamer.cut_call(call)
-        self._deltas += rest
-        return call
-
-    def _parse_invoke(self, segment: str, *, closed: bool = True) -> ToolCall | None:
+    def _parse_invoke(self, segment: str, *, cut: bool = False) -> ToolCall | None:
         """One ``<invoke ...>...`` segment (its closing marker already cut off) as a call.
 
         As in the reference, the head (up to the first parameter) names the call up to its last
@@ -308,8 +293,8 @@ class DeepSeekV4Parser:
                 params[match.group(1)] = argument_json(match.group(2), segment[match.end() : end])
             pos = end + len(close)
         call = ToolCall(name=head.group(1), arguments=arguments_text(params))
-        if self._streamer is None or not closed:
+        if self._streamer is None:
             return call
-        call, rest = self._streamer.close_call(self._invokes, call)
+        call, rest = self._streamer.cut_call(call) if cut else self._streamer.close_call(self._invokes, call)
         self._deltas += rest
         return call
