@@ -389,3 +389,33 @@ def test_the_sampler_marks_a_fully_masked_row_without_touching_the_others():
     got = Sampler()(logits.clone(), rows)
     assert got[1] == ALL_MASKED and got[2] == ALL_MASKED
     assert got[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_end_that_request_with_an_error_not_token_0(llm, bad):
+    """Issue 31.1: a row with NaN (a broken model or processor) or +inf has no distribution to
+    sample; argmax over it picked token 0 every step until max_tokens. The request ends with
+    finish_reason "error" and a reason instead; a request beside it is untouched."""
+    tok = llm.get_tokenizer()
+    expected = alone(llm, "Red green blue")
+
+    def poison(output_token_ids, logits):
+        if len(output_token_ids) < 2:
+            return logits
+        out = logits.clone()
+        out[5] = bad  # one entry is enough
+        return out
+
+    broken = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logits_processors=[poison])
+    fine = llm.engine.add_request(tok.encode("Red green blue"), GREEDY)
+    bad_id = llm.engine.add_request(tok.encode("hi"), broken)
+    done = run_all(llm)
+    failed = done[bad_id].outputs[0]
+    assert failed.finish_reason == "error" and len(failed.token_ids) == 2, (failed.finish_reason, failed.token_ids)
+    assert "not finite" in failed.error, failed.error
+    assert done[fine].outputs[0].token_ids == expected
+    everywhere = SamplingParams(
+        temperature=0.8, seed=1, max_tokens=6, logits_processors=[lambda i, row: torch.full_like(row, float("nan"))]
+    )
+    out = llm.generate("hi", everywhere)[0].outputs[0]  # the issue's repro, sampled instead of greedy
+    assert out.finish_reason == "error" and out.token_ids == [], (out.finish_reason, out.token_ids)

@@ -116,3 +116,32 @@ def test_store_directory_deleted_under_a_running_store(tmp_path):
     assert store.match_prefix([key(1)]) == 0
     assert disk.put(store, [1, 2]) == 2  # recreates what it needs
     assert disk.read(open_local(tmp_path / "kv"), [1, 2]) == [disk.payload(1), disk.payload(2)]
+
+
+@pytest.mark.parametrize("where", ["tmp", "namespace", "retention class"])
+def test_a_file_where_the_store_expects_a_directory_is_replaced(tmp_path, where):
+    """Issue 31.3: a regular file at ``<fp>/tmp`` made opening the store raise FileExistsError
+    (and ``deepinfer serve`` die with a traceback); one at ``<fp>`` raised NotADirectoryError,
+    one at a retention class's directory made every commit fail. The store's own layout is
+    repaired: the stray file goes, and blocks are written and read back."""
+    root = tmp_path / "kv"
+    fp_dir = open_local(root)._dir
+    for item in sorted(root.rglob("*"), reverse=True):
+        item.rmdir() if item.is_dir() else item.unlink()
+    stray = {"tmp": fp_dir / "tmp", "namespace": fp_dir, "retention class": fp_dir / "chat"}[where]
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_text("not a directory")
+    store = open_local(root)
+    assert disk.put(store, [1, 2]) == 2
+    assert disk.read(store, [1, 2]) == [disk.payload(1), disk.payload(2)]
+    assert stray.is_dir() and store.stats()["commit_failures"] == 0
+
+
+def test_a_store_path_under_a_file_is_refused_with_one_line(tmp_path):
+    """A root that cannot be a directory (a file there, or above it) is not the store's to
+    repair: a ValueError naming the path, which the commands print as one error line."""
+    (tmp_path / "file").write_text("mine")
+    for root in (tmp_path / "file", tmp_path / "file" / "kv"):
+        with pytest.raises(ValueError, match="is not a directory"):
+            open_local(root)
+    assert (tmp_path / "file").read_text() == "mine"

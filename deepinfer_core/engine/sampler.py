@@ -27,12 +27,22 @@ ALL_MASKED_MESSAGE = (
     "response_format or tool-call constraint) and its banned tokens (min_tokens bans the stop "
     "tokens until it is reached) together mask the whole vocabulary; lower min_tokens or loosen the constraint"
 )
+#: The id a row gets when its logits are not finite (NaN anywhere, or +inf): a broken model step
+#: or logits processor. There is no distribution to sample (argmax over NaN picks token 0), so
+#: the engine ends that request with :data:`NON_FINITE_MESSAGE`, the same way as ALL_MASKED.
+NON_FINITE = -2
+NON_FINITE_MESSAGE = (
+    "RuntimeError: the logits for this request are not finite (NaN or +inf, from the model or a "
+    "logits processor): no token can be sampled"
+)
 
 
 def invalid_token_message(token: int, vocab: int) -> str:
     """Why a sampled id outside ``[0, vocab)`` fails its request (an ``error`` field)."""
     if token == ALL_MASKED:
         return ALL_MASKED_MESSAGE
+    if token == NON_FINITE:
+        return NON_FINITE_MESSAGE
     return f"RuntimeError: the sampler picked token {token}, outside the vocabulary [0, {vocab})"
 
 
@@ -96,9 +106,11 @@ class Sampler:
             for process in row.params.logits_processors:  # e.g. a grammar's token mask
                 logits[i] = process(row.output_token_ids, logits[i])
             masked = masked or bool(row.suppressed or row.params.logits_processors)
-        # only masks can leave a row with nothing to sample; the flag stays on the device
-        dead = torch.isneginf(logits.amax(dim=-1)) if masked else None
-        out = self._choose(logits, rows)
+        top = logits.amax(dim=-1)  # [N]; NaN if any logit of the row is NaN
+        # only masks can leave a row with nothing to sample; the flags stay on the device
+        dead = torch.isneginf(top) if masked else None
+        broken = torch.isnan(top) | torch.isposinf(top)
+        out = self._choose(logits, rows).masked_fill(broken, NON_FINITE)
         return out if dead is None else out.masked_fill(dead, ALL_MASKED)
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -46,6 +46,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds SIGTERM waits for in-flight requests (default: %(default)s)",
     )
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send its request body before a 408 (default: %(default)s)",
+    )
+    p.add_argument(
         "--sampling-defaults",
         default="model",
         choices=("model", "protocol"),
@@ -119,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         from ..serve.app import RECIPE_INSTALL_HINT
 
         return _fail(f"no protocol codecs are installed; {RECIPE_INSTALL_HINT}")
+    if not args.body_timeout > 0:
+        return _fail(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
     if args.max_queue < 0:
         return _fail(f"--max-queue must be >= 0, got {args.max_queue}")
     from ..engine.config import engine_config
@@ -153,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
             max_queue=args.max_queue,
             sampling_defaults=args.sampling_defaults,
+            body_timeout_s=args.body_timeout,
         ),
     )
     # This process serves the engine until it exits: what start-up made (imports, the engine, the

@@ -128,7 +128,7 @@ class LocalDiskKVStore:
         self._retention = check_retention_classes(
             {**RETENTION_SECONDS, **parse_retention_option(config.options.get("retention_seconds", {}))}
         )
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._open_layout()
         self._reservation_s = float(config.options.get("reservation_seconds", DEFAULT_RESERVATION_SECONDS))
         self._token = secrets.token_hex(4)  # temp names unique across processes on one mount
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU order: oldest first
@@ -152,6 +152,22 @@ class LocalDiskKVStore:
         with self._lock:
             self._rebuild_index()
             self._evict_to_capacity()
+
+    def _open_layout(self) -> None:
+        """Make ``<root>/<fp>/tmp`` directories. Inside the root the layout is the store's own, so
+        a non-directory where a directory belongs (a stray file named ``tmp``) is removed and
+        the directory made; a root that cannot be a directory is refused with one line (a
+        ValueError, which every command prints as its error), never a traceback."""
+        for path in (self.root, *self.root.parents):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise ValueError(f"KV store path {str(self.root)!r}: {str(path)!r} is not a directory")
+        try:
+            for level in (self._dir, self._tmp):
+                if os.path.islink(level) or (os.path.lexists(level) and not os.path.isdir(level)):
+                    log.warning("KV store %s: %s was not a directory: replaced", self.root, level)
+                _real_dir(level)
+        except OSError as exc:
+            raise ValueError(f"KV store path {str(self.root)!r} cannot be opened: {exc.strerror or exc}") from None
 
     @staticmethod
     def root_for(config: KVStoreConfig) -> Path:
@@ -331,7 +347,7 @@ class LocalDiskKVStore:
                     try:
                         write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
                     except FileNotFoundError:  # the store directory was deleted under us: start over
-                        self._tmp.mkdir(parents=True, exist_ok=True)
+                        _real_dir(self._tmp)
                         write_record(self.io, tmp, self._fp, key, memoryview(buffer).cast("B"), expires_at)
                 except BaseException:
                     remove_file(tmp)  # no partial record survives a failed write
@@ -534,8 +550,10 @@ def _files_under(directory: str, depth: int = 1) -> list[os.DirEntry]:
 
 def _real_dir(path: Path) -> None:
     """Make ``path`` a real directory: a symlink there (planted, or left by anything) is
-    removed first, so that nothing is written through it to a place outside the root."""
-    if os.path.islink(path):
+    removed first, so that nothing is written through it to a place outside the root, and so is
+    any other non-directory (a file where ``tmp/`` or a retention class belongs: with it there
+    every write would fail)."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
         remove_file(path)
     path.mkdir(parents=True, exist_ok=True)
 

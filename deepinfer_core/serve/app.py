@@ -43,6 +43,7 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting beyond the running batch before 429
     retry_after_s: int = 1
     sampling_defaults: str = "model"  # "model": the model's recommended sampling; "protocol": each API's
+    body_timeout_s: float = 30.0  # a request body not complete by then: 408 (slow or stalled clients)
 
 
 class Server:

@@ -38,6 +38,22 @@ def _int(body: dict, key: str, lo: int | None = None) -> int | None:
     return value
 
 
+def _logit_bias(raw: Any) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    rule = "must be an object mapping token ids to numbers between -100 and 100 (at most 300 entries)"
+    if not isinstance(raw, dict) or len(raw) > 300:
+        raise _fail("logit_bias", rule)
+    out = {}
+    for token, bias in raw.items():
+        if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10):
+            raise _fail("logit_bias", f"key {token!r}: keys must be token ids (non-negative integers)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise _fail("logit_bias", f"[{token!r}]: {rule}")
+        out[int(token)] = float(bias)
+    return out
+
+
 def _prompt(raw: Any) -> str | list[int]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
         raw = raw[0]  # a batch of one
@@ -87,6 +103,14 @@ class CompletionsCodec:
         for key in ("presence_penalty", "frequency_penalty"):
             if (value := _number(body, key, -2, 2)) is not None:
                 extra[key] = value
+        # vLLM's sampling extensions and OpenAI's logit_bias: validated here, applied by the server
+        if (top_k := _int(body, "top_k", -1)) is not None:
+            extra["top_k"] = top_k
+        for key, lo, hi in (("min_p", 0, 1), ("repetition_penalty", 0.01, 100)):
+            if (value := _number(body, key, lo, hi)) is not None:
+                extra[key] = value
+        if (bias := _logit_bias(body.get("logit_bias"))) is not None:
+            extra["logit_bias"] = bias
         return ConversationRequest(
             messages=(),
             model=model,

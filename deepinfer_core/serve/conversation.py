@@ -199,6 +199,8 @@ class ConversationPreparer:
                 temperature=self.defaults.temperature if request.temperature is None else request.temperature,
                 top_p=self.defaults.top_p if request.top_p is None else request.top_p or 1.0,
                 top_k=int(extra["top_k"]) if extra.get("top_k") is not None else self.defaults.top_k,
+                min_p=float(extra.get("min_p", 0.0)),
+                repetition_penalty=float(extra.get("repetition_penalty", 1.0)),
                 presence_penalty=float(extra.get("presence_penalty", 0.0)),
                 frequency_penalty=float(extra.get("frequency_penalty", 0.0)),
                 seed=request.seed,
@@ -221,6 +223,17 @@ class ConversationPreparer:
         )
 
     def _processors(self, request: ConversationRequest) -> list:
+        bias = request.extra.get("logit_bias")
+        if not bias:
+            return self._constraints(request)
+        vocab = self.engine.model.vocab_size
+        if (bad := next((t for t in bias if not 0 <= t < vocab), None)) is not None:
+            raise ProtocolError(
+                f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
+        return [logit_bias_processor(bias), *self._constraints(request)]
+
+    def _constraints(self, request: ConversationRequest) -> list:
         if self.encoding is None and self.tokenizer is not None and tools_active(request):
             try:
                 tag = tool_call_tag(request, self.grammar.compiles)
@@ -235,6 +248,20 @@ class ConversationPreparer:
         if fmt["type"] == "json_object":
             return [self.grammar.json_object()]
         return [self.grammar.json_schema(fmt["json_schema"].get("schema", {}), "response_format.json_schema.schema")]
+
+
+def logit_bias_processor(bias: dict[int, float]) -> Callable:
+    """OpenAI's ``logit_bias``: each bias added to its token's logit before sampling (a mask
+    applied after it still wins: -inf plus a bias is -inf)."""
+    import torch
+
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def process(output_token_ids, logits):  # logits [V]
+        return logits.index_add(0, ids.to(logits.device), values.to(logits.device, logits.dtype))
+
+    return process
 
 
 def _first_call_only(new_parser: Callable[[], OutputParser]) -> Callable[[], OutputParser]:

@@ -50,7 +50,13 @@ class ProtocolRoute:
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _parse(self, request):
-        raw = await request.body()
+        timeout = self.server.config.body_timeout_s
+        try:  # a client that sends its body slowly (or never) does not hold a connection forever
+            raw = await asyncio.wait_for(request.body(), timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(
+                f"the request body did not arrive within {timeout:g} s", status=408, code="request_timeout"
+            ) from None
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -74,6 +80,8 @@ class ProtocolRoute:
 
     async def _exchange(self, request, scope, receive, send):
         """Returns a response to send, or None when it sent one itself (admitted requests)."""
+        from starlette.requests import ClientDisconnect
+
         server, loop = self.server, asyncio.get_running_loop()
         try:
             conversation = await self._parse(request)
@@ -94,6 +102,9 @@ class ProtocolRoute:
             return self._error(ProtocolError(str(exc), status=503, code="service_unavailable"))
         except ProtocolError as error:
             return self._error(error)
+        except ClientDisconnect:  # hung up before its body arrived: nobody to answer, not our error
+            log.info("%s: the client disconnected before sending its whole request body", self.codec.name)
+            return None
         except Exception as exc:  # a bug, not the client's: still the protocol's own error shape
             log.exception("%s: preparing a request failed", self.codec.name)
             return self._error(

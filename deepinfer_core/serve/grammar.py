@@ -31,6 +31,37 @@ def _vocab_type(backend) -> Any:
     return xgr.VocabType.RAW
 
 
+#: What a schema leaves unbounded is bounded (llama.cpp caps integer digits the same way): a
+#: small model can write digits, or characters of a string, until ``max_tokens`` cuts the reply
+#: and it is not JSON. Integers and numbers get at most 15 integer digits; strings without a
+#: length, pattern or format at most MAX_STRING_LENGTH characters.
+MAX_INTEGER_DIGITS = 15
+MAX_STRING_LENGTH = 4096
+_NUMBER_BOUND = 10**MAX_INTEGER_DIGITS - 1
+_LOWER = ("minimum", "exclusiveMinimum")
+_UPPER = ("maximum", "exclusiveMaximum")
+
+
+def bounded_schema(schema: Any) -> Any:
+    """A copy of ``schema`` with :data:`MAX_INTEGER_DIGITS` and :data:`MAX_STRING_LENGTH`
+    added where it leaves integers, numbers or strings unbounded (bounds it sets are kept)."""
+    if isinstance(schema, list):
+        return [bounded_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded_schema(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if kinds & {"integer", "number"} and "enum" not in out and "const" not in out:
+        if not any(key in out for key in _LOWER):
+            out["minimum"] = -_NUMBER_BOUND
+        if not any(key in out for key in _UPPER):
+            out["maximum"] = _NUMBER_BOUND
+    if "string" in kinds and not any(key in out for key in ("maxLength", "pattern", "format", "enum", "const")):
+        out["maxLength"] = MAX_STRING_LENGTH
+    return out
+
+
 class GrammarProcessor:
     """``(output_token_ids, logits[V]) -> logits[V]`` for one request."""
 
@@ -88,7 +119,9 @@ class GrammarCompiler:
         if not isinstance(schema, dict):
             raise ProtocolError(f"{param}: must be a JSON object (a JSON schema)", param=param)
         try:
-            compiled = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            compiled = self._compiler.compile_json_schema(
+                json.dumps(bounded_schema(schema)), any_whitespace=False, strict_mode=True
+            )
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
             raise ProtocolError(f"{param}: the JSON schema cannot be compiled: {exc}", param=param) from None
         return GrammarProcessor(compiled, self.vocab_size)
@@ -97,7 +130,9 @@ class GrammarCompiler:
         """Whether xgrammar can compile ``schema`` (compiled grammars are cached, so the
         structural tag that embeds it later costs little more)."""
         try:
-            self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            self._compiler.compile_json_schema(
+                json.dumps(bounded_schema(schema)), any_whitespace=False, strict_mode=True
+            )
         except Exception:  # xgrammar's reason is not needed: the caller decides what to do
             return False
         return True

@@ -42,6 +42,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..codecs import ConversationRequest, OutputParser, ParsedOutput, ProtocolError, ToolCall, ToolCallDelta
+from .grammar import bounded_schema
 
 START, END = "<tool_call>", "</tool_call>"
 # the head of a call's body up to its arguments value (which must have begun: (?=\S))
@@ -170,7 +171,11 @@ def tool_call_tag(request: ConversationRequest, compiles: Callable[[dict], bool]
             schema = ANY_OBJECT
         begin = f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
         tags.append(
-            TagFormat(begin=begin, content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1), end=f"}}\n{END}")
+            TagFormat(
+                begin=begin,
+                content=JSONSchemaFormat(json_schema=bounded_schema(schema), max_whitespace_cnt=1),
+                end=f"}}\n{END}",
+            )
         )
     parallel = request.extra.get("parallel_tool_calls") is True
     if isinstance(choice, dict):
@@ -191,6 +196,11 @@ class HermesToolParser:
 
     def __init__(self) -> None:
         self._buffer = ""  # outside a call: only a tail held back (a possible tag, whitespace)
+        # Whitespace that arrives while only whitespace is held waits here, in pieces, joined
+        # once something else arrives: growing one string and stripping it on every piece was
+        # quadratic in a run of whitespace (inside a call's arguments too: _held_ws).
+        self._ws: list[str] = []
+        self._held_ws: list[str] = []
         self._in_call = False
         self._after_call = False  # drop whitespace between calls
         self._wrote = False  # some content was emitted
@@ -226,8 +236,11 @@ class HermesToolParser:
                     self._after_call = True
                 self._reset_call()
                 continue
-            self._buffer += text
-            text = ""
+            if text.isspace() and not _partial_tag(self._buffer):  # the buffer is whitespace too
+                self._ws.append(text)
+                break
+            self._buffer = self._buffer + "".join(self._ws) + text
+            self._ws, text = [], ""
             start = self._buffer.find(START)
             if start >= 0:
                 content += self._text(self._buffer[:start].rstrip())
@@ -255,7 +268,7 @@ class HermesToolParser:
                     tool_calls=(call,), tool_call_deltas=(ToolCallDelta(call.id, arguments=tail),) if tail else ()
                 )
             return ParsedOutput(tool_calls=(call,)) if call is not None else ParsedOutput(content=START + rest)
-        rest, self._buffer = self._buffer, ""
+        rest, self._buffer, self._ws = self._buffer + "".join(self._ws), "", []
         return ParsedOutput(content=self._text(rest))
 
     def _feed_call(self, text: str) -> tuple[str, str] | None:
@@ -275,6 +288,7 @@ class HermesToolParser:
     def _reset_call(self) -> None:
         self._parts, self._length, self._tail = [], 0, ""
         self._call_id, self._args_at, self._streams, self._pending, self._sent = "", -1, False, "", 0
+        self._held_ws = []
 
     def _streamed(self, body: str) -> str:
         return body[self._args_at : self._args_at + self._sent]
@@ -303,7 +317,11 @@ class HermesToolParser:
             self._pending = body[head.end() :]
             self._streams = self._pending[:1] in ("{", "[")
         elif self._streams:
-            self._pending += text
+            if text.isspace() and not _partial_end(self._pending):  # nothing more can be sent yet
+                self._held_ws.append(text)
+                return out
+            self._pending = self._pending + "".join(self._held_ws) + text
+            self._held_ws = []
         if not self._streams:
             return out
         pending = self._pending

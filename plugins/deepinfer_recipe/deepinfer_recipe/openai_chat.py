@@ -147,6 +147,7 @@ class OpenAIChatCodec:
                 extra[key] = value
         if (min_tokens := v.get_int(body, "min_tokens", lo=0)) is not None:  # vLLM's extension
             extra["min_tokens"] = min_tokens
+        v.sampling_extensions(body, extra)
         if (options := body.get("stream_options")) is not None:
             extra["stream_options"] = v.require_object(options, "stream_options")
         if (user := v.get_str(body, "user")) is not None:

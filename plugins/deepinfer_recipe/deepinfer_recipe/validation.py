@@ -139,6 +139,44 @@ def arguments_text(text: str, param: str, limits: JsonLimits = LIMITS) -> str:
     return text
 
 
+#: OpenAI's range for a ``logit_bias`` value, and its limit on the number of entries.
+LOGIT_BIAS_RANGE = (-100, 100)
+MAX_LOGIT_BIAS = 300
+
+
+def logit_bias(body: dict, key: str = "logit_bias") -> dict[int, float] | None:
+    """``{"token id": bias}`` (JSON keys are strings), each bias in [-100, 100]; the ids are
+    checked against the model's vocabulary when the request is prepared."""
+    raw = body.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise fail(key, "must be an object mapping token ids to numbers between -100 and 100")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise fail(key, f"at most {MAX_LOGIT_BIAS} entries (limit)")
+    out = {}
+    for token, bias in raw.items():
+        if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10):
+            raise fail(f"{key}[{token!r}]", "keys must be token ids (non-negative integers)")
+        if not is_number(bias) or not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+            raise fail(f"{key}[{token!r}]", f"must be a number between -100 and 100, got {bias!r}")
+        out[int(token)] = float(bias)
+    return out
+
+
+def sampling_extensions(body: dict, extra: dict) -> None:
+    """vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``) and OpenAI's
+    ``logit_bias``, validated into ``extra`` (the server applies each of them)."""
+    if (top_k := get_int(body, "top_k", lo=-1)) is not None:
+        extra["top_k"] = top_k
+    if (min_p := get_number(body, "min_p", 0, 1)) is not None:
+        extra["min_p"] = min_p
+    if (penalty := get_number(body, "repetition_penalty", 0.01, 100)) is not None:
+        extra["repetition_penalty"] = penalty
+    if (bias := logit_bias(body)) is not None:
+        extra["logit_bias"] = bias
+
+
 def check_request(body: Any) -> dict:
     """Every codec's first step: a JSON object within the limits (see :mod:`.json_limits`)."""
     require_object(body)

@@ -213,3 +213,40 @@ def test_long_arguments_with_bars_streamed_in_small_pieces(seed):
         pieces.append(text[i : i + step])
         i += step
     assert run(pieces, False) == whole
+
+
+TRUNCATED_BLOCK = (
+    '</think>ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        (TRUNCATED_BLOCK, [("get_weather", '{"city": "Paris", "days": 3}')]),
+        (
+            TRUNCATED_BLOCK + '<｜DSML｜parameter name="unit" string="true">cel',
+            [("get_weather", '{"city": "Paris", "days": 3}')],
+        ),
+        (TRUNCATED_BLOCK.split("<｜DSML｜parameter")[0], []),  # no complete parameter: no call
+    ],
+)
+def test_a_block_cut_after_a_complete_parameter_returns_the_call(text, calls):
+    """Issue 31.9: the model hit its limit after a complete parameter, ``</invoke>`` and
+    ``</tool_calls>`` missing; DeepSeek's reference parser returns the call, ours dropped it.
+    The call keeps its complete parameters (an open one is dropped), fed whole or one character
+    at a time; pieces streamed under its id join to its arguments (where an open parameter was
+    already streamed, the call comes whole under a new id, as an overlong header's does)."""
+    from deepinfer_recipe.deepseek_v4.encoding import make_parser
+
+    for chunks in ([text], list(text)):
+        parser = make_parser({"thinking": True})
+        outs = [parser.push(c) for c in chunks] + [parser.finish()]
+        got = [(c.name, c.arguments) for o in outs for c in o.tool_calls]
+        assert got == calls, chunks[:1]
+        assert "".join(o.content for o in outs) == "ok"
+        for call in (c for o in outs for c in o.tool_calls):
+            streamed = "".join(d.arguments or "" for o in outs for d in o.tool_call_deltas if d.id == call.id)
+            assert streamed in ("", call.arguments)

