@@ -22,7 +22,7 @@ def test_serve_freezes_the_start_up_heap_before_serving(monkeypatch):
     )
     seen = {}
 
-    def fake_serve(app, sock, drain_timeout, log_level="info"):
+    def fake_serve(app, sock, drain_timeout, log_level="info", root_path=""):
         sock.close()
         seen["frozen"] = gc.get_freeze_count()
         seen["engine_frozen"] = not any(type(o).__name__ == "LLMEngine" for o in gc.get_objects())
