@@ -203,6 +203,7 @@ def _kv_blocks_used(http) -> float:
 def openapi_schema(served, http):
     import schemathesis
 
+    served.wait_idle()  # the baseline is taken with nothing in flight (another test's stream may run)
     before = {
         "greedy": http.post("/v1/chat/completions", json=GREEDY).json()["choices"][0]["message"]["content"],
         "kv": _kv_blocks_used(http),
