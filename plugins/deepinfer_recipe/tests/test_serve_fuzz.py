@@ -12,6 +12,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from serve_harness import MODEL
 
 VALID = {
@@ -174,3 +175,101 @@ def test_random_bodies_are_refused(http, stream_in_flight, path):
         _check(http, path, body)
 
     check()
+
+
+# -- OpenAPI-driven fuzz (schemathesis) ---------------------------------------------------------
+# schemathesis generates bodies, queries and headers for every operation in the server's own
+# ``/openapi.json``, both bodies the schema allows and bodies it rules out. Each response must not
+# be a 5xx and must match what the schema documents (status code, content type, response schema
+# where one is given); afterwards the server is unchanged: healthy, the same greedy text, and every
+# KV block back in the pool.
+
+GREEDY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Name a colour."}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
+
+
+def _kv_blocks_used(http) -> float:
+    text = http.get("/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("deepinfer:kv_cache_usage_perc")]
+    assert lines, "no deepinfer:kv_cache_usage_perc gauge on /metrics"
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def openapi_schema(served, http):
+    import schemathesis
+
+    served.wait_idle()  # the baseline is taken with nothing in flight (another test's stream may run)
+    before = {
+        "greedy": http.post("/v1/chat/completions", json=GREEDY).json()["choices"][0]["message"]["content"],
+        "kv": _kv_blocks_used(http),
+    }
+    yield schemathesis.openapi.from_dict(http.get("/openapi.json").json())
+    served.wait_idle()
+    assert http.get("/health").status_code == 200
+    after = http.post("/v1/chat/completions", json=GREEDY).json()["choices"][0]["message"]["content"]
+    assert after == before["greedy"]
+    served.wait_idle()
+    assert _kv_blocks_used(http) == before["kv"]
+
+
+DEFAULT_LIMIT = {"/v1/chat/completions": "max_completion_tokens", "/v1/responses": "max_output_tokens"}
+
+
+def _bounded(path: str, body):
+    """Generation limits stay small: a large or absent ``max_tokens`` is valid, just slow on a CPU.
+    Only integers are touched, so a negative case (a limit of ``0`` or ``"x"``) stays negative."""
+    if isinstance(body, dict):
+        if path in DEFAULT_LIMIT and not any(key in body for key in LIMIT_KEYS):
+            body[DEFAULT_LIMIT[path]] = 4
+        for key in LIMIT_KEYS:
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 4:
+                body[key] = 4
+        if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
+            body["n"] = 2
+    return body
+
+
+OPENAPI_FUZZ = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_openapi_fuzz(openapi_schema, served, mode):
+    """Every operation of ``/openapi.json``, with bodies the schema allows (positive) or rules out
+    (negative), 8 examples each, derandomized. On each response: no 5xx, a documented status code,
+    content type and (where documented) response schema; negative bodies are refused."""
+    from schemathesis import GenerationMode
+    from schemathesis.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    # not ``positive_data_acceptance``: a schema-valid body may still be refused, with a documented
+    # 400, for what a schema cannot say (``tool_choice`` naming a tool that ``tools`` lacks; JSON
+    # Schema's ``integer`` admits ``5.0``, the codecs take only JSON integers)
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    if mode == "negative":
+        checks.append(negative_data_rejection)
+
+    operations = [result.ok() for result in openapi_schema.get_all_operations()]
+    assert len(operations) >= 8
+    for operation in operations:
+
+        @OPENAPI_FUZZ
+        @given(operation.as_strategy(generation_mode=GenerationMode(mode)))
+        def check(case):
+            case.body = _bounded(operation.path, case.body)
+            case.call_and_validate(base_url=served.base_url, timeout=120, checks=checks)
+
+        try:
+            check()
+        except Unsatisfiable:  # nothing to negate: a GET without parameters
+            assert mode == "negative", operation.label
