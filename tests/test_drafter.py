@@ -177,7 +177,7 @@ def test_shipped_head_drafting_reproduces_greedy_and_is_accepted(smollm2_transfo
 
 def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory):
     from deepinfer_core.entrypoints.main import main
-    from tests.tiny_llama import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))  # SmolLM2's tokenizer, cached per session
     out = tmp_path / "head"

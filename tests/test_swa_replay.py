@@ -225,6 +225,7 @@ def test_options_are_on_every_command_and_the_counters_on_metrics():
             parser.parse_args([*command, "--swa-replay", "fast"])
         args = parser.parse_args([*command, "--swa-replay", "compact", "--swa-replay-keep", "200"])
         assert (args.swa_replay, args.swa_replay_keep) == ("compact", 200)
+    pytest.importorskip("prometheus_client")  # the serve extra; the core env has the engine alone
     metrics = ServerMetrics("m")
     metrics.on_step({"swa_replayed_tokens": 76, "window_cache_queries": 3, "window_cache_hits": 2})
     text = metrics.render()[0].decode()
