@@ -176,8 +176,9 @@ def test_shipped_head_drafting_reproduces_greedy_and_is_accepted(smollm2_transfo
 
 
 def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory):
-    from deepinfer_core.entrypoints.main import main
     from tiny_llama import make_tiny_llama
+
+    from deepinfer_core.entrypoints.main import main
 
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))  # SmolLM2's tokenizer, cached per session
     out = tmp_path / "head"

@@ -52,6 +52,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds a client may take to send its request body before a 408 (default: %(default)s)",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's line and headers (from connecting, or from "
+        "the previous response on a kept-alive connection) before the connection is closed (default: %(default)s)",
+    )
+    p.add_argument(
         "--sampling-defaults",
         default="model",
         choices=("model", "protocol"),
@@ -127,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"no protocol codecs are installed; {RECIPE_INSTALL_HINT}")
     if not args.body_timeout > 0:
         return _fail(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if not args.header_timeout > 0:
+        return _fail(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if args.max_queue < 0:
         return _fail(f"--max-queue must be >= 0, got {args.max_queue}")
     from ..engine.config import engine_config
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     logging.getLogger("deepinfer.serve").info("deepinfer serve: listening on http://%s:%d", args.host, args.port)
-    serve(server.app, sock, args.drain_timeout, args.log_level, args.root_path)
+    serve(server.app, sock, args.drain_timeout, args.log_level, args.root_path, args.header_timeout)
     if engine.tiers is not None:  # queued KV write-backs reach the store before exit
         engine.tiers.flush(timeout=args.drain_timeout + 30)
     if hasattr(engine, "shutdown"):  # a parallel engine's rank processes
@@ -179,7 +188,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info", root_path: str = "") -> None:
+def uvicorn_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+    root_path: str = "",
+    header_timeout: float = 30.0,
+):
+    """The uvicorn configuration ``deepinfer serve`` runs with: uvicorn's own HTTP protocol
+    (httptools where installed, else h11) with the request-header deadline added."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from ..serve.header_deadline import with_header_deadline
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_timeout,
+        root_path=root_path,
+        http=with_header_deadline(AutoHTTPProtocol, header_timeout),
+    )
+
+
+def serve(
+    app,
+    sock: socket.socket,
+    drain_timeout: float,
+    log_level: str = "info",
+    root_path: str = "",
+    header_timeout: float = 30.0,
+) -> None:
     """Run ``app`` on the bound socket ``sock`` until SIGTERM / SIGINT (then drain)."""
     import uvicorn
 
@@ -188,13 +232,14 @@ def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         host, port = sock.getsockname()[:2]
-        config = uvicorn.Config(
+        config = uvicorn_config(
             app,
-            host=host,
-            port=port,
+            host,
+            port,
+            drain_timeout=drain_timeout,
             log_level=log_level,
-            timeout_graceful_shutdown=drain_timeout,
             root_path=root_path,
+            header_timeout=header_timeout,
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:

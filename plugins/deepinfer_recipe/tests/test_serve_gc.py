@@ -22,7 +22,7 @@ def test_serve_freezes_the_start_up_heap_before_serving(monkeypatch):
     )
     seen = {}
 
-    def fake_serve(app, sock, drain_timeout, log_level="info", root_path=""):
+    def fake_serve(app, sock, drain_timeout, log_level="info", root_path="", header_timeout=30.0):
         sock.close()
         seen["frozen"] = gc.get_freeze_count()
         seen["engine_frozen"] = not any(type(o).__name__ == "LLMEngine" for o in gc.get_objects())
