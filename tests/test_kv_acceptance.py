@@ -164,7 +164,7 @@ def serve_here(model_dir: str, url: str, prompt: list[int]):
 
 
 # -- process A writes, process B reads -----------------------------------------------------------
-def test_a_4k_prompt_prefilled_in_one_process_is_served_from_the_store_in_the_next(model, tmp_path):
+def test_a_4k_prompt_prefilled_in_one_process_is_served_from_the_store_in_the_next(model, tmp_path, capsys):
     model_dir, prompts, refs = model
     url = f"local://{tmp_path / 'store'}"
     a = run_child(model_dir, url, prompts[LONG])
@@ -174,6 +174,10 @@ def test_a_4k_prompt_prefilled_in_one_process_is_served_from_the_store_in_the_ne
     assert b["cached"] == 31 * BS >= 0.9 * LONG
     assert b["loaded"] == 31
     assert b["tokens"] == refs[LONG]
+    # the operator's view, from a third process, counts what both did (issue 31.7: it said 0 hits)
+    code, out, _ = deepinfer_kv_here(capsys, "stats", "--kv-store", url)
+    [row] = json.loads(out)
+    assert code == 0 and (row["processes"], row["commits"], row["hits"], row["misses"]) == (2, 32, 31, 0)
 
 
 # -- two engines write the same blocks at once ---------------------------------------------------

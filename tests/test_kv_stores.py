@@ -146,3 +146,38 @@ def test_gc_deletes_whole_expired_day_buckets(tmp_path):
     bucket = os.path.dirname(os.path.dirname(store.record_path(key(1))))
     store.gc(now=os.path.getmtime(store.record_path(key(1))) + 5 * 86400)
     assert not os.path.exists(bucket)
+
+
+# -- counters across processes (issue 31.7: `deepinfer kv stats` showed hits=0 misses=0 after
+# another process was served from the store) -----------------------------------------------------
+def test_shared_stats_add_up_the_counters_of_every_process(tmp_path):
+    writer, reader = open_local(tmp_path), open_local(tmp_path)  # two processes' stores (own files)
+    disk.put(writer, [1, 2])
+    assert disk.read(reader, [1, 2]) == [disk.payload(1), disk.payload(2)]
+    assert disk.read(reader, [3]) == [None]  # absent: a miss
+    reader.close()  # writes its last counts
+    mine = writer.stats()
+    assert (mine["hits"], mine["misses"], mine["commits"]) == (0, 0, 2)  # this process's own
+    shared = writer.shared_stats()
+    assert (shared["hits"], shared["misses"], shared["commits"], shared["processes"]) == (2, 1, 2, 2)
+    assert shared["blocks"] == 2
+    # an operator's process that only looks adds no file and changes no count
+    assert open_local(tmp_path).shared_stats()["processes"] == 2
+
+
+def test_counter_files_that_are_damaged_are_skipped_and_stale_ones_go_with_gc(tmp_path):
+    store = open_local(tmp_path)
+    disk.put(store, [1])
+    counters = os.path.join(store.stats()["path"], "counters")
+    with open(os.path.join(counters, "other.1.x.json"), "w") as f:
+        f.write('{"hits": "many", "misses": -5, "commits": 3}')  # foreign values: only the count counts
+    with open(os.path.join(counters, "broken.2.y.json"), "w") as f:
+        f.write("{not json")
+    with open(os.path.join(counters, "list.3.z.json"), "w") as f:
+        f.write("[1, 2]")
+    shared = store.shared_stats()
+    assert (shared["hits"], shared["misses"], shared["commits"], shared["processes"]) == (0, 0, 4, 2)
+    old = os.path.join(counters, "other.1.x.json")
+    os.utime(old, (0, 0))  # untouched for decades: a process long gone
+    store.gc()
+    assert not os.path.exists(old) and store.shared_stats()["processes"] == 1

@@ -16,7 +16,7 @@ import sys
 from .engine_options import add_engine_options, require
 
 COMMANDS = {
-    "stats": "counters of every namespace in the store, as JSON",
+    "stats": "counters of every namespace in the store (summed over every process that used it), as JSON",
     "gc": "delete expired blocks and abandoned writes (and trim to --kv-store-gib)",
     "ls": "one line per namespace: blocks, size, block size",
 }
@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for store in stores:
         removed = store.gc() if args.kv_command == "gc" else None
-        stats = store.stats()
+        shared = getattr(store, "shared_stats", None)  # a backend without it: this process's counts
+        stats = shared() if shared is not None else store.stats()
         rows.append(
             {
                 "namespace": store.config.namespace,

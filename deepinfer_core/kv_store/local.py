@@ -18,6 +18,11 @@ before it is called a miss, so several processes sharing one directory see each 
 commits. Leases are per process: another process deleting a file makes a read fail, which is
 a miss (recompute), never wrong data.
 
+Counters: each process counts its own hits, misses, commits, ... and writes them to its file
+under ``counters/`` (at most once a second while they change, and when the store closes or the
+process exits), so that ``deepinfer kv stats`` shows what every process that used the store did
+(:meth:`LocalDiskKVStore.shared_stats`); files not updated for 30 days are removed by ``gc``.
+
 Expiry: a block past its retention is a miss at once (lookups are metadata only and delete
 nothing); its file is deleted by ``gc`` (``deepinfer kv gc``, or the engine's periodic one), by
 capacity eviction (expired blocks go first), or replaced when the block is written again.
@@ -33,8 +38,10 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +71,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "~/.cache/deepinfer/kv"
 DAY = 86400
 DEFAULT_RESERVATION_SECONDS = 300.0
+COUNTERS_DIR = "counters"
+COUNTER_FLUSH_SECONDS = 1.0  # a process's counters file is rewritten at most this often
+COUNTER_FILE_DAYS = 30  # gc removes counter files not updated for this long
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,11 @@ class LocalDiskKVStore:
             ),
             0,
         )
+        self._counters_path = self._dir / COUNTERS_DIR / f"{_host_name()}.{os.getpid()}.{self._token}.json"
+        self._flushed: dict[str, int] = dict(self._counters)
+        self._flushed_at = 0.0
+        # the last counts reach the file at exit even when nobody closes the store
+        self._final_flush = weakref.finalize(self, _write_counters, self._counters_path, self._counters, self._flushed)
         _write_namespace_file(self._dir, config)
         with self._lock:
             self._rebuild_index()
@@ -289,6 +304,7 @@ class LocalDiskKVStore:
                 if path is not None and not ok:
                     self._counters["read_failures"] += 1
                     self._discard_bad(key, path)
+            self._flush_counters()
         return results
 
     def _pinned_path(self, key: bytes) -> str | None:
@@ -401,6 +417,7 @@ class LocalDiskKVStore:
             _touch(published)
             self._counters["commits"] += made
             self._evict_to_capacity()
+            self._flush_counters()
             return made
 
     @staticmethod
@@ -463,6 +480,10 @@ class LocalDiskKVStore:
                 if item.path not in live and _mtime_size(item)[0] + self._reservation_s <= now:
                     remove_file(item.path)
                     count += 1
+            for item in _files_under(str(self._dir / COUNTERS_DIR), depth=0):  # not counted: not blocks
+                if item.path != str(self._counters_path) and _mtime_size(item)[0] + COUNTER_FILE_DAYS * DAY <= now:
+                    remove_file(item.path)
+            self._flush_counters()
             return count
 
     def _gc_bucket(self, day_dir: str, now: float) -> int:
@@ -505,12 +526,84 @@ class LocalDiskKVStore:
                 **self._counters,
             }
 
+    def shared_stats(self) -> dict:
+        """:meth:`stats` with the counters summed over every process that used this namespace
+        (its ``counters/`` files, this process's written first), and ``processes``: how many
+        files were summed. What ``deepinfer kv stats`` prints."""
+        with self._lock:
+            self._flush_counters(force=True)
+        stats = self.stats()
+        totals = dict.fromkeys(self._counters, 0)
+        processes = 0
+        counters_dir = self._dir / COUNTERS_DIR
+        for item in [] if os.path.islink(counters_dir) else _files_under(str(counters_dir), depth=0):
+            if not item.name.endswith(".json"):
+                continue  # a file being written
+            try:
+                with open(item.path, encoding="utf-8") as f:
+                    counts = json.load(f)
+            except (OSError, ValueError):
+                continue  # removed meanwhile, or not ours
+            if not isinstance(counts, dict):
+                continue
+            processes += 1
+            for name in totals:
+                value = counts.get(name, 0)
+                totals[name] += value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+        return {**stats, **totals, "processes": processes}
+
+    def _flush_counters(self, force: bool = False) -> None:
+        """Write this process's counters file if they changed (at most once a
+        :data:`COUNTER_FLUSH_SECONDS` unless ``force``). Called with the lock held. A failure
+        (full disk, a read-only mount) loses only counts, never blocks: logged once at debug."""
+        if self._counters == self._flushed:
+            return
+        now = time.monotonic()
+        if not force and now - self._flushed_at < COUNTER_FLUSH_SECONDS:
+            return
+        self._flushed_at = now
+        _write_counters(self._counters_path, self._counters, self._flushed)
+
     def close(self) -> None:
         with self._lock:
+            self._flush_counters(force=True)
             self._index.clear()
 
 
 NAMESPACE_FILE = "namespace.json"
+
+
+def _host_name() -> str:
+    """This machine's name as one safe file-name component (several hosts share a 3FS mount)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+def _write_counters(path: Path, counters: dict, flushed: dict) -> None:
+    """Atomically (temp file + rename) write ``counters`` to ``path`` and record them in
+    ``flushed``; nothing when nothing was counted since the last write."""
+    if counters == flushed or not any(counters.values()):
+        return
+    snapshot = dict(counters)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if os.path.islink(path.parent) or (os.path.lexists(path.parent) and not os.path.isdir(path.parent)):
+            remove_file(path.parent)  # never written through a planted symlink
+        path.parent.mkdir(exist_ok=True)  # not its parents: a deleted store stays deleted
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # as records are written
+        try:
+            os.write(fd, json.dumps(snapshot).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only or full store: counts are lost, nothing else
+        log.debug("KV store: the counters file %s could not be written: %s", path, exc)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return
+    flushed.clear()
+    flushed.update(snapshot)
 
 
 def _write_namespace_file(directory: Path, config: KVStoreConfig) -> None:
