@@ -271,6 +271,7 @@ def cluster_command(capsys, *args):
         (["--autoscale", "3"], "[ROLE=]MIN:MAX"),
         (["--autoscale", "vision=1:2"], "unknown role 'vision'"),
         (["--tier-bounds", "16k,64k"], "--tier-bounds"),
+        (["--drain-timeout", "0"], "--drain-timeout must be > 0"),
     ],
 )
 def test_cluster_command_errors_are_one_line(capsys, args, needle):
@@ -284,3 +285,52 @@ def test_autoscale_values():
 
     assert parse_autoscale(["1:4"], prefill=0) == {"decode": (1, 4)}
     assert parse_autoscale(["1:4", "prefill=2:3"], prefill=1) == {"decode": (1, 4), "prefill": (2, 3)}
+
+
+# -- a stream continued on another replica (the ingress's side of a kill or a drain) --------------
+class _Sink:
+    def __init__(self):
+        self.outs, self.admitted, self.closed = [], [], []
+
+    def admit(self, error):
+        self.admitted.append(error)
+
+    def put(self, out):
+        self.outs.append((list(out.outputs[0].token_ids), out.outputs[0].text, out.num_cached_tokens))
+
+    def close(self, exc=None):
+        self.closed.append(exc)
+
+
+def _snapshot(prompt, ids, text, cached):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        prompt_token_ids=list(prompt), num_cached_tokens=cached,
+        outputs=[SimpleNamespace(token_ids=list(ids), text=text)],
+    )  # fmt: skip
+
+
+def test_a_continued_stream_sends_each_token_once_and_counts_the_moved_kv():
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.cluster.ingress import _Continuation
+    from deepinfer_core.cluster.jobs import Job
+
+    counters, sink = {}, _Sink()
+    prompt = tuple(range(300))
+    stream = _Continuation(Job("r", prompt, SamplingParams(temperature=0, max_tokens=6)), sink, counters)
+    first = stream.job()
+    assert first.prompt_token_ids == prompt and counters.get("migrations", 0) == 0
+    stream.put(_snapshot(prompt, [7], "a", 256))
+    stream.put(_snapshot(prompt, [7, 8], "ab", 256))
+    # the replica went away after 2 tokens: the next attempt sends them as prompt, asks for the rest
+    second = stream.job()
+    assert second.prompt_token_ids == prompt + (7, 8) and second.params.max_tokens == 4
+    assert second.request_id != first.request_id and second.block_keys == ()
+    stream.put(_snapshot(second.prompt_token_ids, [9], "c", 256))  # the other replica loaded 2 blocks
+    stream.put(_snapshot(second.prompt_token_ids, [9, 10], "cd", 256))
+    stream.end()
+    assert [o[:2] for o in sink.outs] == [([7], "a"), ([7, 8], "ab"), ([7, 8, 9], "abc"), ([7, 8, 9, 10], "abcd")]
+    assert [o[2] for o in sink.outs] == [256] * 4  # the client's usage: the first attempt's
+    assert counters == {"migrations": 1, "migrated_cached_tokens": 256}
+    assert sink.admitted == [None]

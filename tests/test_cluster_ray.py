@@ -164,4 +164,6 @@ def test_replica_kills_lose_no_token(cluster, reference):
     assert killed is not None
     assert "".join(pieces) == expected
     counters = get(cluster + "/cluster")["ingress"]
-    assert counters["decode_retries"] >= 1
+    assert counters["decode_retries"] >= 1 and counters["migrations"] >= 1
+    # the continuation loaded the moved request's full blocks from the store, written as they filled
+    assert counters["migrated_cached_tokens"] >= 128

@@ -36,6 +36,7 @@ class ClusterSpec:
     routing_stats_period_s: float = 0.5
     sampling_defaults: str = "model"
     prefill_timeout_s: float = 60.0  # then decode computes the prompt itself
+    drain_timeout_s: float = 60.0  # a replica scaled down finishes its requests for this long, then they move
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -47,6 +48,8 @@ class ClusterSpec:
                 raise ValueError(f"--autoscale: unknown role {role!r} (prefill or decode)")
             if not 0 <= lo <= hi or hi < 1:
                 raise ValueError(f"--autoscale {role}: need 0 <= min <= max and max >= 1, got {lo}:{hi}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"--drain-timeout must be > 0 seconds, got {self.drain_timeout_s}")
 
 
 def _engine_deployment(spec: ClusterSpec, role: str, count: int):
@@ -66,7 +69,10 @@ def _engine_deployment(spec: ClusterSpec, role: str, count: int):
             request_routing_stats_period_s=spec.routing_stats_period_s,
         ),
         "health_check_period_s": 5.0,
-        "graceful_shutdown_timeout_s": 60.0,  # a replica scaled down finishes its requests first
+        # a replica scaled down (or redeployed) stops taking requests and finishes its running ones
+        # for this long; then Serve stops it and the ingress continues each unfinished stream on
+        # another replica, which loads the request's blocks (written as they filled) from the store
+        "graceful_shutdown_timeout_s": spec.drain_timeout_s,
     }
     key = "prefill" if role == "prefill" else "decode"
     if key in spec.autoscale:

@@ -89,7 +89,13 @@ class ClusterFront:
         self._in_flight = 0
         self._accepting = True
         self._lock = threading.Lock()
-        self.counters = {"requests": 0, "prefill_jobs": 0, "prefill_failures": 0, "decode_retries": 0}
+        self.counters = {
+            "requests": 0, "prefill_jobs": 0, "prefill_failures": 0, "decode_retries": 0,
+            # streams continued on another replica after tokens had gone out (a replica killed,
+            # or stopped at the end of its drain), and the tokens those continuations found
+            # cached (the moved request's KV, loaded from the store instead of recomputed)
+            "migrations": 0, "migrated_cached_tokens": 0,
+        }  # fmt: skip
 
     @property
     def stats(self) -> dict:
@@ -138,7 +144,7 @@ class ClusterFront:
         tokens = tuple(submission.prompt_token_ids)
         keys = tuple(chain_keys(self.namespace, tokens, self.block_size)) if self.namespace is not None else ()
         job = Job(submission.request_id, tokens, submission.params, keys, "decode", submission.final_only)
-        stream = _Continuation(job, sink)
+        stream = _Continuation(job, sink, self.counters)
         try:
             if self.prefill is not None and (len(tokens) - 1) // self.block_size >= 1:
                 await self._prefill(job)
@@ -187,8 +193,10 @@ class _Continuation:
     client sees one reply: no token repeated, none dropped (greedy and seeded sampling pick the
     same tokens, the noise being a function of seed and position)."""
 
-    def __init__(self, job: Job, sink: RequestSink) -> None:
+    def __init__(self, job: Job, sink: RequestSink, counters: dict | None = None) -> None:
         self.first, self.sink = job, sink
+        self.counters = counters if counters is not None else {}
+        self.continued = False  # the current attempt continues tokens already sent
         self.ids: list[int] = []  # tokens sent to the client, over all attempts
         self.text = ""
         self.base_ids: list[int] = []  # what earlier attempts produced (the current one's offset)
@@ -202,6 +210,8 @@ class _Continuation:
         self.attempts += 1
         if not self.ids:  # nothing sent yet: the same job again (a fresh id: the old may linger)
             return self.first if self.attempts == 1 else replace(self.first, request_id=self._attempt_id())
+        self.continued = True
+        self.counters["migrations"] = self.counters.get("migrations", 0) + 1
         params = replace(self.first.params, max_tokens=max(1, self.first.max_tokens - len(self.ids)))
         params.min_tokens = max(0, params.min_tokens - len(self.ids))
         prompt = self.first.prompt_token_ids + tuple(self.ids)
@@ -212,6 +222,11 @@ class _Continuation:
 
     def put(self, out) -> None:
         completion = out.outputs[0]
+        if self.continued:  # the continuation's first snapshot: what it found cached
+            self.continued = False
+            self.counters["migrated_cached_tokens"] = (
+                self.counters.get("migrated_cached_tokens", 0) + out.num_cached_tokens
+            )
         if self.base_ids:
             out.prompt_token_ids = list(self.first.prompt_token_ids)
             out.num_cached_tokens = self.num_cached_tokens

@@ -68,6 +68,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests each replica queues beyond its batch (default: %(default)s)"
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a replica being scaled down may finish its running requests; the rest then continue "
+        "on other replicas from the KV store (default: %(default)s)",
+    )
     add_engine_options(p)
     p.set_defaults(func=run)
     return p
@@ -108,6 +115,7 @@ def spec_from_args(args: argparse.Namespace):
         prefill=args.prefill, decode=args.decode, autoscale=parse_autoscale(args.autoscale, args.prefill),
         router=router, prefill_target_tokens=args.prefill_target, decode_target_requests=args.decode_target,
         max_queue=args.max_queue, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+        drain_timeout_s=args.drain_timeout,
     )  # fmt: skip
 
 
