@@ -89,8 +89,9 @@ def ngram_drafter(config: dict, ctx: DrafterContext | None = None) -> NgramDraft
 
 
 class MTPDrafter:
-    """DeepSeek-V4 MTP drafting: block ``j mod num_blocks`` maps (streams at position p, token
-    p + 1) to logits for p + 2 and the streams it feeds the next link of the chain.
+    """DeepSeek-V3 / V4 MTP drafting: block ``j mod num_blocks`` maps (the hidden state at
+    position p -- V4: its hyper-connection streams --, token p + 1) to logits for p + 2 and the
+    hidden state it feeds the next link of the chain.
 
     Its cache: each call runs the chain for every request in a scratch cache of its own that
     holds only this call's drafted span (positions shifted to start at 0; RoPE is relative), so
@@ -109,7 +110,7 @@ class MTPDrafter:
         self.model = model
         self.gamma = gamma
         self.num_blocks = len(model.mtp)
-        ratios = [r for r in getattr(model.cfg, "compress_ratios", ()) if r] or [1]
+        ratios = [r for r in getattr(getattr(model, "cfg", None), "compress_ratios", ()) if r] or [1]
         lcm = int(np.lcm.reduce(np.array(ratios, np.int64)))
         self.block_size = lcm * -(-(gamma + 1) // lcm)  # the drafted span in one block, ratios dividing it
         self.layout = model.mtp_kv_layout(self.block_size)

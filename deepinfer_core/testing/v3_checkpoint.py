@@ -24,6 +24,7 @@ __all__ = [
     "TINY_V3_CONFIG",
     "fp8_dequantize",
     "fp8_tiles",
+    "add_mtp_layers",
     "rewrite_as_fp8_blocks",
     "tiny_deepseek_v3",
 ]
@@ -153,3 +154,60 @@ def _load_dequantized(hf, tensors: dict[str, torch.Tensor]) -> None:
                     p[e].copy_(torch.cat([dequant(f"{base}.{e}.{part}.weight") for part in parts]))
             elif name.endswith(".weight") and name[: -len("weight")] + "weight_scale_inv" in tensors:
                 p.copy_(dequant(name))
+
+
+def add_mtp_layers(folder, hf, *, seed: int, count: int = 1) -> list[dict[str, Any]]:
+    """Append ``count`` multi-token-prediction layers to the checkpoint in ``folder`` (saved from
+    the transformers model ``hf``), as DeepSeek ships them: ``model.layers.{n + k}.*`` holding a
+    decoder layer (transformers' own ``DeepseekV3DecoderLayer``, randomly initialised), ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and LM head;
+    ``num_nextn_predict_layers`` set in config.json. Returns, per layer, the transformers modules
+    and tensors a reference computation needs (``layer``, ``enorm``, ``hnorm``, ``eh_proj``,
+    ``head_norm``): the MTP equations are written against those, not against the engine."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+    folder = str(folder)
+    [path] = glob.glob(os.path.join(folder, "*.safetensors"))
+    tensors = load_file(path)
+    cfg = hf.config
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(seed)
+    out = []
+    for k in range(count):
+        layer = hf_v3.DeepseekV3DecoderLayer(cfg, layer_idx=n + k).eval()
+        with torch.no_grad():  # transformers' init leaves some weights empty outside from_pretrained
+            for name, p in layer.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.copy_(torch.randn_like(p) * cfg.initializer_range)
+            for name, b in layer.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.1)
+        mods = {
+            "layer": layer,
+            "enorm": 1.0 + 0.1 * torch.randn(d),
+            "hnorm": 1.0 + 0.1 * torch.randn(d),
+            "eh_proj": torch.randn(d, 2 * d) * cfg.initializer_range,
+            "head_norm": 1.0 + 0.1 * torch.randn(d),
+        }
+        prefix = f"model.layers.{n + k}."
+        for name, t in layer.state_dict().items():
+            tensors[prefix + name] = t.detach().clone().contiguous()
+        tensors[prefix + "enorm.weight"] = mods["enorm"]
+        tensors[prefix + "hnorm.weight"] = mods["hnorm"]
+        tensors[prefix + "eh_proj.weight"] = mods["eh_proj"]
+        tensors[prefix + "shared_head.norm.weight"] = mods["head_norm"]
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        tensors[prefix + "shared_head.head.weight"] = head.clone()
+        out.append(mods)
+    save_file(tensors, path)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = count
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return out
