@@ -310,6 +310,9 @@ def measure_cluster(args, sets, kill_set, store: str) -> tuple[dict, dict | None
         for n, indexes in sets.items():
             progress(f"cluster: {n} client(s), {args.turns} turns x {args.new_tokens} tokens")
             rows[n] = run_level(server.url, indexes, args)
+        jobs = {r["name"]: r["decode_jobs"] for r in cluster_view(server.url)["replicas"] if r["role"] == "decode"}
+        progress(f"cluster: decode jobs per decode replica so far: {sorted(jobs.values())}")
+        rows[max(sets)]["decode_jobs"] = sorted(jobs.values())
         if not args.kill:
             clean = not any(r["errors"] for r in rows.values())
             return rows, None
@@ -413,6 +416,7 @@ def main() -> int:
         killed = row(n, "cluster 1P+2D, a decode replica killed", kill, reference, equal_conversations(kill, reference))
         rows.append({**killed, "decode_retries": kill["decode_retries"], "killed": kill["killed"]})
     print_table(rows)
+    print(f"# decode jobs per decode replica after the levels: {cluster_rows[max(args.clients)]['decode_jobs']}")
     if kill is not None:
         print(f"# killed: {kill['killed']}; its serve peer ran the same conversations")
     for r in [*serve_rows.values(), *cluster_rows.values(), *([kill] if kill else [])]:
