@@ -3,7 +3,8 @@
 Same HTTP API as ``deepinfer serve`` at one address, in front of prefill and decode replicas
 (or colocated replicas with ``--prefill 0``). Without ``--address`` Ray starts a local cluster
 in this process; with one it joins a running cluster (``ray start --head`` / KubeRay). The
-command runs until SIGINT / SIGTERM, then shuts the application down.
+command runs until SIGINT / SIGTERM, then shuts the application down. ``--config FILE.yaml``
+gives the same options from a file (:mod:`.config_file`); flags on the command line win.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import signal
 import sys
 import threading
 
+from ..engine.config import engine_options
+from .config_file import parse_over_file
 from .engine_options import add_engine_options, add_model_option, engine_kwargs
 from .serve import _port
 
-__all__ = ["add_parser", "parse_autoscale", "run", "spec_from_args"]
+__all__ = ["add_parser", "options_with_config", "parse_autoscale", "run", "spec_from_args"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,6 +29,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model from prefill and decode replicas on Ray Serve, behind the same HTTP API as "
         "`deepinfer serve` plus GET /cluster. Prefill replicas write the prompt's KV blocks to the shared store "
         "(--kv-store), decode replicas read them. Needs `pip install 'deepinfer-core[cluster]'`.",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yaml",
+        help="the options below from a YAML file (long names as keys: `decode: 2`, `kv_store: local:///tmp/kv`, "
+        "`autoscale: {decode: '1:4'}`); flags given here win",
     )
     add_model_option(p)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -98,6 +108,22 @@ def parse_autoscale(values: list[str], prefill: int) -> dict:
     return out
 
 
+def options_with_config(args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
+    """``args`` (the command line ``argv``, the words after ``cluster``, parsed) with the options
+    of its ``--config`` file under those the command line gives."""
+    if args.config is None:
+        return args
+
+    def make_parser(parser_class: type) -> argparse.ArgumentParser:
+        return add_parser(argparse.ArgumentParser().add_subparsers(parser_class=parser_class))
+
+    switches = frozenset(f.name for f in engine_options() if f.type in ("bool", "bool | None"))
+    return parse_over_file(
+        make_parser, argv, args.config,
+        switches=switches, repeatable=frozenset({"autoscale"}), not_options=frozenset({"config", "func"}),
+    )  # fmt: skip
+
+
 def spec_from_args(args: argparse.Namespace):
     from ..cluster.app import ClusterSpec
 
@@ -126,6 +152,7 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        args = options_with_config(args, args.argv[1:])
         spec = spec_from_args(args)
     except ValueError as exc:
         return _fail(str(exc))

@@ -66,7 +66,9 @@ def _show_deepinfer_logs() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # for a command that parses its words again over a file's (cluster --config)
     try:
         _show_deepinfer_logs()
     except envs.EnvError as exc:
