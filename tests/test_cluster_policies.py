@@ -15,6 +15,7 @@ import pytest
 from deepinfer_core.cluster.autoscaler import Autoscaler, ScalingConfig
 from deepinfer_core.cluster.router import (
     ReplicaLoad,
+    RoutedLedger,
     RouterConfig,
     digest,
     route_decode,
@@ -155,6 +156,36 @@ def test_decode_keeps_running_counts_even():
     ]
     # short, but "full" runs 8 more requests than "light": beyond the slack
     assert route_decode(4, 4, replicas, config).replica == "light"
+
+
+def test_the_ledger_adds_what_a_stale_load_does_not_show_yet():
+    ledger = RoutedLedger()
+    load = ReplicaLoad("a", running=2, waiting_tokens=10, resident_blocks=5, num_blocks=100)
+    ledger.record("a", 99.0, 300, 4)  # before the load was published: already in it
+    ledger.record("a", 100.5, 200, 3)  # after: not yet
+    ledger.record("b", 100.6, 50, 1)  # another replica's
+    seen = ledger.adjust(load, at=100.0, now=101.0)
+    assert (seen.running, seen.waiting_tokens, seen.resident_blocks) == (3, 210, 8)
+    assert ledger.adjust(load, at=101.0, now=101.0) == load  # a fresh load shows everything
+    # a load without a timestamp: the jobs of the last second
+    assert ledger.adjust(load, at=None, now=101.2).running == 3
+    assert ledger.adjust(load, at=None, now=105.0) == load
+
+
+def test_jobs_arriving_together_spread_over_replicas_with_stale_loads():
+    """Loads are published every few hundred ms: a burst sees the same figures for all its jobs.
+    Without the ledger every job went to the replica that looked emptiest."""
+    config = RouterConfig(block_size=BS)
+    stale = [ReplicaLoad(f"d{i}", running=0, resident_blocks=0, num_blocks=1000) for i in range(2)]
+    alone = [route_decode(40, 16, stale, config).replica for _ in range(6)]
+    assert len(set(alone)) == 1  # the pile-up
+    ledger, picks = RoutedLedger(), []
+    for _ in range(6):
+        loads = [ledger.adjust(r, at=100.0, now=100.2) for r in stale]
+        decision = route_decode(40, 16, loads, config)
+        ledger.record(decision.replica, 100.2, 40, -(-(40 + 16) // BS))
+        picks.append(decision.replica)
+    assert sorted(picks.count(name) for name in ("d0", "d1")) == [3, 3]
 
 
 def test_decode_resident_kv_evens_out_over_a_stream():

@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from .autoscaler import Autoscaler, ScalingConfig
 from .board import BOARD_NAMESPACE
-from .router import ReplicaLoad, RouterConfig, route_decode, route_prefill
+from .router import ReplicaLoad, RoutedLedger, RouterConfig, route_decode, route_prefill
 
 __all__ = ["ClusterRequestRouter", "ClusterScalingPolicy", "DEMAND_METRIC"]
 
@@ -51,6 +51,7 @@ class ClusterRequestRouter(RequestRouter):
         self.config = RouterConfig(**config)
         self.board_name = board
         self._board = None
+        self._ledger = RoutedLedger()  # jobs sent that the replicas' published loads may not show yet
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -58,13 +59,18 @@ class ClusterRequestRouter(RequestRouter):
         job = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if job is None or not hasattr(job, "block_keys") or not candidate_replicas:
             return [candidate_replicas]
-        loads = [replica_load(r) for r in candidate_replicas]
+        now = time.time()
+        loads = [
+            self._ledger.adjust(replica_load(r), (r.routing_stats or {}).get("at"), now) for r in candidate_replicas
+        ]
         n = len(job.prompt_token_ids)
         if job.role == "prefill" or self.role == "both":  # colocated replicas prefill themselves
             decision = route_prefill(job.block_keys, n, loads, self.config)
         else:
             decision = route_decode(n, job.max_tokens, loads, self.config)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
+        blocks = -(-(n + job.max_tokens) // self.config.block_size)
+        self._ledger.record(decision.replica, now, n - decision.cached_tokens, blocks)
         self._post(job, decision)
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
         return [chosen, rest] if rest else [chosen]

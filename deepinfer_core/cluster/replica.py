@@ -178,6 +178,7 @@ class EngineReplica:
             "name": self.name, "role": self.role, "running": stats.get("running", 0),
             "waiting": stats.get("waiting", 0), "waiting_tokens": self.prefill_tokens,
             "resident_blocks": resident, "num_blocks": kv.pool.num_blocks, "prefix_keys": keys,
+            "at": time.time(),  # what the router has sent since is not in these figures (RoutedLedger)
         }  # fmt: skip
         return {
             "routing": routing,
