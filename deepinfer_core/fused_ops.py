@@ -53,6 +53,13 @@ class FusedOps:
     # -> [..., N] in x's dtype: x @ (weight * tile scales)^T (models.fp8.Fp8Linear). Offering it
     # also makes the engine keep FP8 block checkpoints FP8 (engine.loading.keep_fp8).
     fp8_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (hidden [T, D], experts ExpertWeights holding MXFP4 (uint8 packed e2m1 + uint8 UE8M0 per 32,
+    # moe.ExpertWeights), topk_ids [T, k], topk_weights [T, k] float32, swiglu_limit or None)
+    # -> [T, D] in hidden's dtype: like moe.torch_ref's forward on experts.dequantized(hidden.dtype).
+    # Offering it makes the engine keep DeepSeek-V4's MXFP4 routed experts packed
+    # (engine.loading.keep_mxfp4, models.mxfp4); the MoE dispatcher runs them (a dispatcher that
+    # does not know the format widens them per call through ExpertWeights.dequantized).
+    mxfp4_moe: Callable[..., torch.Tensor] | None = None
     # (x [..., D], residual [..., D], weight [D], eps) -> (normed, residual + x): like
     # add_rms_norm_reference, the decoder's residual add fused with the norm that follows it
     add_rms_norm: (

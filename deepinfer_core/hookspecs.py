@@ -185,7 +185,9 @@ def deepinfer_fused_ops(platform: Platform) -> FusedOps | None:
     rotary embedding with the query / key concatenation; and ``fp8_linear``, a GEMM for FP8
     block-scaled weights. The loader also asks (``engine.loading.keep_fp8``): when the answer has
     ``fp8_linear``, a DeepSeek FP8 checkpoint's weights stay FP8 (``models.fp8``), also with
-    ``LLM(fused_ops=False)``, where those modules then dequantize on every call.
+    ``LLM(fused_ops=False)``, where those modules then dequantize on every call. Likewise
+    ``mxfp4_moe`` (routed experts on packed MXFP4 weights): DeepSeek-V4's MXFP4 routed experts
+    stay packed (``engine.loading.keep_mxfp4``, ``models.mxfp4``).
 
     Called by ``PluginHost.fused_ops()`` once when an engine is built (not with
     ``LLM(fused_ops=False)``); the engine points the model's ``RMSNorm``, gated-MLP and MLA modules

@@ -704,9 +704,15 @@ def main() -> int:
         )
         cfg = llm.engine.model.config
         from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
+        from deepinfer_core.models.mxfp4 import Mxfp4Experts
 
         kept = sum(isinstance(m, (Fp8Linear, Fp8Experts)) for m in llm.engine.model.modules())
-        log(f"  modules holding FP8 weights: {kept}; fused kernels installed: {llm.engine.num_fused}")
+        packed = sum(isinstance(m, Mxfp4Experts) for m in llm.engine.model.modules())  # v4mini-fp8 with the plugin
+        log(
+            f"  modules holding FP8 weights: {kept}; MXFP4 expert stacks kept packed: {packed}; "
+            f"fused kernels installed: {llm.engine.num_fused}"
+        )
+        report["mxfp4_expert_stacks"] = packed
         di_dec = di_speed(llm, vocab, levels, args.steps, 128)
         di_pre = di_prefill(llm, vocab, args.prefill_runs)
         for r in range(1, args.repeat):  # the same measures again: which reading is the real one

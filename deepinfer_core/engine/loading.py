@@ -72,7 +72,9 @@ def build_model(
     stream = (prepare_model(model) if prepare_model is not None else None) or (lambda weights: weights)
     if weight_format is not None and weight_format.prepare(model):
         model.load_weights(stream(weight_format.weights(files)))
-    elif files.fp8_weights is not None and (kept := keep_fp8(model, files, host, platform)):
+    elif files.fp8_weights is not None and (
+        kept := keep_fp8(model, files, host, platform) | keep_mxfp4(model, files, host, platform)
+    ):
         model.load_weights(stream(files.fp8_weights(frozenset(kept))))
     else:
         model.load_weights(stream(files.weights()))
@@ -123,6 +125,20 @@ def keep_fp8(model, files: ModelFiles, host: PluginHost, platform: Platform) -> 
     if ops is None or getattr(ops, "fp8_linear", None) is None:
         return set()
     return swap_in_fp8(model, files.fp8_names)
+
+
+def keep_mxfp4(model, files: ModelFiles, host: PluginHost, platform: Platform) -> set[str]:
+    """Hold a DeepSeek-V4 checkpoint's MXFP4 routed experts packed where the platform runs MoE
+    on them (``FusedOps.mxfp4_moe``); returns the checkpoint names kept (empty: dequantize at
+    load, as without the capability)."""
+    if not files.mxfp4_names:
+        return set()
+    from ..models.mxfp4 import swap_in_mxfp4
+
+    ops = host.fused_ops(platform)
+    if ops is None or getattr(ops, "mxfp4_moe", None) is None:
+        return set()
+    return swap_in_mxfp4(model, files.mxfp4_names)
 
 
 def weights_request(

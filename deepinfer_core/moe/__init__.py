@@ -99,18 +99,29 @@ class ExpertWeights:
     # FP8 experts (DeepSeek's block format, deepinfer_core.models.fp8): the weights above are
     # float8_e4m3fn and these are their float32 "multiply" scales, one per 128 x 128 tile:
     # [E, ceil(2I/128), ceil(D/128)] and [E, ceil(D/128), ceil(I/128)]. None: plain weights.
+    # MXFP4 experts (DeepSeek-V4's routed experts kept packed, deepinfer_core.models.mxfp4): the
+    # weights are uint8, two e2m1 codes a byte (low nibble first): gate_up [E, 2I, D/2], down
+    # [E, D, I/2]; the scales are uint8 UE8M0 exponents b (multiply by 2^(b - 127)), one per 32
+    # consecutive inputs: [E, 2I, D/32] and [E, D, I/32].
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
 
+    @property
+    def is_mxfp4(self) -> bool:
+        """Packed MXFP4 weights (uint8) rather than FP8 tiles or plain floats."""
+        return self.gate_up.dtype == torch.uint8
+
     def dequantized(self, dtype: torch.dtype) -> "ExpertWeights":
-        """Plain ``dtype`` weights (the FP8 tiles times their scales); self when not FP8."""
+        """Plain ``dtype`` weights (FP8 tiles or MXFP4 groups times their scales); self when
+        neither."""
         if self.gate_up_scale is None:
             return self
-        from ..quant import dequant_fp8_block
+        from ..quant import dequant_fp4, dequant_fp8_block
 
+        dequant = dequant_fp4 if self.is_mxfp4 else dequant_fp8_block
         return ExpertWeights(
-            dequant_fp8_block(self.gate_up, self.gate_up_scale).to(dtype),
-            dequant_fp8_block(self.down, self.down_scale).to(dtype),
+            dequant(self.gate_up, self.gate_up_scale).to(dtype),
+            dequant(self.down, self.down_scale).to(dtype),
         )
 
 

@@ -272,6 +272,10 @@ class V4MoE(nn.Module):
             ids, weights = self.dispatcher.select_experts(self.spec, logits, self.gate.e_score_correction_bias)
         if self.expert_load is not None:
             self.expert_load.record(self.spec.layer_index, ids)
-        experts = ExpertWeights(gate_up=self.experts.gate_up_proj, down=self.experts.down_proj)
+        experts = ExpertWeights(
+            gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,  # MXFP4 kept packed (models.mxfp4)
+            gate_up_scale=getattr(self.experts, "gate_up_scale", None),  # adds its scales
+            down_scale=getattr(self.experts, "down_scale", None),
+        )  # fmt: skip
         routed = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         return routed + self.shared_experts(x)

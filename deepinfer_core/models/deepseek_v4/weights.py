@@ -312,6 +312,30 @@ def fp8_weight_names(headers: dict[str, tuple[str, dict]]) -> frozenset[str]:
     )  # fmt: skip
 
 
+def mxfp4_weight_names(headers: dict[str, tuple[str, dict]]) -> frozenset[str]:
+    """transformers' names (``model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight``) of a
+    released checkpoint's MXFP4 routed-expert weights (int8 / uint8 packed e2m1 pairs with their
+    UE8M0 ``.scale``): the weights a model may keep packed (``models.mxfp4.swap_in_mxfp4``). The
+    MTP module's are left out, as in :func:`fp8_weight_names`."""
+    if not is_released_layout(headers):
+        return frozenset()
+    names = {released_name(n): meta for n, (_, meta) in headers.items()}
+    return frozenset(
+        hf_name(n)
+        for n, meta in names.items()
+        if meta["dtype"] in ("I8", "U8") and ".experts." in n and n.endswith(".weight")
+        and n[: -len("weight")] + "scale" in names and not n.startswith("mtp.")
+    )  # fmt: skip
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Stored MXFP4 scales as their UE8M0 exponent bytes (uint8 b: multiply by 2^(b - 127)):
+    ``float8_e8m0fnu`` and byte tensors as they are, float32 powers of two by their exponent."""
+    if scale.dtype in (torch.uint8, torch.int8) or scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.view(torch.uint8)
+    return (torch.log2(scale.float()).round() + 127).clamp(0, 255).to(torch.uint8)
+
+
 def check_checkpoint(config: dict, headers: dict[str, tuple[str, dict]]) -> None:
     """Raise :class:`WeightsError` naming every missing, unexpected or mis-shaped tensor and
     every quantized tensor without (or with a mis-shaped) scale; reads no tensor data."""
@@ -379,7 +403,10 @@ def iter_weights(
     scales, other floats as float32, integer tables unchanged. Scales are consumed, not yielded,
     except for the FP8 weights named in ``keep`` (transformers' names, from
     :func:`fp8_weight_names`): those pass as stored (float8 e4m3) followed by
-    ``X.weight_scale_inv``, their UE8M0 tile scales as float32 multipliers (exact: powers of two)."""
+    ``X.weight_scale_inv``, their UE8M0 tile scales as float32 multipliers (exact: powers of two).
+    MXFP4 routed-expert weights named in ``keep`` (from :func:`mxfp4_weight_names`) pass packed
+    as uint8 ``[out, in/2]`` followed by ``X.weight_scale_inv``, their UE8M0 exponents as uint8
+    ``[out, in/32]`` (:func:`ue8m0_bytes`; ``models.mxfp4`` holds them so)."""
     from safetensors import safe_open
 
     headers = headers if headers is not None else read_headers(paths)
@@ -401,6 +428,10 @@ def iter_weights(
                 if meta["dtype"] == "F8_E4M3" and hf_name(name) in keep:
                     yield hf_name(name), tensor
                     yield hf_name(name) + "_scale_inv", scale_to_float(scale)
+                    continue
+                if meta["dtype"] != "F8_E4M3" and hf_name(name) in keep:
+                    yield hf_name(name), tensor.view(torch.uint8)
+                    yield hf_name(name) + "_scale_inv", ue8m0_bytes(scale)
                     continue
                 tensor = dequant_fp4(tensor, scale) if meta["dtype"] != "F8_E4M3" else dequant_fp8_block(tensor, scale)
             elif tensor.is_floating_point():

@@ -53,6 +53,10 @@ class ModelFiles:
     # with their ``weight_scale_inv`` for a model holding them FP8 (models.fp8.swap_in_fp8).
     fp8_weights: "Callable[[frozenset], Iterator[tuple[str, torch.Tensor]]] | None" = None
     fp8_names: frozenset = frozenset()
+    # DeepSeek-V4's MXFP4 routed experts (deepseek_v4.weights.mxfp4_weight_names): ``weights``
+    # dequantizes them; ``fp8_weights(keep)`` passes those named in ``keep`` packed (uint8) with
+    # their UE8M0 exponents as ``weight_scale_inv`` (uint8), for models.mxfp4.swap_in_mxfp4.
+    mxfp4_names: frozenset = frozenset()
     # The checkpoint's own sampling recommendation as stored in it (a GGUF's ``general.sampling.*``
     # keys, raw); the server's defaults read it here instead of opening the file again.
     sampling: dict = field(default_factory=dict)

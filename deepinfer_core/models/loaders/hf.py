@@ -77,15 +77,21 @@ def _fp8_streams(config: dict, paths: list[str]):
 
 def _v4_fp8_streams(config: dict, paths: list[str]):
     """DeepSeek-V4's released FP8 projections (UE8M0 tile scales), kept FP8 where the engine can
-    (the same fields as V3's FP8 blocks); None for a checkpoint without them."""
-    from ..deepseek_v4.weights import check_checkpoint, fp8_weight_names, iter_weights, read_headers
+    (the same fields as V3's FP8 blocks), and its MXFP4 routed experts, kept packed where the
+    engine can (``mxfp4_names``; the same ``fp8_weights(keep)`` stream passes them); None for a
+    checkpoint with neither."""
+    from ..deepseek_v4.weights import check_checkpoint, fp8_weight_names, iter_weights, mxfp4_weight_names, read_headers
 
     headers = read_headers(paths)
-    names = fp8_weight_names(headers)
-    if not names:
+    names, packed = fp8_weight_names(headers), mxfp4_weight_names(headers)
+    if not names and not packed:
         return None
     check_checkpoint(config, headers)
-    fields = {"fp8_weights": lambda keep: iter_weights(paths, headers, keep), "fp8_names": names}
+    fields = {
+        "fp8_weights": lambda keep: iter_weights(paths, headers, keep),
+        "fp8_names": names,
+        "mxfp4_names": packed,
+    }
     return (lambda: iter_weights(paths, headers)), fields
 
 

@@ -90,6 +90,7 @@ def deepinfer_fused_ops(platform: Platform):
     from .kernels.bf16_gemv import dense_linear, head_linear
     from .kernels.fp8_gemm import SplitCounters, fp8_linear, fp8_supported
     from .kernels.fused_elementwise import FUSED_OPS
+    from .kernels.fused_moe import mxfp4_moe
     from .kernels.hyper_connection import hc_merge, hc_mix
     from .kernels.logits import lm_logits
     from .kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
@@ -103,8 +104,9 @@ def deepinfer_fused_ops(platform: Platform):
         v4_rope=v4_rope,
         v4_unweighted_rms_norm=v4_unweighted_rms_norm,  # logits: float32 from the 16-bit head
         dense_linear=partial(dense_linear, counters=SplitCounters()),
-        head_linear=head_linear,
-    )  # 1-2 row GEMVs
+        head_linear=head_linear,  # 1-2 row GEMVs
+        mxfp4_moe=mxfp4_moe,  # plain Triton (SM90 too): the engine keeps DeepSeek-V4's MXFP4 experts packed
+    )
     # FP8 weights (kept FP8 by the loader when this is offered) where the chip converts e4m3;
     # decode GEMMs split along K sum their splits in-kernel (counters owned by this engine's ops)
     return replace(ops, fp8_linear=partial(fp8_linear, counters=SplitCounters())) if fp8_supported(platform) else ops

@@ -24,6 +24,7 @@ import triton.language as tl
 from .fp8_gemm import PREQUANT_ROWS, act_quant
 from .fused_elementwise import _round
 from .gemm_parts import _quant_rows
+from .mxfp4 import MXFP4_GROUP, _mxfp4_tile
 from .paged_attention import interpreting
 from .pdl import gdc_enter, launch_kw
 
@@ -78,6 +79,7 @@ def _gate_up_kernel(
     PREQ: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
+    MXFP4: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -100,6 +102,11 @@ def _gate_up_kernel(
                 row0 = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
                 wg = w_desc.load([row0, k0]).T
                 wu = w_desc.load([row0 + I, k0]).T
+            elif MXFP4:  # packed e2m1 pairs + UE8M0 per 32 inputs, decoded exactly (kernels/mxfp4.py)
+                s_e = s_ptr + e * stride_se
+                n64 = n.to(tl.int64)
+                wg = _mxfp4_tile(w_base, s_e, n64, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
+                wu = _mxfp4_tile(w_base, s_e, n64 + I, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
             else:
                 wg = tl.load(
                     w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
@@ -129,7 +136,7 @@ def _gate_up_kernel(
             else:
                 if UPCAST:
                     a = a.to(tl.float32)
-                wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 with float32 activations: widened exactly
+                wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 / MXFP4 values: exact in any activation dtype
                 if IEEE:
                     pg = tl.dot(a, wg, input_precision="ieee")
                     pu = tl.dot(a, wu, input_precision="ieee")
@@ -189,6 +196,7 @@ def _down_kernel(
     PREQ: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
+    MXFP4: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -214,9 +222,13 @@ def _down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
-                w = tl.load(
-                    w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-                )
+                if MXFP4:
+                    s_e = s_ptr + e * stride_se
+                    w = _mxfp4_tile(w_base, s_e, n.to(tl.int64), n_ok, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
+                else:
+                    w = tl.load(
+                        w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                    )
             if FP8 and QUANT_A:
                 if PREQ:
                     q = a
@@ -475,14 +487,14 @@ def _fp8_tiles(config: MoEConfig, explicit: bool, num_rows: int, quant_a: bool) 
 
 def fused_moe(
     hidden: torch.Tensor,  # [T, D]
-    gate_up: torch.Tensor,  # [E, 2I, D]
-    down: torch.Tensor,  # [E, D, I]
+    gate_up: torch.Tensor,  # [E, 2I, D] (MXFP4: uint8 [E, 2I, D/2])
+    down: torch.Tensor,  # [E, D, I] (MXFP4: uint8 [E, D, I/2])
     topk_ids: torch.Tensor,  # [T, k]
     topk_weights: torch.Tensor,  # [T, k] float32
     swiglu_limit: float | None = None,
     config: MoEConfig | None = None,
-    gate_up_scale: torch.Tensor | None = None,  # [E, 2I/128, ceil(D/128)] float32: FP8 weights
-    down_scale: torch.Tensor | None = None,  # [E, ceil(D/128), ceil(I/128)] float32
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2I/128, ceil(D/128)] float32: FP8 (MXFP4: uint8 [E, 2I, D/32])
+    down_scale: torch.Tensor | None = None,  # [E, ceil(D/128), ceil(I/128)] float32 (MXFP4: uint8 [E, D, I/32])
     down_config: MoEConfig | None = None,  # the down GEMM's tiles (same block_m); default: config's
     addend: torch.Tensor | None = None,  # [T, D]: added to each token's sum before its rounding
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -492,7 +504,11 @@ def fused_moe(
     With ``gate_up_scale`` / ``down_scale`` the expert weights are float8_e4m3fn in DeepSeek's
     128 x 128 block format; 16-bit activations (the input and the SiLU-and-mul output) are then
     quantized per row and 128 channels and multiplied in FP8, as ``fp8_gemm`` does; float32
-    activations multiply the widened weights."""
+    activations multiply the widened weights.
+
+    uint8 experts are MXFP4 (``deepinfer_core.models.mxfp4``: two e2m1 codes a byte, UE8M0
+    exponents per 32 inputs as the scales): each weight tile is decoded in the kernel
+    (``kernels/mxfp4.py``, exact) and multiplied in the activation dtype, as 16-bit experts are."""
     T, D = hidden.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -513,9 +529,12 @@ def fused_moe(
             f"fused_moe: down_config.block_m ({down_config.block_m}) must equal config.block_m ({config.block_m}): "
             "both GEMMs walk one alignment"
         )
-    fp8 = gate_up_scale is not None
-    if fp8 != (down_scale is not None) or (fp8 and inter % 128):
+    mxfp4 = gate_up.dtype == torch.uint8
+    fp8 = gate_up_scale is not None and not mxfp4
+    if (gate_up_scale is not None) != (down_scale is not None) or (fp8 and inter % 128):
         raise ValueError("fused_moe: FP8 experts need both scale grids and I a multiple of 128")
+    if mxfp4:
+        _check_mxfp4(hidden, gate_up, down, gate_up_scale, down_scale, config, down_config)
     quant_a = fp8 and hidden.dtype != torch.float32  # 16-bit activations go e4m3 (fp8_gemm)
     if fp8:
         config = _fp8_tiles(config, explicit, num_rows, quant_a)
@@ -528,8 +547,9 @@ def fused_moe(
         )
         return _sum_rows(rows_out, hidden, k, addend=addend), _counts(topk_ids, E)
     preq = quant_a and num_rows >= PREQUANT_ROWS * 8  # large batches: quantize once, not per tile
-    gs = gate_up_scale if fp8 else topk_weights  # any tensor: the pointer is unused without FP8
-    ds = down_scale if fp8 else topk_weights
+    scaled = fp8 or mxfp4
+    gs = gate_up_scale if scaled else topk_weights  # any tensor: the pointer is unused without scales
+    ds = down_scale if scaled else topk_weights
     align = moe_align(topk_ids, E, config.block_m)
     hidden = hidden.contiguous()
     upcast = interpreting() and hidden.dtype != torch.float32
@@ -541,11 +561,12 @@ def fused_moe(
     _gate_up_kernel[(tiles * triton.cdiv(inter, config.block_n),)](
         x_in, gate_up, gate_up if gu_desc is None else gu_desc, act, align.sorted_rows, align.block_expert, align.total,
         gs, x_scale, num_rows, k, D, inter,
-        x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1) if fp8 else 0,
-        x_scale.stride(0), float(swiglu_limit or 0.0), tiles,
+        x_in.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0),
+        gs.stride(1) if scaled else 0, x_scale.stride(0), float(swiglu_limit or 0.0), tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
-        GROUP_M=config.group_m, TMA=gu_desc is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, TMA=gu_desc is not None, MXFP4=mxfp4, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     # each (token, choice) row's expert output in the activation dtype (rounded as the reference
     # rounds it); the routing weights are applied in the fixed-order sum
@@ -559,12 +580,52 @@ def fused_moe(
     _down_kernel[(tiles * triton.cdiv(D, dc.block_n),)](
         h_in, down, down if h_desc is None else h_desc, down if dn_desc is None else dn_desc, rows_out,
         align.sorted_rows, align.block_expert, align.total, ds, h_scale, num_rows, D, inter,
-        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if fp8 else 0,
+        h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if scaled else 0,
         h_scale.stride(0), tiles, BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee,
         FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m, TMA=dn_desc is not None and h_desc is not None,
-        num_warps=dc.num_warps, num_stages=dc.num_stages,
+        MXFP4=mxfp4, num_warps=dc.num_warps, num_stages=dc.num_stages,
     )  # fmt: skip
     return _sum_rows(rows_out, hidden, k, topk_weights, addend), align.counts
+
+
+def mxfp4_moe(
+    hidden: torch.Tensor,  # [T, D]
+    experts,  # deepinfer_core.moe.ExpertWeights holding MXFP4 (uint8) weights and exponents
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:  # [T, D] in hidden's dtype
+    """``FusedOps.mxfp4_moe``: the routed experts' weighted sum on packed MXFP4 weights (offering
+    it makes the engine keep them packed; :class:`~deepinfer_cuda_sm100.moe.TritonMoEDispatcher`
+    runs them through :func:`fused_moe` the same way)."""
+    if not experts.is_mxfp4:
+        raise ValueError(f"mxfp4_moe: experts are {experts.gate_up.dtype}, not packed MXFP4 (uint8)")
+    out, _ = fused_moe(
+        hidden, experts.gate_up, experts.down, topk_ids, topk_weights, swiglu_limit,
+        gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale,
+    )  # fmt: skip
+    return out
+
+
+def _check_mxfp4(hidden, gate_up, down, gate_up_scale, down_scale, config, down_config) -> None:
+    """MXFP4 experts: packed halves of the hidden size and width, one exponent byte per 32
+    inputs, contiguous rows, and K steps of whole groups."""
+    E, two_i, half_d = gate_up.shape
+    D, inter = hidden.shape[1], two_i // 2
+    want = {
+        "gate_up": ((E, two_i, D // 2), gate_up), "down": ((E, D, inter // 2), down),
+        "gate_up_scale": ((E, two_i, D // MXFP4_GROUP), gate_up_scale),
+        "down_scale": ((E, D, inter // MXFP4_GROUP), down_scale),
+    }  # fmt: skip
+    for name, (shape, t) in want.items():
+        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != shape or t.stride(-1) != 1:
+            got = None if t is None else (t.dtype, tuple(t.shape))
+            raise ValueError(f"fused_moe: MXFP4 {name} must be contiguous uint8 {shape}, got {got}")
+    if D % MXFP4_GROUP or inter % MXFP4_GROUP:
+        raise ValueError(f"fused_moe: MXFP4 needs hidden ({D}) and width ({inter}) multiples of {MXFP4_GROUP}")
+    for c in (config, down_config):
+        if c is not None and c.block_k % MXFP4_GROUP:
+            raise ValueError(f"fused_moe: MXFP4 K steps must be whole groups of {MXFP4_GROUP}, got {c.block_k}")
 
 
 def _descriptors(config: MoEConfig, fp8: bool, hidden: torch.Tensor, rows: torch.Tensor, n_span: int):
@@ -615,13 +676,16 @@ def _sum_rows(
 
 def _use_gemv(explicit: bool, num_rows: int, hidden: torch.Tensor, gate_up: torch.Tensor) -> bool:
     """The per-row GEMVs (``moe_gemv``) for 1 to MOE_GEMV_ROWS rows of 16-bit activations with
-    FP8 or same-dtype experts; an explicit tiling (batch-invariant forwards, tile sweeps) and
+    FP8, MXFP4 or same-dtype experts; an explicit tiling (batch-invariant forwards, tile sweeps) and
     float32 activations keep the grouped GEMMs."""
     from .moe_gemv import MOE_GEMV_ROWS
 
     wide = hidden.dtype in (torch.bfloat16, torch.float16)
     return (
-        not explicit and 0 < num_rows <= MOE_GEMV_ROWS and wide and gate_up.dtype in (hidden.dtype, torch.float8_e4m3fn)
+        not explicit
+        and 0 < num_rows <= MOE_GEMV_ROWS
+        and wide
+        and gate_up.dtype in (hidden.dtype, torch.float8_e4m3fn, torch.uint8)  # uint8: MXFP4
     )
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .fused_elementwise import _round
 from .gemm_parts import _quant_rows
+from .mxfp4 import _mxfp4_tile
 from .paged_attention import interpreting
 from .pdl import gdc_enter, launch_kw
 
@@ -95,6 +96,7 @@ def _gate_up_gemv_kernel(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,
+    MXFP4: tl.constexpr = False,
 ):
     """Program (j, n): row j (``_expert_base``), act[j, n-slab] = silu(gate) * up."""
     gdc_enter(PDL)
@@ -117,8 +119,15 @@ def _gate_up_gemv_kernel(
         rk = k0 + rg[:, None] * 128 + rc[None, :]
         k_ok = rk < D
         w_ok = n_ok[:, None, None] & k_ok[None, :, :]
-        wg = tl.load(g_rows + rk[None, :, :], mask=w_ok, other=0.0).to(tl.float32)
-        wu = tl.load(u_rows + rk[None, :, :], mask=w_ok, other=0.0).to(tl.float32)
+        if MXFP4:  # packed e2m1 pairs decoded in place (kernels/mxfp4.py)
+            rn64 = rn.to(tl.int64)
+            wg = _mxfp4_tile(w_base, s_base, rn64, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, GROUPS * 128)
+            wu = _mxfp4_tile(w_base, s_base, rn64 + I, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, GROUPS * 128)
+            wg = tl.reshape(wg, [BLOCK_N, GROUPS, 128])
+            wu = tl.reshape(wu, [BLOCK_N, GROUPS, 128])
+        else:
+            wg = tl.load(g_rows + rk[None, :, :], mask=w_ok, other=0.0).to(tl.float32)
+            wu = tl.load(u_rows + rk[None, :, :], mask=w_ok, other=0.0).to(tl.float32)
         a = tl.load(x_row + rk, mask=k_ok, other=0.0).to(tl.float32)
         sg = sg_rows  # unused without FP8
         su = su_rows
@@ -163,6 +172,7 @@ def _down_gemv_kernel(
     FP8: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,
+    MXFP4: tl.constexpr = False,
 ):
     """Program (j, n): out[j, n-slab] = routing weight (1 for the shared expert) * act[j] @
     W_down[n-slab]^T, float32."""
@@ -182,7 +192,12 @@ def _down_gemv_kernel(
     for k0 in range(0, I, GROUPS * 128):
         rk = k0 + rg[:, None] * 128 + rc[None, :]
         k_ok = rk < I
-        w = tl.load(w_rows + rk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+        if MXFP4:
+            w = _mxfp4_tile(w_base, s_base, rn.to(tl.int64), n_ok, k0, I, stride_wn, stride_sn, BLOCK_N, GROUPS * 128)
+            w = tl.reshape(w, [BLOCK_N, GROUPS, 128])
+        else:
+            w = tl.load(w_rows + rk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+            w = w.to(tl.float32)
         a = tl.load(h_row + rk, mask=k_ok, other=0.0).to(tl.float32)
         s = s_rows
         if FP8:
@@ -200,35 +215,39 @@ def moe_gemv(
     """The routed rows ``[T * k, D]`` (float32, routing weight applied) for 16-bit ``hidden``;
     with ``shared`` (an ``ExpertWeights`` of one expert, shaped as one of ``gate_up`` / ``down``,
     checked by :func:`shared_fits`) ``[T * (k + 1), D]``, each token's last row its shared
-    expert's output. ``fused_moe`` checks the shapes and sums a token's rows."""
+    expert's output. uint8 experts are MXFP4 (``fused_moe``'s layout), decoded per slab and
+    multiplied in float32 as 16-bit experts are. ``fused_moe`` checks the shapes and sums a
+    token's rows."""
     T, D = hidden.shape
     _, two_i, _ = gate_up.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
     slots = k + (shared is not None)
     rows = T * slots
-    fp8 = gate_up_scale is not None
+    mxfp4 = gate_up.dtype == torch.uint8
+    scaled = gate_up_scale is not None
+    fp8 = scaled and not mxfp4
     ids = topk_ids.reshape(-1)
-    gs = gate_up_scale if fp8 else gate_up  # any tensor: unused without FP8
-    ds = down_scale if fp8 else down
+    gs = gate_up_scale if scaled else gate_up  # any tensor: unused without scales
+    ds = down_scale if scaled else down
     sh = shared if shared is not None else None
     sh_gu, sh_d = (sh.gate_up, sh.down) if sh is not None else (gate_up, down)
-    sh_gs, sh_ds = (sh.gate_up_scale, sh.down_scale) if sh is not None and fp8 else (gs, ds)
+    sh_gs, sh_ds = (sh.gate_up_scale, sh.down_scale) if sh is not None and scaled else (gs, ds)
     upcast = interpreting()
     act = torch.empty(rows, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_gemv_kernel[(rows, triton.cdiv(inter, BLOCK_N))](
         hidden, gate_up, gs, ids, act, sh_gu, sh_gs, k, D, inter,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if fp8 else 0, gs.stride(1) if fp8 else 0,
-        act.stride(0), float(swiglu_limit or 0.0),
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0) if scaled else 0,
+        gs.stride(1) if scaled else 0, act.stride(0), float(swiglu_limit or 0.0),
         BLOCK_N=BLOCK_N, GROUPS=_groups(gate_up), SLOTS=slots, HAS_LIMIT=swiglu_limit is not None, FP8=fp8,
-        UPCAST=upcast, **launch_kw(hidden), num_warps=4,
+        UPCAST=upcast, MXFP4=mxfp4, **launch_kw(hidden), num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, D, dtype=torch.float32, device=hidden.device)
     _down_gemv_kernel[(rows, triton.cdiv(D, BLOCK_N))](
         act, down, ds, ids, topk_weights.reshape(-1).float().contiguous(), out, sh_d, sh_ds, k, D, inter,
-        act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if fp8 else 0, ds.stride(1) if fp8 else 0,
-        out.stride(0), BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, **launch_kw(hidden),
-        num_warps=4,
+        act.stride(0), down.stride(0), down.stride(1), ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0,
+        out.stride(0), BLOCK_N=BLOCK_N, GROUPS=_groups(down), SLOTS=slots, FP8=fp8, UPCAST=upcast, MXFP4=mxfp4,
+        **launch_kw(hidden), num_warps=4,
     )  # fmt: skip
     return out
 
