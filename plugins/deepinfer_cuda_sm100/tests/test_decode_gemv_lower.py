@@ -1,5 +1,6 @@
 """The decode GEMV kernels (dense FP8 GEMV, the 16-bit GEMV (dense and per-head), the MoE's
-per-row GEMVs with and without the shared expert's row, the router logits) lower to machine
+per-row GEMVs with and without the shared expert's row, on 16-bit, FP8 and MXFP4 experts, the
+router logits) lower to machine
 code for SM90 (H100/H200) and SM100 (B200) at DeepSeek-V3's shapes: Triton's ahead-of-time
 compile with an explicit target needs no GPU, so CI, which runs the kernels only in the
 interpreter, also proves they compile (the interpreter accepts code the compiler rejects, e.g.
@@ -31,6 +32,12 @@ for arch in (90, 100):
                   arch, 4)
             lower(moe_gemv._down_gemv_kernel, dict(common, h_ptr="*bf16", weights_ptr="*fp32", out_ptr="*fp32"),
                   dict(BLOCK_N=16, GROUPS=4 if fp8 else 2, SLOTS=slots, FP8=fp8, UPCAST=False), arch, 4)
+    # MXFP4 experts (uint8 e2m1 pairs + UE8M0 bytes, decoded in the kernel; V4's routed experts)
+    common = {"w_ptr": "*u8", "sh_w_ptr": "*u8", "s_ptr": "*u8", "sh_s_ptr": "*u8", "ids_ptr": "*i64"}
+    lower(moe_gemv._gate_up_gemv_kernel, dict(common, x_ptr="*bf16", act_ptr="*bf16", limit="fp32"),
+          dict(BLOCK_N=16, GROUPS=2, SLOTS=6, HAS_LIMIT=True, FP8=False, UPCAST=False, MXFP4=True), arch, 4)
+    lower(moe_gemv._down_gemv_kernel, dict(common, h_ptr="*bf16", weights_ptr="*fp32", out_ptr="*fp32"),
+          dict(BLOCK_N=16, GROUPS=2, SLOTS=6, FP8=False, UPCAST=False, MXFP4=True), arch, 4)
     for rows, fixup, bn, bk, even, norm in ((1, True, 16, 512, True, False), (2, False, 16, 512, False, True),
                                             (1, False, 2, 1024, True, True), (1, False, 64, 128, True, False)):
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if fixup else "*bf16", "nw_ptr": "*bf16",

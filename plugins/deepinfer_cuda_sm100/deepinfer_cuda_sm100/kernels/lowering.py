@@ -28,11 +28,15 @@ def lower(fn, types: dict[str, str], consts: dict, arch: int, warps: int, stages
     """Compile the Triton kernel ``fn`` for ``sm_<arch>`` and return the compiled kernel (its
     ``metadata.shared`` is the shared memory a launch needs). ``types``: the Triton type of each
     runtime argument (``"*bf16"``, ``"fp32"``, ...; unnamed ones are ``i32``); ``consts``: the
-    constexpr arguments' values. Raises when no cubin comes out."""
+    constexpr arguments' values (those with a default may be left out). Raises when no cubin
+    comes out."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # a constexpr the caller leaves out takes its default, as a launch does (left a runtime i32,
+    # its ``if`` branches would have to agree in type and the kernel would not compile)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
