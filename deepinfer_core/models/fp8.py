@@ -101,7 +101,26 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 128x128 blocks"
 
 
-class Fp8Experts(nn.Module):
+class PackedExperts(nn.Module):
+    """Routed experts kept in a checkpoint's quantized format in four integer buffers
+    (``qgate_up``, ``qdown`` and their scales), seen as ``gate_up_proj`` / ``down_proj`` /
+    ``gate_up_scale`` / ``down_scale`` (properties of each subclass: FP8 here, MXFP4 in
+    ``models.mxfp4``)."""
+
+    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """The stacked weights and their scales under their checkpoint names (the per-expert
+        pieces fill their rows: ``hf_weights._expert_slice``), and the integer buffers holding
+        them (``layers.fused_targets``)."""
+        own = {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}
+        return {
+            f"{name}.gate_up_proj": self.gate_up_proj,
+            f"{name}.down_proj": self.down_proj,
+            f"{name}.gate_up_proj_scale_inv": self.gate_up_scale,
+            f"{name}.down_proj_scale_inv": self.down_scale,
+        }, own
+
+
+class Fp8Experts(PackedExperts):
     """Routed experts stacked like ``StackedExperts`` (``gate_up_proj [E, 2I, D]``,
     ``down_proj [E, D, I]``), kept FP8 with their scale grids (``gate_up_scale``, ``down_scale``)."""
 
@@ -117,17 +136,6 @@ class Fp8Experts(nn.Module):
     down_proj = property(lambda self: self.qdown.view(torch.float8_e4m3fn))
     gate_up_scale = property(lambda self: self.qgate_up_scale.view(torch.float32))
     down_scale = property(lambda self: self.qdown_scale.view(torch.float32))
-
-    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-        """The stacked FP8 weights and their scale grids under their checkpoint names, and the
-        integer buffers holding them (``layers.fused_targets``)."""
-        own = {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}
-        return {
-            f"{name}.gate_up_proj": self.gate_up_proj,
-            f"{name}.down_proj": self.down_proj,
-            f"{name}.gate_up_proj_scale_inv": self.gate_up_scale,
-            f"{name}.down_proj_scale_inv": self.down_scale,
-        }, own
 
 
 def swap_in_fp8(model: nn.Module, fp8_names: frozenset[str] | set[str]) -> set[str]:

@@ -27,13 +27,14 @@ import torch
 import torch.nn as nn
 
 from ..quant import FP4_GROUP
+from .fp8 import PackedExperts
 
 __all__ = ["Mxfp4Experts", "swap_in_mxfp4"]
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-class Mxfp4Experts(nn.Module):
+class Mxfp4Experts(PackedExperts):
     """Routed experts stacked like ``StackedExperts``, kept MXFP4 (layout in the module docstring);
     ``gate_up_proj`` / ``down_proj`` / ``gate_up_scale`` / ``down_scale`` are the packed buffers,
     as :class:`~deepinfer_core.moe.ExpertWeights` takes them."""
@@ -52,18 +53,6 @@ class Mxfp4Experts(nn.Module):
     down_proj = property(lambda self: self.qdown)
     gate_up_scale = property(lambda self: self.qgate_up_scale)
     down_scale = property(lambda self: self.qdown_scale)
-
-    def checkpoint_slots(self, name: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-        """The stacked packed weights and their exponents under the names the per-expert pieces
-        fill (``X.weight`` -> ``gate_up_proj`` rows, ``X.weight_scale_inv`` -> its scale rows:
-        ``hf_weights._expert_slice``), and the buffers holding them."""
-        own = {f"{name}.{b}" for b in ("qgate_up", "qdown", "qgate_up_scale", "qdown_scale")}
-        return {
-            f"{name}.gate_up_proj": self.qgate_up,
-            f"{name}.down_proj": self.qdown,
-            f"{name}.gate_up_proj_scale_inv": self.qgate_up_scale,
-            f"{name}.down_proj_scale_inv": self.qdown_scale,
-        }, own
 
     def extra_repr(self) -> str:
         E, two_i, half_d = self.qgate_up.shape
