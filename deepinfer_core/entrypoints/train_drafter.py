@@ -51,6 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests generated together (default 64)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model generates, the teacher pass runs and the head trains (cpu, cuda)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -112,15 +117,18 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     _log(f"train-drafter: {args.model} -> {args.out}")
     _log("1/4 the model writes its conversations")
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, seed=args.seed)
+    device = torch.device(args.device)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, seed=args.seed, device=args.device)
     if "embed_tokens" not in dict(llm.engine.model.model.named_children()):
         raise SystemExit("deepinfer train-drafter: error: the 'draft' head is for Llama-family models")
     seqs, regions = generate_conversations(llm, args)
     engine = llm.engine
     _, target, _, _, _ = loading.load(
-        args.model, engine.host, engine.platform, torch.device("cpu"), torch.float32, requested_dtype="float32"
+        args.model, engine.host, engine.platform, device, torch.float32, requested_dtype="float32"
     )
     del llm, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if args.threads:  # the torch work from here on (the engine above keeps its own thread choice)
         torch.set_num_threads(args.threads)
     target.requires_grad_(False)
@@ -137,13 +145,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = DraftHeadConfig.for_target(shape, len(vocab_ids), name, max(8, args.chain), args.chain)
     head = DraftHead(cfg)
     head.vocab_ids.copy_(vocab_ids)
+    head.to(device)
     shared = SharedTarget(target, head.vocab_ids, torch.float32)
     _log(f"3/4 training: {args.steps} steps x {args.batch_size} chains of {args.chain}, "
          f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")  # fmt: skip
     records = train_head(head, shared, train, args.steps, args.batch_size, args.lr, args.seed, _log)
     save_head(head, args.out)
     _log("4/4 held-out evaluation (the saved head, as loaded)")
-    result = evaluate_head(load_head(args.out), shared, held)
+    result = evaluate_head(load_head(args.out, device), shared, held)
     summary = {
         "model": args.model,
         "command": "deepinfer train-drafter " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train-drafter"] else "",

@@ -208,7 +208,9 @@ def save_head(head: DraftHead, path: str, dtype: torch.dtype = torch.bfloat16) -
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in head.state_dict().items()}
+    tensors = {
+        n: (t.to(dtype) if t.is_floating_point() else t).cpu().contiguous() for n, t in head.state_dict().items()
+    }
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(head.cfg), f, indent=2)

@@ -99,13 +99,14 @@ def teacher_data(
     """``regions[s]``: the first position of sequence ``s`` worth drafting (after the system text)."""
     hidden_parts, token_parts, greedy_parts, starts = [], [], [], []
     offset, t0 = 0, time.time()
+    device = next(model.parameters()).device
     for b in range(0, len(sequences), 64):
         chunk = sequences[b : b + 64]
         for seq, region, h in zip(chunk, regions[b : b + 64], prenorm_hidden(model, chunk)):
             with torch.no_grad():
                 greedy = model.compute_logits(model.model.norm(h)).argmax(-1)
             hidden_parts.append(h.to(torch.bfloat16))
-            token_parts.append(torch.tensor(seq))
+            token_parts.append(torch.tensor(seq, device=device))
             greedy_parts.append(greedy)
             first = max(1, region)
             starts.extend(range(offset + first, offset + len(seq) - chain + 1))
@@ -120,7 +121,7 @@ def teacher_data(
 def top_tokens(data: TeacherData, size: int, vocab_size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent greedy tokens of ``data`` plus ``always``, sorted; and the share
     of the data's greedy tokens they cover."""
-    counts = torch.bincount(data.greedy, minlength=vocab_size)
+    counts = torch.bincount(data.greedy.cpu(), minlength=vocab_size)
     keep = set(torch.argsort(counts, descending=True, stable=True)[:size].tolist()) | {int(a) for a in always}
     ids = torch.tensor(sorted(keep), dtype=torch.long)
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
@@ -129,6 +130,7 @@ def top_tokens(data: TeacherData, size: int, vocab_size: int, always: list[int] 
 def _chain(head: DraftHead, target: SharedTarget, data: TeacherData, idx: torch.Tensor, lut: torch.Tensor):
     """Run the chain for start positions ``idx``; yields per step (logits, labels in the draft
     vocabulary (-100: outside it), out, target feature, confidence)."""
+    idx = idx.to(data.hidden.device)
     hidden = data.hidden[idx - 1].to(target.dtype)
     cache: list = []
     for k in range(data.chain):
@@ -159,7 +161,8 @@ def train_head(
 ) -> list[dict]:
     """AdamW with warm-up and cosine decay; returns the logged records."""
     gen = torch.Generator().manual_seed(seed)
-    lut = _lookup(head, target)
+    device = data.hidden.device
+    lut = _lookup(head, target).to(device)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -170,8 +173,8 @@ def train_head(
     for step in range(1, steps + 1):
         idx = data.starts[torch.randint(len(data.starts), (batch_size,), generator=gen)]
         ce_sum = feat_sum = bce_sum = 0.0
-        loss = torch.zeros(())
-        ok = torch.ones(batch_size, dtype=torch.bool)
+        loss = torch.zeros((), device=device)
+        ok = torch.ones(batch_size, dtype=torch.bool, device=device)
         hits = []
         for k, logits, labels, out, feat, conf in _chain(head, target, data, idx, lut):
             weight = 0.8**k  # later steps matter less: they are reached less often
@@ -205,23 +208,24 @@ def evaluate_head(head: DraftHead, target: SharedTarget, data: TeacherData, batc
     ``reach_by_position[k]`` = P(drafts 0..k all right), ``mean_accepted`` = expected leading
     right drafts per chain of ``data.chain`` (drafts accepted per verify step under greedy;
     tokens per step = 1 + it), ``ece`` over every (step reached, confidence) pair, by step too."""
-    lut = _lookup(head, target)
+    device = data.hidden.device
+    lut = _lookup(head, target).to(device)
     confs: list[list[torch.Tensor]] = [[] for _ in range(data.chain)]
     rights: list[list[torch.Tensor]] = [[] for _ in range(data.chain)]
     accepted = torch.zeros(0)
     for b in range(0, len(data.starts), batch_size):
         idx = data.starts[b : b + batch_size]
-        ok = torch.ones(len(idx), dtype=torch.bool)
-        run = torch.zeros(len(idx))
+        ok = torch.ones(len(idx), dtype=torch.bool, device=device)
+        run = torch.zeros(len(idx), device=device)
         for k, logits, labels, _out, _feat, conf in _chain(head, target, data, idx, lut):
             correct = logits.argmax(-1) == labels
             confs[k].append(conf[ok])
             rights[k].append(correct[ok])
             ok = ok & correct
             run += ok.float()
-        accepted = torch.cat([accepted, run])
-    conf_all = [torch.cat(c) for c in confs]
-    right_all = [torch.cat(r) for r in rights]
+        accepted = torch.cat([accepted, run.cpu()])
+    conf_all = [torch.cat(c).cpu() for c in confs]
+    right_all = [torch.cat(r).cpu() for r in rights]
     n = len(data.starts)
     return {
         "chains": n,
