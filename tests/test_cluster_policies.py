@@ -263,9 +263,25 @@ def test_no_scale_down_above_the_quota_hold():
         max_step_down=10,
     )  # quota_hold 0.8
     scaler = Autoscaler(config)
-    decision = scaler.decide(0, 9, 0)  # 9/10 = 0.9 of the quota in use: held
-    assert decision.replicas == 9 and "quota" in decision.reason and decision.wanted == 1
-    assert scaler.decide(1, 8, 0).replicas == 1  # 0.8 is not above 0.8: released
+    decision = scaler.decide(0, 10, 85)  # the load wants 9 of 10 (0.9 of the quota): held at 10
+    assert decision.replicas == 10 and "quota" in decision.reason and decision.wanted == 9
+    assert scaler.decide(1, 10, 75).replicas == 8  # wants 8 of 10: 0.8 is not above 0.8, released
+
+
+def test_a_fleet_grown_past_the_quota_hold_shrinks_when_the_load_falls():
+    """The hold reads the load, not the replicas held: all 10 replicas at the peak (the load
+    wants 9, above 0.8 of the quota: held) are given back step by step once the load falls."""
+    config = ScalingConfig(
+        min_replicas=1, max_replicas=10, target_per_replica=10, down_delay_s=0, down_interval_s=0, max_step_down=2,
+    )  # fmt: skip
+    scaler = Autoscaler(config)
+    held = scaler.decide(0, 10, 88)  # wants 9: the load is at 0.9 of the quota
+    assert held.replicas == 10 and "quota" in held.reason
+    history, current = [], 10
+    for t in range(1, 6):  # the night: the load falls to 1 replica's worth
+        current = scaler.decide(t, current, 5).replicas
+        history.append(current)
+    assert history == [8, 6, 4, 2, 1]
 
 
 def test_spare_pool_rides_on_top_of_demand():

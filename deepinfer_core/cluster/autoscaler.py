@@ -9,9 +9,12 @@ simulator, a test)::
     up      : wanted > current for up_delay_s in a row, and up_interval_s since the last step up;
               at most max_step_up replicas per step
     down    : wanted < current for down_delay_s in a row, down_interval_s since the last step
-              down, at most max_step_down per step, and never while current / max_replicas is
-              above quota_hold (0.8): capacity that is hard to get back is not given back
-              under high load (DeepSeek's "no scale-down above 0.8 quota")
+              down, at most max_step_down per step, and never while the load itself (wanted /
+              max_replicas, the spare pool included) uses more than quota_hold (0.8) of the
+              quota: capacity that is hard to get back is not given back under high load
+              (DeepSeek's "no scale-down above 0.8 quota"). The rule reads the demand, not the
+              replicas held: a fleet that grew past 0.8 of its quota at the peak still shrinks
+              once the load falls below it.
 
 A replica count outside the bounds (a config change) is put back inside at once.
 """
@@ -88,9 +91,9 @@ class Autoscaler:
             return ScaleDecision(min(wanted, current + c.max_step_up), wanted, "up")
         if wanted < current:
             self._up_since = None
-            if current / c.max_replicas > c.quota_hold:
+            if wanted / c.max_replicas > c.quota_hold:
                 self._down_since = None
-                return ScaleDecision(current, wanted, f"down: held, quota use above {c.quota_hold}")
+                return ScaleDecision(current, wanted, f"down: held, the load uses above {c.quota_hold} of the quota")
             self._down_since = now if self._down_since is None else self._down_since
             if now - self._down_since < c.down_delay_s:
                 return ScaleDecision(current, wanted, "down: waiting for the delay")
