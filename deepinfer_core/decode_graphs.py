@@ -31,6 +31,12 @@ class DecodeGraphs(Protocol):
 # tokens of rows its own sampler would sample greedily (no penalties, processors or banned
 # tokens) and samples the others from ``logits``. None: the engine calls ``run`` (or the eager
 # forward) as before.
+#
+# Optional too: ``run_hidden(input_ids, meta) -> (hidden [T, D], pre [T, D]) | None``, the step
+# and the last layer's output before the final norm (the model's ``forward_hidden``), for a
+# speculative drafter that reads the target's hidden state. None: the engine runs
+# ``forward_hidden`` eagerly. A speculative verify step of a model with ``verify_as_decode_rows``
+# arrives here as decode rows (one per token), so the captured buckets serve it too.
 
 
 # factory(model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> DecodeGraphs

@@ -113,6 +113,35 @@ def test_oracle_accepts_everything_and_wrong_nothing_same_output(tiny_llama, lla
     assert sorted(drafter.released) == sorted(str(i) for i in range(4))  # every request released
 
 
+@pytest.mark.parametrize("as_rows", [True, False], ids=["decode-rows", "causal-runs"])
+def test_verify_steps_as_decode_rows_or_causal_runs_same_output(tiny_llama, llama_reference, as_rows):
+    """A Llama verify step is laid out as decode rows, one per token (each its request's block
+    table, seq_len = position + 1: the decode kernels and their captured graphs take it); the
+    causal layout (a run of rows per request) gives the same tokens."""
+    prompts, params, expected = llama_reference
+    drafter = TableDrafter([p + e for p, e in zip(prompts, expected)], 96)
+    llm = LLM(
+        tiny_llama, host=host_with(drafter), device="cpu", dtype="float32", block_size=16, kv_cache_blocks=64,
+        speculative_config={"method": "table", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    runner, model = llm.engine.runner, llm.engine.model
+    assert runner.verify_as_decode_rows  # the model declares it (LlamaForCausalLM.verify_as_decode_rows)
+    runner.verify_as_decode_rows = as_rows
+    shapes, forward = [], model.forward
+
+    def recording(input_ids, positions, kv_caches, meta):
+        shapes.append((int(input_ids.shape[0]), meta.num_requests, meta.max_query_len))
+        return forward(input_ids, positions, kv_caches, meta)
+
+    model.forward = recording
+    tokens, metrics = run(llm, prompts, params)
+    assert tokens == expected
+    assert all(m["spec_num_accepted_tokens"] == m["spec_num_draft_tokens"] > 0 for m in metrics)
+    as_decode = [n for n, r, q in shapes if q == 1 and n == r and n > len(prompts)]  # more rows than requests
+    causal = [n for n, r, q in shapes if q == 4]  # [last token, 3 drafts] per request
+    assert (as_decode and not causal) if as_rows else (causal and not as_decode)
+
+
 def test_stops_inside_an_accepted_run_truncate_like_decoding(tiny_llama, llama_reference):
     prompts, _, expected = llama_reference
     params = [

@@ -54,9 +54,18 @@ def build(
     state_slots: list[int] | None = None,
     replay: bool = False,
     input_ids: torch.Tensor | None = None,
+    verify_as_decode_rows: bool = False,
 ) -> Batch:
     """The flat batch of ``out``. ``input_ids`` (a device tensor, one id per scheduled token)
-    replaces the scheduled token ids; it must be given when any of them is :data:`PENDING`."""
+    replaces the scheduled token ids; it must be given when any of them is :data:`PENDING`.
+
+    ``verify_as_decode_rows``: a step whose every row is sampled and where some request verifies
+    drafts (no prompt chunk in it) is laid out as a decode step of one row per token: each row
+    its request's block table and ``seq_len = position + 1``. A layer writes every row's key and
+    value before its attention reads any, so a row sees its request's earlier drafts as a causal
+    verify forward would, through the decode kernels (and their captured graphs) with a decode
+    step's numerics. Only for models whose attention reads nothing but the paged cache (no state
+    KV): the caller decides."""
     reqs = out.requests
     R = len(reqs)
     bs = block_size
@@ -101,6 +110,13 @@ def build(
         sample_rows = first + np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
     else:
         sample_rows = cu[1:][sample] - 1
+    if verify_as_decode_rows and spec is not None and spec.any() and len(sample_rows) == T and state_slots is None:
+        tables, seq_lens = tables[row_of], positions + 1
+        prompt_lens = tuple(np.repeat(np.fromiter((s.prompt_len for s in reqs), np.int64, R), lens).tolist())
+        R, lens, cu = T, np.ones(T, np.int64), np.arange(T + 1, dtype=np.int64)
+        sample_rows, sample = np.arange(T, dtype=np.int64), np.ones(T, np.bool_)
+    else:
+        prompt_lens = columns.prompt_lens if columns is not None else tuple(s.prompt_len for s in reqs)
     parts = [positions, slots, cu, seq_lens, tables.ravel(), sample_rows]
     if input_ids is None:
         arrays = [s.token_array for s in reqs]
@@ -140,7 +156,7 @@ def build(
         batch_invariant=batch_invariant,
         state_slots=pieces[-1] if state_slots is not None else None,
         replay=replay,
-        prompt_lens=columns.prompt_lens if columns is not None else tuple(s.prompt_len for s in reqs),
+        prompt_lens=prompt_lens,
         num_context_tokens=int(seq_lens.sum()),
         num_attention_pairs=int(positions.sum()) + T,  # query at position p sees keys 0..p
         **(_host_layout(cu, seq_lens, state_slots) if state_slots is not None else {}),

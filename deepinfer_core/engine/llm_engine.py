@@ -174,8 +174,8 @@ class LLMEngine:
         )  # fmt: skip
         self.runner.keep_hidden = spec.needs_hidden
         self.scheduler.on_release = spec.release
-        if self.runner.graphs is not None:  # verify steps run eagerly; plain decode steps still replay graphs
-            log.info("speculative decoding: verify steps run eagerly (no captured verify widths)")
+        if self.runner.graphs is not None and not self.runner.verify_as_decode_rows:
+            log.info("speculative decoding: verify steps run eagerly (this model's verify is not decode-shaped)")
         log.info(
             "speculative decoding: %s, %d tokens, %s verification",
             spec_cfg.method,

@@ -57,6 +57,8 @@ class ModelRunner:
         self.invariant_ops: Callable[[], ContextManager] | None = None  # deepinfer_batch_invariant_ops
         self.expert_load: ExpertLoadCounter | None = None  # set by the engine: its windows advance per step
         self.keep_hidden = False  # a drafter reads the target's hidden states (model.forward_hidden)
+        # verify steps laid out as decode rows (batch_build.build): the model's attention reads only the paged cache
+        self.verify_as_decode_rows = bool(getattr(model, "verify_as_decode_rows", False)) and state is None
 
     def build_batch(
         self, out: SchedulerOutput, replay: bool = False
@@ -75,6 +77,7 @@ class ModelRunner:
             state_slots=slots,
             replay=replay,
             input_ids=input_ids,
+            verify_as_decode_rows=self.verify_as_decode_rows and not replay,
         )
 
     @torch.inference_mode()
@@ -133,9 +136,14 @@ class ModelRunner:
         input_ids, meta = batch.input_ids, batch.meta
         hidden = logits = greedy = pre = None
         verifying = any(s.num_spec for s in out.requests)
-        if self.keep_hidden:  # the drafter reads the pre-norm hidden states: the model's own layers
-            hidden, pre = self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
-        elif self.graphs is not None and meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests:
+        decode_shaped = meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests
+        if self.keep_hidden:  # the drafter reads the pre-norm hidden states: a graph that keeps them, or the layers
+            with_pre = getattr(self.graphs, "run_hidden", None) if decode_shaped else None
+            got = with_pre(input_ids, meta) if with_pre is not None else None
+            hidden, pre = (
+                got if got is not None else self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
+            )
+        elif self.graphs is not None and decode_shaped:
             with_head = getattr(self.graphs, "run_logits", None)  # the LM head and argmax captured too
             got = (
                 with_head(input_ids, meta)

@@ -98,6 +98,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Implements :class:`deepinfer_core.models.CausalLM`."""
 
+    # Its attention reads only the paged cache: a speculative verify step runs as decode rows, one
+    # per token (engine/batch_build.build), on the decode kernels and their captured graphs.
+    verify_as_decode_rows = True
+
     def __init__(self, config: dict, ctx: ModelContext) -> None:
         super().__init__()
         if config.get("hidden_act", "silu") != "silu":

@@ -64,6 +64,7 @@ class CudaDecodeGraphs:
             self.buckets[-1], max_blocks, block_size=block_size, scratch_block=scratch_block, device=kv_caches[0].device
         )
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pres: dict[int, torch.Tensor] = {}  # bucket -> the pre-norm hidden states (models with forward_hidden)
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids)
         blockers = uncapturable(model)
         if blockers:  # e.g. the builtin MoE reads expert counts back to the host: stay eager
@@ -72,9 +73,13 @@ class CudaDecodeGraphs:
             self._capture_all()
 
     def _step(self, n: int) -> torch.Tensor:
-        return self.model.forward(
-            self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n)
-        )
+        args = (self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
+        if not hasattr(self.model, "forward_hidden"):
+            return self.model.forward(*args)
+        # the same layers, keeping the last one's output before the final norm (a drafter's input:
+        # run_hidden); the capture's pair is what a replay refills
+        hidden, self.pres[n] = self.model.forward_hidden(*args)
+        return hidden
 
     def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The same ops the engine and its sampler would run on these rows, where bucket ``n`` has them."""
@@ -105,6 +110,20 @@ class CudaDecodeGraphs:
             return None
         self._replay(bucket, input_ids, meta)
         return self.outputs[bucket][: meta.num_requests]
+
+    def run_hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hidden [N, D], the last layer's output before the final norm [N, D])`` of a decode
+        step (a speculative step whose drafter reads the target's hidden: its verify steps run as
+        decode rows), or None. The pre-norm rows are a copy: the drafter reads them after the
+        bucket's next replay may have begun."""
+        if self.v4 is not None:
+            return None
+        bucket = self._bucket(meta)
+        if bucket is None or bucket not in self.pres:
+            return None
+        self._replay(bucket, input_ids, meta)
+        n = meta.num_requests
+        return self.outputs[bucket][:n], self.pres[bucket][:n].clone()
 
     def run_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(logits [N, V] float32, greedy ids [N] int64)`` of a decode step whose bucket
