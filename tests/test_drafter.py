@@ -64,6 +64,25 @@ def test_teacher_pass_matches_transformers(tiny):
         torch.testing.assert_close(ours.compute_logits(ours.model.norm(h)), want, atol=2e-5, rtol=1e-4)
 
 
+def test_engine_teacher_gives_the_dense_teachers_data(tiny, tiny_llama):
+    """``--teacher engine``: the engine's own forward (prompt_hidden) gives the hidden states and
+    greedy tokens the dense pass gives (float32: the same model), checked against transformers'
+    logits through our head."""
+    from deepinfer_core import LLM
+    from deepinfer_core.models.llama.drafter_train import teacher_data
+
+    ours, theirs = tiny
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", block_size=16, kv_cache_blocks=32)
+    seqs, regions = [[0, 5, 9, 17, 3, 44, 12, 80, 7, 7, 2], list(range(2, 60))], [1, 3]
+    dense = teacher_data(ours, seqs, regions, 2, log=lambda _: None)
+    served = teacher_data(ours, seqs, regions, 2, log=lambda _: None, engine=llm.engine)
+    assert torch.equal(served.tokens, dense.tokens) and torch.equal(served.starts, dense.starts)
+    torch.testing.assert_close(served.hidden.float(), dense.hidden.float(), atol=2e-2, rtol=2e-2)  # stored bf16
+    with torch.no_grad():
+        want = torch.cat([theirs(torch.tensor([s])).logits[0].argmax(-1) for s in seqs])
+    assert torch.equal(served.greedy, want) and llm.engine.kv.pool.num_free == 32  # the scoring blocks went back
+
+
 def _random_head(model, vocab_ids, max_chain=4) -> DraftHead:
     torch.manual_seed(1)
     head = DraftHead(DraftHeadConfig.for_target(model.config, len(vocab_ids), "tiny", max_chain))
@@ -175,7 +194,8 @@ def test_shipped_head_drafting_reproduces_greedy_and_is_accepted(smollm2_transfo
     assert total_accepted / total_drafted > 0.07, f"{total_accepted}/{total_drafted} drafts accepted"
 
 
-def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("teacher", ["dense", "engine"])
+def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory, teacher):
     from tiny_llama import make_tiny_llama
 
     from deepinfer_core.entrypoints.main import main
@@ -184,7 +204,7 @@ def test_train_drafter_end_to_end_on_a_tiny_llama(tmp_path, tmp_path_factory):
     out = tmp_path / "head"
     args = ["train-drafter", "--model", model, "--out", str(out), "--prompts", "6", "--steps", "3", "--batch-size", "8",
             "--chain", "2", "--max-prompt-tokens", "6", "--max-answer-tokens", "10", "--draft-vocab", "32",
-            "--max-num-seqs", "8"]  # fmt: skip
+            "--max-num-seqs", "8", "--teacher", teacher]  # fmt: skip
     assert main(args) == 0
     head = load_head(str(out))
     summary = json.loads((out / "training.json").read_text())

@@ -153,7 +153,7 @@ def simulate(trace, n: int, kind: str, arrivals: list[float], config: RouterConf
     }
 
 
-def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: bool, target: float = 600_000):
+def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: bool, target: float = 60_000):
     """Diurnal arrivals (trough 20% of peak, the trace spans one "day"); the autoscaler picks
     how many replicas take work."""
     rng = random.Random(7)
@@ -210,7 +210,9 @@ def main() -> None:
     p.add_argument("--load", type=float, default=0.5, help="online arrival rate as a fraction of ideal capacity")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--imbalance-tokens", type=int, default=65536, help="the router's imbalance_abs")
-    p.add_argument("--scale-target", type=float, default=600_000, help="queued uncached tokens per replica")
+    p.add_argument(
+        "--scale-target", type=float, default=60_000, help="queued uncached tokens per replica (60K: 1 s of compute)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     config = RouterConfig(block_size=BLOCK, imbalance_abs=args.imbalance_tokens, imbalance_ratio=1.5)

@@ -478,7 +478,15 @@ class LLMEngine:
         with self._lock:
             return self._prompt_logits(prompt_token_ids)
 
-    def _prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+    def prompt_hidden(self, prompt_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prompt_logits` and the last layer's output before the final norm at every
+        prompt position ([T, D]; the model's ``forward_hidden``): what the engine's own forward
+        (packed weights and native kernels included) gives a drafter to read. For training a
+        drafter on the target as it serves (``deepinfer train-drafter --teacher engine``)."""
+        with self._lock:
+            return self._prompt_logits(prompt_token_ids, hidden=True)
+
+    def _prompt_logits(self, prompt_token_ids: list[int], hidden: bool = False):
         prompt_token_ids = self._checked(prompt_token_ids, SamplingParams(max_tokens=1)).prompt_token_ids
         req = Request("__score__", list(prompt_token_ids), SamplingParams(max_tokens=1), seed=0)
         if not self.kv.allocate(req, len(prompt_token_ids)):
@@ -499,8 +507,10 @@ class LLMEngine:
                 len(prompt_token_ids),
             )
             input_ids, meta, _ = self.runner.build_batch(sched)
-            hidden = self.model.forward(input_ids, meta.positions, self.runner.kv_caches, meta)
-            return self.model.compute_logits(hidden)
+            if hidden:
+                normed, pre = self.model.forward_hidden(input_ids, meta.positions, self.runner.kv_caches, meta)
+                return self.model.compute_logits(normed), pre
+            return self.model.compute_logits(self.model.forward(input_ids, meta.positions, self.runner.kv_caches, meta))
         finally:
             self.kv.free(req)
 

@@ -94,17 +94,23 @@ class TeacherData:
 
 
 def teacher_data(
-    model, sequences: list[list[int]], regions: list[int], chain: int, log: Callable[[str], None] = print
+    model,
+    sequences: list[list[int]],
+    regions: list[int],
+    chain: int,
+    log: Callable[[str], None] = print,
+    engine=None,
 ) -> TeacherData:
-    """``regions[s]``: the first position of sequence ``s`` worth drafting (after the system text)."""
+    """``regions[s]``: the first position of sequence ``s`` worth drafting (after the system text).
+    ``engine``: an :class:`~deepinfer_core.engine.llm_engine.LLMEngine` of the target whose own
+    forward (``prompt_hidden``: its weights as it serves them, e.g. the CPU's packed low-bit
+    ones) gives the hidden states and greedy tokens; None: ``model``'s dense forward."""
     hidden_parts, token_parts, greedy_parts, starts = [], [], [], []
     offset, t0 = 0, time.time()
     device = next(model.parameters()).device
     for b in range(0, len(sequences), 64):
         chunk = sequences[b : b + 64]
-        for seq, region, h in zip(chunk, regions[b : b + 64], prenorm_hidden(model, chunk)):
-            with torch.no_grad():
-                greedy = model.compute_logits(model.model.norm(h)).argmax(-1)
+        for seq, region, (h, greedy) in zip(chunk, regions[b : b + 64], _teacher_pass(model, engine, chunk, device)):
             hidden_parts.append(h.to(torch.bfloat16))
             token_parts.append(torch.tensor(seq, device=device))
             greedy_parts.append(greedy)
@@ -116,6 +122,19 @@ def teacher_data(
     return TeacherData(
         torch.cat(hidden_parts), torch.cat(token_parts), torch.cat(greedy_parts), torch.tensor(starts), chain
     )
+
+
+def _teacher_pass(model, engine, chunk: list[list[int]], device: torch.device):
+    """(pre-norm hidden [L, D], greedy next token [L]) per sequence of ``chunk``, on ``device``."""
+    if engine is not None:
+        for seq in chunk:
+            with torch.no_grad():
+                logits, pre = engine.prompt_hidden(seq)
+            yield pre.detach().float().to(device), logits.argmax(-1).to(device)
+        return
+    for h in prenorm_hidden(model, chunk):
+        with torch.no_grad():
+            yield h, model.compute_logits(model.model.norm(h)).argmax(-1)
 
 
 def top_tokens(data: TeacherData, size: int, vocab_size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
