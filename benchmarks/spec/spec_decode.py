@@ -134,6 +134,13 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch-invariant", action="store_true", help="every engine in batch-invariant mode")
+    ap.add_argument(
+        "--verify-layout",
+        choices=("rows", "causal"),
+        default="rows",
+        help="rows: a Llama verify step as decode rows (the decode kernels and graphs; the default); causal: a run "
+        "of rows per request (the eager forward), for comparison",
+    )
     ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
     args = ap.parse_args()
 
@@ -182,6 +189,8 @@ def main() -> None:
             except ValueError as exc:
                 print(f"skipping method {method}: {exc}")
                 break
+            if args.verify_layout == "causal":
+                llm.engine.runner.verify_as_decode_rows = False
             recorder = Recorder(llm.engine.spec.drafter)
             llm.engine.spec.drafter = recorder
             for n in levels:
@@ -206,7 +215,8 @@ def main() -> None:
         if row["levels"]:
             rows.append(row)
 
-    print(f"\n{args.model} on {args.device}, {args.new_tokens} new tokens, gamma {args.gamma}, greedy")
+    print(f"\n{args.model} on {args.device}, {args.new_tokens} new tokens, gamma {args.gamma}, greedy, "
+          f"verify layout {args.verify_layout}")  # fmt: skip
     head = (
         "| drafter | concurrent | no-spec tok/s | fixed tok/s (x) | DSpark tok/s (x) | accepted len fixed / DSpark "
         "| verified drafts/step fixed / DSpark |"
