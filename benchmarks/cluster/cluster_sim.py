@@ -4,10 +4,14 @@ autoscaler.py), driven by a per-replica cost model over an agent trace with Deep
 
 Trace: agent sessions (mean prompt ~77K tokens; every turn resends the whole history plus
 ~2% new tokens, so ~98% of a prompt was seen before); each session starts from one of a few
-shared system prompts. Cost model per prefill replica, from DeepSeek's published per-card figures
-(REFERENCE.md section 1; not fitted from this engine): compute 60K uncached tokens/s, blocks
-read from the shared store 1.5M tokens/s, blocks in the replica's own cache free, 5 ms a job;
-each replica caches a fixed number of blocks (LRU), everything is in the store.
+shared system prompts. Cost model per prefill replica (``--cost-model``): ``deepseek`` (the
+default), DeepSeek's published per-card figures (REFERENCE.md section 1): compute 60K uncached
+tokens/s, blocks read from the shared store 1.5M tokens/s; or fitted from this engine's own
+measurement, a ``kv_cache.json`` results file (benchmarks/results/, ``kv/kv_cache.py``): compute
+= prompt tokens / TTFT on a miss, store reads = cached tokens / (TTFT on a hit - its uncached
+tokens' compute). Either way blocks in the replica's own cache are free, 5 ms a job, each
+replica caches a fixed number of blocks (LRU), everything is in the store. Times scale with the
+model; the ratios (and the policies' ranking) are what carry over.
 
 Peers, same trace, same cost model: round-robin, least-loaded (fewest queued uncached tokens).
 
@@ -43,6 +47,24 @@ COMPUTE_TPS = 60_000.0
 LOAD_TPS = 1_500_000.0
 JOB_S = 0.005
 CACHE_BLOCKS = 2_000  # ~2M tokens per replica's own cache
+
+
+def fit_cost(path: str) -> tuple[float, float, str]:
+    """(compute tokens/s, store-read tokens/s, where from) of the first row of a kv_cache.json
+    results file with a miss and a hit TTFT and the hit's share."""
+    data = json.loads(Path(path).read_text())
+    for row in data.get("rows", []):
+        if row.get("miss_ttft_s") and row.get("hit_ttft_s") and row.get("hit_percent"):
+            n = float(row["prompt_tokens"])
+            compute = n / row["miss_ttft_s"]
+            cached = n * row["hit_percent"] / 100
+            load_s = row["hit_ttft_s"] - (n - cached) / compute
+            if load_s <= 0:
+                raise SystemExit(
+                    f"{path}: the hit's TTFT is below its uncached tokens' compute; cannot fit store reads"
+                )
+            return compute, cached / load_s, f"{row.get('model')}, {int(n)} tokens, {row.get('date', '?')}"
+    raise SystemExit(f"{path}: no row with miss_ttft_s, hit_ttft_s and hit_percent")
 
 
 def make_trace(sessions: int, turns: int, seed: int) -> list[list[bytes]]:
@@ -153,7 +175,7 @@ def simulate(trace, n: int, kind: str, arrivals: list[float], config: RouterConf
     }
 
 
-def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: bool, target: float = 60_000):
+def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: bool, target: float = 1.0):
     """Diurnal arrivals (trough 20% of peak, the trace spans one "day"); the autoscaler picks
     how many replicas take work."""
     rng = random.Random(7)
@@ -211,10 +233,21 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--imbalance-tokens", type=int, default=65536, help="the router's imbalance_abs")
     p.add_argument(
-        "--scale-target", type=float, default=60_000, help="queued uncached tokens per replica (60K: 1 s of compute)"
+        "--scale-target-s",
+        type=float,
+        default=1.0,
+        help="the autoscaler's target: seconds of queued compute per replica",
+    )
+    p.add_argument(
+        "--cost-model", default="deepseek", help="deepseek (published per-card figures) or a kv_cache.json to fit from"
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    global COMPUTE_TPS, LOAD_TPS
+    if args.cost_model != "deepseek":
+        COMPUTE_TPS, LOAD_TPS, source = fit_cost(args.cost_model)
+        print(f"cost model fitted from {args.cost_model} ({source}): compute {COMPUTE_TPS:,.0f} tok/s, "
+              f"store reads {LOAD_TPS:,.0f} tok/s ({LOAD_TPS / COMPUTE_TPS:.0f}x)")  # fmt: skip
     config = RouterConfig(block_size=BLOCK, imbalance_abs=args.imbalance_tokens, imbalance_ratio=1.5)
     rows = []
     started = time.time()
@@ -232,13 +265,13 @@ def main() -> None:
             off = simulate(trace, n, kind, [0.0] * len(trace), config)
             on = simulate(trace, n, kind, online, config)
             rows.append({
-                "replicas": n, "policy": kind, "requests": len(trace),
+                "replicas": n, "policy": kind, "requests": len(trace), "cost_model": args.cost_model,
                 "offline_vs_perfect": round(perfect / off["makespan_s"], 3),
                 "hit_rate": round(on["hit_rate"], 3),
                 "ttft_p50_s": round(on["ttft_p50_s"], 3), "ttft_p99_s": round(on["ttft_p99_s"], 3),
             })  # fmt: skip
         fixed = day(trace, n, args.load, ideal_total, config, scale=False)
-        scaled = day(trace, n, args.load, ideal_total, config, scale=True, target=args.scale_target)
+        scaled = day(trace, n, args.load, ideal_total, config, scale=True, target=args.scale_target_s * COMPUTE_TPS)
         rows.append({
             "replicas": n, "policy": "deepinfer + autoscaler (day)", "requests": scaled["requests"],
             "replicas_mean": round(scaled["replicas_mean"], 1), "replicas_max": scaled["replicas_max"],
