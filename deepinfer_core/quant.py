@@ -41,8 +41,11 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     """Any stored scale representation as float32 multipliers."""
-    if scale.dtype == torch.uint8:
-        return torch.exp2(scale.to(torch.float32) - 127.0)
+    if scale.dtype == torch.uint8:  # UE8M0: 2^(e - 127), built from its bits (exact on every device)
+        # e >= 1 is the float32 whose exponent field is e (255: inf); e = 0 is 2^-127, a subnormal,
+        # which CUDA's exp2 rounds (5.877470e-39 for 5.877472e-39: seen on an H100, 2026-12-07)
+        e = scale.to(torch.int32)
+        return torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).view(torch.float32)
     return scale.to(torch.float32)
 
 

@@ -23,7 +23,7 @@ from deepinfer_core.models.deepseek_v4.weights import read_headers
 from deepinfer_core.models.mxfp4 import Mxfp4Experts
 from deepinfer_core.moe import ExpertWeights
 from deepinfer_core.plugin_host import PluginHost
-from deepinfer_core.quant import dequant_fp4, quant_fp4
+from deepinfer_core.quant import dequant_fp4, quant_fp4, scale_to_float
 from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_checkpoint
 
 LENS = (7, 30)
@@ -107,3 +107,14 @@ def test_expert_weights_dequantize_mxfp4():
     assert plain.gate_up.dtype == torch.bfloat16 and plain.gate_up_scale is None
     assert torch.equal(plain.gate_up.float(), dequant_fp4(pg, sg))  # MXFP4 values are exact in bf16
     assert torch.equal(plain.down.float(), dequant_fp4(pd, sd))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_ue8m0_scales_are_exact_powers_of_two(device):
+    """Every UE8M0 byte is exactly 2^(e - 127), the subnormal 2^-127 of e = 0 too (CUDA's exp2
+    rounded it: the plugin's exact tile decode then disagreed with this reference on an H100),
+    and 255 is inf; a float64 ldexp is the reference."""
+    e = torch.arange(256, dtype=torch.uint8, device=device)
+    got = scale_to_float(e).double().cpu()
+    want = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 127)
+    assert torch.equal(got[:255], want[:255]) and got[255] == float("inf")
