@@ -144,3 +144,21 @@ def test_captured_head_ids_are_the_tokens_of_plain_greedy_rows_only(tiny_llama):
     assert all(a != b for s, w in zip(shifted, want["greedy"]) for a, b in zip(s[1:2], w[1:2]))
     assert tokens(llm, sampled) == want["sampled"]  # sampled rows: the sampler, on the step's logits
     assert tokens(llm, penalised) == want["penalised"]  # penalties change the logits: not the ids
+
+
+def test_speculative_verify_steps_are_offered_as_decode_rows(tiny_llama):
+    """With drafts, a Llama verify step arrives as decode rows (a row per token), so the buckets go
+    up to max_num_seqs x (gamma + 1) rows; the tokens are the spec-off engine's."""
+    from deepinfer_core import LLM, SamplingParams
+
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": GraphPlugin()})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 8, 9, 10, 8, 9]]  # repeats: the n-gram drafter has matches
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama, device="cpu", kv_cache_blocks=8, max_num_seqs=4, host=host, speculative_config=spec)
+    graphs = llm.engine.runner.graphs
+    assert graphs.args["max_num_seqs"] == 4 * (3 + 1)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert max(graphs.offered) > len(prompts)  # a verify step: more rows than requests
+    plain = LLM(tiny_llama, device="cpu", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True, host=host)
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

@@ -119,9 +119,12 @@ class LLMEngine:
         if config.batch_invariant:
             self.runner.invariant_ops = self.host.batch_invariant_ops(self.platform)
         if graphs is not None:
+            rows = config.max_num_seqs
+            if gamma and self.runner.verify_as_decode_rows:  # verify steps replay the buckets too: a row per token
+                rows = max(rows, min(config.max_num_seqs * (gamma + 1), config.max_num_batched_tokens))
             self.runner.graphs = graphs(
                 self.model, kv_caches, block_size=bs, scratch_block=self.num_blocks,
-                max_num_seqs=config.max_num_seqs, max_blocks=-(-self.max_model_len // bs),
+                max_num_seqs=rows, max_blocks=-(-self.max_model_len // bs),
             )  # fmt: skip
         self.outputs = OutputProcessor(self.tokenizer, state_metrics=state is not None)
         self._ids = itertools.count()
