@@ -45,7 +45,7 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
         # e >= 1 is the float32 whose exponent field is e (255: inf); e = 0 is 2^-127, a subnormal,
         # which CUDA's exp2 rounds (5.877470e-39 for 5.877472e-39: seen on an H100, 2026-12-07)
         e = scale.to(torch.int32)
-        return torch.where(e > 0, e << 23, torch.full_like(e, 1 << 22)).view(torch.float32)
+        return torch.where(e > 0, e << 23, 1 << 22).view(torch.float32)
     return scale.to(torch.float32)
 
 

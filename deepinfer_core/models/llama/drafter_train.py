@@ -133,8 +133,9 @@ def _teacher_pass(model, engine, chunk: list[list[int]], device: torch.device):
             yield pre.detach().float().to(device), logits.argmax(-1).to(device)
         return
     for h in prenorm_hidden(model, chunk):
-        with torch.no_grad():
-            yield h, model.compute_logits(model.model.norm(h)).argmax(-1)
+        with torch.no_grad():  # closed before the yield: the caller's code never runs with grad off by our doing
+            greedy = model.compute_logits(model.model.norm(h)).argmax(-1)
+        yield h, greedy
 
 
 def top_tokens(data: TeacherData, size: int, vocab_size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
