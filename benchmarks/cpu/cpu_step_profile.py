@@ -50,15 +50,13 @@ def instrument() -> None:
 
         return wrapped
 
-    modules.ops = type(
-        "ops",
-        (),
-        {
-            "matmul": staticmethod(wrap(ops.matmul, "lowbit::matmul")),
-            "int_rows": staticmethod(ops.int_rows),
-            "int8_rows": staticmethod(ops.int8_rows),
-        },
-    )
+    class WrappedOps:  # the ops module with matmul wrapped; every other name passes through
+        matmul = staticmethod(wrap(ops.matmul, "lowbit::matmul"))
+
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+    modules.ops = WrappedOps()
     run = llama_decode.LlamaDecodePlan.run
     llama_decode.LlamaDecodePlan.run = lambda self, *a: wrap(run, "lowbit::decode_step")(self, *a)
 

@@ -167,8 +167,118 @@ static inline __attribute__((always_inline)) void row_i16(const act16_t *a, int6
     }
 }
 
+/* The rows pass in 512-bit vectors (ROWS_ZMM: the avx512vnni build). A zmm holds two blocks'
+ * halves: Wa = [w0 of block b | w0 of b + 1], Wb = [w1 of b | w1 of b + 1] (q4: one 32-byte load
+ * widened gives both, a mask and a shift split them), against the token's activations re-laid
+ * once per call in the same order (rows_z_t). Lane for lane it is the 256-bit pass above: the low
+ * half does block b's operations into acc0, the high half block b + 1's into acc1 (the same
+ * int32 pair sums, then (p * d) * s fused-added), and the end sums acc0 + acc1 the same way: the
+ * same bits with about a third of the instructions per token (2-4 rows: speculative verify
+ * steps, small batches). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(ROWS_NO_ZMM)
+#define ROWS_ZMM 1
+
+typedef struct {
+    int16_t *v; /* [M, nb / 2, 64]: per block pair v0 of b, v0 of b + 1, v1 of b, v1 of b + 1 */
+    float *s;   /* [M, nb / 2, 16]: s of b 8 times, s of b + 1 8 times */
+} rows_z_t;
+
+static void rows_z_layout(const act16_t *a, int64_t M, int64_t K, rows_z_t *z) {
+    const int64_t nb = K / QK, np = nb / 2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t p = 0; p < np; p++) {
+            const int16_t *src = a->v + i * K + 2 * p * QK;
+            int16_t *dst = z->v + (i * np + p) * 2 * QK;
+            __builtin_memcpy(dst, src, 32);
+            __builtin_memcpy(dst + 16, src + 32, 32);
+            __builtin_memcpy(dst + 32, src + 16, 32);
+            __builtin_memcpy(dst + 48, src + 48, 32);
+            float *sd = z->s + (i * np + p) * 16;
+            for (int j = 0; j < 8; j++) {
+                sd[j] = a->s[i * nb + 2 * p];
+                sd[8 + j] = a->s[i * nb + 2 * p + 1];
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void widen_pair_z(int kind, const void *qs, int64_t blk, __m512i *wa, __m512i *wb) {
+    if (kind == 4) {
+        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)((const uint8_t *)qs + blk * (QK / 2))));
+        *wa = _mm512_and_si512(both, _mm512_set1_epi16(0x0F));
+        *wb = _mm512_srli_epi16(both, 4);
+    } else if (kind == 5) {
+        __m256i l0, h0, l1, h1;
+        q5_widen_i16((const uint8_t *)qs + blk * 20, &l0, &h0);
+        q5_widen_i16((const uint8_t *)qs + (blk + 1) * 20, &l1, &h1);
+        *wa = _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1);
+        *wb = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+    } else {
+        const int8_t *q = (const int8_t *)qs + blk * QK;
+        const __m256i a8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q)),
+                                                   _mm_loadu_si128((const __m128i *)(q + QK)), 1);
+        const __m256i b8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16))),
+                                                   _mm_loadu_si128((const __m128i *)(q + QK + 16)), 1);
+        *wa = _mm512_cvtepi8_epi16(a8);
+        *wb = _mm512_cvtepi8_epi16(b8);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_i16_z(const act16_t *a, const rows_z_t *z, int64_t i0, const int T,
+                                                           int64_t K, int kind, const void *qs, const float *d,
+                                                           const float *m, int64_t n, int64_t N, float *y) {
+    const int64_t nb = K / QK, np = nb / 2;
+    const float *wd = d + n * nb;
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        __m512i wa, wb;
+        widen_pair_z(kind, qs, n * nb + 2 * p, &wa, &wb);
+        const __m512 dv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(wd + 2 * p)))));
+        for (int t = 0; t < T; t++) {
+            const int16_t *vr = z->v + ((i0 + t) * np + p) * 2 * QK;
+            const __m512i q = _mm512_dpwssd_epi32(_mm512_madd_epi16(wa, _mm512_loadu_si512(vr)), wb, _mm512_loadu_si512(vr + QK));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), dv), _mm512_loadu_ps(z->s + ((i0 + t) * np + p) * 16), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        __m256 lo = _mm512_castps512_ps256(acc[t]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
+        if (nb & 1) {  /* the last block alone, as the 256-bit pass does it (into acc0) */
+            const int64_t b = nb - 1;
+            __m256i w0, w1;
+            widen_block_i16(kind, qs, n * nb + b, &w0, &w1);
+            lo = _mm256_fmadd_ps(_mm256_mul_ps(block_dot_i16(w0, w1, a->v + (i0 + t) * K + b * QK), _mm256_broadcast_ss(wd + b)),
+                                 _mm256_broadcast_ss(a->s + (i0 + t) * nb + b), lo);
+        }
+        float r = vec_hsum8(_mm256_add_ps(lo, hi));
+        if (kind != 8) r += dot_offsets(m + n * nb, a->sx + (i0 + t) * nb, nb);
+        y[(i0 + t) * N + n] = r;
+    }
+}
+#endif
+
 static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, const void *qs, const float *d, const float *m,
                           int64_t N, float *y, int nthreads) {
+#if defined(ROWS_ZMM)
+    const int64_t np = K / QK / 2;
+    rows_z_t z = {(int16_t *)malloc((size_t)(M * np * 2 * QK + 32) * sizeof(int16_t)),
+                  (float *)malloc((size_t)(M * np * 16 + 16) * sizeof(float))};
+    rows_z_layout(a, M, K, &z);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        int64_t i0 = 0;
+        for (; i0 + 4 <= M; i0 += 4) row_i16_z(a, &z, i0, 4, K, kind, qs, d, m, n, N, y);
+        switch (M - i0) {
+            case 3: row_i16_z(a, &z, i0, 3, K, kind, qs, d, m, n, N, y); break;
+            case 2: row_i16_z(a, &z, i0, 2, K, kind, qs, d, m, n, N, y); break;
+            case 1: row_i16_z(a, &z, i0, 1, K, kind, qs, d, m, n, N, y); break;
+            default: break;
+        }
+    }
+    free(z.v);
+    free(z.s);
+#else
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         int64_t i0 = 0;
@@ -180,6 +290,7 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
             default: break;
         }
     }
+#endif
 }
 
 
