@@ -126,6 +126,68 @@ def test_imbalance_override_sends_a_hot_prefix_to_the_least_loaded():
     assert decision.replica == "hot"
 
 
+# -- the prefix index: the same decisions without scanning every replica's published set ----------
+def _index_of(replicas):
+    from deepinfer_core.cluster.router import PrefixIndex
+
+    index = PrefixIndex()
+    for r in replicas:
+        index.publish(r.name, r.prefix_keys)
+    return index
+
+
+def test_the_index_makes_the_scans_decision_on_random_clusters():
+    import random
+
+    rng = random.Random(5)
+    chains = [chain_keys(f"s{g}".encode(), list(range(80)), BS) for g in range(3)]
+    config = RouterConfig(block_size=BS, tier_bounds=(16, 40, 64), imbalance_abs=24, imbalance_ratio=1.5)
+    checked = overrides = hits = 0
+    for case in range(400):
+        replicas = []
+        for i in range(rng.randint(1, 9)):
+            held = set()
+            for chain in chains:  # a leading run, sometimes with holes (an evicted early block)
+                n = rng.choice([0, 0, 3, 8, 12, 20])
+                held |= {digest(k) for k in chain[:n]}
+                if n and rng.random() < 0.3:
+                    held.discard(digest(chain[rng.randrange(n)]))
+            replicas.append(ReplicaLoad(f"r{i}", "prefill", waiting_tokens=rng.choice([0, 5, 30, 90]), prefix_keys=frozenset(held)))
+        keys = rng.choice(chains)[: rng.randint(1, 20)]
+        prompt = len(keys) * BS + rng.randint(0, BS - 1)
+        index = _index_of(replicas)
+        index.publish("elsewhere", {digest(k) for k in keys})  # holds everything but is not a candidate
+        scan, indexed = route_prefill(keys, prompt, replicas, config), route_prefill(keys, prompt, replicas, config, index)
+        assert (indexed.replica, indexed.reason, indexed.tier, indexed.cached_tokens, indexed.uncached_tokens) == (
+            scan.replica, scan.reason, scan.tier, scan.cached_tokens, scan.uncached_tokens
+        ), case  # fmt: skip
+        longest = max(scan.alternatives.values())
+        assert indexed.alternatives == {n: c for n, c in scan.alternatives.items() if longest and c == longest}
+        checked += 1
+        overrides += scan.reason == "imbalance override"
+        hits += scan.cached_tokens > 0
+    assert checked == 400 and overrides > 10 and hits > 100  # the cases reach every branch
+
+
+def test_the_index_follows_publications_as_diffs():
+    from deepinfer_core.cluster.router import PrefixIndex
+
+    keys = chain_keys(b"ns", list(range(40)), BS)
+    index = PrefixIndex()
+    index.publish("a", holding(keys, 6))
+    index.publish("b", holding(keys, 3))
+    assert index.longest(keys, 9, {"a", "b"}) == (6, {"a"})
+    assert index.longest(keys, 2, {"a", "b"}) == (2, {"a", "b"})
+    assert index.longest(keys, 9, {"b"}) == (3, {"b"})
+    index.publish("a", holding(keys, 2))  # evicted down to 2 blocks
+    assert index.longest(keys, 9, {"a", "b"}) == (3, {"b"})
+    index.discard("b", digest(keys[0]))  # a hole at the start: no leading run
+    assert index.longest(keys, 9, {"a", "b"}) == (2, {"a"}) and index.leading("b", keys, 9) == 0
+    index.drop("a")
+    assert index.longest(keys, 9, {"a", "b"}) == (0, set()) and "a" not in index
+    assert index.held("b") == holding(keys, 3) - {digest(keys[0])}
+
+
 def test_no_replica_is_an_error():
     with pytest.raises(ValueError, match="no prefill replica"):
         route_prefill([], 10, [], SMALL_TIERS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import heapq
 import json
 import math
 import random
@@ -40,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepinfer_core.cluster.autoscaler import Autoscaler, ScalingConfig  # noqa: E402
-from deepinfer_core.cluster.router import ReplicaLoad, RouterConfig, route_prefill  # noqa: E402
+from deepinfer_core.cluster.router import PrefixIndex, ReplicaLoad, RouterConfig, route_prefill  # noqa: E402
 
 BLOCK = 1024  # tokens per simulated block (the engine's are 128: coarser here, for speed)
 COMPUTE_TPS = 60_000.0
@@ -96,18 +97,18 @@ def make_trace(sessions: int, turns: int, seed: int) -> list[list[bytes]]:
 
 
 class Replica:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, fleet: "Fleet") -> None:
+        self.name, self.fleet = name, fleet
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.busy_until = 0.0
         self.queue: collections.deque = collections.deque()  # (finish, uncached tokens)
         self.queued_tokens = 0
+        self.published = ReplicaLoad(name, "prefill")  # what the router sees (its held blocks: the index)
 
-    def load(self, now: float) -> ReplicaLoad:
+    def expire(self, now: float) -> None:
         while self.queue and self.queue[0][0] <= now:
             self.queued_tokens -= self.queue.popleft()[1]
-        # the live dict serves as the published digests (membership is all the router asks)
-        return ReplicaLoad(self.name, "prefill", waiting_tokens=self.queued_tokens, prefix_keys=self.cache)
+        self.published = ReplicaLoad(self.name, "prefill", waiting_tokens=self.queued_tokens)
 
     def run(self, keys: list[bytes], now: float, store: set) -> tuple[float, int]:
         """Queue a job; returns (finish time, blocks hit in this replica's own cache)."""
@@ -121,17 +122,43 @@ class Replica:
         loaded = len(rest) - fresh  # in the shared store: read
         service = JOB_S + loaded * BLOCK / LOAD_TPS + max(1, fresh) * BLOCK / COMPUTE_TPS
         store.update(keys)
-        for key in keys:
+        index = self.fleet.index
+        for key in keys:  # the simulated keys are 8 bytes: each is its own digest
+            if index is not None and key not in self.cache:
+                index.add(self.name, key)
             self.cache[key] = None
             self.cache.move_to_end(key)
         while len(self.cache) > CACHE_BLOCKS:
-            self.cache.popitem(last=False)
+            evicted = self.cache.popitem(last=False)[0]
+            if index is not None:
+                index.discard(self.name, evicted)
         start = max(now, self.busy_until)
         self.busy_until = start + service
         uncached = len(rest) * BLOCK
         self.queue.append((self.busy_until, uncached))
         self.queued_tokens += uncached
+        self.published = ReplicaLoad(self.name, "prefill", waiting_tokens=self.queued_tokens)
+        self.fleet.finishing(self.busy_until, self)
         return self.busy_until, hit
+
+
+class Fleet:
+    """The replicas, the router's prefix index over their caches and their loads as of the clock
+    (a heap of job finishes: each request updates only the replicas whose jobs ended, so the
+    router's inputs cost nothing per replica and 1,000 replicas simulate in minutes)."""
+
+    def __init__(self, n: int, indexed: bool = True) -> None:
+        self.index = PrefixIndex() if indexed else None  # only deepinfer's router reads it
+        self.replicas = [Replica(f"p{i:04d}", self) for i in range(n)]
+        self.by_name = {r.name: r for r in self.replicas}
+        self._finishes: list = []
+
+    def finishing(self, at: float, replica: Replica) -> None:
+        heapq.heappush(self._finishes, (at, replica.name))
+
+    def advance(self, now: float) -> None:
+        while self._finishes and self._finishes[0][0] <= now:
+            self.by_name[heapq.heappop(self._finishes)[1]].expire(now)
 
 
 def ideal_service(keys, seen: set) -> float:
@@ -145,30 +172,32 @@ class Policy:
     def __init__(self, kind: str, config: RouterConfig) -> None:
         self.kind, self.config, self.next = kind, config, 0
 
-    def pick(self, replicas: list[Replica], keys, now: float) -> Replica:
+    def pick(self, fleet: Fleet, active: int, keys, now: float) -> Replica:
+        replicas = fleet.replicas[:active]
         if self.kind == "round-robin":
             self.next += 1
             return replicas[self.next % len(replicas)]
-        loads = [r.load(now) for r in replicas]
+        fleet.advance(now)
         if self.kind == "least-loaded":
-            return replicas[min(range(len(loads)), key=lambda i: loads[i].waiting_tokens)]
-        decision = route_prefill(keys, len(keys) * BLOCK, loads, self.config)
-        return next(r for r in replicas if r.name == decision.replica)
+            return min(replicas, key=lambda r: r.queued_tokens)
+        loads = [r.published for r in replicas]
+        decision = route_prefill(keys, len(keys) * BLOCK, loads, self.config, fleet.index)
+        return fleet.by_name[decision.replica]
 
 
 def simulate(trace, n: int, kind: str, arrivals: list[float], config: RouterConfig) -> dict:
-    replicas = [Replica(f"p{i:04d}") for i in range(n)]
+    fleet = Fleet(n, indexed=kind == "deepinfer")
     policy = Policy(kind, config)
     ttft, hits, blocks, store = [], 0, 0, set()
     for keys, at in zip(trace, arrivals):
-        replica = policy.pick(replicas, keys, at)
+        replica = policy.pick(fleet, n, keys, at)
         finish, hit = replica.run(keys, at, store)
         ttft.append(finish - at)
         hits += hit
         blocks += len(keys)
     ttft.sort()
     return {
-        "makespan_s": max(r.busy_until for r in replicas),
+        "makespan_s": max(r.busy_until for r in fleet.replicas),
         "hit_rate": hits / blocks,
         "ttft_p50_s": ttft[len(ttft) // 2],
         "ttft_p99_s": ttft[int(len(ttft) * 0.99)],
@@ -182,7 +211,7 @@ def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: boo
     mean_rate = load * max_replicas * len(trace) / ideal_total  # requests/s at `load` of the full fleet
     day_s = len(trace) / mean_rate
     quota = math.ceil(1.25 * max_replicas) if scale else max_replicas  # the fleet may grow past the fixed one
-    replicas = [Replica(f"p{i:04d}") for i in range(quota)]
+    fleet = Fleet(quota)
     policy = Policy("deepinfer", config)
     scaler = Autoscaler(
         ScalingConfig(
@@ -206,11 +235,12 @@ def day(trace, max_replicas, load, ideal_total, config: RouterConfig, scale: boo
         rate = mean_rate * (1 + 0.8 * phase)
         now += rng.expovariate(max(rate, 1e-9))
         while scale and next_tick <= now:
-            waiting = sum(r.load(next_tick).waiting_tokens for r in replicas[:active])
+            fleet.advance(next_tick)
+            waiting = sum(r.queued_tokens for r in fleet.replicas[:active])
             active = scaler.decide(next_tick, active, waiting).replicas
             used.append(active)
             next_tick += tick
-        replica = policy.pick(replicas[:active], keys, now)
+        replica = policy.pick(fleet, active, keys, now)
         finish, _ = replica.run(keys, now, store)
         ttft.append(finish - now)
         if now > day_s:

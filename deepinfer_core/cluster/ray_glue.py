@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from .autoscaler import Autoscaler, ScalingConfig
 from .board import BOARD_NAMESPACE
-from .router import ReplicaLoad, RoutedLedger, RouterConfig, route_decode, route_prefill
+from .router import PrefixIndex, ReplicaLoad, RoutedLedger, RouterConfig, route_decode, route_prefill
 
 __all__ = ["ClusterRequestRouter", "ClusterScalingPolicy", "DEMAND_METRIC"]
 
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 DEMAND_METRIC = {"prefill": "waiting_prompt_tokens", "decode": "running_requests", "both": "running_requests"}
 
 
-def replica_load(replica: RunningReplica) -> ReplicaLoad:
+def replica_load(replica: RunningReplica, with_keys: bool = True) -> ReplicaLoad:
+    """``with_keys=False``: without the published digests (the router's :class:`PrefixIndex` has them)."""
     stats = replica.routing_stats or {}
     return ReplicaLoad(
         name=replica.replica_id.unique_id,
@@ -36,7 +37,7 @@ def replica_load(replica: RunningReplica) -> ReplicaLoad:
         waiting_tokens=stats.get("waiting_tokens", 0),
         resident_blocks=stats.get("resident_blocks", 0),
         num_blocks=stats.get("num_blocks", 1),
-        prefix_keys=frozenset(stats.get("prefix_keys", ())),
+        prefix_keys=frozenset(stats.get("prefix_keys", ())) if with_keys else frozenset(),
     )
 
 
@@ -52,6 +53,23 @@ class ClusterRequestRouter(RequestRouter):
         self.board_name = board
         self._board = None
         self._ledger = RoutedLedger()  # jobs sent that the replicas' published loads may not show yet
+        self._index = PrefixIndex()  # every replica's published digests, updated when it publishes
+        self._seen: dict[str, tuple] = {}  # replica -> (its publication's stamp, when last a candidate)
+
+    FORGET_S = 60.0  # a replica absent from the candidates this long leaves the index
+
+    def _refresh_index(self, candidates: list[RunningReplica], now: float) -> None:
+        for r in candidates:
+            name, stats = r.replica_id.unique_id, r.routing_stats or {}
+            keys = stats.get("prefix_keys", ())
+            stamp = (stats.get("at"), len(keys), id(keys))
+            if name not in self._seen or self._seen[name][0] != stamp:
+                self._index.publish(name, keys)
+            self._seen[name] = (stamp, now)
+        for name, (_, last) in list(self._seen.items()):
+            if now - last > self.FORGET_S:
+                self._index.drop(name)
+                del self._seen[name]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -60,12 +78,16 @@ class ClusterRequestRouter(RequestRouter):
         if job is None or not hasattr(job, "block_keys") or not candidate_replicas:
             return [candidate_replicas]
         now = time.time()
+        prefill = job.role == "prefill" or self.role == "both"  # colocated replicas prefill themselves
+        if prefill:
+            self._refresh_index(candidate_replicas, now)
         loads = [
-            self._ledger.adjust(replica_load(r), (r.routing_stats or {}).get("at"), now) for r in candidate_replicas
+            self._ledger.adjust(replica_load(r, with_keys=False), (r.routing_stats or {}).get("at"), now)
+            for r in candidate_replicas
         ]
         n = len(job.prompt_token_ids)
-        if job.role == "prefill" or self.role == "both":  # colocated replicas prefill themselves
-            decision = route_prefill(job.block_keys, n, loads, self.config)
+        if prefill:
+            decision = route_prefill(job.block_keys, n, loads, self.config, self._index)
         else:
             decision = route_decode(n, job.max_tokens, loads, self.config)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]

@@ -21,16 +21,24 @@ Decode (:func:`route_decode`): a decode job brings its whole prompt plus ``max_t
 Long jobs go to the replica with the least resident KV, short ones to the replica with the most
 resident KV that has room for them, among the replicas whose running count is within
 ``decode_slack`` of the least busy: resident KV evens out while request counts stay balanced.
+
+At scale (hundreds of replicas, each publishing tens of thousands of block digests) matching a
+prompt against every replica's published set costs replicas x chain per request, and rebuilding
+those sets on every request costs far more. A :class:`PrefixIndex` (digest -> the replicas
+holding it, updated from each replica's publications as a diff) answers the same question in
+chain x holders: ``route_prefill(..., index=idx)`` makes the same decision from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from operator import attrgetter
+from typing import Iterable, Sequence
 
 __all__ = [
     "KEY_DIGEST_BYTES",
     "Decision",
+    "PrefixIndex",
     "ReplicaLoad",
     "RouterConfig",
     "cached_blocks",
@@ -119,27 +127,123 @@ def _imbalanced(loads: Sequence[float], config: RouterConfig) -> bool:
     return hi - lo > config.imbalance_abs and hi > config.imbalance_ratio * lo
 
 
+class PrefixIndex:
+    """Which replicas hold each published block-key digest.
+
+    ``publish(name, digests)`` replaces what a replica holds (the router calls it when a
+    replica's published stats change; the cost is the difference from its last publication);
+    ``add`` / ``discard`` change one digest (a simulator that knows each insert and eviction).
+    :meth:`longest` finds the longest leading run of a prompt's chain that any of a set of
+    replicas holds, and which of them hold it, by intersecting holder sets block by block."""
+
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        self._held: dict[str, set[bytes]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def names(self) -> list[str]:
+        return list(self._held)
+
+    def held(self, name: str) -> frozenset:
+        return frozenset(self._held.get(name, ()))
+
+    def add(self, name: str, key_digest: bytes) -> None:
+        held = self._held.setdefault(name, set())
+        if key_digest not in held:
+            held.add(key_digest)
+            self._holders.setdefault(key_digest, set()).add(name)
+
+    def discard(self, name: str, key_digest: bytes) -> None:
+        held = self._held.get(name)
+        if held is not None and key_digest in held:
+            held.discard(key_digest)
+            holders = self._holders[key_digest]
+            holders.discard(name)
+            if not holders:
+                del self._holders[key_digest]
+
+    def publish(self, name: str, digests: Iterable[bytes]) -> None:
+        new = set(digests)
+        old = self._held.get(name, set())
+        for d in old - new:
+            self.discard(name, d)
+        for d in new - old:
+            self.add(name, d)
+        self._held.setdefault(name, set())
+
+    def drop(self, name: str) -> None:
+        """Forget a replica (removed from the deployment)."""
+        for d in list(self._held.get(name, ())):
+            self.discard(name, d)
+        self._held.pop(name, None)
+
+    def longest(self, keys: Sequence[bytes], limit: int, among: "set[str] | frozenset[str]") -> tuple[int, set[str]]:
+        """(blocks, replicas): the longest leading run of ``keys`` (at most ``limit`` blocks)
+        that a replica of ``among`` holds in full, and every replica of ``among`` holding it;
+        (0, empty) when none holds the first block."""
+        live: set[str] | None = None
+        depth = 0
+        for key in keys[:limit]:
+            holders = self._holders.get(digest(key))
+            if not holders:
+                break
+            nxt = (holders & among) if live is None else (live & holders)
+            if not nxt:
+                break
+            live, depth = nxt, depth + 1
+        return depth, live or set()
+
+    def leading(self, name: str, keys: Sequence[bytes], limit: int) -> int:
+        """Leading blocks of ``keys`` (at most ``limit``) that replica ``name`` holds."""
+        return min(cached_blocks(keys, self._held.get(name, frozenset())), limit)
+
+
 def route_prefill(
-    keys: Sequence[bytes], prompt_tokens: int, replicas: Sequence[ReplicaLoad], config: RouterConfig
+    keys: Sequence[bytes],
+    prompt_tokens: int,
+    replicas: Sequence[ReplicaLoad],
+    config: RouterConfig,
+    index: PrefixIndex | None = None,
 ) -> Decision:
-    """``keys``: the prompt's block chain (its full blocks); at least one replica."""
+    """``keys``: the prompt's block chain (its full blocks); at least one replica.
+
+    ``index``: where the replicas' held blocks are looked up instead of their ``prefix_keys``
+    (the same decision; ``Decision.alternatives`` then lists only the replicas holding the
+    longest prefix)."""
     if not replicas:
         raise ValueError("no prefill replica to route to")
-    usable = (prompt_tokens - 1) // config.block_size  # the last token is always computed
-    cached = {r.name: min(cached_blocks(keys, r.prefix_keys), usable) * config.block_size for r in replicas}
-    uncached = prompt_tokens - max(cached.values())
-    tier = tier_of(uncached, config.tier_bounds)
-    longest = max(cached.values())
+    bs = config.block_size
+    usable = (prompt_tokens - 1) // bs  # the last token is always computed
+    if index is None:
+        cached = {r.name: min(cached_blocks(keys, r.prefix_keys), usable) * bs for r in replicas}
+        longest = max(cached.values())
+        alternatives = cached
+    else:
+        depth, holders = index.longest(keys, usable, {r.name for r in replicas})
+        longest = depth * bs
+        alternatives = {name: longest for name in sorted(holders)}
+    tier = tier_of(prompt_tokens - longest, config.tier_bounds)
     if longest:  # the replicas holding the longest prefix, whatever their tier: the job is short there
-        pool = [r for r in replicas if cached[r.name] == longest]
+        pool = (
+            [r for r in replicas if alternatives[r.name] == longest]
+            if index is None
+            else [r for r in replicas if r.name in alternatives]
+        )
     else:
         pool = tier_members(replicas, tier, len(config.tier_bounds) + 1)
-    best = min(pool, key=lambda r: (r.waiting_tokens, r.name))
-    reason = "longest cached prefix" if cached[best.name] else "least loaded"
-    least = min(replicas, key=lambda r: (r.waiting_tokens, r.name))
+    by_load = attrgetter("waiting_tokens", "name")
+    best = min(pool, key=by_load)
+    least = min(replicas, key=by_load)
+    reason = "longest cached prefix" if longest else "least loaded"
     if least is not best and _imbalanced([best.waiting_tokens, least.waiting_tokens], config):
         best, reason = least, "imbalance override"
-    return Decision(best.name, reason, tier, cached[best.name], prompt_tokens - cached[best.name], cached)
+    if best.name in alternatives:
+        got = alternatives[best.name]
+    else:
+        got = 0 if index is None else index.leading(best.name, keys, usable) * bs
+    return Decision(best.name, reason, tier, got, prompt_tokens - got, alternatives)
 
 
 class RoutedLedger:
