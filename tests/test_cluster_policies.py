@@ -152,12 +152,17 @@ def test_the_index_makes_the_scans_decision_on_random_clusters():
                 held |= {digest(k) for k in chain[:n]}
                 if n and rng.random() < 0.3:
                     held.discard(digest(chain[rng.randrange(n)]))
-            replicas.append(ReplicaLoad(f"r{i}", "prefill", waiting_tokens=rng.choice([0, 5, 30, 90]), prefix_keys=frozenset(held)))
+            replicas.append(
+                ReplicaLoad(f"r{i}", "prefill", waiting_tokens=rng.choice([0, 5, 30, 90]), prefix_keys=frozenset(held))
+            )
         keys = rng.choice(chains)[: rng.randint(1, 20)]
         prompt = len(keys) * BS + rng.randint(0, BS - 1)
         index = _index_of(replicas)
         index.publish("elsewhere", {digest(k) for k in keys})  # holds everything but is not a candidate
-        scan, indexed = route_prefill(keys, prompt, replicas, config), route_prefill(keys, prompt, replicas, config, index)
+        scan, indexed = (
+            route_prefill(keys, prompt, replicas, config),
+            route_prefill(keys, prompt, replicas, config, index),
+        )
         assert (indexed.replica, indexed.reason, indexed.tier, indexed.cached_tokens, indexed.uncached_tokens) == (
             scan.replica, scan.reason, scan.tier, scan.cached_tokens, scan.uncached_tokens
         ), case  # fmt: skip

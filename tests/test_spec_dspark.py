@@ -80,3 +80,99 @@ def test_engine_with_confidence_verification_matches_decoding(tiny_llama):
         assert stats["last_budget"] is not None and stats["last_budget"] <= 64 - 1
         if curve is not None:  # verifying past 1 extra token per request costs 5x: K stays small
             assert stats["num_draft_tokens"] <= stats["num_drafts"] * 2
+
+
+# -- the corrections: drafting time, observed acceptance, no drafting while K = 0 ----------------
+def _brute_k_timed(surv, num_reqs, budget, rate, draft_s):
+    top = sorted(surv, reverse=True)
+    values = [
+        (num_reqs + sum(top[:k])) / (1.0 / float(rate(np.array([num_reqs + k]))[0]) + (draft_s if k else 0.0))
+        for k in range(budget + 1)
+    ]
+    return int(np.argmax(values))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 120), st.integers(0, 2**31 - 1), st.floats(0.0, 0.05), st.floats(0.0, 0.05))
+def test_k_with_drafting_time_maximises_tokens_per_second(num_reqs, budget, seed, slope, draft_s):
+    rng = np.random.default_rng(seed)
+    surv = np.cumprod(rng.random((num_reqs, 5)), axis=1).ravel()
+    rate = StepRate([(1, 100.0), (64, 100.0 / (1 + 63 * slope)), (512, 100.0 / (1 + 511 * slope))])
+    k = choose_budget(surv, num_reqs, budget, rate, draft_s)
+    assert k == _brute_k_timed(list(surv), num_reqs, min(budget, surv.size), rate, draft_s)
+
+
+def test_drafting_that_costs_more_than_its_drafts_gain_gives_k_zero():
+    flat = StepRate([(1, 100.0), (512, 100.0)])  # 10 ms a step whatever its width
+    surv = np.full(4, 0.5)  # one request: 1 + 2 tokens a step with all four drafts verified
+    assert choose_budget(surv, 1, 4, flat) == 4
+    assert choose_budget(surv, 1, 4, flat, draft_s=0.004) == 4  # 3 tokens / 14 ms beats 1 / 10 ms
+    assert choose_budget(surv, 1, 4, flat, draft_s=0.025) == 0  # 3 tokens / 35 ms does not
+
+
+class _CountingDrafter:
+    """Drafts the known greedy continuation (``wrong``: off by one) with confidence 0.9, after
+    ``sleep_s``; counts its calls."""
+
+    name = "counting"
+    needs_token_ids = True
+
+    def __init__(self, sequences, vocab, wrong=False, sleep_s=0.0):
+        self.sequences, self.vocab, self.wrong, self.sleep_s = sequences, vocab, wrong, sleep_s
+        self.calls = 0
+
+    def propose(self, batch, num_tokens):
+        import time
+
+        self.calls += 1
+        time.sleep(self.sleep_s)
+        ids = torch.zeros(len(batch.request_ids), num_tokens, dtype=torch.long)
+        for r, hist in enumerate(batch.token_ids):
+            seq = next(s for s in self.sequences if s[: len(hist)] == hist)
+            nxt = [(t + self.wrong) % self.vocab for t in seq[len(hist) : len(hist) + num_tokens]]
+            ids[r, : len(nxt)] = torch.tensor(nxt, dtype=torch.long)
+        return ids, torch.full((len(batch.request_ids), num_tokens), 0.9)
+
+
+def _counting_llm(tiny_llama, drafter, curve):
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.plugin_host import PluginHost
+
+    class Plugin:
+        @hookimpl
+        def deepinfer_register_spec_policies(self, register_drafter):
+            register_drafter("counting", lambda config, ctx: drafter)
+
+    spec = {"method": "counting", "num_speculative_tokens": 4, "verification": "confidence", "steps_per_second": curve}
+    return LLM(tiny_llama, host=PluginHost(extra_plugins={"t": Plugin()}), device="cpu", dtype="float32",
+               block_size=16, kv_cache_blocks=64, speculative_config=spec)  # fmt: skip
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", ["overconfident", "slow", "pays"])
+def test_dspark_stops_drafting_when_it_does_not_pay_and_keeps_the_output(tiny_llama, case):
+    """An always-wrong drafter that claims 0.9 (its observed acceptance, 0, overrides the claim)
+    and a right one that takes 200 ms a call against 20 ms target steps (the drafting time enters
+    the rule) both end in plain decoding steps, the drafter called only by the sparse probes; a
+    right, fast drafter keeps drafting. The tokens are decoding's in every case."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, list(range(20, 50))]
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
+    base = LLM(tiny_llama, device="cpu", dtype="float32", block_size=16, kv_cache_blocks=64)
+    expected = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    drafter = _CountingDrafter(sequences, 96, wrong=case == "overconfident", sleep_s=0.2 if case == "slow" else 0.0)
+    llm = _counting_llm(tiny_llama, drafter, [[1, 50.0], [512, 50.0]])  # 20 ms a step, verifying costs nothing extra
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()["spec_decode"]
+    if case == "pays":
+        assert stats["skipped_proposals"] == 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+        # every draft accepted where survivals 0.9, 0.81, ... predicted 3.1 of 4: under-confident, scaled up
+        assert stats["acceptance_calibration"] == pytest.approx(4 / sum(0.9**k for k in range(1, 5)), rel=0.05)
+        return
+    # two proposals before the rule has history, then probes after 8, 16, 32 skipped steps
+    assert drafter.calls <= 6 and stats["skipped_proposals"] >= 30, (drafter.calls, stats)
+    if case == "overconfident":
+        assert stats["acceptance_calibration"] == 0.0 and stats["num_accepted_tokens"] == 0
+    else:
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0

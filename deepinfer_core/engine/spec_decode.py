@@ -22,6 +22,21 @@ DSpark (``verification="confidence"``): K, the step's verification budget, maxim
 steps-per-second curve of this engine, using survivals from two proposals back (already on the
 host: no step waits for the device to choose K); which drafts are verified uses the current
 confidences, on the device (``ConfidenceScheduledVerification.plan``).
+
+Two corrections make "never worse than no speculation" hold where drafting is not free (a
+learned head on a CPU costs a third of a target step per draft) and confidences run high:
+
+- the step's time in the rule is the target's step plus the drafting, measured here per batch
+  size (wall time of the drafter's call, which ends with the host copy of its ids), so the rule
+  reads ``(requests + top-K survivals) / (1 / steps_per_second(requests + K) + draft_s [K > 0])``;
+- survivals are scaled by the acceptance actually observed over what they predicted (a running
+  ratio over verified drafts), so an over-confident drafter is judged by its results.
+
+When the rule gives K = 0 before drafting, the drafter is not run at all (a step of plain
+decoding). Every so many such steps one proposal is drafted and verified as fixed-k would, a
+probe that refreshes the survivals, the drafting time and the observed acceptance; the interval
+doubles while probes keep giving K = 0 (8 up to 256 steps), so a drafter that does not pay costs
+a few percent, and one that starts paying (another batch size, easier text) is found again.
 """
 
 from __future__ import annotations
@@ -42,6 +57,10 @@ from .spec_config import SpecConfig
 log = logging.getLogger(__name__)
 
 __all__ = ["SpecDecoder", "StepRate", "build_spec_decoder", "choose_budget"]
+
+#: DSpark's probes while K = 0 skips drafting: after this many skipped proposals, doubling to the max
+PROBE_FIRST, PROBE_MAX = 8, 256
+CALIBRATION_DECAY = 0.98  # per verified request: the observed acceptance's running ratio forgets slowly
 
 #: batch sizes (tokens) the start-up measurement times
 CURVE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -66,12 +85,17 @@ class StepRate:
         return 1.0 / sec
 
 
-def choose_budget(survivals: np.ndarray, num_reqs: int, budget: int, rate: Callable) -> int:
-    """DSpark's K in 0..budget: argmax of (num_reqs + top-K survivals summed) * rate(num_reqs + K)."""
+def choose_budget(survivals: np.ndarray, num_reqs: int, budget: int, rate: Callable, draft_s: float = 0.0) -> int:
+    """DSpark's K in 0..budget: argmax of (num_reqs + top-K survivals summed) * rate(num_reqs + K);
+    with ``draft_s`` (seconds of drafting, paid when K > 0): of that gain over the step's time
+    1 / rate(num_reqs + K) + draft_s."""
     top = np.sort(np.asarray(survivals, np.float64).ravel())[::-1][:budget]
     gain = num_reqs + np.concatenate(([0.0], np.cumsum(top)))
-    value = gain * rate(num_reqs + np.arange(len(gain)))
-    return int(np.argmax(value))
+    steps = rate(num_reqs + np.arange(len(gain)))
+    if draft_s <= 0.0:
+        return int(np.argmax(gain * steps))
+    seconds = 1.0 / steps + np.where(np.arange(len(gain)) > 0, draft_s, 0.0)
+    return int(np.argmax(gain / seconds))
 
 
 def measure_curve(run_forward: Callable[[int], None], max_tokens: int) -> tuple[tuple[int, float], ...]:
@@ -104,6 +128,14 @@ class SpecDecoder:
         self.needs_token_ids = bool(getattr(drafter, "needs_token_ids", False))
         self._old_survivals: deque[np.ndarray] = deque(maxlen=2)  # DSpark: K from two proposals back
         self.last_budget: int | None = None
+        # DSpark's corrections (module docstring): drafting seconds per batch-size bucket, the
+        # observed / predicted acceptance, and the probes while K = 0 skips drafting
+        self._draft_s: dict[int, float] = {}
+        self._predicted: dict[str, np.ndarray] = {}  # request -> survivals of its planned drafts
+        self._pred_sum = self._got_sum = 0.0
+        self._skipped = 0  # proposals skipped since the last probe
+        self._probe_every = PROBE_FIRST
+        self.num_skipped = 0  # proposals not drafted because K = 0
         # totals since start (vLLM's spec_decode counters)
         self.num_drafts = 0  # verify steps of a request with >= 1 draft
         self.num_draft_tokens = 0
@@ -133,6 +165,23 @@ class SpecDecoder:
         if not reqs:
             return
         R = len(reqs)
+        budget = max(0, self.max_num_batched_tokens - R)
+        probe = False
+        if self.policy.name == "confidence" and self._dspark_ready():
+            k = self._dspark_budget(R, budget)
+            if k == 0:
+                if self._skipped < self._probe_every:  # not worth drafting: a plain decoding step
+                    self._skipped += 1
+                    self.num_skipped += 1
+                    self.last_budget = 0
+                    return
+                probe = True  # draft and verify as fixed-k, to see again whether it pays
+                self._skipped = 0
+                self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+            else:
+                budget = k
+                self._probe_every = PROBE_FIRST
+        started = time.perf_counter()
         last = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs])
         positions = torch.tensor([r.num_tokens - 1 for r in reqs])
         rows = None
@@ -151,27 +200,60 @@ class SpecDecoder:
         confidences = torch.where(within, confidences.float().clamp(0, 1), torch.zeros((), device=confidences.device))
         # a confidence of 0 marks "no draft here" (n-gram without a match): never verified, by any policy
         caps = torch.minimum(caps, (torch.cumprod(confidences, dim=1) > 0).sum(dim=1))
-        budget = max(0, self.max_num_batched_tokens - R)
-        if self.policy.name == "confidence":
-            budget = self._dspark_budget(R, budget)
         self.last_budget = budget
         lengths = self.policy.plan(confidences, budget).clamp(max=caps)
         survivals = torch.cumprod(confidences, dim=1)
         # the one host copy of the proposal: ids, verify lengths, survivals (for a later K)
         ids_host = draft_ids.to("cpu", torch.long).tolist()
         len_host = lengths.to("cpu").tolist()
-        self._old_survivals.append(survivals.to("cpu").numpy().ravel())
-        for r, ids, n in zip(reqs, ids_host, len_host):
+        surv_host = survivals.to("cpu").numpy()
+        self._old_survivals.append(surv_host.ravel())
+        for r, ids, n, sv in zip(reqs, ids_host, len_host, surv_host):
             r.draft_token_ids = ids[:n]
+            if n:
+                self._predicted[r.request_id] = sv[:n]
+        self._note_draft_time(R, time.perf_counter() - started)
         self.num_steps += 1
 
+    # -- DSpark's corrections ------------------------------------------------------------------
+    def _dspark_ready(self) -> bool:
+        return self.rate is not None and len(self._old_survivals) >= 2
+
     def _dspark_budget(self, num_reqs: int, budget: int) -> int:
-        if self.rate is None or len(self._old_survivals) < 2:
-            return budget  # no history yet: verify as fixed-k would
-        return min(budget, choose_budget(self._old_survivals[0], num_reqs, budget, self.rate))
+        """K from the survivals two proposals back, scaled by the observed acceptance, and the
+        measured drafting time."""
+        survivals = np.clip(self._old_survivals[0] * self.calibration(), 0.0, 1.0)
+        return min(budget, choose_budget(survivals, num_reqs, budget, self.rate, self.draft_seconds(num_reqs)))
+
+    @staticmethod
+    def _bucket(num_reqs: int) -> int:
+        return 1 << max(0, num_reqs - 1).bit_length()
+
+    def _note_draft_time(self, num_reqs: int, seconds: float) -> None:
+        b = self._bucket(num_reqs)
+        old = self._draft_s.get(b)
+        self._draft_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def draft_seconds(self, num_reqs: int) -> float:
+        """Measured drafting time for a batch this size (its bucket's; else the nearest measured
+        bucket's, scaled up by the size ratio when this one is larger; 0 before any)."""
+        if not self._draft_s:
+            return 0.0
+        b = self._bucket(num_reqs)
+        if b in self._draft_s:
+            return self._draft_s[b]
+        near = min(self._draft_s, key=lambda x: abs(x.bit_length() - b.bit_length()))
+        return self._draft_s[near] * (b / near if b > near else 1.0)
+
+    def calibration(self) -> float:
+        """Accepted drafts observed over those the survivals predicted (1 until measured)."""
+        if self._pred_sum <= 1e-9:
+            return 1.0
+        return min(2.0, self._got_sum / self._pred_sum)
 
     def release(self, req: Request) -> None:
         req.draft_token_ids = []
+        self._predicted.pop(req.request_id, None)
         release = getattr(self.drafter, "release", None)
         if release is not None:
             release(req.request_id)
@@ -194,6 +276,10 @@ class SpecDecoder:
 
     def record(self, req: Request, num_spec: int, emitted: list[int]) -> None:
         accepted = len(emitted) - 1
+        survivals = self._predicted.pop(req.request_id, None)
+        if survivals is not None:  # the accepted drafts they predicted, for those verified
+            self._pred_sum = CALIBRATION_DECAY * self._pred_sum + float(survivals[:num_spec].sum())
+            self._got_sum = CALIBRATION_DECAY * self._got_sum + accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_spec
         self.num_accepted_tokens += accepted
@@ -207,6 +293,8 @@ class SpecDecoder:
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
             "last_budget": self.last_budget,
+            "skipped_proposals": self.num_skipped,
+            "acceptance_calibration": round(self.calibration(), 4),
         }
 
 
