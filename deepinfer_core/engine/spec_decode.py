@@ -166,7 +166,6 @@ class SpecDecoder:
             return
         R = len(reqs)
         budget = max(0, self.max_num_batched_tokens - R)
-        probe = False
         if self.policy.name == "confidence" and self._dspark_ready():
             k = self._dspark_budget(R, budget)
             if k == 0:
@@ -175,7 +174,7 @@ class SpecDecoder:
                     self.num_skipped += 1
                     self.last_budget = 0
                     return
-                probe = True  # draft and verify as fixed-k, to see again whether it pays
+                # a probe: draft and verify as fixed-k (the whole budget), to see again whether it pays
                 self._skipped = 0
                 self._probe_every = min(2 * self._probe_every, PROBE_MAX)
             else:
