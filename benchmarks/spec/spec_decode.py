@@ -206,6 +206,10 @@ def main() -> None:
                 cell[f"{verification}_ratio"] = round(rate / base_rate[n], 3)
                 cell[f"{verification}_accepted_len"] = round((accepted + drafts) / max(drafts, 1), 3)
                 cell[f"{verification}_verified_per_step"] = round(drafted / max(drafts, 1), 3)
+                # proposals DSpark skipped (K = 0 decided before drafting: plain decoding steps)
+                cell[f"{verification}_skipped_steps"] = after.get("skipped_proposals", 0) - before.get(
+                    "skipped_proposals", 0
+                )
                 if n == levels[-1]:
                     same = [o.outputs[0].token_ids for o in outs] == reference
                     cell[f"{verification}_same_tokens_as_no_spec"] = same
@@ -219,17 +223,17 @@ def main() -> None:
           f"verify layout {args.verify_layout}")  # fmt: skip
     head = (
         "| drafter | concurrent | no-spec tok/s | fixed tok/s (x) | DSpark tok/s (x) | accepted len fixed / DSpark "
-        "| verified drafts/step fixed / DSpark |"
+        "| verified drafts/step fixed / DSpark | DSpark steps without drafting |"
     )
     print(head)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         for n, c in row["levels"].items():
             print(
                 f"| {row['drafter']} | {n} | {c['no_spec']} | {c.get('fixed')} ({c.get('fixed_ratio')}x) | "
                 f"{c.get('confidence')} ({c.get('confidence_ratio')}x) | {c.get('fixed_accepted_len')} / "
                 f"{c.get('confidence_accepted_len')} | {c.get('fixed_verified_per_step')} / "
-                f"{c.get('confidence_verified_per_step')} |"
+                f"{c.get('confidence_verified_per_step')} | {c.get('confidence_skipped_steps')} |"
             )
         print(f"ECE ({row['drafter']}): fixed {row.get('ece_fixed')}, DSpark {row.get('ece_confidence')} "
               f"over {row.get('ece_drafts')} drafts")  # fmt: skip
