@@ -169,7 +169,30 @@ def v4_attention(result: dict, plt):
     return fig
 
 
+def cluster_sim(result: dict, plt):
+    rows = [r for r in result["rows"] if "offline_vs_perfect" in r]
+    sizes = sorted({r["replicas"] for r in rows})
+    policies = [p for p in ("deepinfer", "least-loaded", "round-robin") if any(r["policy"] == p for r in rows)]
+    colors = {"deepinfer": COLORS["deepinfer"], "least-loaded": COLORS["peer"], "round-robin": COLORS["other"]}
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / len(policies)
+    for i, policy in enumerate(policies):
+        got = {r["replicas"]: r["offline_vs_perfect"] for r in rows if r["policy"] == policy}
+        xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(sizes))]
+        ax.bar(xs, [got.get(n, 0) for n in sizes], width, label=policy, color=colors[policy])
+    ax.axhline(0.8, color="#555555", linewidth=0.8, linestyle="--")
+    ax.annotate("goal 0.8", (len(sizes) - 0.5, 0.8), ha="right", va="bottom", fontsize=8, color="#555555")
+    ax.set_xticks(range(len(sizes)), [f"{n:,}" for n in sizes])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("prefill replicas (simulated)")
+    ax.set_ylabel("throughput / perfect balance")
+    ax.set_title("Cluster router on an agent trace (DeepSeek's per-card costs)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    return fig
+
+
 CHARTS = {
+    "cluster_sim": [("cluster_sim.png", cluster_sim)],
     "cpu_throughput": [("cpu_throughput.png", cpu_throughput)],
     "gpu_throughput": [("gpu_throughput.png", gpu_throughput)],
     "serve_load": [("serve_throughput.png", serve_throughput), ("serve_latency.png", serve_latency)],
