@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ClusterSpec", "build_application", "BOARD_NAME"]
+__all__ = ["ClusterSpec", "app_builder", "build_application", "BOARD_NAME"]
 
 BOARD_NAME = "deepinfer-cluster-board"
 
@@ -122,3 +122,31 @@ def build_application(spec: ClusterSpec):
     }  # fmt: skip
     max_num_seqs = spec.engine_kwargs.get("max_num_seqs") or 64
     return ingress.bind(decode, prefill, spec.model, server_config, BOARD_NAME, max_num_seqs, spec.prefill_timeout_s)
+
+
+def app_builder(args: dict):
+    """The application for Ray Serve's config files (``serve deploy``, KubeRay's RayService)::
+
+        applications:
+          - name: deepinfer
+            route_prefix: /
+            import_path: deepinfer_core.cluster.app:app_builder
+            args: {model: smollm2-135m-instruct, served_name: smol, decode: 2,
+                   engine_kwargs: {kv_store: "local:///srv/kv"}}
+            deployments: [{name: decode, num_replicas: 3}]   # optional overrides
+
+    ``args`` are :class:`ClusterSpec`'s fields. Unlike ``serve.run`` (each call a new code
+    version: every replica restarts, the ingress and its open streams too), a config update that
+    changes only a deployment's options keeps the code version: changing a role's
+    ``num_replicas`` scales that role alone, and a replica scaled away drains, then its streams
+    continue on the others."""
+    fields = dict(args)
+    if "autoscale" in fields:
+        fields["autoscale"] = {role: tuple(bounds) for role, bounds in fields["autoscale"].items()}
+    known = set(ClusterSpec.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(
+            f"app_builder: unknown argument(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}"
+        )
+    return build_application(ClusterSpec(**fields))
