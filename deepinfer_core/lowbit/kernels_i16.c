@@ -265,31 +265,25 @@ static void gemm_i16_rows(const act16_t *a, int64_t M, int64_t K, int kind, cons
     rows_z_t z = {(int16_t *)malloc((size_t)(M * np * 2 * QK + 32) * sizeof(int16_t)),
                   (float *)malloc((size_t)(M * np * 16 + 16) * sizeof(float))};
     rows_z_layout(a, M, K, &z);
+#define ROW_PASS(T) row_i16_z(a, &z, i0, (T), K, kind, qs, d, m, n, N, y)
+#else
+#define ROW_PASS(T) row_i16(a, i0, (T), K, kind, qs, d, m, n, N, y)
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         int64_t i0 = 0;
-        for (; i0 + 4 <= M; i0 += 4) row_i16_z(a, &z, i0, 4, K, kind, qs, d, m, n, N, y);
+        for (; i0 + 4 <= M; i0 += 4) ROW_PASS(4);
         switch (M - i0) {
-            case 3: row_i16_z(a, &z, i0, 3, K, kind, qs, d, m, n, N, y); break;
-            case 2: row_i16_z(a, &z, i0, 2, K, kind, qs, d, m, n, N, y); break;
-            case 1: row_i16_z(a, &z, i0, 1, K, kind, qs, d, m, n, N, y); break;
+            case 3: ROW_PASS(3); break;
+            case 2: ROW_PASS(2); break;
+            case 1: ROW_PASS(1); break;
             default: break;
         }
     }
+#undef ROW_PASS
+#if defined(ROWS_ZMM)
     free(z.v);
     free(z.s);
-#else
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        int64_t i0 = 0;
-        for (; i0 + 4 <= M; i0 += 4) row_i16(a, i0, 4, K, kind, qs, d, m, n, N, y);
-        switch (M - i0) {
-            case 3: row_i16(a, i0, 3, K, kind, qs, d, m, n, N, y); break;
-            case 2: row_i16(a, i0, 2, K, kind, qs, d, m, n, N, y); break;
-            case 1: row_i16(a, i0, 1, K, kind, qs, d, m, n, N, y); break;
-            default: break;
-        }
-    }
 #endif
 }
 
