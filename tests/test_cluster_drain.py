@@ -13,13 +13,13 @@ router's ledger splits two simultaneous requests), so whichever replica Serve pi
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
 
 import pytest
 
+from deepinfer_core.engine.parallel.launch import free_port
 from deepinfer_core.models.sources import smollm2_gguf
 
 ray = pytest.importorskip("ray")
@@ -37,12 +37,6 @@ PROMPTS = [  # ~315 tokens each: two full blocks to hand over through the store
     TEXT + " Write a long essay about the history of bicycles.",
 ]
 MAX_TOKENS = 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str):

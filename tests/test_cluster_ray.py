@@ -11,11 +11,11 @@ not compute them. Skips where Ray Serve is not installed (the core tox env); run
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import pytest
 
+from deepinfer_core.engine.parallel.launch import free_port
 from deepinfer_core.models.sources import smollm2_gguf
 
 ray = pytest.importorskip("ray")
@@ -29,12 +29,6 @@ MODEL = "smollm2-135m-instruct"
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_blocks": 48, "max_num_seqs": 4}
 TEXT = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box on shelf {i * 3}." for i in range(45))
 QUESTION = TEXT + " Which shelf holds item 7?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 DEMAND_METRIC = {"prefill": "waiting_prompt_tokens", "decode": "running_requests", "both": "running_requests"}
 
 
-def replica_load(replica: RunningReplica, with_keys: bool = True) -> ReplicaLoad:
-    """``with_keys=False``: without the published digests (the router's :class:`PrefixIndex` has them)."""
+def replica_load(replica: RunningReplica) -> ReplicaLoad:
+    """Its published load; not its block digests (the router's :class:`PrefixIndex` holds those)."""
     stats = replica.routing_stats or {}
     return ReplicaLoad(
         name=replica.replica_id.unique_id,
@@ -37,7 +37,6 @@ def replica_load(replica: RunningReplica, with_keys: bool = True) -> ReplicaLoad
         waiting_tokens=stats.get("waiting_tokens", 0),
         resident_blocks=stats.get("resident_blocks", 0),
         num_blocks=stats.get("num_blocks", 1),
-        prefix_keys=frozenset(stats.get("prefix_keys", ())) if with_keys else frozenset(),
     )
 
 
@@ -82,8 +81,7 @@ class ClusterRequestRouter(RequestRouter):
         if prefill:
             self._refresh_index(candidate_replicas, now)
         loads = [
-            self._ledger.adjust(replica_load(r, with_keys=False), (r.routing_stats or {}).get("at"), now)
-            for r in candidate_replicas
+            self._ledger.adjust(replica_load(r), (r.routing_stats or {}).get("at"), now) for r in candidate_replicas
         ]
         n = len(job.prompt_token_ids)
         if prefill:

@@ -143,9 +143,6 @@ class PrefixIndex:
     def __contains__(self, name: str) -> bool:
         return name in self._held
 
-    def names(self) -> list[str]:
-        return list(self._held)
-
     def held(self, name: str) -> frozenset:
         return frozenset(self._held.get(name, ()))
 
@@ -226,11 +223,7 @@ def route_prefill(
         alternatives = {name: longest for name in sorted(holders)}
     tier = tier_of(prompt_tokens - longest, config.tier_bounds)
     if longest:  # the replicas holding the longest prefix, whatever their tier: the job is short there
-        pool = (
-            [r for r in replicas if alternatives[r.name] == longest]
-            if index is None
-            else [r for r in replicas if r.name in alternatives]
-        )
+        pool = [r for r in replicas if alternatives.get(r.name) == longest]
     else:
         pool = tier_members(replicas, tier, len(config.tier_bounds) + 1)
     by_load = attrgetter("waiting_tokens", "name")
@@ -239,10 +232,9 @@ def route_prefill(
     reason = "longest cached prefix" if longest else "least loaded"
     if least is not best and _imbalanced([best.waiting_tokens, least.waiting_tokens], config):
         best, reason = least, "imbalance override"
-    if best.name in alternatives:
-        got = alternatives[best.name]
-    else:
-        got = 0 if index is None else index.leading(best.name, keys, usable) * bs
+    got = alternatives.get(best.name)
+    if got is None:  # an override to a replica outside the index's longest holders
+        got = index.leading(best.name, keys, usable) * bs
     return Decision(best.name, reason, tier, got, prompt_tokens - got, alternatives)
 
 
