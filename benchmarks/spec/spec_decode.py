@@ -111,16 +111,78 @@ def ece(log, sequences: dict[str, list[int]], bins: int = 10) -> tuple[float, in
     return float(total), len(confs)
 
 
-def run_level(llm, pool, n: int, new_tokens: int):
+def count_steps(llm) -> list[int]:
+    """Wrap the engine's step so a run can say how many steps it took (one list cell, counted)."""
+    engine, counter, inner = llm.engine, [0], llm.engine.step
+
+    def step():
+        counter[0] += 1
+        return inner()
+
+    engine.step = step
+    return counter
+
+
+def run_level(llm, pool, n: int, new_tokens: int, counter: list[int] | None = None):
+    """(output tok/s, outputs, wall ms per engine step) of n greedy requests."""
     from deepinfer_core.engine.sampling_params import SamplingParams
 
     batch = [{"prompt_token_ids": pool[i % len(pool)]} for i in range(n)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    steps0 = counter[0] if counter else 0
     t0 = time.perf_counter()
     outs = llm.generate(batch, params)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / wall, outs
+    steps = (counter[0] - steps0) if counter else 0
+    return tokens / wall, outs, (1e3 * wall / steps if steps else None)
+
+
+def measure_method(args, row, spec, common, levels, pool, base_rate, base_step_ms, reference, warm) -> None:
+    """Fixed-k then DSpark engines of one drafter, every level, into ``row``."""
+    from deepinfer_core import LLM
+
+    for verification in ("fixed", "confidence"):
+        try:
+            llm = LLM(args.model, speculative_config=spec | {"verification": verification}, **common)
+        except ValueError as exc:
+            print(f"skipping method {spec['method']}: {exc}")
+            return
+        if args.verify_layout == "causal":
+            llm.engine.runner.verify_as_decode_rows = False
+        recorder = Recorder(llm.engine.spec.drafter)
+        llm.engine.spec.drafter = recorder
+        counter = count_steps(llm)
+        for n in levels:
+            run_level(llm, pool, n, args.new_tokens) if warm else run_level(llm, pool[:2], min(n, 2), 8)
+            before = dict(llm.engine.spec.stats())
+            rate, outs, step_ms = run_level(llm, pool, n, args.new_tokens, counter)
+            after = llm.engine.spec.stats()
+            drafts = after["num_drafts"] - before["num_drafts"]
+            drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            cell = row["levels"].setdefault(str(n), {"no_spec": round(base_rate[n], 1)})
+            cell["no_spec_step_ms"] = base_step_ms[n] and round(base_step_ms[n], 3)
+            cell[verification] = round(rate, 1)
+            # where a step's time goes: wall ms per engine step, and host ms drafting per proposal
+            cell[f"{verification}_step_ms"] = step_ms and round(step_ms, 3)
+            proposals = after["proposals"] - before["proposals"]
+            cell[f"{verification}_draft_ms"] = round(
+                1e3 * (after["draft_seconds"] - before["draft_seconds"]) / max(proposals, 1), 3
+            )
+            cell[f"{verification}_ratio"] = round(rate / base_rate[n], 3)
+            cell[f"{verification}_accepted_len"] = round((accepted + drafts) / max(drafts, 1), 3)
+            cell[f"{verification}_verified_per_step"] = round(drafted / max(drafts, 1), 3)
+            # proposals DSpark skipped (K = 0 decided before drafting: plain decoding steps)
+            cell[f"{verification}_skipped_steps"] = after.get("skipped_proposals", 0) - before.get(
+                "skipped_proposals", 0
+            )
+            if n == levels[-1]:
+                same = [o.outputs[0].token_ids for o in outs] == reference
+                cell[f"{verification}_same_tokens_as_no_spec"] = same
+                seqs = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+                row[f"ece_{verification}"], row["ece_drafts"] = ece(recorder.log, seqs)
+        del llm
 
 
 def main() -> None:
@@ -165,11 +227,12 @@ def main() -> None:
         common["batch_invariant"] = True
     base = LLM(args.model, **common)
     pool = prompts(base.get_tokenizer())
-    base_rate = {}
+    base_rate, base_step_ms = {}, {}
     warm = args.device != "cpu"  # an accelerator compiles kernels and captures graphs per shape on first use
+    counter = count_steps(base)
     for n in levels:
         run_level(base, pool, n, args.new_tokens) if warm else run_level(base, pool[:2], min(n, 2), 8)
-        base_rate[n], outs = run_level(base, pool, n, args.new_tokens)
+        base_rate[n], outs, base_step_ms[n] = run_level(base, pool, n, args.new_tokens, counter)
     reference = [o.outputs[0].token_ids for o in outs]
     del base
 
@@ -183,57 +246,36 @@ def main() -> None:
                 continue
             spec["model"] = args.draft_model
         row = {"drafter": method, "gamma": args.gamma, "levels": {}}
-        for verification in ("fixed", "confidence"):
-            try:
-                llm = LLM(args.model, speculative_config=spec | {"verification": verification}, **common)
-            except ValueError as exc:
-                print(f"skipping method {method}: {exc}")
-                break
-            if args.verify_layout == "causal":
-                llm.engine.runner.verify_as_decode_rows = False
-            recorder = Recorder(llm.engine.spec.drafter)
-            llm.engine.spec.drafter = recorder
-            for n in levels:
-                run_level(llm, pool, n, args.new_tokens) if warm else run_level(llm, pool[:2], min(n, 2), 8)
-                before = dict(llm.engine.spec.stats())
-                rate, outs = run_level(llm, pool, n, args.new_tokens)
-                after = llm.engine.spec.stats()
-                drafts = after["num_drafts"] - before["num_drafts"]
-                drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-                cell = row["levels"].setdefault(str(n), {"no_spec": round(base_rate[n], 1)})
-                cell[verification] = round(rate, 1)
-                cell[f"{verification}_ratio"] = round(rate / base_rate[n], 3)
-                cell[f"{verification}_accepted_len"] = round((accepted + drafts) / max(drafts, 1), 3)
-                cell[f"{verification}_verified_per_step"] = round(drafted / max(drafts, 1), 3)
-                # proposals DSpark skipped (K = 0 decided before drafting: plain decoding steps)
-                cell[f"{verification}_skipped_steps"] = after.get("skipped_proposals", 0) - before.get(
-                    "skipped_proposals", 0
-                )
-                if n == levels[-1]:
-                    same = [o.outputs[0].token_ids for o in outs] == reference
-                    cell[f"{verification}_same_tokens_as_no_spec"] = same
-                    seqs = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
-                    row[f"ece_{verification}"], row["ece_drafts"] = ece(recorder.log, seqs)
-            del llm
-        if row["levels"]:
+        try:
+            measure_method(args, row, spec, common, levels, pool, base_rate, base_step_ms, reference, warm)
+        except Exception:  # one drafter's failure is reported, the others still run
+            import traceback
+
+            traceback.print_exc()
+            row["error"] = traceback.format_exc(limit=1).strip().splitlines()[-1]
+        if row["levels"] or "error" in row:
             rows.append(row)
 
     print(f"\n{args.model} on {args.device}, {args.new_tokens} new tokens, gamma {args.gamma}, greedy, "
           f"verify layout {args.verify_layout}")  # fmt: skip
     head = (
         "| drafter | concurrent | no-spec tok/s | fixed tok/s (x) | DSpark tok/s (x) | accepted len fixed / DSpark "
-        "| verified drafts/step fixed / DSpark | DSpark steps without drafting |"
+        "| verified drafts/step fixed / DSpark | DSpark steps without drafting "
+        "| ms per step no-spec / fixed / DSpark | drafting ms per proposal fixed / DSpark |"
     )
     print(head)
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
+        if "error" in row:
+            print(f"| {row['drafter']} | failed: {row['error']} |")
         for n, c in row["levels"].items():
             print(
                 f"| {row['drafter']} | {n} | {c['no_spec']} | {c.get('fixed')} ({c.get('fixed_ratio')}x) | "
                 f"{c.get('confidence')} ({c.get('confidence_ratio')}x) | {c.get('fixed_accepted_len')} / "
                 f"{c.get('confidence_accepted_len')} | {c.get('fixed_verified_per_step')} / "
-                f"{c.get('confidence_verified_per_step')} | {c.get('confidence_skipped_steps')} |"
+                f"{c.get('confidence_verified_per_step')} | {c.get('confidence_skipped_steps')} | "
+                f"{c.get('no_spec_step_ms')} / {c.get('fixed_step_ms')} / {c.get('confidence_step_ms')} | "
+                f"{c.get('fixed_draft_ms')} / {c.get('confidence_draft_ms')} |"
             )
         print(f"ECE ({row['drafter']}): fixed {row.get('ece_fixed')}, DSpark {row.get('ece_confidence')} "
               f"over {row.get('ece_drafts')} drafts")  # fmt: skip

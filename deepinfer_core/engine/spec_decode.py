@@ -142,6 +142,7 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.gamma
         self.num_steps = 0  # proposals made (engine steps with drafts planned)
+        self.draft_seconds_total = 0.0  # host wall time of those proposals (drafting and planning)
 
     # -- drafting ------------------------------------------------------------------------------
     def _cap(self, req: Request) -> int:
@@ -211,7 +212,9 @@ class SpecDecoder:
             r.draft_token_ids = ids[:n]
             if n:
                 self._predicted[r.request_id] = sv[:n]
-        self._note_draft_time(R, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._note_draft_time(R, seconds)
+        self.draft_seconds_total += seconds
         self.num_steps += 1
 
     # -- DSpark's corrections ------------------------------------------------------------------
@@ -294,6 +297,8 @@ class SpecDecoder:
             "last_budget": self.last_budget,
             "skipped_proposals": self.num_skipped,
             "acceptance_calibration": round(self.calibration(), 4),
+            "proposals": self.num_steps,
+            "draft_seconds": round(self.draft_seconds_total, 6),
         }
 
 
