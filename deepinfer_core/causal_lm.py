@@ -47,6 +47,10 @@ class ModelContext:
     # per-expert load for EPLB (engine option expert_load_window): a MoE layer adds its row at
     # build time (add_layer) and its router's choices each forward (record); None: not counted
     expert_load: ExpertLoadCounter | None = None
+    # called with the whole model while it is still on the meta device, just before it is
+    # allocated (models.fast_init.allocate): the loader swaps in the modules that keep a
+    # checkpoint's FP8 / MXFP4 weights packed there, so their dense stand-ins never take memory
+    swap_modules: Callable[[torch.nn.Module], None] | None = None
 
 
 class WeightsError(ValueError):

@@ -123,20 +123,69 @@ def test_v4_plan_is_what_the_engine_allocates(quantized, kv_gib, max_num_seqs):
 def test_the_model_is_allocated_in_its_dtype(quantized, monkeypatch):
     """The V4 model is cast on the meta device and only then allocated: a bf16 engine never holds
     its weights in float32 (that doubled the GPU's load peak: 17.5 GB for V4-mini's 8.5 GB file)."""
-    from deepinfer_core.models.deepseek_v4 import model as v4_model
-
-    allocated: dict[torch.dtype, int] = {}
-    real = v4_model.materialize
-
-    def spy(module, device):
-        for t in list(module.parameters()) + list(module.buffers()):
-            allocated[t.dtype] = allocated.get(t.dtype, 0) + t.numel() * t.element_size()
-        return real(module, device)
-
-    monkeypatch.setattr(v4_model, "materialize", spy)
+    allocated = _spy_allocation(monkeypatch)
     llm = LLM(quantized[0], device="cpu", dtype="bfloat16", kv_cache_blocks=16)
     model = llm.engine.model
     held = list(model.parameters()) + list(model.buffers())
     fp32 = sum(t.numel() * t.element_size() for t in held if t.dtype == torch.float32)
     assert allocated[torch.float32] == fp32  # only what the model keeps float32 (mixing, sinks, norms, biases)
     assert allocated[torch.bfloat16] == sum(t.numel() * t.element_size() for t in held if t.dtype == torch.bfloat16)
+
+
+def _spy_allocation(monkeypatch) -> dict[torch.dtype, int]:
+    """Bytes by dtype of what a model allocates when it leaves the meta device."""
+    from deepinfer_core.models import fast_init
+
+    allocated: dict[torch.dtype, int] = {}
+    real = fast_init.materialize
+
+    def spy(module, device):
+        for t in list(module.parameters()) + list(module.buffers()):
+            allocated[t.dtype] = allocated.get(t.dtype, 0) + t.numel() * t.element_size()
+        return real(module, device)
+
+    monkeypatch.setattr(fast_init, "materialize", spy)
+    return allocated
+
+
+def test_kept_fp8_and_mxfp4_weights_are_allocated_packed(tmp_path, monkeypatch):
+    """Where a platform keeps FP8 projections and MXFP4 experts packed, the modules holding
+    them replace the dense ones on the meta device: the model allocates what it then holds and
+    nothing more (the dense bf16 projections and experts used to be allocated first and dropped
+    at the swap: a load peak of the whole dense model). A provider offers the two kernels on the
+    CPU here (dequantize, then a float GEMM), so the packed engine must also give the dense
+    engine's greedy tokens."""
+    from deepinfer_core.fused_ops import FusedOps
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.models.fp8 import Fp8Linear, dequantize
+    from deepinfer_core.models.mxfp4 import Mxfp4Experts
+    from deepinfer_core.plugin_host import PluginHost
+
+    class Offers:
+        @hookimpl
+        def deepinfer_fused_ops(self, platform):
+            return FusedOps(
+                fp8_linear=lambda x, w, s: torch.nn.functional.linear(x, dequantize(w, s).to(x.dtype)),
+                mxfp4_moe=lambda *a, **k: None,  # never called: the builtin dispatcher widens per call
+            )
+
+    write_tiny_v4_checkpoint(tmp_path, weights="fp8", experts="fp4", seed=5)
+    allocated = _spy_allocation(monkeypatch)
+    host = PluginHost(load_entry_points=False, extra_plugins={"ops": Offers()})
+    llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=16, host=host, fused_ops=False)
+    model = llm.engine.model
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert any(isinstance(m, Mxfp4Experts) for m in model.modules())
+    held: dict[torch.dtype, int] = {}
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            held[t.dtype] = held.get(t.dtype, 0) + t.numel() * t.element_size()
+    assert allocated == held
+    dense = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=16, fused_ops=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, TINY_V4_CONFIG["vocab_size"], (n,), generator=g).tolist() for n in (9, 21)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in dense.generate(prompts, params)]

@@ -59,6 +59,16 @@ def skip_random_init() -> Iterator[None]:
                 setattr(torch.nn.init, name, fn)
 
 
+def allocate(model: torch.nn.Module, ctx) -> torch.nn.Module:
+    """Allocate a model built on the meta device on ``ctx.device`` (a
+    :class:`~deepinfer_core.causal_lm.ModelContext`), after ``ctx.swap_modules`` has replaced
+    what the loader keeps packed: a model's dtype cast belongs before this call, so no tensor
+    is ever allocated in a wider type or a dense form only to be dropped."""
+    if ctx.swap_modules is not None:
+        ctx.swap_modules(model)
+    return materialize(model, ctx.device)
+
+
 def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """``module.to_empty(device=device)`` without the ``torch._refs`` import (see the module
     docstring); strides are kept as ``empty_like`` keeps them."""

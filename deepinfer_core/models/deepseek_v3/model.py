@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ...attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from .. import ModelContext
-from ..fast_init import materialize
+from ..fast_init import allocate
 from ..hf_weights import load_hf_weights
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, StackedExperts
 from .mla import MLAAttention, build_rotary, mla_spec
@@ -261,9 +261,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.mtp = nn.ModuleList(MTPLayer(config, kk) for kk in mtp_kernels) if mtp_kernels else None
         self.mtp_unavailable = None if mtp_kernels else NO_MTP_IN_CONFIG  # why mtp_forward cannot run
         self.mtp_attention_specs = [kk.attn_spec for kk in mtp_kernels]
-        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
+        # cast on the meta device, then allocate: materialising first held the model in float32
         self.to(dtype=ctx.dtype)
         self.restore_float32()
+        allocate(self, ctx)  # packed modules swapped in, then = self.to_empty(device=ctx.device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = build_rotary(config, ctx.device)  # shared by all layers, not a weight

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ...attention import AttentionLayerSpec, AttentionMetadata
 from .. import ModelContext
-from ..fast_init import materialize
+from ..fast_init import allocate
 from ..hf_weights import load_hf_weights
 from .batch import StepPlans, V4Batch
 from .compress import Compressor, Indexer, update_entries
@@ -237,7 +237,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # held the whole model in float32 for a moment (twice the bf16 bytes: V4-mini's load peak)
         self.to(dtype=ctx.dtype)
         self.restore_float32()
-        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
+        allocate(self, ctx)  # packed modules swapped in, then = self.to_empty(device=ctx.device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ropes = {

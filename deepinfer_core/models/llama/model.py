@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ...attention import AttentionBackend, AttentionKind, AttentionLayerSpec, AttentionMetadata
 from .. import ModelContext, WeightsError
-from ..fast_init import materialize
+from ..fast_init import allocate
 from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, Rotary, RotaryAt, fused_targets, rope_inv_freq
 
 # Buffers some checkpoints save that we recompute ourselves.
@@ -143,8 +143,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = (
                 None if self.tie_word_embeddings else nn.Linear(config["hidden_size"], self.vocab_size, bias=False)
             )
-        materialize(self, ctx.device)  # = self.to_empty(device=ctx.device), without importing sympy
-        self.to(ctx.dtype)
+        self.to(ctx.dtype)  # on the meta device: nothing is allocated in float32 first
+        allocate(self, ctx)  # = self.to_empty(device=ctx.device), without importing sympy
         self.rotary = Rotary(head_dim, self.max_position_embeddings, inv_freq.to(ctx.device), attn_scaling).to(
             ctx.device
         )
