@@ -166,7 +166,8 @@ class KVStoreHolds(Protocol):
         ...
 
     def release_hold(self, hold: KVHold) -> None:
-        """End a hold early (idempotent; an expired or unknown hold is a no-op)."""
+        """End a hold early (idempotent: an unknown or released hold is a no-op; an expired one
+        is removed as ``gc`` would)."""
         ...
 
 
