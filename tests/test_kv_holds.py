@@ -139,3 +139,21 @@ def test_bad_hold_seconds_are_refused(tmp_path):
 def test_the_builtin_stores_declare_holds():
     assert isinstance(MemoryKVStore(KVStoreConfig(namespace="ns", block_bytes=BLOCK)), KVStoreHolds)
     assert issubclass(LocalDiskKVStore, KVStoreHolds)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_capacity_eviction_takes_a_held_block_by_its_use_not_first_as_expired(tmp_path, backend):
+    options = {"retention_seconds": "chat:0.3"}
+    config = KVStoreConfig(namespace="ns", block_bytes=BLOCK, path=str(tmp_path), capacity_blocks=2, options=options)
+    store = MemoryKVStore(config) if backend == "memory" else LocalDiskKVStore(config)
+    put(store, [1])  # chat: 0.3 s
+    store.hold([key(1)], 30)
+    ticket = store.reserve_write([key(2)], "agent")
+    store.write_from(ticket, [memoryview(payload(2))])
+    store.commit(ticket, [True])
+    time.sleep(0.4)  # block 1 past its retention, held
+    assert read(store, [1]) == [payload(1)]  # block 1 is now the most recently used
+    ticket = store.reserve_write([key(3)], "agent")
+    store.write_from(ticket, [memoryview(payload(3))])
+    store.commit(ticket, [True])  # over capacity: the least recently used goes
+    assert [store.match_prefix([key(i)]) for i in (1, 2, 3)] == [1, 0, 1]

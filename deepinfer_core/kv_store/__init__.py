@@ -29,8 +29,9 @@ Holds (optional, :class:`KVStoreHolds`): a writer keeps blocks for a reader in a
 served and kept (``match_prefix``, ``acquire_read``, ``read_into``; expiry and ``gc`` spare
 them) even past their retention; ``release_hold`` ends it early, from any process sharing the
 store; a hold past its deadline is ignored and ``gc`` removes it. A hold covers only blocks
-that are committed and live when it is taken (it never revives an expired one), and capacity
-eviction does not look at holds (an evicted block is a miss, recomputed). The methods are not
+that are committed and live when it is taken (it never revives an expired one). Capacity
+eviction counts a held block as live (it goes in least-recently-used order, not first as
+expired) but may still take it: an evicted block is a miss, recomputed. The methods are not
 part of :class:`KVStore`, so a store written before them keeps working: callers check
 ``isinstance(store, KVStoreHolds)`` and otherwise rely on retention alone.
 """

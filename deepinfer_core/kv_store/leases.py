@@ -281,18 +281,28 @@ class HeldKeys:
         self._now = now
         self._until: dict[bytes, float] | None = None
 
-    def until(self, key: bytes) -> float:
-        """When the hold on ``key`` ends (0.0: not held)."""
+    def _deadlines(self) -> dict[bytes, float]:
         if self._until is None:
             self._until = self._table.deadlines(time.time() if self._now is None else self._now)
-        return self._until.get(key, 0.0)
+        return self._until
+
+    def until(self, key: bytes) -> float:
+        """When the hold on ``key`` ends (0.0: not held)."""
+        return self._deadlines().get(key, 0.0)
 
     def keeps(self, key: bytes, now: float) -> bool:
         return self.until(key) > now
 
     def keys(self) -> set[bytes]:
-        self.until(b"")
-        return set(self._until or ())
+        """Every held key."""
+        return set(self._deadlines())
+
+
+def check_hold_seconds(seconds) -> float:
+    """A hold's length: a positive, finite number of seconds (ValueError otherwise)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+        raise ValueError(f"hold: seconds must be a positive number, got {seconds!r}")
+    return float(seconds)
 
 
 def pieces(buffer) -> list[memoryview]:
@@ -328,15 +338,22 @@ def eviction_victims(
     return list(itertools.islice(unpinned, size - capacity))
 
 
-def evict_to_capacity(entries, capacity: int | None, leases: LeaseTable, drop: Callable[[bytes, object], None]) -> int:
+def evict_to_capacity(
+    entries,
+    capacity: int | None,
+    leases: LeaseTable,
+    drop: Callable[[bytes, object], None],
+    held: HeldKeys | None = None,
+) -> int:
     """Bring ``entries`` (key -> entry with ``expires_at``, least recently used first) down to
     ``capacity`` by :func:`eviction_victims`, popping each victim and handing it to ``drop``
     (a store's own clean-up: nothing for memory, the record file for disk); returns how many
-    went. One loop for every store, so their eviction order cannot drift apart."""
+    went. One loop for every store, so their eviction order cannot drift apart. A block past
+    its retention that ``held`` keeps is not taken first as expired: it goes in LRU order."""
     if capacity is None or len(entries) <= capacity:
         return 0
     now = time.time()
-    expired = [k for k, e in entries.items() if e.expires_at <= now]
+    expired = [k for k, e in entries.items() if e.expires_at <= now and (held is None or not held.keeps(k, now))]
     victims = eviction_victims(entries, len(entries), capacity, leases, expired)
     for key in victims:
         drop(key, entries.pop(key))

@@ -55,7 +55,16 @@ from pathlib import Path
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVHold, KVStoreConfig, ReadLease, WriteTicket
-from .leases import HeldKeys, HoldFiles, LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
+from .leases import (
+    HeldKeys,
+    HoldFiles,
+    LeaseTable,
+    TicketTable,
+    check_buffers,
+    check_hold_seconds,
+    evict_to_capacity,
+    pieces,
+)
 from .records import (
     HEADER_BYTES,
     PosixRecordIO,
@@ -314,7 +323,7 @@ class LocalDiskKVStore:
             pinned = self._leases.pinned_keys(lease)
             paths = [self._pinned_path(k) if k in pinned else None for k in lease.keys]
             held, soon = self._held(), time.time() + READ_SLACK_S
-            kept = [0.0 if self._expiry(k) > soon else held.until(k) for k in lease.keys]
+            kept = [0.0 if p is None or self._expiry(k) > soon else held.until(k) for k, p in zip(lease.keys, paths)]
         # I/O outside the lock: pinned files are not deleted by this process meanwhile.
         results = [
             path is not None
@@ -480,7 +489,11 @@ class LocalDiskKVStore:
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
         self._counters["evictions"] += evict_to_capacity(
-            self._index, self.config.capacity_blocks, self._leases, lambda key, entry: self._remove_record(entry.path)
+            self._index,
+            self.config.capacity_blocks,
+            self._leases,
+            lambda key, entry: self._remove_record(entry.path),
+            self._held(),
         )
 
     def gc(self, now: float | None = None) -> int:
@@ -552,8 +565,7 @@ class LocalDiskKVStore:
     def hold(self, keys: Sequence[bytes], seconds: float) -> KVHold:
         """Keep the committed, live blocks among ``keys`` readable for ``seconds`` (a file under
         ``holds/``: every process sharing the store honours it, and it outlives this one)."""
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
-            raise ValueError(f"hold: seconds must be a positive number, got {seconds!r}")
+        seconds = check_hold_seconds(seconds)
         with self._lock:
             held = self._held()
             live = [k for k in dict.fromkeys(keys) if self._lookup(k, held) is not None]

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import RETENTION_SECONDS, KVHold, KVStoreConfig, ReadLease, WriteTicket
-from .leases import HeldKeys, HoldTable, LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
+from .leases import (
+    HeldKeys,
+    HoldTable,
+    LeaseTable,
+    TicketTable,
+    check_buffers,
+    check_hold_seconds,
+    evict_to_capacity,
+    pieces,
+)
 
 DEFAULT_RESERVATION_SECONDS = 300.0
 
@@ -159,14 +168,13 @@ class MemoryKVStore:
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
         self._counters["evictions"] += evict_to_capacity(
-            self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None
+            self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None, HeldKeys(self._holds)
         )
 
     # -- holds ----------------------------------------------------------------------------
     def hold(self, keys: Sequence[bytes], seconds: float) -> KVHold:
         """Keep the live blocks among ``keys`` readable for ``seconds``, past their retention."""
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
-            raise ValueError(f"hold: seconds must be a positive number, got {seconds!r}")
+        seconds = check_hold_seconds(seconds)
         with self._lock:
             now, held = time.time(), HeldKeys(self._holds)
             self._counters["holds"] += 1
