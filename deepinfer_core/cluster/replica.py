@@ -8,7 +8,8 @@ Roles::
               (the lease), return the hold and the cached / stored counts
     decode    generate(job): a streamed request; the engine's admission finds the prompt's
               blocks in the store, loads them, and computes only the tail (counted as cached);
-              the job's hold is released once the prompt is computed (or the request ends)
+              the job's hold is released once the prompt is computed, or when the request is
+              cancelled; a failure before that keeps it for the retry on another replica
     both      generate(job) with no prefill step (``--prefill 0``: colocated)
 
 The lease is a hold in the store (``KVStoreHolds``), not a promise between processes: decode
@@ -127,9 +128,11 @@ class EngineReplica:
                 yield out
             if sink.final.done() and sink.final.result() is None:
                 raise RuntimeError(f"the engine failed: {sink.error}" if sink.error else "the request was aborted")
-        finally:
-            self.prefill_tokens -= waiting
+        except (GeneratorExit, asyncio.CancelledError):  # the client went: nobody reads the blocks now
             self._release_hold(hold)
+            raise
+        finally:  # a failure before the first token keeps the hold for the ingress's retry elsewhere
+            self.prefill_tokens -= waiting
             lease.release()
 
     async def prefill(self, job: Job) -> dict:
