@@ -26,6 +26,7 @@ kv_store: local:///tmp/deepinfer-kv
 autoscale: {decode: "1:4"}
 tier_bounds: "256,1024,4096"
 max-queue: 16
+kv_lease: 20
 # engine options
 max_num_seqs: 8
 block_size: 64
@@ -35,7 +36,7 @@ enable_prefix_caching: false
 FLAGS = [
     "--served-model-name", "smol", "--prefill", "1", "--decode", "2", "--kv-store", "local:///tmp/deepinfer-kv",
     "--autoscale", "decode=1:4", "--tier-bounds", "256,1024,4096", "--max-queue", "16", "--max-num-seqs", "8",
-    "--block-size", "64", "--enforce-eager", "--no-enable-prefix-caching",
+    "--block-size", "64", "--enforce-eager", "--no-enable-prefix-caching", "--kv-lease", "20",
 ]  # fmt: skip
 
 
@@ -56,6 +57,7 @@ def test_a_file_gives_the_spec_of_the_same_flags(tmp_path):
     assert from_file != spec()  # the file did set something
     assert from_file.autoscale == {"decode": (1, 4)} and from_file.engine_kwargs["enforce_eager"] is True
     assert from_file.engine_kwargs["enable_prefix_caching"] is False
+    assert from_file.kv_lease_s == 20.0 and spec().kv_lease_s == 60.0
 
 
 def test_a_list_of_autoscale_values_is_the_repeated_flag(tmp_path):

@@ -386,6 +386,7 @@ def cluster_command(capsys, *args):
         (["--autoscale", "vision=1:2"], "unknown role 'vision'"),
         (["--tier-bounds", "16k,64k"], "--tier-bounds"),
         (["--drain-timeout", "0"], "--drain-timeout must be > 0"),
+        (["--kv-lease", "0"], "--kv-lease must be > 0"),
     ],
 )
 def test_cluster_command_errors_are_one_line(capsys, args, needle):

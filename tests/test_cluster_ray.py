@@ -114,6 +114,9 @@ def test_cluster_view_and_metrics(cluster):
     prefill = next(r for r in view["replicas"] if r["role"] == "prefill")
     assert decode["prompt_tokens_cached"] > 0 and decode["decode_jobs"] >= 3
     assert prefill["prefill_jobs"] >= 2 and prefill["decode_jobs"] == 0
+    # each prefill held its blocks for decode (the lease), and decode got every lease in time
+    assert prefill["leases_taken"] >= 2 and decode["leases_received"] >= 2 and view["ingress"]["leases"] >= 2
+    assert decode["leases_expired"] == 0
     stages = {d["stage"] for d in view["router_decisions"]}
     assert stages == {"prefill", "decode"}
     assert all(d["reason"] for d in view["router_decisions"])

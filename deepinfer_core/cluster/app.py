@@ -37,6 +37,7 @@ class ClusterSpec:
     sampling_defaults: str = "model"
     prefill_timeout_s: float = 60.0  # then decode computes the prompt itself
     drain_timeout_s: float = 60.0  # a replica scaled down finishes its requests for this long, then they move
+    kv_lease_s: float = 60.0  # prefill holds the blocks it hands decode this long in the store (past retention)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -50,6 +51,8 @@ class ClusterSpec:
                 raise ValueError(f"--autoscale {role}: need 0 <= min <= max and max >= 1, got {lo}:{hi}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"--drain-timeout must be > 0 seconds, got {self.drain_timeout_s}")
+        if not 0 < self.kv_lease_s < float("inf"):
+            raise ValueError(f"--kv-lease must be > 0 seconds, got {self.kv_lease_s}")
 
 
 def _engine_deployment(spec: ClusterSpec, role: str, count: int):
@@ -121,7 +124,9 @@ def build_application(spec: ClusterSpec):
         "model_name": spec.served_name, "max_queue": spec.max_queue, "sampling_defaults": spec.sampling_defaults,
     }  # fmt: skip
     max_num_seqs = spec.engine_kwargs.get("max_num_seqs") or 64
-    return ingress.bind(decode, prefill, spec.model, server_config, BOARD_NAME, max_num_seqs, spec.prefill_timeout_s)
+    return ingress.bind(
+        decode, prefill, spec.model, server_config, BOARD_NAME, max_num_seqs, spec.prefill_timeout_s, spec.kv_lease_s
+    )
 
 
 def app_builder(args: dict):

@@ -5,15 +5,19 @@ over a front that forwards each request to the replicas instead of a local engin
 
     ProtocolRoute (parse, encode, validate)          ClusterFront._run (one asyncio task a request)
       front.submit(Submission, sink) ───────────>      keys = chain_keys(prompt)
-                                                       prefill.prefill(Job)   (PD: blocks -> store)
-                                                       decode.generate(Job) ─ stream ─> sink.put
+                                                       prefill.prefill(Job)   (PD: blocks -> store,
+                                                                               held: the lease)
+                                                       decode.generate(Job + hold) ─ stream ─> sink.put
       lease.release() ──────────────────────────>      cancel: the replica's generator ends, its
                                                        engine request is aborted
 
-A prefill that fails is not fatal: decode computes whatever the store does not hold (the
-request is recomputed, never wrong). A decode replica that fails before the first token is
-retried once (Ray's router skips a dead replica). The ingress holds no weights: the tokenizer
-and config come from the model's files, the limits from a replica's ``describe``.
+A prefill that fails (its replica died, mid-write too) is not fatal: decode computes whatever
+the store does not hold (the request is recomputed, never wrong). A prefill that succeeds hands
+back a hold on the prompt's blocks for ``kv_lease_s`` (the lease); the decode job carries it and
+the decode replica releases it once the blocks are loaded (replica.py says what a lease that ran
+out does: recompute). A decode replica that fails before the first token is retried once (Ray's
+router skips a dead replica). The ingress holds no weights: the tokenizer and config come from
+the model's files, the limits from a replica's ``describe``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from types import SimpleNamespace
 from ..engine import validation
 from ..engine.kv_cache_manager import chain_keys
 from ..engine.loading import resolve_model_path
+from ..kv_store import KVHold
 from ..models.loaders.formats import open_model_files
 from ..serve.app import Server, ServerConfig
 from ..serve.front import Closed, QueueFull, RequestSink, Submission
@@ -77,8 +82,10 @@ class ClusterFront:
         capacity: int,
         prefill_timeout_s: float = 60.0,
         decode_retries: int = 2,
+        kv_lease_s: float = 60.0,
     ) -> None:
         self.prefill_timeout_s = prefill_timeout_s
+        self.kv_lease_s = kv_lease_s
         self.decode_retries = decode_retries
         self.decode = decode  # DeploymentHandle of the decode (or colocated) replicas
         self.prefill = prefill  # DeploymentHandle of the prefill replicas, or None
@@ -91,6 +98,7 @@ class ClusterFront:
         self._lock = threading.Lock()
         self.counters = {
             "requests": 0, "prefill_jobs": 0, "prefill_failures": 0, "decode_retries": 0,
+            "leases": 0,  # decode jobs that carried a prefill's hold on their blocks
             # streams continued on another replica after tokens had gone out (a replica killed,
             # or stopped at the end of its drain), and the tokens those continuations found
             # cached (the moved request's KV, loaded from the store instead of recomputed)
@@ -147,7 +155,7 @@ class ClusterFront:
         stream = _Continuation(job, sink, self.counters)
         try:
             if self.prefill is not None and (len(tokens) - 1) // self.block_size >= 1:
-                await self._prefill(job)
+                stream.first = await self._prefill(job)
             for attempt in range(1 + self.decode_retries):
                 try:
                     async for out in self.decode.options(stream=True).generate.remote(stream.job()):
@@ -168,19 +176,27 @@ class ClusterFront:
         except Exception as exc:
             stream.fail(exc)
 
-    async def _prefill(self, job: Job) -> None:
-        """PD: the prompt's blocks into the store. A failure or a timeout only costs time: the
-        decode replica computes whatever the store does not hold."""
+    async def _prefill(self, job: Job) -> Job:
+        """PD: the prompt's blocks into the store, held there for ``kv_lease_s``; returns the
+        decode job, carrying prefill's hold when there is one (not with a store that has no
+        holds). A failure or a timeout only costs time: the decode replica computes whatever
+        the store does not hold."""
         self.counters["prefill_jobs"] += 1
-        response = self.prefill.prefill.remote(replace(job, role="prefill"))
+        response = self.prefill.prefill.remote(replace(job, role="prefill", kv_lease_s=self.kv_lease_s))
         try:
-            await asyncio.wait_for(asyncio.ensure_future(_awaited(response)), self.prefill_timeout_s)
+            result = await asyncio.wait_for(asyncio.ensure_future(_awaited(response)), self.prefill_timeout_s)
         except (ValueError, TypeError):
             raise
-        except Exception:  # a dead prefill replica, a lease lost, a timeout
+        except Exception:  # a dead prefill replica (mid-write too: nothing half-written is served), a timeout
             response.cancel()
             self.counters["prefill_failures"] += 1
             log.warning("prefill of %s failed; decode recomputes it", job.request_id, exc_info=True)
+            return job
+        hold = result.get("hold") if isinstance(result, dict) else None
+        if not isinstance(hold, KVHold):
+            return job
+        self.counters["leases"] += 1
+        return replace(job, kv_hold=hold)
 
 
 async def _awaited(response):
@@ -215,7 +231,14 @@ class _Continuation:
         params = replace(self.first.params, max_tokens=max(1, self.first.max_tokens - len(self.ids)))
         params.min_tokens = max(0, params.min_tokens - len(self.ids))
         prompt = self.first.prompt_token_ids + tuple(self.ids)
-        return replace(self.first, request_id=self._attempt_id(), prompt_token_ids=prompt, params=params, block_keys=())
+        return replace(
+            self.first,
+            request_id=self._attempt_id(),
+            prompt_token_ids=prompt,
+            params=params,
+            block_keys=(),
+            kv_hold=None,  # released by the replica that produced the tokens
+        )
 
     def _attempt_id(self) -> str:
         return f"{self.first.request_id}-{self.attempts}"
@@ -313,6 +336,7 @@ class ClusterIngress:
         board_name: str | None,
         max_num_seqs: int,
         prefill_timeout_s: float = 60.0,
+        kv_lease_s: float = 60.0,
     ) -> None:
         from ..plugin_host import default_host
 
@@ -328,7 +352,13 @@ class ClusterIngress:
             board = ray.get_actor(board_name, namespace=BOARD_NAMESPACE)
         capacity = 4 * (max_num_seqs + config.max_queue)  # the replicas refuse beyond their own queues
         front = ClusterFront(
-            decode, prefill, described["namespace"], described["block_size"], capacity, prefill_timeout_s
+            decode,
+            prefill,
+            described["namespace"],
+            described["block_size"],
+            capacity,
+            prefill_timeout_s,
+            kv_lease_s=kv_lease_s,
         )
         self.server = ClusterServer(view, host, config, front, board)
 

@@ -4,10 +4,21 @@
 Roles::
 
     prefill   prefill(job): compute the prompt (one greedy token, discarded), wait until its full
-              blocks are committed in the shared KV store, return the cached / stored counts
+              blocks are committed in the shared KV store, hold them there for ``job.kv_lease_s``
+              (the lease), return the hold and the cached / stored counts
     decode    generate(job): a streamed request; the engine's admission finds the prompt's
-              blocks in the store, loads them, and computes only the tail (counted as cached)
+              blocks in the store, loads them, and computes only the tail (counted as cached);
+              the job's hold is released once the prompt is computed, or when the request is
+              cancelled; a failure before that keeps it for the retry on another replica
     both      generate(job) with no prefill step (``--prefill 0``: colocated)
+
+The lease is a hold in the store (``KVStoreHolds``), not a promise between processes: decode
+never trusts it, it asks the store, which serves a block only while its retention or a hold
+runs (and verifies every record it reads). A lease that ran out before decode came, or while it
+read, costs the blocks the store no longer serves: the engine computes them again, so the text
+is the same. A decode replica that dies before reading leaves the hold to end at its deadline
+(``gc`` then deletes it). A store without holds (a plugin written before them) keeps the blocks
+by its retention alone; the replica says so once in its log.
 
 What the replica publishes (never asked per request): ``record_routing_stats`` for the request
 router (load, resident KV, the digests of the block keys its device cache holds),
@@ -25,6 +36,7 @@ import time
 from ..engine.config import engine_config
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
+from ..kv_store import KVHold, KVStoreHolds
 from ..serve.front import EngineFront, RequestSink, Submission
 from ..serve.metrics import ServerMetrics
 from .board import BOARD_NAMESPACE
@@ -66,6 +78,9 @@ class EngineReplica:
         self.jobs = {"prefill": 0, "decode": 0}
         self.cached_tokens = 0
         self.prompt_tokens = 0
+        # holds taken (prefill), received with a decode job, and received already past their deadline
+        self.leases = {"taken": 0, "received": 0, "expired": 0}
+        self._said_no_holds = False
         self._last_stats = 0.0
         self._snapshot = self._make_snapshot(self.engine.stats())
         self.front.start()
@@ -93,6 +108,7 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         sink = RequestSink(loop, stream=True)
         submission = Submission(job.request_id, job.prompt_token_ids, job.params, final_only=job.final_only)
+        hold = self._received(job.kv_hold)
         lease = self.front.submit(submission, sink)
         self.jobs["decode"] += 1
         waiting = len(job.prompt_token_ids)  # not through prefill yet: the load colocated routing reads
@@ -106,10 +122,16 @@ class EngineReplica:
                     self.prefill_tokens -= waiting
                     waiting = 0
                     self._count_prompt(out)
+                if hold is not None:  # the prompt is computed: its blocks were loaded
+                    self._release_hold(hold)
+                    hold = None
                 yield out
             if sink.final.done() and sink.final.result() is None:
                 raise RuntimeError(f"the engine failed: {sink.error}" if sink.error else "the request was aborted")
-        finally:
+        except (GeneratorExit, asyncio.CancelledError):  # the client went: nobody reads the blocks now
+            self._release_hold(hold)
+            raise
+        finally:  # a failure before the first token keeps the hold for the ingress's retry elsewhere
             self.prefill_tokens -= waiting
             lease.release()
 
@@ -134,12 +156,64 @@ class EngineReplica:
             self.prefill_tokens -= len(job.prompt_token_ids)
         if self.engine.tiers is not None:  # the decode replica reads them next: committed first
             await asyncio.to_thread(self.engine.tiers.flush, 60.0)
+        hold = await asyncio.to_thread(self._hold, job) if job.kv_lease_s > 0 else None
         bs = self.engine.config.block_size
         return {
             "replica": self.name,
             "cached_tokens": out.num_cached_tokens,
             "stored_blocks": len(job.prompt_token_ids) // bs,
+            "hold": hold,  # the lease decode gets, None without one (the store's retention alone)
         }
+
+    # -- the prefill -> decode lease ------------------------------------------------------------
+    def _holds(self) -> KVStoreHolds | None:
+        store = self.engine.tiers.store if self.engine.tiers is not None else None
+        if store is None or isinstance(store, KVStoreHolds):
+            return store
+        if not self._said_no_holds:
+            self._said_no_holds = True
+            log.warning(
+                "KV store %r has no holds (hold / release_hold): prefill -> decode leases fall back to its retention",
+                getattr(store, "name", type(store).__name__),
+            )
+        return None
+
+    def _hold(self, job: Job) -> KVHold | None:
+        """Prefill: hold the prompt's committed blocks for ``job.kv_lease_s`` (the lease handed to
+        decode). None without a store that holds, or when the hold fails: decode then finds the
+        blocks by their retention, or computes them."""
+        store = self._holds()
+        if store is None or not job.block_keys:
+            return None
+        try:
+            hold = store.hold(job.block_keys, job.kv_lease_s)
+        except Exception as exc:
+            log.warning("KV store hold of %d blocks failed (decode relies on their retention): %s",
+                        len(job.block_keys), exc)  # fmt: skip
+            return None
+        self.leases["taken"] += 1
+        return hold
+
+    def _received(self, hold: KVHold | None) -> KVHold | None:
+        """Decode: count a job's hold. One already past its deadline is not trusted: the store
+        serves what is still valid, the engine computes the rest."""
+        if hold is not None:
+            self.leases["received"] += 1
+            if hold.expires_at <= time.time():
+                self.leases["expired"] += 1
+                log.info("the lease of %d blocks ran out before decode: they are loaded if still stored, "
+                         "else computed", len(hold.keys))  # fmt: skip
+        return hold
+
+    def _release_hold(self, hold: KVHold | None) -> None:
+        """End prefill's hold (the blocks are loaded or no longer wanted); a failure only lets
+        the hold run to its deadline."""
+        store = self._holds() if hold is not None else None
+        if store is not None:
+            try:
+                store.release_hold(hold)
+            except Exception as exc:
+                log.warning("KV store release of a hold failed (it ends at its deadline): %s", exc)
 
     def _count_prompt(self, out) -> None:  # once per job, at its first snapshot
         self.prompt_tokens += len(out.prompt_token_ids)
@@ -190,6 +264,8 @@ class EngineReplica:
                 "prefix_hit_rate": round(hits / queries, 4) if queries else None,
                 "prompt_tokens": self.prompt_tokens, "prompt_tokens_cached": self.cached_tokens,
                 "prefill_jobs": self.jobs["prefill"], "decode_jobs": self.jobs["decode"],
+                "leases_taken": self.leases["taken"], "leases_received": self.leases["received"],
+                "leases_expired": self.leases["expired"],
             },
         }  # fmt: skip
 

@@ -85,6 +85,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds a replica being scaled down may finish its running requests; the rest then continue "
         "on other replicas from the KV store (default: %(default)s)",
     )
+    p.add_argument(
+        "--kv-lease",
+        type=float,
+        default=60.0,
+        help="seconds a prefill replica holds the blocks it hands a decode replica in the KV store, past "
+        "their retention if need be; decode releases them once loaded, and recomputes what a lease "
+        "that ran out lost (default: %(default)s)",
+    )
     add_engine_options(p)
     p.set_defaults(func=run)
     return p
@@ -141,7 +149,7 @@ def spec_from_args(args: argparse.Namespace):
         prefill=args.prefill, decode=args.decode, autoscale=parse_autoscale(args.autoscale, args.prefill),
         router=router, prefill_target_tokens=args.prefill_target, decode_target_requests=args.decode_target,
         max_queue=args.max_queue, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, kv_lease_s=args.kv_lease,
     )  # fmt: skip
 
 

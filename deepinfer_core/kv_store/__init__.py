@@ -23,6 +23,17 @@ is that a reader never sees a mix of two writes).
 
 ``remove`` and expiry hide a block at once; a lease taken earlier still reads it, and the
 bytes are deleted when the last lease on it ends.
+
+Holds (optional, :class:`KVStoreHolds`): a writer keeps blocks for a reader in another process
+(prefill for decode) with ``hold(keys, seconds)``. Until the hold's deadline its blocks are
+served and kept (``match_prefix``, ``acquire_read``, ``read_into``; expiry and ``gc`` spare
+them) even past their retention; ``release_hold`` ends it early, from any process sharing the
+store; a hold past its deadline is ignored and ``gc`` removes it. A hold covers only blocks
+that are committed and live when it is taken (it never revives an expired one). Capacity
+eviction counts a held block as live (it goes in least-recently-used order, not first as
+expired) but may still take it: an evicted block is a miss, recomputed. The methods are not
+part of :class:`KVStore`, so a store written before them keeps working: callers check
+``isinstance(store, KVStoreHolds)`` and otherwise rely on retention alone.
 """
 
 from __future__ import annotations
@@ -31,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 __all__ = [
+    "KVHold",
     "KVStore",
     "KVStoreConfig",
     "KVStoreFactory",
+    "KVStoreHolds",
     "RETENTION_SECONDS",
     "ReadLease",
     "StaleTicketError",
@@ -69,6 +82,18 @@ class WriteTicket:
     """Reserved, not yet visible, slots for blocks about to be written."""
 
     ticket_id: int
+    keys: tuple[bytes, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class KVHold:
+    """Blocks kept readable until ``expires_at`` (``time.time()`` seconds) for a reader that
+    comes later, maybe from another process: ``hold_id`` names the hold in the store, so any
+    process sharing it may release it. ``keys`` are those the hold covers (committed and live
+    when it was taken), in the order asked."""
+
+    hold_id: str
     keys: tuple[bytes, ...]
     expires_at: float
 
@@ -130,6 +155,21 @@ class KVStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KVStoreHolds(Protocol):
+    """The optional hold capability of a store (see the module docstring)."""
+
+    def hold(self, keys: Sequence[bytes], seconds: float) -> KVHold:
+        """Keep the committed, live blocks among ``keys`` readable for ``seconds``, past their
+        retention if need be; the hold is visible to every process sharing the store."""
+        ...
+
+    def release_hold(self, hold: KVHold) -> None:
+        """End a hold early (idempotent: an unknown or released hold is a no-op; an expired one
+        is removed as ``gc`` would)."""
+        ...
 
 
 KVStoreFactory = Callable[[KVStoreConfig], KVStore]

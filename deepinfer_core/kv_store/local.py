@@ -5,6 +5,7 @@ Layout (``root`` is ``config.path``, default ``~/.cache/deepinfer/kv``)::
     root/<namespace fp hex>/
         tmp/<key hex>.<pid>.<token>.<ticket>.tmp      written by write_from, private to a ticket
         <retention>/<expiry day>/<key hex[:2]>/<key hex>.kv   committed records (records.py)
+        holds/<hold id>.hold                          holds (leases.HoldFiles), any process's
 
 Why this shape: a commit is one ``os.replace`` of a complete temp file, so a crash leaves
 either nothing or a whole record, never half of one. Records are bucketed by the UTC day they
@@ -28,6 +29,12 @@ nothing); its file is deleted by ``gc`` (``deepinfer kv gc``, or the engine's pe
 capacity eviction (expired blocks go first), or replaced when the block is written again.
 Records are bucketed by expiry day, so only the current day's bucket needs its records'
 headers read to know their exact expiry (at open, and in ``gc``).
+
+Holds (``hold`` / ``release_hold``, see :mod:`deepinfer_core.kv_store`): a file per hold under
+``holds/``, so a hold taken by one process (prefill) is honoured by the others (decode, any
+``gc``) and outlives its taker. A block past its retention is served while a hold on it runs:
+lookups and reads meeting such a block read the hold files (only then), and ``gc`` spares held
+records, even in a day bucket that has ended, until their holds end or are released.
 """
 
 from __future__ import annotations
@@ -47,8 +54,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
+from . import RETENTION_SECONDS, KVHold, KVStoreConfig, ReadLease, WriteTicket
+from .leases import (
+    HeldKeys,
+    HoldFiles,
+    LeaseTable,
+    TicketTable,
+    check_buffers,
+    check_hold_seconds,
+    evict_to_capacity,
+    pieces,
+)
 from .records import (
     HEADER_BYTES,
     PosixRecordIO,
@@ -74,6 +90,8 @@ DEFAULT_RESERVATION_SECONDS = 300.0
 COUNTERS_DIR = "counters"
 COUNTER_FLUSH_SECONDS = 1.0  # a process's counters file is rewritten at most this often
 COUNTER_FILE_DAYS = 30  # gc removes counter files not updated for this long
+HOLDS_DIR = "holds"
+READ_SLACK_S = 60.0  # a read of a block this close to its expiry looks for a hold on it first
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,7 @@ class LocalDiskKVStore:
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU order: oldest first
         self._leases: LeaseTable[str] = LeaseTable()
         self._tickets = TicketTable()
+        self._holds = HoldFiles(self._dir / HOLDS_DIR, self._reservation_s)
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(
             (
@@ -155,6 +174,9 @@ class LocalDiskKVStore:
                 "commits",
                 "commit_failures",
                 "dropped_at_scan",
+                "holds",
+                "holds_released",
+                "holds_expired",
             ),
             0,
         )
@@ -242,27 +264,33 @@ class LocalDiskKVStore:
             return []
         return [(int(d.name), d.path) for d in items if d.name.isdigit() and d.is_dir(follow_symlinks=False)]
 
-    def _lookup(self, key: bytes) -> _Entry | None:
-        """Index first, then the disk (another process may have committed it)."""
+    def _lookup(self, key: bytes, held: HeldKeys | None = None) -> _Entry | None:
+        """Index first, then the disk (another process may have committed it). A block past
+        its retention is a miss unless ``held`` keeps it (callers that serve reads pass it)."""
         entry = self._index.get(key)
         now = time.time()
         if entry is not None:
-            # past its retention: a miss, never served again; gc or eviction deletes the file
-            return entry if entry.expires_at > now else None
+            # past its retention: a miss (unless held); gc or eviction deletes the file
+            return entry if entry.expires_at > now or (held is not None and held.keeps(key, now)) else None
         if self._leases.retired(key) is not None:
             return None
+        today = int(now // DAY)
         for retention in self._retention:
             for day, _ in self._day_dirs(retention):
                 path = self._final_path(key, retention, day)
-                if (
-                    _bucket_end(day) > now and is_regular_file(path) and not os.path.islink(path.parent)
-                ):  # a FIFO, directory or symlink is a miss
-                    expires_at = self._record_expiry(str(path), key) if day == int(now // DAY) else _bucket_end(day)
-                    if expires_at is None or expires_at <= now:
-                        continue
-                    entry = self._index[key] = _Entry(str(path), expires_at)
-                    return entry
+                if not is_regular_file(path) or os.path.islink(path.parent):  # a FIFO, directory or symlink: a miss
+                    continue
+                if _bucket_end(day) <= now and (held is None or not held.keeps(key, now)):
+                    continue
+                expires_at = self._record_expiry(str(path), key) if day <= today else _bucket_end(day)
+                if expires_at is None or (expires_at <= now and (held is None or not held.keeps(key, now))):
+                    continue
+                entry = self._index[key] = _Entry(str(path), expires_at)
+                return entry
         return None
+
+    def _held(self, now: float | None = None) -> HeldKeys:
+        return HeldKeys(self._holds, now)
 
     def record_path(self, key: bytes) -> str | None:
         """Where the committed record of ``key`` lives (for tools and tests), else None."""
@@ -274,15 +302,17 @@ class LocalDiskKVStore:
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             n = 0
+            held = self._held()
             for key in keys:
-                if self._lookup(key) is None:
+                if self._lookup(key, held) is None:
                     break
                 n += 1
             return n
 
     def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
         with self._lock:
-            present = [k for k in keys if self._lookup(k) is not None]
+            held = self._held()
+            present = [k for k in keys if self._lookup(k, held) is not None]
             for key in reversed(present):  # a prefix's head ends most recent: it outlives its tail
                 self._index.move_to_end(key)
             return self._leases.acquire(keys, present)
@@ -292,10 +322,14 @@ class LocalDiskKVStore:
         with self._lock:
             pinned = self._leases.pinned_keys(lease)
             paths = [self._pinned_path(k) if k in pinned else None for k in lease.keys]
+            held, soon = self._held(), time.time() + READ_SLACK_S
+            kept = [0.0 if p is None or self._expiry(k) > soon else held.until(k) for k, p in zip(lease.keys, paths)]
         # I/O outside the lock: pinned files are not deleted by this process meanwhile.
         results = [
-            path is not None and self._inside(path) and read_record(self.io, path, self._fp, key, pieces(buf))
-            for key, path, buf in zip(lease.keys, paths, buffers)
+            path is not None
+            and self._inside(path)
+            and read_record(self.io, path, self._fp, key, pieces(buf), keep_until=until)
+            for key, path, buf, until in zip(lease.keys, paths, buffers, kept)
         ]
         _touch([p for p, ok in zip(paths, results) if ok])  # LRU order for other processes
         with self._lock:
@@ -306,6 +340,10 @@ class LocalDiskKVStore:
                     self._discard_bad(key, path)
             self._flush_counters()
         return results
+
+    def _expiry(self, key: bytes) -> float:
+        entry = self._index.get(key)
+        return 0.0 if entry is None else entry.expires_at
 
     def _pinned_path(self, key: bytes) -> str | None:
         entry = self._index.get(key)
@@ -385,6 +423,7 @@ class LocalDiskKVStore:
             reservation = self._tickets.close(ticket)
             made = 0
             published: list[str] = []
+            held = self._held()
             for key, ok in zip(ticket.keys, ok_mask):
                 written = reservation.written.get(key)
                 if written is None:
@@ -392,7 +431,10 @@ class LocalDiskKVStore:
                 tmp, expires_at = written
                 old = self._index.get(key)
                 if old is not None and old.expires_at <= time.time():
-                    self._drop(key)  # written again after its retention ended: replace it
+                    if held.keeps(key, time.time()):  # its file stays for the hold's readers; gc takes it later
+                        del self._index[key]
+                    else:
+                        self._drop(key)  # written again after its retention ended: replace it
                     old = None
                 # First commit wins; a retired key's file may still be read through a lease.
                 if not ok or old is not None or self._leases.retired(key) is not None:
@@ -447,12 +489,17 @@ class LocalDiskKVStore:
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
         self._counters["evictions"] += evict_to_capacity(
-            self._index, self.config.capacity_blocks, self._leases, lambda key, entry: self._remove_record(entry.path)
+            self._index,
+            self.config.capacity_blocks,
+            self._leases,
+            lambda key, entry: self._remove_record(entry.path),
+            self._held(),
         )
 
     def gc(self, now: float | None = None) -> int:
         """Expire records whose day bucket has ended, abandoned reservations of this process,
-        and temp files left by dead processes; returns how many went."""
+        temp files left by dead processes and holds past their deadline (any process's);
+        returns how many blocks and reservations went. Held records are spared."""
         now = time.time() if now is None else now
         with self._lock:
             count = 0
@@ -460,7 +507,9 @@ class LocalDiskKVStore:
                 for tmp, _ in reservation.written.values():
                     remove_file(tmp)
                 count += 1
-            expired = [k for k, e in self._index.items() if e.expires_at <= now]
+            self._counters["holds_expired"] += self._holds.expire(now)
+            held = self._held(now).keys()
+            expired = [k for k, e in self._index.items() if e.expires_at <= now and k not in held]
             for key in expired:
                 self._drop(key)
             self._counters["expired"] += len(expired)
@@ -469,10 +518,11 @@ class LocalDiskKVStore:
             today = int(now // DAY)
             for retention in self._retention:
                 for day, day_dir in self._day_dirs(retention):
-                    if _bucket_end(day) <= now and day_dir not in in_use:
+                    ended = _bucket_end(day) <= now
+                    if ended and day_dir not in in_use and not self._holds_in(day_dir, held):
                         shutil.rmtree(day_dir, ignore_errors=True)  # whole bucket, any writer's
-                    elif day == today:  # records expiring today: their headers say when
-                        count += self._gc_bucket(day_dir, now)
+                    elif ended or day == today:  # records expiring today: their headers say when
+                        count += self._gc_bucket(day_dir, now, held)
             live = {tmp for tmp, _ in self._tickets.live_temp_values()}
             if os.path.islink(self._tmp):  # never list (and delete in) a directory elsewhere
                 remove_file(self._tmp)
@@ -486,13 +536,18 @@ class LocalDiskKVStore:
             self._flush_counters()
             return count
 
-    def _gc_bucket(self, day_dir: str, now: float) -> int:
-        """Delete the expired records of one bucket (any writer's), sparing leased ones."""
+    @staticmethod
+    def _holds_in(day_dir: str, held: set[bytes]) -> bool:
+        """Whether a day bucket holds a record of a held key (one ``lstat`` per held key)."""
+        return any(os.path.lexists(os.path.join(day_dir, k.hex()[:2], record_filename(k))) for k in held)
+
+    def _gc_bucket(self, day_dir: str, now: float, held: set[bytes] = frozenset()) -> int:
+        """Delete the expired records of one bucket (any writer's), sparing leased and held ones."""
         count = 0
         retired = set(self._leases.retired_values())
         for item in _files_under(day_dir):
             key = key_from_filename(item.name)
-            if key is None or item.path in retired:
+            if key is None or item.path in retired or key in held:
                 continue
             expires_at = self._record_expiry(item.path, key)
             if expires_at is not None and expires_at > now:
@@ -505,6 +560,26 @@ class LocalDiskKVStore:
             self._counters["expired"] += 1
             count += 1
         return count
+
+    # -- holds ----------------------------------------------------------------------------
+    def hold(self, keys: Sequence[bytes], seconds: float) -> KVHold:
+        """Keep the committed, live blocks among ``keys`` readable for ``seconds`` (a file under
+        ``holds/``: every process sharing the store honours it, and it outlives this one)."""
+        seconds = check_hold_seconds(seconds)
+        with self._lock:
+            held = self._held()
+            live = [k for k in dict.fromkeys(keys) if self._lookup(k, held) is not None]
+            hold = self._holds.add(live, time.time() + seconds)
+            self._counters["holds"] += 1
+            self._flush_counters()
+            return hold
+
+    def release_hold(self, hold: KVHold) -> None:
+        """End a hold early, whichever process took it; its blocks expire as their retention says."""
+        with self._lock:
+            if self._holds.remove(hold):
+                self._counters["holds_released"] += 1
+                self._flush_counters()
 
     # -- misc -----------------------------------------------------------------------------
     def retention_seconds(self) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """``memory``: a KV store in this process's memory (tests, single runs, no persistence).
 
-It implements the whole contract (two-phase writes, leases, LRU capacity, retention expiry)
-so that engine code tested against it behaves the same on the persistent stores.
+It implements the whole contract (two-phase writes, leases, LRU capacity, retention expiry,
+holds) so that engine code tested against it behaves the same on the persistent stores. Its
+holds live in this process, like its blocks.
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from . import RETENTION_SECONDS, KVStoreConfig, ReadLease, WriteTicket
-from .leases import LeaseTable, TicketTable, check_buffers, evict_to_capacity, pieces
+from . import RETENTION_SECONDS, KVHold, KVStoreConfig, ReadLease, WriteTicket
+from .leases import (
+    HeldKeys,
+    HoldTable,
+    LeaseTable,
+    TicketTable,
+    check_buffers,
+    check_hold_seconds,
+    evict_to_capacity,
+    pieces,
+)
 
 DEFAULT_RESERVATION_SECONDS = 300.0
 
@@ -42,25 +52,29 @@ class MemoryKVStore:
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
         self._leases: LeaseTable[_Block] = LeaseTable()
         self._tickets = TicketTable()
+        self._holds = HoldTable()
         self._lock = threading.Lock()
-        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "expired": 0, "commits": 0}
+        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "expired": 0, "commits": 0, "holds": 0}
 
     # -- reads ----------------------------------------------------------------------------
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             n = 0
-            now = time.time()
+            now, held = time.time(), HeldKeys(self._holds)
             for key in keys:
-                block = self._blocks.get(key)
-                if block is None or block.expires_at <= now:  # expired blocks are not served
+                if not self._live(key, now, held):  # expired blocks are not served, unless held
                     break
                 n += 1
             return n
 
+    def _live(self, key: bytes, now: float, held: HeldKeys) -> bool:
+        block = self._blocks.get(key)
+        return block is not None and (block.expires_at > now or held.keeps(key, now))
+
     def acquire_read(self, keys: Sequence[bytes]) -> ReadLease:
         with self._lock:
-            now = time.time()
-            present = [k for k in keys if k in self._blocks and self._blocks[k].expires_at > now]
+            now, held = time.time(), HeldKeys(self._holds)
+            present = [k for k in keys if self._live(k, now, held)]
             for key in present:
                 self._blocks.move_to_end(key)  # a read is a use (LRU)
             return self._leases.acquire(keys, present)
@@ -138,7 +152,9 @@ class MemoryKVStore:
     def gc(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
         with self._lock:
-            expired = [k for k, b in self._blocks.items() if b.expires_at <= now]
+            self._holds.expire(now)
+            held = HeldKeys(self._holds, now).keys()
+            expired = [k for k, b in self._blocks.items() if b.expires_at <= now and k not in held]
             for key in expired:
                 self._drop(key)
             self._counters["expired"] += len(expired)
@@ -152,8 +168,21 @@ class MemoryKVStore:
     def _evict_to_capacity(self) -> None:
         """Down to capacity: expired blocks first, then least recently used."""
         self._counters["evictions"] += evict_to_capacity(
-            self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None
+            self._blocks, self.config.capacity_blocks, self._leases, lambda key, block: None, HeldKeys(self._holds)
         )
+
+    # -- holds ----------------------------------------------------------------------------
+    def hold(self, keys: Sequence[bytes], seconds: float) -> KVHold:
+        """Keep the live blocks among ``keys`` readable for ``seconds``, past their retention."""
+        seconds = check_hold_seconds(seconds)
+        with self._lock:
+            now, held = time.time(), HeldKeys(self._holds)
+            self._counters["holds"] += 1
+            return self._holds.add([k for k in dict.fromkeys(keys) if self._live(k, now, held)], now + seconds)
+
+    def release_hold(self, hold: KVHold) -> None:
+        with self._lock:
+            self._holds.remove(hold)
 
     # -- misc -----------------------------------------------------------------------------
     def retention_seconds(self) -> dict[str, float]:

@@ -253,11 +253,18 @@ def write_record(
     io.write_file(path, [encode_header(namespace_fp, key, payload, expires_at), payload])
 
 
-def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: memoryview | list[memoryview]) -> bool:
+def read_record(
+    io: RecordIO,
+    path: str,
+    namespace_fp: bytes,
+    key: bytes,
+    out: memoryview | list[memoryview],
+    keep_until: float = 0.0,
+) -> bool:
     """Read the record at ``path`` into ``out`` (payload only; one view, or a list of byte
     views filled back to back). False, with ``out`` in an unspecified state, when the file is
-    missing, short, of another namespace/key, or fails its checksum: the caller treats that
-    as a miss."""
+    missing, short, of another namespace/key, past its expiry (unless ``keep_until``, a hold's
+    deadline, is still ahead), or fails its checksum: the caller treats that as a miss."""
     outs = out if isinstance(out, list) else [out]
     size = sum(len(o) for o in outs)
     head = bytearray(payload_offset(key))
@@ -269,8 +276,8 @@ def read_record(io: RecordIO, path: str, namespace_fp: bytes, key: bytes, out: m
         elif io.read_file(path, 0, memoryview(head)) != len(head):
             return False
         header = decode_header(head, namespace_fp, key)
-        if header is None or header.payload_len != size or header.expires_at <= time.time():
-            return False  # not this record, or past its retention: a miss
+        if header is None or header.payload_len != size or max(header.expires_at, keep_until) <= time.time():
+            return False  # not this record, or past its retention (and not held): a miss
         if read_parts is None:
             offset = len(head)
             for piece in outs:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from ..kv_store import RETENTION_SECONDS, KVStore, KVStoreConfig, StaleTicketError
+from ..kv_store import RETENTION_SECONDS, KVStore, KVStoreConfig, KVStoreHolds, StaleTicketError
 
 __all__ = ["DAY", "KVStoreSuite", "StoreFactory", "corrupt_record_file", "key"]
 
@@ -303,6 +303,58 @@ class KVStoreSuite:
         assert bytes(buffer) == self.payload(1)
         store.release(lease)
         assert not self.visible(store, 1)
+
+    # -- holds (optional: a store without them is skipped) -----------------------------------
+    def holding(self, store: KVStore) -> KVStoreHolds:
+        if not isinstance(store, KVStoreHolds):
+            pytest.skip(f"{type(store).__name__} has no holds (hold / release_hold): retention alone keeps blocks")
+        return store
+
+    def test_hold_covers_live_blocks_only(self, store):
+        holds = self.holding(store)
+        self.put(store, [1, 2])
+        hold = holds.hold([key(1), key(3), key(2)], 60)
+        assert hold.keys == (key(1), key(2)) and hold.expires_at > time.time()
+        holds.release_hold(hold)
+        holds.release_hold(hold)  # idempotent
+
+    def test_held_block_outlives_expiry_until_the_hold_ends(self, store):
+        holds = self.holding(store)
+        start = time.time()
+        self.put(store, [1, 2], retention="agent")
+        hold = holds.hold([key(1)], 10 * DAY)
+        past_retention = start + RETENTION_SECONDS["agent"] + DAY + 60
+        store.gc(now=past_retention)
+        assert self.visible(store, 1) and not self.visible(store, 2)
+        assert self.read(store, [1]) == [self.payload(1)]
+        store.gc(now=hold.expires_at + 1)  # the hold ran out: expired like any block
+        assert not self.visible(store, 1)
+
+    def test_released_hold_frees_the_block_at_once(self, store):
+        holds = self.holding(store)
+        start = time.time()
+        self.put(store, [1], retention="agent")
+        hold = holds.hold([key(1)], 10 * DAY)
+        holds.release_hold(hold)
+        store.gc(now=start + RETENTION_SECONDS["agent"] + DAY + 60)
+        assert not self.visible(store, 1)
+
+    def test_hold_is_honoured_and_released_by_another_store_on_the_same_path(self, opened, store_path):
+        if not self.persistent:
+            pytest.skip("holds of a store that does not persist live in its process")
+        writer = opened(self.config(store_path))
+        holds = self.holding(writer)
+        start = time.time()
+        self.put(writer, [1, 2], retention="agent")
+        hold = holds.hold([key(1), key(2)], 10 * DAY)
+        reader = opened(self.config(store_path))  # another process sharing the store
+        reader.gc(now=start + RETENTION_SECONDS["agent"] + DAY + 60)
+        assert reader.match_prefix([key(1), key(2)]) == 2
+        assert self.read(reader, [1, 2]) == [self.payload(1), self.payload(2)]
+        self.holding(reader).release_hold(hold)
+        reader.gc(now=start + RETENTION_SECONDS["agent"] + DAY + 60)
+        assert reader.match_prefix([key(1)]) == 0
+        assert self.read(writer, [1]) == [None]  # the file went: a miss in every process
 
     # -- concurrency -------------------------------------------------------------------------
     def test_concurrent_writers_of_one_key(self, store):
