@@ -37,6 +37,14 @@ class DecodeGraphs(Protocol):
 # speculative drafter that reads the target's hidden state. None: the engine runs
 # ``forward_hidden`` eagerly. A speculative verify step of a model with ``verify_as_decode_rows``
 # arrives here as decode rows (one per token), so the captured buckets serve it too.
+#
+# Optional too: ``capture_draft(fn, example) -> replay | None`` captures a speculative drafter's
+# proposal: ``fn(*inputs)`` is a pure tensor function of row-independent inputs (``example``: one
+# tensor per input, ``[max_rows, ...]``, valid values) returning a tuple of ``[rows, ...]``
+# tensors; ``replay(*inputs)`` gives the same tuple for any ``rows <= max_rows`` (fresh tensors)
+# from a graph per batch bucket, or None for more rows. The engine offers it to a drafter with
+# ``use_graphs(capture_draft, max_rows, num_tokens)`` (the learned head: its whole chain of
+# ``num_tokens`` steps, ~100 launches each, becomes one replay).
 
 
 # factory(model, kv_caches, *, block_size, scratch_block, max_num_seqs, max_blocks) -> DecodeGraphs

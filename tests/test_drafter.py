@@ -119,6 +119,45 @@ def test_head_files_load_and_propose(tiny, tmp_path):
         drafter.propose(DraftBatch(batch.last_token_ids, batch.positions), 2)
 
 
+def test_a_captured_chain_is_the_eager_chain_with_padded_rows(tiny, tmp_path):
+    """``use_graphs``: the platform's ``capture_draft`` gets the whole chain as a function of
+    static-size inputs; a replay runs it over a bucket whose extra rows hold earlier values
+    (here: random), and the real rows' drafts and confidences are the eager call's. Calls the
+    capture cannot serve (another chain length, more rows) stay eager."""
+    ours, _ = tiny
+    save_head(_random_head(ours, torch.tensor([1, 4, 9, 16, 25, 36, 49, 64, 81])), str(tmp_path))
+    drafter = build_draft_drafter({"model": str(tmp_path)}, DrafterContext(model=ours, model_path="tiny"))
+    D = ours.config["hidden_size"]
+    captured, replays = [], []
+
+    def capture(fn, example):
+        captured.append(tuple((tuple(t.shape), t.dtype) for t in example))
+        g = torch.Generator().manual_seed(7)
+        stale = (torch.randn(example[0].shape, generator=g), torch.randint(0, 90, example[1].shape, generator=g))
+
+        def replay(*inputs):
+            n = inputs[0].shape[0]
+            if n > example[0].shape[0]:
+                return None
+            replays.append(n)
+            return tuple(out[:n] for out in fn(*(torch.cat([x, s[n:]]) for x, s in zip(inputs, stale))))
+
+        return replay
+
+    batch = DraftBatch(torch.tensor([3, 50, 7]), torch.tensor([5, 9, 2]), torch.randn(3, D), ("a", "b", "c"))
+    eager_ids, eager_confs = drafter.propose(batch, 4)
+    drafter.use_graphs(capture, max_rows=8, num_tokens=4)
+    assert captured == [(((8, D), torch.float32), ((8,), torch.int64))]
+    ids, confs = drafter.propose(batch, 4)
+    assert replays == [3] and ids.tolist() == eager_ids.tolist()
+    assert torch.allclose(confs, eager_confs, atol=1e-5)
+    drafter.propose(batch, 2)  # another chain length: eager
+    big = DraftBatch(torch.arange(9), torch.arange(9), torch.randn(9, D))
+    assert drafter.propose(big, 4)[0].shape == (9, 4) and replays == [3]  # more rows than captured: eager
+    drafter.use_graphs(lambda fn, example: None, max_rows=8, num_tokens=4)  # a platform that declines
+    assert drafter.propose(batch, 4)[0].tolist() == eager_ids.tolist()
+
+
 def test_head_for_another_model_is_refused(tiny, tmp_path):
     ours, _ = tiny
     cfg = dict(ours.config, hidden_size=48)

@@ -177,6 +177,9 @@ class LLMEngine:
         )  # fmt: skip
         self.runner.keep_hidden = spec.needs_hidden
         self.scheduler.on_release = spec.release
+        capture = getattr(self.runner.graphs, "capture_draft", None)  # the drafter's chain in graphs too
+        if capture is not None and hasattr(spec.drafter, "use_graphs"):
+            spec.drafter.use_graphs(capture, self.config.max_num_seqs, spec_cfg.num_speculative_tokens)
         if self.runner.graphs is not None and not self.runner.verify_as_decode_rows:
             log.info("speculative decoding: verify steps run eagerly (this model's verify is not decode-shaped)")
         log.info(

@@ -179,6 +179,25 @@ class LlamaDrafter:
 
     def __init__(self, head: DraftHead, target: SharedTarget) -> None:
         self.head, self.target = head, target
+        self._graphed = None  # (num_tokens, replay) where the platform captured the chain
+
+    def use_graphs(self, capture, max_rows: int, num_tokens: int) -> None:
+        """Have the platform capture the whole chain of ``num_tokens`` steps for up to
+        ``max_rows`` requests (``DecodeGraphs.capture_draft``); calls of other sizes stay eager."""
+        if not 1 <= num_tokens <= MAX_DRAFT_TOKENS:
+            return
+        D, device = self.head.cfg.hidden_size, self.head.vocab_ids.device
+        example = (
+            torch.zeros(max_rows, D, dtype=self.target.dtype, device=device),
+            torch.zeros(max_rows, dtype=torch.long, device=device),
+        )
+
+        def chain(hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad():
+                return self._chain(hidden, tokens, num_tokens)
+
+        replay = capture(chain, example)
+        self._graphed = None if replay is None else (num_tokens, replay)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +205,15 @@ class LlamaDrafter:
             raise ValueError("the 'draft' drafter needs the target's hidden states (DraftBatch.hidden)")
         if not 1 <= num_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_speculative_tokens for this head is 1..{MAX_DRAFT_TOKENS}, got {num_tokens}")
-        dtype = self.target.dtype
-        hidden, tokens = batch.hidden.to(dtype), batch.last_token_ids.long()
+        hidden, tokens = batch.hidden.to(self.target.dtype), batch.last_token_ids.long()
+        if self._graphed is not None and self._graphed[0] == num_tokens:
+            out = self._graphed[1](hidden, tokens)
+            if out is not None:
+                return out
+        return self._chain(hidden, tokens, num_tokens)
+
+    def _chain(self, hidden: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's ``num_tokens`` steps: tensors only, no host round trip (capturable)."""
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         drafts, confs = [], []
         for k in range(num_tokens):

@@ -102,6 +102,12 @@ class CudaDecodeGraphs:
             (torch.cuda.memory_allocated() - before) / 2**20,
         )
 
+    def capture_draft(self, fn, example: tuple[torch.Tensor, ...]):
+        """A speculative drafter's proposal in graphs per batch bucket (``draft_graphs``)."""
+        from .draft_graphs import capture_draft
+
+        return capture_draft(fn, example)
+
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         if self.v4 is not None:
             return self.v4.run(input_ids, meta)
