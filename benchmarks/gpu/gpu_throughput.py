@@ -703,6 +703,15 @@ def main() -> int:
             kv_cache_blocks=max(max(levels) * 2 + 300, 64 * 5 + 16),
         )
         cfg = llm.engine.model.config
+        from deepinfer_core.engine.kv_sizing import cache_bytes
+
+        # the memory measure: a loaded engine's peak (weights, KV cache, captured graphs,
+        # start-up warm-ups) against the checkpoint file plus its KV cache
+        load_peak = peak_mib()
+        kv_mib = cache_bytes(llm.engine.runner.kv_caches) / 2**20
+        held = {t.data_ptr(): t for t in list(llm.engine.model.parameters()) + list(llm.engine.model.buffers())}
+        weights_mib = sum(t.numel() * t.element_size() for t in held.values()) / 2**20
+        report.update(load_peak_mib=load_peak, kv_cache_mib=kv_mib, weights_held_mib=weights_mib)
         from deepinfer_core.models.fp8 import Fp8Experts, Fp8Linear
         from deepinfer_core.models.mxfp4 import Mxfp4Experts
 
@@ -818,6 +827,11 @@ def main() -> int:
         if args.model.startswith("v4mini"):
             file_mib = checkpoint_bytes(path) / 2**20
             log(f"| checkpoint file MiB | | {file_mib:.0f} | peak / file {di_peak / file_mib:.2f}x | | |")
+            log(f"| weights held MiB | | {weights_mib:.0f} | held / file {weights_mib / file_mib:.2f}x | | |")
+            log(
+                f"| peak after load MiB (KV cache {kv_mib:.0f}) | | {load_peak:.0f} | "
+                f"/ (file + KV) {load_peak / (file_mib + kv_mib):.2f}x | | |"
+            )
             report["file_mib"] = file_mib
         report.update(
             di_decode=di_dec,
