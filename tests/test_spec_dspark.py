@@ -176,3 +176,43 @@ def test_dspark_stops_drafting_when_it_does_not_pay_and_keeps_the_output(tiny_ll
         assert stats["acceptance_calibration"] == 0.0 and stats["num_accepted_tokens"] == 0
     else:
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+
+
+def _decoder(rate):
+    from deepinfer_core.engine.spec_config import SpecConfig
+    from deepinfer_core.engine.spec_decode import SpecDecoder
+
+    cfg = SpecConfig(method="ngram", num_speculative_tokens=4, verification="confidence")
+    return SpecDecoder(cfg, None, None, device="cpu", max_num_batched_tokens=512, max_model_len=1000, rate=rate)
+
+
+def test_the_engines_measured_cycles_price_a_speculative_step():
+    """The start-up curve (GPU-like: 16 more tokens in a step cost nothing) says verify; the
+    engine's own cycles say a speculative step takes 3x a plain one (host work, lost overlap),
+    and then K = 0. Where speculative cycles cost what the curve says, the same survivals keep
+    K > 0. Cycles of another batch size leave a bucket's figures alone."""
+    flat = StepRate([(1, 500.0), (512, 500.0)])  # 2 ms a step at any width
+    surv = np.cumprod(np.full((16, 4), 0.6), axis=1).ravel()  # 1.3 accepted drafts a request expected
+    for spec_s, verifies in ((0.006, False), (0.0021, True)):
+        dec = _decoder(flat)
+        dec._old_survivals.extend([surv, surv])
+        assert dec._dspark_budget(16, 64) > 0  # the curve alone
+        for _ in range(10):
+            dec._note_cycle(16, 0, 0.002)
+            dec._note_cycle(16, 48, spec_s)
+            dec._note_cycle(16, -1, 1.0)  # drafted, nothing verified: counts as neither
+            dec._note_cycle(1, 0, 0.5)  # another bucket
+        assert (dec._dspark_budget(16, 64) > 0) == verifies, spec_s
+        assert dec._plain_s[16] == pytest.approx(0.002)
+
+
+def test_k_with_a_measured_plain_step_is_the_brute_force_optimum():
+    rate = StepRate([(1, 400.0), (64, 200.0), (512, 40.0)])
+    rng = np.random.default_rng(3)
+    surv = np.cumprod(rng.random((8, 4)), axis=1).ravel()
+    for plain_s, extra in ((0.002, 0.0), (0.004, 0.001), (0.0025, 0.02)):
+        seconds = [plain_s + 1 / rate(np.array([8 + k]))[0] - 1 / rate(np.array([8]))[0] + (extra if k else 0.0)
+                   for k in range(33)]  # fmt: skip
+        top = np.sort(surv)[::-1]
+        brute = int(np.argmax([(8 + top[:k].sum()) / seconds[k] for k in range(33)]))
+        assert choose_budget(surv, 8, 32, rate, extra, plain_s) == brute

@@ -30,7 +30,13 @@ learned head on a CPU costs a third of a target step per draft) and confidences 
   size (wall time of the drafter's call, which ends with the host copy of its ids), so the rule
   reads ``(requests + top-K survivals) / (1 / steps_per_second(requests + K) + draft_s [K > 0])``;
 - survivals are scaled by the acceptance actually observed over what they predicted (a running
-  ratio over verified drafts), so an over-confident drafter is judged by its results.
+  ratio over verified drafts), so an over-confident drafter is judged by its results;
+- the step's cost is the engine's own: the wall time from one proposal to the next is one whole
+  engine cycle (drafting, the verify forward, sampling, commit), measured per batch size for
+  plain cycles (K = 0) and for speculative ones, whose excess over a plain cycle and the curve's
+  extra K tokens replaces the drafting time once measured. What the start-up curve misses
+  (a verify step's host work, a GPU's decode graphs replayed for plain steps, the overlap a
+  speculative engine gives up) is then in the rule.
 
 When the rule gives K = 0 before drafting, the drafter is not run at all (a step of plain
 decoding). Every so many such steps one proposal is drafted and verified as fixed-k would, a
@@ -85,16 +91,27 @@ class StepRate:
         return 1.0 / sec
 
 
-def choose_budget(survivals: np.ndarray, num_reqs: int, budget: int, rate: Callable, draft_s: float = 0.0) -> int:
+def choose_budget(
+    survivals: np.ndarray,
+    num_reqs: int,
+    budget: int,
+    rate: Callable,
+    draft_s: float = 0.0,
+    plain_s: float | None = None,
+) -> int:
     """DSpark's K in 0..budget: argmax of (num_reqs + top-K survivals summed) * rate(num_reqs + K);
-    with ``draft_s`` (seconds of drafting, paid when K > 0): of that gain over the step's time
-    1 / rate(num_reqs + K) + draft_s."""
+    with ``draft_s`` (seconds a speculative step adds, paid when K > 0): of that gain over the
+    step's time 1 / rate(num_reqs + K) + draft_s; with ``plain_s`` (a measured plain step), the
+    curve only prices the extra K tokens: plain_s + 1 / rate(num_reqs + K) - 1 / rate(num_reqs)."""
     top = np.sort(np.asarray(survivals, np.float64).ravel())[::-1][:budget]
     gain = num_reqs + np.concatenate(([0.0], np.cumsum(top)))
     steps = rate(num_reqs + np.arange(len(gain)))
-    if draft_s <= 0.0:
+    if draft_s <= 0.0 and plain_s is None:
         return int(np.argmax(gain * steps))
-    seconds = 1.0 / steps + np.where(np.arange(len(gain)) > 0, draft_s, 0.0)
+    seconds = 1.0 / steps
+    if plain_s is not None:
+        seconds = seconds - seconds[0] + plain_s
+    seconds = seconds + np.where(np.arange(len(gain)) > 0, max(draft_s, 0.0), 0.0)
     return int(np.argmax(gain / seconds))
 
 
@@ -136,6 +153,11 @@ class SpecDecoder:
         self._skipped = 0  # proposals skipped since the last probe
         self._probe_every = PROBE_FIRST
         self.num_skipped = 0  # proposals not drafted because K = 0
+        # engine cycles (one proposal to the next), per batch-size bucket: plain ones, and the
+        # excess of speculative ones over a plain cycle plus the curve's extra K tokens
+        self._plain_s: dict[int, float] = {}
+        self._spec_extra_s: dict[int, float] = {}
+        self._cycle: tuple[float, int, int] | None = None  # (start, requests, K verified) of the one running
         # totals since start (vLLM's spec_decode counters)
         self.num_drafts = 0  # verify steps of a request with >= 1 draft
         self.num_draft_tokens = 0
@@ -163,6 +185,10 @@ class SpecDecoder:
         ]
         for r in running:
             r.draft_token_ids = []
+        now = time.perf_counter()
+        if self._cycle is not None and self._cycle[1] == len(reqs):  # same batch: a comparable cycle
+            self._note_cycle(self._cycle[1], self._cycle[2], now - self._cycle[0])
+        self._cycle = (now, len(reqs), 0) if reqs else None
         if not reqs:
             return
         R = len(reqs)
@@ -212,6 +238,7 @@ class SpecDecoder:
             r.draft_token_ids = ids[:n]
             if n:
                 self._predicted[r.request_id] = sv[:n]
+        self._cycle = (now, R, int(sum(len_host)) or -1)  # drafted, nothing verified: neither kind
         seconds = time.perf_counter() - started
         self._note_draft_time(R, seconds)
         self.draft_seconds_total += seconds
@@ -225,7 +252,29 @@ class SpecDecoder:
         """K from the survivals two proposals back, scaled by the observed acceptance, and the
         measured drafting time."""
         survivals = np.clip(self._old_survivals[0] * self.calibration(), 0.0, 1.0)
-        return min(budget, choose_budget(survivals, num_reqs, budget, self.rate, self.draft_seconds(num_reqs)))
+        b = self._bucket(num_reqs)
+        plain = self._plain_s.get(b)
+        extra = self._spec_extra_s.get(b) if plain is not None else None
+        draft_s = self.draft_seconds(num_reqs) if extra is None else extra
+        return min(budget, choose_budget(survivals, num_reqs, budget, self.rate, draft_s, plain))
+
+    def _note_cycle(self, num_reqs: int, k: int, seconds: float) -> None:
+        """One engine cycle's wall time: a plain one (K = 0) or a speculative one's excess."""
+        b = self._bucket(num_reqs)
+        if k < 0:
+            return
+        if k == 0:
+            old = self._plain_s.get(b)
+            self._plain_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+            return
+        plain = self._plain_s.get(b)
+        if plain is None or self.rate is None:
+            return
+        tokens = np.array([num_reqs, num_reqs + k], np.float64)
+        extra_tokens = float(np.diff(1.0 / self.rate(tokens))[0])
+        excess = max(0.0, seconds - plain - extra_tokens)
+        old = self._spec_extra_s.get(b)
+        self._spec_extra_s[b] = excess if old is None else 0.8 * old + 0.2 * excess
 
     @staticmethod
     def _bucket(num_reqs: int) -> int:
