@@ -47,6 +47,9 @@ EDITS = [
 ]
 
 
+PROMPT_TOKENS = 256  # the longest prompt the KV sizing allows for
+
+
 def prompts(tokenizer) -> list[list[int]]:
     if tokenizer is None:  # a random-weights model (v4mini): token ids, a passage then its start again
         rng = np.random.default_rng(0)
@@ -222,11 +225,15 @@ def main() -> None:
         args.model = os.path.join(tempfile.gettempdir(), "deepinfer-v4mini-spec")
         if not os.path.exists(os.path.join(args.model, "config.json")):
             make_v4mini(args.model)
-    common = dict(device=args.device, max_num_seqs=max(levels), kv_cache_blocks=max(levels) + 8)
+    # KV for every request at once (128-token blocks; prompts here are under PROMPT_TOKENS): with
+    # one block a request the largest level was preempted (96 requests on an H200, 2026-12-07)
+    per_request = -(-(PROMPT_TOKENS + args.new_tokens + args.gamma + 1) // 128)
+    common = dict(device=args.device, max_num_seqs=max(levels), kv_cache_blocks=max(levels) * per_request + 16)
     if args.batch_invariant:
         common["batch_invariant"] = True
     base = LLM(args.model, **common)
     pool = prompts(base.get_tokenizer())
+    assert max(map(len, pool)) <= PROMPT_TOKENS, "a prompt longer than the KV sizing assumes"
     base_rate, base_step_ms = {}, {}
     warm = args.device != "cpu"  # an accelerator compiles kernels and captures graphs per shape on first use
     counter = count_steps(base)
