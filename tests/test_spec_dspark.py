@@ -134,7 +134,7 @@ class _CountingDrafter:
         return ids, torch.full((len(batch.request_ids), num_tokens), 0.9)
 
 
-def _counting_llm(tiny_llama, drafter, curve):
+def _counting_llm(tiny_llama, drafter, curve, **kwargs):
     from deepinfer_core.hookspecs import hookimpl
     from deepinfer_core.plugin_host import PluginHost
 
@@ -145,7 +145,7 @@ def _counting_llm(tiny_llama, drafter, curve):
 
     spec = {"method": "counting", "num_speculative_tokens": 4, "verification": "confidence", "steps_per_second": curve}
     return LLM(tiny_llama, host=PluginHost(extra_plugins={"t": Plugin()}), device="cpu", dtype="float32",
-               block_size=16, kv_cache_blocks=64, speculative_config=spec)  # fmt: skip
+               block_size=16, kv_cache_blocks=64, speculative_config=spec, **kwargs)  # fmt: skip
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -216,3 +216,36 @@ def test_k_with_a_measured_plain_step_is_the_brute_force_optimum():
         top = np.sort(surv)[::-1]
         brute = int(np.argmax([(8 + top[:k].sum()) / seconds[k] for k in range(33)]))
         assert choose_budget(surv, 8, 32, rate, extra, plain_s) == brute
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dspark_plain_streaks_run_overlapped_and_keep_the_output(tiny_llama):
+    """With overlapped scheduling on (the GPU default; forced here on the CPU), the steps DSpark
+    has already decided not to draft for run overlapped like a plain engine's; a streak ends at a
+    probe or when the batch changes, with its last step committed before the next serial one.
+    Tokens are the plain overlapped engine's, and requests arriving mid-streak are served."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, list(range(20, 50))]
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
+    base = LLM(tiny_llama, device="cpu", dtype="float32", block_size=16, kv_cache_blocks=64, overlap_scheduling=True)
+    expected = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    drafter = _CountingDrafter(sequences, 96, wrong=True)  # claims 0.9, is never right: K = 0 after two proposals
+    llm = _counting_llm(tiny_llama, drafter, [[1, 50.0], [512, 50.0]], overlap_scheduling=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()["spec_decode"]
+    assert stats["plain_steps_overlapped"] >= 30 and stats["num_accepted_tokens"] == 0, stats
+    assert drafter.calls <= 6 and llm.engine._in_flight is None
+    # a request arriving while a streak runs ends it (the batch changed) and is served exactly
+    engine, done = llm.engine, {}
+    ids = [engine.add_request(p, params[0]) for p in prompts[:2]]
+    before = engine.spec.num_plain_overlapped
+    while engine.spec.num_plain_overlapped < before + 5:
+        engine.step()
+    assert engine._in_flight is not None  # mid-streak
+    ids.append(engine.add_request(prompts[2], params[0]))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[i] for i in ids] == expected

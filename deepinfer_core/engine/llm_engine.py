@@ -140,8 +140,11 @@ class LLMEngine:
         self.outputs.spec_metrics = self.spec is not None
         # overlapped scheduling (engine/overlap.py): the step launched but not yet committed
         self.overlap = overlap.enabled(config.overlap_scheduling, self.platform.device_type, self.tiers is not None)
+        # with speculation a step runs serially (its drafts need the step before it committed),
+        # except DSpark's streaks of plain steps (K = 0, decided ahead), which overlap as usual
+        self._plain_overlap = self.overlap and self.spec is not None
         if self.overlap and self.spec is not None:
-            log.info("speculative decoding runs the non-overlapped step (overlapped scheduling is off with it)")
+            log.info("speculative decoding runs serial steps; DSpark's plain streaks (K = 0) overlap")
             self.overlap = False
         self.overlap_debug = config.overlap_debug or envs.get("DEEPINFER_OVERLAP_DEBUG")
         self._in_flight: overlap.InFlight | None = None
@@ -327,6 +330,18 @@ class LLMEngine:
             try:
                 if self.overlap:
                     return self._step_overlapped()
+                drained: list[RequestOutput] = []
+                if self._plain_overlap and self.lockstep is None:
+                    if self.spec.plain_ahead(len(self.scheduler.running)):
+                        self.spec.note_plain_step(len(self.scheduler.running))
+                        return self._step_overlapped()
+                    if self._in_flight is not None:  # the streak ended: commit its last step, then serial
+                        flight, self._in_flight = self._in_flight, None
+                        try:
+                            drained = self._commit(flight)
+                        except Exception as exc:
+                            log.exception("engine step failed; failing every request")
+                            return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
                 try:
                     sched = self.scheduler.schedule()
                     replay = self._replays(sched)
@@ -349,7 +364,7 @@ class LLMEngine:
                 except Exception as exc:  # no single request is at fault: fail them all
                     log.exception("engine step failed; failing every request")
                     return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
-                outputs = [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items()]
+                outputs = drained + [self._fail(self.scheduler.requests[i], msg) for i, msg in result.failed.items()]
                 outputs += [out for req in changed if (out := self._process(req)) is not None]
                 if self.spec is not None:  # drafts for the next step, from what this one committed
                     try:

@@ -158,6 +158,8 @@ class SpecDecoder:
         self._plain_s: dict[int, float] = {}
         self._spec_extra_s: dict[int, float] = {}
         self._cycle: tuple[float, int, int] | None = None  # (start, requests, K verified) of the one running
+        self._streak: int | None = None  # requests when DSpark last skipped drafting (a plain streak)
+        self.num_plain_overlapped = 0  # plain steps of a streak the engine ran overlapped
         # totals since start (vLLM's spec_decode counters)
         self.num_drafts = 0  # verify steps of a request with >= 1 draft
         self.num_draft_tokens = 0
@@ -200,6 +202,7 @@ class SpecDecoder:
                     self._skipped += 1
                     self.num_skipped += 1
                     self.last_budget = 0
+                    self._streak = R
                     return
                 # a probe: draft and verify as fixed-k (the whole budget), to see again whether it pays
                 self._skipped = 0
@@ -207,6 +210,7 @@ class SpecDecoder:
             else:
                 budget = k
                 self._probe_every = PROBE_FIRST
+        self._streak = None
         started = time.perf_counter()
         last = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs])
         positions = torch.tensor([r.num_tokens - 1 for r in reqs])
@@ -243,6 +247,24 @@ class SpecDecoder:
         self._note_draft_time(R, seconds)
         self.draft_seconds_total += seconds
         self.num_steps += 1
+
+    # -- plain streaks ---------------------------------------------------------------------------
+    def plain_ahead(self, num_running: int) -> bool:
+        """Whether DSpark's next proposal is already known to skip drafting: it skipped the last
+        one, the batch has as many requests, and the next probe is more than one step away. The
+        engine then runs the step overlapped, without proposing (``note_plain_step``)."""
+        return self._streak is not None and self._streak == num_running and self._skipped + 1 < self._probe_every
+
+    def note_plain_step(self, num_running: int) -> None:
+        """A step of the streak that ran without a proposal: counted as a skipped one, and timed
+        as a plain cycle (overlapped: what a plain step costs this engine)."""
+        self._skipped += 1
+        self.num_skipped += 1
+        self.num_plain_overlapped += 1
+        now = time.perf_counter()
+        if self._cycle is not None and self._cycle[1] == num_running and self._cycle[2] == 0:
+            self._note_cycle(num_running, 0, now - self._cycle[0])
+        self._cycle = (now, num_running, 0)
 
     # -- DSpark's corrections ------------------------------------------------------------------
     def _dspark_ready(self) -> bool:
@@ -345,6 +367,7 @@ class SpecDecoder:
             "accepted_per_position": list(self.accepted_per_position),
             "last_budget": self.last_budget,
             "skipped_proposals": self.num_skipped,
+            "plain_steps_overlapped": self.num_plain_overlapped,
             "acceptance_calibration": round(self.calibration(), 4),
             "proposals": self.num_steps,
             "draft_seconds": round(self.draft_seconds_total, 6),
