@@ -330,19 +330,13 @@ class LLMEngine:
             try:
                 if self.overlap:
                     return self._step_overlapped()
-                drained: list[RequestOutput] = []
-                if self._plain_overlap and self.lockstep is None:
-                    if self.spec.plain_ahead(len(self.scheduler.running)):
-                        self.spec.note_plain_step(len(self.scheduler.running))
-                        return self._step_overlapped()
-                    if self._in_flight is not None:  # the streak ended: commit its last step, then serial
-                        flight, self._in_flight = self._in_flight, None
-                        try:
-                            drained = self._commit(flight)
-                        except Exception as exc:
-                            log.exception("engine step failed; failing every request")
-                            return [self._fail(req, describe(exc)) for req in list(self.scheduler.requests.values())]
+                running = len(self.scheduler.running)
+                if self._plain_overlap and self.lockstep is None and self.spec.plain_ahead(running):
+                    self.spec.note_plain_step(running)
+                    return self._step_overlapped()
                 try:
+                    flight, self._in_flight = self._in_flight, None  # a plain streak's last step, committed first
+                    drained = self._commit(flight) if flight is not None else []
                     sched = self.scheduler.schedule()
                     replay = self._replays(sched)
                     if self.lockstep is not None:

@@ -67,22 +67,20 @@ def build_model(
         )
     ctx = model_context(host, platform, device, dtype, attention_backend, moe_backend, weight_format, parallel)
     ctx = ctx if expert_load is None else replace(ctx, expert_load=expert_load)
+
+    def keep_packed(m) -> set[str]:  # the FP8 / MXFP4 modules the platform runs, swapped in
+        return keep_fp8(m, files, host, platform) | keep_mxfp4(m, files, host, platform)
+
     swapped: list[set[str]] = []  # the checkpoint names kept packed, once the modules are swapped
-    if weight_format is None and files.fp8_weights is not None:
-
-        def swap(meta_model) -> None:  # before allocation: the dense stand-ins never take memory
-            swapped.append(keep_fp8(meta_model, files, host, platform) | keep_mxfp4(meta_model, files, host, platform))
-
-        ctx = replace(ctx, swap_modules=swap)
+    if weight_format is None and files.fp8_weights is not None:  # before allocation: no dense stand-ins
+        ctx = replace(ctx, swap_modules=lambda meta_model: swapped.append(keep_packed(meta_model)))
     with torch.device(device), skip_random_init():  # every parameter comes from the checkpoint
         model = models[arch](files.config, ctx)
     stream = (prepare_model(model) if prepare_model is not None else None) or (lambda weights: weights)
     if weight_format is not None and weight_format.prepare(model):
         model.load_weights(stream(weight_format.weights(files)))
     elif files.fp8_weights is not None and (  # swapped at allocation, else now (a model without the hook)
-        kept := swapped[0]
-        if swapped
-        else keep_fp8(model, files, host, platform) | keep_mxfp4(model, files, host, platform)
+        kept := swapped[0] if swapped else keep_packed(model)
     ):
         model.load_weights(stream(files.fp8_weights(frozenset(kept))))
     else:

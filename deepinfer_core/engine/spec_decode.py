@@ -115,6 +115,12 @@ def choose_budget(
     return int(np.argmax(gain / seconds))
 
 
+def _running_mean(means: dict[int, float], bucket: int, value: float) -> None:
+    """A bucket's exponential running mean (weight 0.2 on the new value; the first is taken as is)."""
+    old = means.get(bucket)
+    means[bucket] = value if old is None else 0.8 * old + 0.2 * value
+
+
 def measure_curve(run_forward: Callable[[int], None], max_tokens: int) -> tuple[tuple[int, float], ...]:
     """Time one forward of the target at each of :data:`CURVE_POINTS` (up to ``max_tokens``):
     the best of two runs after a warm-up."""
@@ -187,10 +193,7 @@ class SpecDecoder:
         ]
         for r in running:
             r.draft_token_ids = []
-        now = time.perf_counter()
-        if self._cycle is not None and self._cycle[1] == len(reqs):  # same batch: a comparable cycle
-            self._note_cycle(self._cycle[1], self._cycle[2], now - self._cycle[0])
-        self._cycle = (now, len(reqs), 0) if reqs else None
+        now = self._next_cycle(len(reqs))
         if not reqs:
             return
         R = len(reqs)
@@ -261,10 +264,7 @@ class SpecDecoder:
         self._skipped += 1
         self.num_skipped += 1
         self.num_plain_overlapped += 1
-        now = time.perf_counter()
-        if self._cycle is not None and self._cycle[1] == num_running and self._cycle[2] == 0:
-            self._note_cycle(num_running, 0, now - self._cycle[0])
-        self._cycle = (now, num_running, 0)
+        self._next_cycle(num_running)
 
     # -- DSpark's corrections ------------------------------------------------------------------
     def _dspark_ready(self) -> bool:
@@ -280,32 +280,30 @@ class SpecDecoder:
         draft_s = self.draft_seconds(num_reqs) if extra is None else extra
         return min(budget, choose_budget(survivals, num_reqs, budget, self.rate, draft_s, plain))
 
+    def _next_cycle(self, num_reqs: int) -> float:
+        """Close the engine cycle running (timed where the batch kept its size: comparable) and
+        open one for ``num_reqs`` requests, plain until a proposal says otherwise; returns now."""
+        now = time.perf_counter()
+        if self._cycle is not None and self._cycle[1] == num_reqs:
+            self._note_cycle(num_reqs, self._cycle[2], now - self._cycle[0])
+        self._cycle = (now, num_reqs, 0) if num_reqs else None
+        return now
+
     def _note_cycle(self, num_reqs: int, k: int, seconds: float) -> None:
         """One engine cycle's wall time: a plain one (K = 0) or a speculative one's excess."""
         b = self._bucket(num_reqs)
-        if k < 0:
-            return
         if k == 0:
-            old = self._plain_s.get(b)
-            self._plain_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
-            return
-        plain = self._plain_s.get(b)
-        if plain is None or self.rate is None:
-            return
-        tokens = np.array([num_reqs, num_reqs + k], np.float64)
-        extra_tokens = float(np.diff(1.0 / self.rate(tokens))[0])
-        excess = max(0.0, seconds - plain - extra_tokens)
-        old = self._spec_extra_s.get(b)
-        self._spec_extra_s[b] = excess if old is None else 0.8 * old + 0.2 * excess
+            _running_mean(self._plain_s, b, seconds)
+        elif k > 0 and b in self._plain_s and self.rate is not None:
+            extra_tokens = float(np.diff(1.0 / self.rate(np.array([num_reqs, num_reqs + k], np.float64)))[0])
+            _running_mean(self._spec_extra_s, b, max(0.0, seconds - self._plain_s[b] - extra_tokens))
 
     @staticmethod
     def _bucket(num_reqs: int) -> int:
         return 1 << max(0, num_reqs - 1).bit_length()
 
     def _note_draft_time(self, num_reqs: int, seconds: float) -> None:
-        b = self._bucket(num_reqs)
-        old = self._draft_s.get(b)
-        self._draft_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        _running_mean(self._draft_s, self._bucket(num_reqs), seconds)
 
     def draft_seconds(self, num_reqs: int) -> float:
         """Measured drafting time for a batch this size (its bucket's; else the nearest measured

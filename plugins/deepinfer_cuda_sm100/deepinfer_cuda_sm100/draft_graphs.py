@@ -4,8 +4,8 @@ The learned head's chain (``models.llama.drafter``) is ~100 small kernels per dr
 eagerly, the host's launches dominate a proposal (8.8-11.9 ms for 4 tokens on an H200 host
 against a 1.2-2.3 ms decode step, benchmarks/spec/spec_decode.py). Its rows are independent, so
 a bucket's graph over static inputs serves any smaller batch: the real rows are copied in, the
-padded rows keep earlier (valid) values and their outputs are dropped. The buckets share one
-memory pool, captured largest first, as the decode graphs do.
+padded rows keep earlier (valid) values and their outputs are dropped. The buckets are captured
+as the decode graphs are (``decode_capture.capture_buckets``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .decode_capture import bucket_sizes, smallest_bucket
+from .decode_capture import bucket_sizes, capture_buckets, smallest_bucket
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +30,10 @@ class DraftGraphs:
         start = time.perf_counter()
         self.inputs = tuple(t.clone() for t in example)  # static buffers, [max_rows, ...]
         self.buckets = bucket_sizes(example[0].shape[0])
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for n in sorted(self.buckets, reverse=True):
-                fn(*(t[:n] for t in self.inputs))  # warm-up: kernels compiled, allocator primed
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.outputs[n] = fn(*(t[:n] for t in self.inputs))
-                self.graphs[n] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        # the decode graphs' capture (one pool, largest first, a warm-up each), with no LM head
+        self.graphs, self.outputs, _ = capture_buckets(
+            self.buckets, lambda n: fn(*(t[:n] for t in self.inputs)), lambda n, out: None
+        )
         log.info(
             "captured the drafter's proposal in %d CUDA graphs (batch sizes %s) in %.1f s",
             len(self.graphs),
