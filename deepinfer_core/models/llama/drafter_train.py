@@ -192,19 +192,20 @@ def train_head(
     records, t0 = [], time.time()
     for step in range(1, steps + 1):
         idx = data.starts[torch.randint(len(data.starts), (batch_size,), generator=gen)]
-        ce_sum = feat_sum = bce_sum = 0.0
         loss = torch.zeros((), device=device)
         ok = torch.ones(batch_size, dtype=torch.bool, device=device)
-        hits = []
+        parts = []  # per chain step (ce, feature, bce, top-1), read back only when a step is logged
         for k, logits, labels, out, feat, conf in _chain(head, target, data, idx, lut):
             weight = 0.8**k  # later steps matter less: they are reached less often
-            ce = F.cross_entropy(logits, labels, ignore_index=-100) if bool((labels >= 0).any()) else logits.sum() * 0
+            # means over the labelled rows (ce) and the rows still on a right chain (bce), written
+            # as masked sums so that no step waits on the device to learn how many there are
+            ce = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / (labels >= 0).sum().clamp(min=1)
             fr = F.smooth_l1_loss(_unit(out), _unit(feat))
             correct = logits.argmax(-1) == labels
-            bce = F.binary_cross_entropy(conf[ok], correct[ok].float()) if bool(ok.any()) else conf.sum() * 0
+            bce_rows = F.binary_cross_entropy(conf, correct.float(), reduction="none")
+            bce = (bce_rows * ok).sum() / ok.sum().clamp(min=1)
             loss = loss + weight * (ce + 0.5 * fr) + bce
-            ce_sum, feat_sum, bce_sum = ce_sum + ce.item(), feat_sum + fr.item(), bce_sum + bce.item()
-            hits.append(float(correct.float().mean()))
+            parts.append(torch.stack([ce, fr, bce, correct.float().mean()]).detach())
             ok = ok & correct
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -212,9 +213,10 @@ def train_head(
         opt.step()
         sched.step()
         if step % log_every == 0 or step == steps:
-            n = data.chain
-            rec = {"step": step, "ce": ce_sum / n, "feature": feat_sum / n, "bce": bce_sum / n,
-                   "top1_by_step": hits, "seconds": time.time() - t0}  # fmt: skip
+            n, got = data.chain, torch.stack(parts).cpu()  # [chain, 4]: the one read-back of a logged step
+            hits = got[:, 3].tolist()
+            rec = {"step": step, "ce": float(got[:, 0].sum()) / n, "feature": float(got[:, 1].sum()) / n,
+                   "bce": float(got[:, 2].sum()) / n, "top1_by_step": hits, "seconds": time.time() - t0}  # fmt: skip
             records.append(rec)
             log(f"  step {step}/{steps}  ce {rec['ce']:.3f}  feat {rec['feature']:.4f}  bce {rec['bce']:.3f}  "
                 f"top1 {' '.join(f'{h:.2f}' for h in hits)}  {rec['seconds']:.0f} s")  # fmt: skip
