@@ -36,7 +36,10 @@ learned head on a CPU costs a third of a target step per draft) and confidences 
   plain cycles (K = 0) and for speculative ones, whose excess over a plain cycle and the curve's
   extra K tokens replaces the drafting time once measured. What the start-up curve misses
   (a verify step's host work, a GPU's decode graphs replayed for plain steps, the overlap a
-  speculative engine gives up) is then in the rule.
+  speculative engine gives up) is then in the rule. Until a batch size has a plain cycle timed,
+  the rule does not run: a few plain steps (:data:`EXPLORE_STEPS`) time one first, since the
+  curve of bare eager forwards can overprice a plain step 2-3x (a GPU replays graphs, overlapped)
+  and then every step would verify at a loss.
 
 When the rule gives K = 0 before drafting, the drafter is not run at all (a step of plain
 decoding). Every so many such steps one proposal is drafted and verified as fixed-k would, a
@@ -66,6 +69,9 @@ __all__ = ["SpecDecoder", "StepRate", "build_spec_decoder", "choose_budget"]
 
 #: DSpark's probes while K = 0 skips drafting: after this many skipped proposals, doubling to the max
 PROBE_FIRST, PROBE_MAX = 8, 256
+#: plain steps run to time a plain cycle for a batch size that has none measured (two are needed
+#: where plain steps run overlapped: a cycle is timed from one step's start to the next's)
+EXPLORE_STEPS = 4
 CALIBRATION_DECAY = 0.98  # per verified request: the observed acceptance's running ratio forgets slowly
 
 #: batch sizes (tokens) the start-up measurement times
@@ -163,7 +169,7 @@ class SpecDecoder:
         # excess of speculative ones over a plain cycle plus the curve's extra K tokens
         self._plain_s: dict[int, float] = {}
         self._spec_extra_s: dict[int, float] = {}
-        self._cycle: tuple[float, int, int] | None = None  # (start, requests, K verified) of the one running
+        self._cycle: tuple[float, int, int, str] | None = None  # (start, requests, K verified, source) running
         self._streak: int | None = None  # requests when DSpark last skipped drafting (a plain streak)
         self.num_plain_overlapped = 0  # plain steps of a streak the engine ran overlapped
         # totals since start (vLLM's spec_decode counters)
@@ -193,13 +199,20 @@ class SpecDecoder:
         ]
         for r in running:
             r.draft_token_ids = []
-        now = self._next_cycle(len(reqs))
+        now = self._next_cycle(len(reqs), "serial")
         if not reqs:
             return
         R = len(reqs)
         budget = max(0, self.max_num_batched_tokens - R)
         if self.policy.name == "confidence" and self._dspark_ready():
-            k = self._dspark_budget(R, budget)
+            if self._bucket(R) not in self._plain_s:
+                # no plain cycle of this batch size measured yet (without one the rule prices a plain
+                # step from the start-up curve of bare forwards, which a GPU's graphs and overlap beat
+                # by 2-3x): a short plain streak measures one, then the rule decides
+                k = 0
+                self._skipped = max(self._skipped, self._probe_every - EXPLORE_STEPS)
+            else:
+                k = self._dspark_budget(R, budget)
             if k == 0:
                 if self._skipped < self._probe_every:  # not worth drafting: a plain decoding step
                     self._skipped += 1
@@ -212,7 +225,7 @@ class SpecDecoder:
                 self._probe_every = min(2 * self._probe_every, PROBE_MAX)
             else:
                 budget = k
-                self._probe_every = PROBE_FIRST
+                self._skipped, self._probe_every = 0, PROBE_FIRST
         self._streak = None
         started = time.perf_counter()
         last = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs])
@@ -245,7 +258,7 @@ class SpecDecoder:
             r.draft_token_ids = ids[:n]
             if n:
                 self._predicted[r.request_id] = sv[:n]
-        self._cycle = (now, R, int(sum(len_host)) or -1)  # drafted, nothing verified: neither kind
+        self._cycle = (now, R, int(sum(len_host)) or -1, "serial")  # drafted, nothing verified: neither kind
         seconds = time.perf_counter() - started
         self._note_draft_time(R, seconds)
         self.draft_seconds_total += seconds
@@ -264,7 +277,7 @@ class SpecDecoder:
         self._skipped += 1
         self.num_skipped += 1
         self.num_plain_overlapped += 1
-        self._next_cycle(num_running)
+        self._next_cycle(num_running, "overlapped")
 
     # -- DSpark's corrections ------------------------------------------------------------------
     def _dspark_ready(self) -> bool:
@@ -280,13 +293,17 @@ class SpecDecoder:
         draft_s = self.draft_seconds(num_reqs) if extra is None else extra
         return min(budget, choose_budget(survivals, num_reqs, budget, self.rate, draft_s, plain))
 
-    def _next_cycle(self, num_reqs: int) -> float:
-        """Close the engine cycle running (timed where the batch kept its size: comparable) and
-        open one for ``num_reqs`` requests, plain until a proposal says otherwise; returns now."""
+    def _next_cycle(self, num_reqs: int, source: str) -> float:
+        """Close the engine cycle running and open one for ``num_reqs`` requests, plain until a
+        proposal says otherwise; returns now. ``source``: where the clock is read, "serial" (a
+        proposal, at the end of a serial step) or "overlapped" (a plain streak's step, at its
+        start). A cycle is timed only between two readings of the same source with the batch the
+        same size: between a serial step's end and the next overlapped step's start no step runs,
+        and from an overlapped step's start to the next serial step's end two steps run."""
         now = time.perf_counter()
-        if self._cycle is not None and self._cycle[1] == num_reqs:
+        if self._cycle is not None and self._cycle[1] == num_reqs and self._cycle[3] == source:
             self._note_cycle(num_reqs, self._cycle[2], now - self._cycle[0])
-        self._cycle = (now, num_reqs, 0) if num_reqs else None
+        self._cycle = (now, num_reqs, 0, source) if num_reqs else None
         return now
 
     def _note_cycle(self, num_reqs: int, k: int, seconds: float) -> None:
