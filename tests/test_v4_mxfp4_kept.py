@@ -28,7 +28,7 @@ from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG, write_tiny_v4_c
 
 LENS = (7, 30)
 NEW = 4
-_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
+_ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
 
 
 class OffersOps:
@@ -66,7 +66,7 @@ def _greedy(llm, prompts):
 
 
 def _file_expert_bytes(path: str) -> int:
-    """The routed experts' bytes in the files (packed weights + UE8M0 scales; MTP's left out)."""
+    """The routed experts' bytes in the files (packed weights + UE8M0 scales), the MTP block's too."""
     headers = read_headers(sorted(glob.glob(os.path.join(path, "*.safetensors"))))
     return sum(
         meta["data_offsets"][1] - meta["data_offsets"][0] for name, (_, meta) in headers.items() if _ROUTED.match(name)
@@ -87,7 +87,8 @@ def test_kept_packed_holds_the_file_bytes_and_matches_the_dequantized_engine(che
     path, prompts = checkpoint
     packed = _llm(path, FusedOps(mxfp4_moe=_not_called))
     kept = [m for n, m in packed.engine.model.named_modules() if isinstance(m, Mxfp4Experts)]
-    assert len(kept) == TINY_V4_CONFIG["num_hidden_layers"]  # every main layer; the MTP block's stay dequantized
+    mtp = [n for n, m in packed.engine.model.named_modules() if isinstance(m, Mxfp4Experts) and n.startswith("mtp.")]
+    assert len(kept) == TINY_V4_CONFIG["num_hidden_layers"] + 1 and mtp == ["mtp.0.mlp.experts"]  # and the MTP block
     held = sum(b.numel() * b.element_size() for m in kept for b in m.buffers())
     assert all(b.dtype == torch.uint8 for m in kept for b in m.buffers())
     assert held == _file_expert_bytes(path)
@@ -118,3 +119,37 @@ def test_ue8m0_scales_are_exact_powers_of_two(device):
     got = scale_to_float(e).double().cpu()
     want = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 127)
     assert torch.equal(got[:255], want[:255]) and got[255] == float("inf")
+
+
+def test_the_mtp_block_kept_packed_drafts_as_the_dequantized_one(checkpoint):
+    """The MTP block's FP8 projections and MXFP4 experts are kept packed like a main layer's
+    (they were dequantized at load: 0.8 GB of V4-mini's 3.1 GB file held as 3.2x its bytes), and
+    its forward gives the dequantized block's logits."""
+    from deepinfer_core.attention import AttentionMetadata
+    from deepinfer_core.models.fp8 import Fp8Linear, dequantize
+
+    path, prompts = checkpoint
+    ops = FusedOps(
+        fp8_linear=lambda x, w, s: torch.nn.functional.linear(x, dequantize(w, s).to(x.dtype)), mxfp4_moe=_not_called
+    )
+    packed, dense = _llm(path, ops).engine.model, _llm(path, None).engine.model
+    kinds = {n: type(m) for n, m in packed.named_modules() if n.startswith("mtp.0.")}
+    assert kinds["mtp.0.mlp.experts"] is Mxfp4Experts and kinds["mtp.0.self_attn.q_a_proj"] is Fp8Linear
+    assert not any(isinstance(m, (Fp8Linear, Mxfp4Experts)) for m in dense.modules())
+    ids = torch.tensor(prompts[1])
+    T, block = len(ids) - 1, 128
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),
+        positions=torch.arange(T), slot_mapping=torch.arange(T), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        block_size=block, max_query_len=T, max_seq_len=T, state_slots=torch.tensor([0]), prompt_lens=(T,),
+    )  # fmt: skip
+    got = []
+    for model in (packed, dense):
+        caches = model.kv_layout(block).allocate(2, 1, "cpu")
+        (mtp_cache,) = model.mtp_kv_layout(block).allocate(2, 1, "cpu")
+        with torch.no_grad():
+            streams = model.hidden_streams(ids[:-1], meta.positions, caches, meta)
+            got.append(model.mtp_forward(streams, ids[1:], meta.positions, mtp_cache, meta)[0])
+    assert got[0].shape == (T, TINY_V4_CONFIG["vocab_size"])
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-5)
+    assert torch.equal(got[0].argmax(-1), got[1].argmax(-1))

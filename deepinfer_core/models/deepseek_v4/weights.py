@@ -299,16 +299,16 @@ def renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, 
 
 def fp8_weight_names(headers: dict[str, tuple[str, dict]]) -> frozenset[str]:
     """transformers' names (``X.weight``) of a released checkpoint's FP8 e4m3 weights that come
-    with their UE8M0 tile scales: the weights a model may keep FP8 (``models.fp8.swap_in_fp8``).
-    The MTP module's are left out (it loads under its own prefix and stays dequantized)."""
+    with their UE8M0 tile scales: the weights a model may keep FP8 (``models.fp8.swap_in_fp8``),
+    the MTP module's (``mtp.N.``) included."""
     return _scaled_weight_names(headers, ("F8_E4M3",))
 
 
 def mxfp4_weight_names(headers: dict[str, tuple[str, dict]]) -> frozenset[str]:
-    """transformers' names (``model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight``) of a
-    released checkpoint's MXFP4 routed-expert weights (int8 / uint8 packed e2m1 pairs with their
-    UE8M0 ``.scale``): the weights a model may keep packed (``models.mxfp4.swap_in_mxfp4``). The
-    MTP module's are left out, as in :func:`fp8_weight_names`."""
+    """transformers' names (``model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight``, and
+    ``mtp.N.mlp.experts...`` for the MTP module's) of a released checkpoint's MXFP4 routed-expert
+    weights (int8 / uint8 packed e2m1 pairs with their UE8M0 ``.scale``): the weights a model may
+    keep packed (``models.mxfp4.swap_in_mxfp4``)."""
     return _scaled_weight_names(headers, ("I8", "U8"), experts_only=True)
 
 
@@ -316,8 +316,8 @@ def _scaled_weight_names(
     headers: dict[str, tuple[str, dict]], dtypes: tuple[str, ...], experts_only: bool = False
 ) -> frozenset[str]:
     """transformers' names of a released checkpoint's ``X.weight`` tensors stored as one of
-    ``dtypes`` with an ``X.scale`` beside them, outside the MTP module (routed experts only with
-    ``experts_only``); empty for a checkpoint not in the released layout."""
+    ``dtypes`` with an ``X.scale`` beside them (routed experts only with ``experts_only``); empty
+    for a checkpoint not in the released layout."""
     if not is_released_layout(headers):
         return frozenset()
     names = {released_name(n): meta for n, (_, meta) in headers.items()}
@@ -325,7 +325,7 @@ def _scaled_weight_names(
         hf_name(n)
         for n, meta in names.items()
         if meta["dtype"] in dtypes and n.endswith(".weight") and n[: -len("weight")] + "scale" in names
-        and not n.startswith("mtp.") and (not experts_only or ".experts." in n)
+        and (not experts_only or ".experts." in n)
     )  # fmt: skip
 
 
