@@ -229,6 +229,31 @@ def test_the_engines_measured_cycles_price_a_speculative_step():
         assert dec._plain_s[16] == pytest.approx(0.002)
 
 
+def test_a_cycle_is_timed_between_two_readings_of_the_same_kind(monkeypatch):
+    """A serial proposal reads the clock at a step's end, an overlapped streak step at its start:
+    from the one to the other no step runs (the first streak step was timed as that gap), and
+    from a streak step to the next serial proposal two steps run. Neither pair is timed; two
+    streak steps, or two proposals, are."""
+    from deepinfer_core.engine import spec_decode
+
+    now = [100.0]
+    monkeypatch.setattr(spec_decode.time, "perf_counter", lambda: now[0])
+    dec = _decoder(StepRate([(1, 500.0), (512, 500.0)]))
+    dec._next_cycle(4, "serial")  # a proposal that skipped drafting: the streak starts
+    now[0] += 0.0001
+    dec._next_cycle(4, "overlapped")  # at once: the first streak step's start
+    assert 4 not in dec._plain_s
+    now[0] += 0.002
+    dec._next_cycle(4, "overlapped")  # one overlapped step later
+    assert dec._plain_s[4] == pytest.approx(0.002)
+    now[0] += 0.005
+    dec._next_cycle(4, "serial")  # the streak's last step and a serial one: not one cycle
+    assert dec._plain_s[4] == pytest.approx(0.002)
+    now[0] += 0.003
+    dec._next_cycle(4, "serial")  # proposal to proposal: one serial step
+    assert dec._plain_s[4] == pytest.approx(0.8 * 0.002 + 0.2 * 0.003)
+
+
 def test_k_with_a_measured_plain_step_is_the_brute_force_optimum():
     rate = StepRate([(1, 400.0), (64, 200.0), (512, 40.0)])
     rng = np.random.default_rng(3)
