@@ -169,6 +169,7 @@ class SpecDecoder:
         # excess of speculative ones over a plain cycle plus the curve's extra K tokens
         self._plain_s: dict[int, float] = {}
         self._spec_extra_s: dict[int, float] = {}
+        self._explored: set[int] = set()  # buckets whose plain cycle a short plain streak went to time
         self._cycle: tuple[float, int, int, str] | None = None  # (start, requests, K verified, source) running
         self._streak: int | None = None  # requests when DSpark last skipped drafting (a plain streak)
         self.num_plain_overlapped = 0  # plain steps of a streak the engine ran overlapped
@@ -205,10 +206,14 @@ class SpecDecoder:
         R = len(reqs)
         budget = max(0, self.max_num_batched_tokens - R)
         if self.policy.name == "confidence" and self._dspark_ready():
-            if self._bucket(R) not in self._plain_s:
+            b = self._bucket(R)
+            if b not in self._plain_s and b not in self._explored:
                 # no plain cycle of this batch size measured yet (without one the rule prices a plain
                 # step from the start-up curve of bare forwards, which a GPU's graphs and overlap beat
-                # by 2-3x): a short plain streak measures one, then the rule decides
+                # by 2-3x): a short plain streak measures one, then the rule decides. Once per bucket:
+                # where the batch changes size every step no cycle is ever timed, and the rule then
+                # goes by the curve as before rather than exploring again and again
+                self._explored.add(b)
                 k = 0
                 self._skipped = max(self._skipped, self._probe_every - EXPLORE_STEPS)
             else:
