@@ -1,5 +1,6 @@
 """DeepSeek-V4's released FP8 projections kept FP8 on the GPU (e4m3 bytes + UE8M0 tile scales
-through the plugin's ``fp8_linear``; MXFP4 routed experts still dequantized at load).
+through the plugin's ``fp8_linear``) and its MXFP4 routed experts kept packed (``mxfp4_moe``),
+the MTP block's included.
 
 GPU only: the plugin's fused ops (and so the FP8 GEMM that makes the engine keep FP8) answer for
 CUDA platforms alone. Float32 greedy tokens of the plugin engine equal the builtin reference
@@ -56,6 +57,38 @@ def test_fp8_projections_kept_and_tokens_equal_the_reference(checkpoint):
     assert kept and all(m.kernel is not None and m.qweight.dtype == torch.uint8 for m in kept)
     assert greedy(llm, prompts) == want
     assert llm.engine.overlap and llm.engine.runner.graphs is not None  # overlapped, decode in graphs
+
+
+def test_mtp_block_kept_packed_drafts_as_the_reference(checkpoint):
+    """The MTP block's FP8 projections and MXFP4 experts stay packed as a main layer's do (the
+    plugin's FP8 GEMM and MXFP4 MoE kernel run them); MTP drafting over them proposes the
+    reference path's drafts, call for call, and verifies to its tokens (float32)."""
+    from deepinfer_core.models.mxfp4 import Mxfp4Experts
+
+    path, prompts = checkpoint
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "verification": "fixed"}
+    common = dict(device="cuda", dtype="float32", kv_cache_blocks=16, speculative_config=spec)
+
+    def drafted(llm):
+        calls, drafter = [], llm.engine.spec.drafter
+        propose = drafter.propose
+
+        def record(batch, num_tokens):
+            ids, conf = propose(batch, num_tokens)
+            calls.append(ids.cpu().tolist())
+            return ids, conf
+
+        drafter.propose = record
+        return greedy(llm, prompts), calls
+
+    ref = LLM(path, attention_backend="builtin", moe_backend="builtin", fused_ops=False, **common)
+    want, want_drafts = drafted(ref)
+    del ref
+    llm = LLM(path, **common)
+    mtp = {n: type(m) for n, m in llm.engine.model.named_modules() if n.startswith("mtp.0.")}
+    assert mtp["mtp.0.mlp.experts"] is Mxfp4Experts and mtp["mtp.0.self_attn.q_a_proj"] is Fp8Linear
+    got, got_drafts = drafted(llm)
+    assert got == want and got_drafts == want_drafts and want_drafts
 
 
 def test_bf16_fp8_engine_runs_in_graphs_and_overlap_equals_serial(checkpoint):
