@@ -108,7 +108,7 @@ def test_the_fused_op_is_the_dispatcher_forward_and_refuses_plain_experts():
 
 # ---- a tiny DeepSeek-V4 checkpoint, experts kept packed --------------------------------------
 
-_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
+_ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
 LENS = (5, 12)
 NEW = 2
 
@@ -153,7 +153,7 @@ def test_tiny_v4_keeps_experts_packed_and_matches_the_dequantized_engine(checkpo
         llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, host=host, fused_ops=False)
         ref = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=16, host=PluginHost(load_entry_points=False))
     kept = [m for m in llm.engine.model.modules() if isinstance(m, Mxfp4Experts)]
-    assert len(kept) == TINY_V4_CONFIG["num_hidden_layers"]
+    assert len(kept) == TINY_V4_CONFIG["num_hidden_layers"] + 1  # every main layer and the MTP block
     assert all(b.dtype == torch.uint8 for m in kept for b in m.buffers())
     headers = read_headers(sorted(glob.glob(os.path.join(path, "*.safetensors"))))
     file_bytes = sum(m["data_offsets"][1] - m["data_offsets"][0] for n, (_, m) in headers.items() if _ROUTED.match(n))
