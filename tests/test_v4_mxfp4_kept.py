@@ -125,7 +125,8 @@ def test_the_mtp_block_kept_packed_drafts_as_the_dequantized_one(checkpoint):
     """The MTP block's FP8 projections and MXFP4 experts are kept packed like a main layer's
     (they were dequantized at load: 0.8 GB of V4-mini's 3.1 GB file held as 3.2x its bytes), and
     its forward gives the dequantized block's logits."""
-    from deepinfer_core.attention import AttentionMetadata
+    from test_deepseek_v4_mtp import BLOCK, meta_for
+
     from deepinfer_core.models.fp8 import Fp8Linear, dequantize
 
     path, prompts = checkpoint
@@ -137,16 +138,12 @@ def test_the_mtp_block_kept_packed_drafts_as_the_dequantized_one(checkpoint):
     assert kinds["mtp.0.mlp.experts"] is Mxfp4Experts and kinds["mtp.0.self_attn.q_a_proj"] is Fp8Linear
     assert not any(isinstance(m, (Fp8Linear, Mxfp4Experts)) for m in dense.modules())
     ids = torch.tensor(prompts[1])
-    T, block = len(ids) - 1, 128
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, T], dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),
-        positions=torch.arange(T), slot_mapping=torch.arange(T), block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        block_size=block, max_query_len=T, max_seq_len=T, state_slots=torch.tensor([0]), prompt_lens=(T,),
-    )  # fmt: skip
+    T = len(ids) - 1
+    meta = meta_for(T, prompt=T)
     got = []
     for model in (packed, dense):
-        caches = model.kv_layout(block).allocate(2, 1, "cpu")
-        (mtp_cache,) = model.mtp_kv_layout(block).allocate(2, 1, "cpu")
+        caches = model.kv_layout(BLOCK).allocate(2, 1, "cpu")
+        (mtp_cache,) = model.mtp_kv_layout(BLOCK).allocate(2, 1, "cpu")
         with torch.no_grad():
             streams = model.hidden_streams(ids[:-1], meta.positions, caches, meta)
             got.append(model.mtp_forward(streams, ids[1:], meta.positions, mtp_cache, meta)[0])

@@ -208,9 +208,7 @@ class SpecDecoder:
         if self.policy.name == "confidence" and self.plain_ahead(R):
             # a streak's step known ahead (serial engines: the CPU): skipped without re-running the
             # rule, whose inputs only the next probe refreshes (~0.25 ms a step, 4% of a CPU step)
-            self._skipped += 1
-            self.num_skipped += 1
-            self.last_budget = 0
+            self._skip_plain(R)
             return
         if self.policy.name == "confidence" and self._dspark_ready():
             b = self._bucket(R)
@@ -227,10 +225,7 @@ class SpecDecoder:
                 k = self._dspark_budget(R, budget)
             if k == 0:
                 if self._skipped < self._probe_every:  # not worth drafting: a plain decoding step
-                    self._skipped += 1
-                    self.num_skipped += 1
-                    self.last_budget = 0
-                    self._streak = R
+                    self._skip_plain(R)
                     return
                 # a probe: draft and verify as fixed-k (the whole budget), to see again whether it pays
                 self._skipped = 0
@@ -286,10 +281,16 @@ class SpecDecoder:
     def note_plain_step(self, num_running: int) -> None:
         """A step of the streak that ran without a proposal: counted as a skipped one, and timed
         as a plain cycle (overlapped: what a plain step costs this engine)."""
-        self._skipped += 1
-        self.num_skipped += 1
+        self._skip_plain(num_running)
         self.num_plain_overlapped += 1
         self._next_cycle(num_running, "overlapped")
+
+    def _skip_plain(self, num_reqs: int) -> None:
+        """A proposal not drafted (K = 0): one plain step of a streak of ``num_reqs`` requests."""
+        self._skipped += 1
+        self.num_skipped += 1
+        self.last_budget = 0
+        self._streak = num_reqs
 
     # -- DSpark's corrections ------------------------------------------------------------------
     def _dspark_ready(self) -> bool:
