@@ -273,3 +273,21 @@ def test_engine_refuses_a_bad_checkpoint_before_building_the_model(fresh, monkey
     monkeypatch.setattr(loading, "build_model", build)
     with pytest.raises(WeightsError, match=r"missing tensors: layers\.0\.ffn\.gate\.tid2eid"):
         LLM(fresh, device="cpu")
+
+
+@pytest.mark.parametrize("stored", [torch.int32, torch.int64])
+def test_hash_tables_are_held_as_int32_with_the_file_s_values(fresh, stored):
+    """The hash layers' token -> experts tables (129K x 6 in V4) are held as int32 whether the file
+    stores I32 (the release) or I64, and route by exactly the file's values."""
+    from safetensors.torch import load_file
+
+    from deepinfer_core import LLM
+
+    name = "layers.0.ffn.gate.tid2eid"
+    _rewrite(fresh, lambda t: t.update({name: t[name].to(stored)}) if name in t else None)
+    files = [os.path.join(fresh, f) for f in sorted(os.listdir(fresh)) if f.endswith(".safetensors")]
+    table = next(t[name] for t in map(load_file, files) if name in t)
+    assert table.dtype == stored and int(table.max()) > 0
+    llm = LLM(fresh, device="cpu", dtype="float32", kv_cache_blocks=8)
+    held = llm.engine.model.model.layers[0].mlp.gate.tid2eid
+    assert held.dtype == torch.int32 and torch.equal(held.long(), table.long())

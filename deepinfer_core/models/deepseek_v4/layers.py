@@ -237,7 +237,8 @@ class V4Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         if hashed:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.long))
+            # int32 as shipped: int64 doubled a 129K-token table (6 MiB a hash layer in V4-mini)
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.int32))
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
