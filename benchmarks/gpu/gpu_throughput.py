@@ -23,6 +23,7 @@ For each model, in one process (each engine measured after the other was freed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -506,6 +507,12 @@ def main() -> int:
         "the graph: head eager, bf16 logits; alternated with the default",
     )
     ap.add_argument(
+        "--ab-fold",
+        action="store_true",
+        help="DeepSeek-V4: also time decode (levels <= 64) on an engine whose MoE layers run the clamped shared expert "
+        "as its own MLP (before 2026-12-07), alternated with the default (shared expert folded into the routed GEMVs)",
+    )
+    ap.add_argument(
         "--prefill-runs",
         type=int,
         default=1,
@@ -770,6 +777,8 @@ def main() -> int:
                 a, b = [r[n] for r in ab["after"]], [r[n] for r in ab["before"]]
                 log(f"| {n} | {a[0]:.3f}, {a[1]:.3f} | {b[0]:.3f}, {b[1]:.3f} | {min(b) / min(a):.3f}x |")
             report["ab"] = ab
+        if args.ab_fold:
+            report["ab_fold"] = ab_fold(llm, path, levels, vocab, args.steps)
         if args.profile:
             profile(llm, vocab, di_dec)
         del llm
@@ -847,6 +856,47 @@ def main() -> int:
     if args.json:
         write_json(args.json, report)
     return 0
+
+
+@contextlib.contextmanager
+def shared_expert_apart():
+    """The cuda_sm100 MoE dispatcher as before 2026-12-07: a layer with a SwiGLU clamp (DeepSeek-V4)
+    runs its shared expert as its own MLP instead of one more row of the routed GEMVs."""
+    from deepinfer_cuda_sm100.moe import TritonMoEDispatcher
+
+    fold = TritonMoEDispatcher.forward_with_shared
+
+    def apart(self, spec, *args, **kwargs):
+        return None if spec.swiglu_limit is not None else fold(self, spec, *args, **kwargs)
+
+    TritonMoEDispatcher.forward_with_shared = apart
+    try:
+        yield
+    finally:
+        TritonMoEDispatcher.forward_with_shared = fold
+
+
+def ab_fold(llm: LLM, path: str, levels: list[int], vocab: int, steps: int) -> dict:
+    """Decode ms/step, the shared expert folded (``llm``) against apart (a second engine built and
+    run inside :func:`shared_expert_apart`), two alternations; both engines alive."""
+    ab_levels = [n for n in levels if n <= 64]
+    with shared_expert_apart():
+        old = di(path, "bfloat16", max_num_seqs=max(ab_levels), kv_cache_blocks=max(ab_levels) * 2 + 300)
+    ab = {"folded": [], "apart": []}
+    for _ in range(2):
+        log("  A/B shared expert folded:")
+        ab["folded"].append(di_speed(llm, vocab, ab_levels, steps, 128))
+        log("  A/B shared expert apart:")
+        with shared_expert_apart():
+            ab["apart"].append(di_speed(old, vocab, ab_levels, steps, 128))
+    del old
+    free()
+    log("A/B decode ms/step, shared expert folded into the routed GEMVs vs its own MLP, two alternations:")
+    log("| requests | folded | apart | apart / folded |\n|---:|---|---|---:|")
+    for n in ab_levels:
+        a, b = [r[n] for r in ab["folded"]], [r[n] for r in ab["apart"]]
+        log(f"| {n} | {a[0]:.3f}, {a[1]:.3f} | {b[0]:.3f}, {b[1]:.3f} | {min(b) / min(a):.3f}x |")
+    return ab
 
 
 def write_json(path: str, report: dict) -> None:

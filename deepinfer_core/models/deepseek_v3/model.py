@@ -34,7 +34,7 @@ from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from .. import ModelContext
 from ..fast_init import allocate
 from ..hf_weights import load_hf_weights
-from ..layers import FusedLinear, GatedMLP, PreNormDecoderLayer, RMSNorm, StackedExperts
+from ..layers import GatedMLP, PreNormDecoderLayer, RMSNorm, StackedExperts
 from .mla import MLAAttention, build_rotary, mla_spec
 
 
@@ -122,25 +122,10 @@ class DeepseekV3MoE(nn.Module):
         """The shared expert as a one-expert stack (views of its weights, FP8 with scales), for a
         dispatcher's ``forward_with_shared``; None without one or where its projections are not
         plain bias-free linears (e.g. packed low-bit modules)."""
-        from ..fp8 import Fp8Linear
+        from ..fp8 import shared_expert_weights
 
         mlp = self.shared_experts
-        if mlp is None:
-            return None
-        gu, dn = mlp.gate_up_proj, mlp.down_proj
-        if isinstance(gu, Fp8Linear) and isinstance(dn, Fp8Linear):
-            return ExpertWeights(gu.weight_fp8[None], dn.weight_fp8[None], gu.scale_inv[None], dn.scale_inv[None])
-        w1, w2 = getattr(gu, "weight", None), getattr(dn, "weight", None)
-        plain = type(gu).forward is FusedLinear.forward and type(dn).forward is nn.Linear.forward
-        if (
-            plain
-            and isinstance(w1, torch.Tensor)
-            and isinstance(w2, torch.Tensor)
-            and gu.bias is None
-            and dn.bias is None
-        ):
-            return ExpertWeights(w1[None], w2[None])
-        return None
+        return None if mlp is None else shared_expert_weights(mlp.gate_up_proj, mlp.down_proj)
 
 
 class LayerKernels(NamedTuple):

@@ -270,6 +270,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.mtp is not None and not any(n.startswith("mtp.") for n in loaded):
             self.mtp = None  # the checkpoint has no MTP module: free its memory, drafting unavailable
             self.mtp_unavailable = NO_MTP_IN_CHECKPOINT
+        for module in self.modules():
+            if isinstance(module, V4MoE):
+                module.bind_shared()
 
     def _batch(self, meta: AttentionMetadata) -> V4Batch:
         """The step's layout on the host: from the host-side copies the engine's batch builder

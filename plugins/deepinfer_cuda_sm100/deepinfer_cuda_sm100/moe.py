@@ -70,17 +70,20 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         """Routed experts plus the shared expert, its output summed in float32 with the routed
         rows and rounded once (the separate path rounds the routed sum and the shared output,
         then adds). A few 16-bit decode rows: the shared expert is each token's last row of the
-        same two GEMV launches. Larger 16-bit batches (:meth:`_grouped_with_shared`): the shared
-        MLP on cuBLAS, added inside the routed rows' sum (prefill: one read-add-write pass over
-        the hidden state a layer fewer). None where neither applies (batch-invariant forwards,
-        float32, a SwiGLU clamp, other shapes): the caller then runs the shared expert itself."""
+        same two GEMV launches (an FP8 shared expert beside MXFP4 routed ones too, DeepSeek-V4's
+        release), clamped by ``spec.swiglu_limit`` as the routed rows are (the caller's shared
+        expert must compute so: V4's does). Larger 16-bit batches (:meth:`_grouped_with_shared`):
+        the shared MLP on cuBLAS, added inside the routed rows' sum (prefill: one read-add-write
+        pass over the hidden state a layer fewer), without a SwiGLU clamp. None where neither
+        applies (batch-invariant forwards, float32, other shapes): the caller then runs the
+        shared expert itself."""
         from .kernels.fused_moe import _counts, _sum_rows, _use_gemv
         from .kernels.invariant import INVARIANT
         from .kernels.moe_gemv import moe_gemv, shared_fits
 
         T, k = topk_ids.shape
         gs, ds = experts.gate_up_scale, experts.down_scale
-        if INVARIANT.get() or spec.swiglu_limit is not None or (gs is None) != (ds is None) or hidden.dim() != 2:
+        if INVARIANT.get() or (gs is None) != (ds is None) or hidden.dim() != 2:
             return None
         if not _use_gemv(False, T * (k + 1), hidden, experts.gate_up):
             return self._grouped_with_shared(spec, hidden, topk_ids, topk_weights, experts, shared)
@@ -89,8 +92,9 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
         if experts.gate_up.stride(-1) != 1 or experts.down.stride(-1) != 1:
             return None
         rows = moe_gemv(
-            hidden.contiguous(), experts.gate_up, experts.down, topk_ids, topk_weights, None, gs, ds, shared=shared
-        )
+            hidden.contiguous(), experts.gate_up, experts.down, topk_ids, topk_weights, spec.swiglu_limit, gs, ds,
+            shared=shared,
+        )  # fmt: skip
         counts = _counts(topk_ids, experts.gate_up.shape[0])
         if counts is not None:  # graph replays are not counted
             self._load = counts if self._load is None else self._load + counts
@@ -107,7 +111,8 @@ class TritonMoEDispatcher(TorchMoEDispatcher):
 
         dtype = hidden.dtype
         if (
-            dtype not in (torch.bfloat16, torch.float16)
+            spec.swiglu_limit is not None  # the shared MLP below has no clamp
+            or dtype not in (torch.bfloat16, torch.float16)
             or experts.gate_up_scale is not None
             or experts.gate_up.dtype != dtype
         ):

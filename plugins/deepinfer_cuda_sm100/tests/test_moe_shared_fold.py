@@ -56,22 +56,82 @@ def test_shared_expert_folded_matches_reference(fp8):
     assert ((got.double() - separate).norm() / separate.norm()).item() > 1e-3  # the shared expert is in the sum
 
 
-def reference(hidden, ids, w, experts, shared, fp8):
+def reference(hidden, ids, w, experts, shared, fp8, limit=None, shared_fp8=None):
     """float64: each routed choice (times its weight) and the shared expert (times 1): gate / up
-    rounded to bf16, SiLU-and-mul rounded, FP8: the inputs of both products quantized as the
-    kernels do (e4m3 per row and 128 channels)."""
+    rounded to bf16, clamped by ``limit`` (gate above, up both sides), SiLU-and-mul rounded;
+    FP8: the inputs of both products quantized as the kernels do (e4m3 per row and 128
+    channels), for the routed rows (``fp8``) and the shared row (``shared_fp8``, default ``fp8``)."""
     from test_fp8_kernels import act_quant64  # the FP8 kernels' test helper (same directory)
 
-    q = act_quant64 if fp8 else (lambda t: t.double())
-    xq = q(hidden)
-    rows = [(experts.gate_up[e], experts.down[e], w[0, j].double()) for j, e in enumerate(ids[0].tolist())]
-    out = torch.zeros(1, D, dtype=torch.float64, device=hidden.device)
-    for gu, dn, wt in rows + [(shared.gate_up[0], shared.down[0], 1.0)]:
-        y = xq @ gu.double().t()
-        gate, up = y[:, :I].to(torch.bfloat16).double(), y[:, I:].to(torch.bfloat16).double()
+    def quant(on):
+        return act_quant64 if on else (lambda t: t.double())
+
+    routed_q, shared_q = quant(fp8), quant(fp8 if shared_fp8 is None else shared_fp8)
+    i = experts.down.shape[-1]
+    rows = [(experts.gate_up[e], experts.down[e], w[0, j].double(), routed_q) for j, e in enumerate(ids[0].tolist())]
+    out = torch.zeros(1, experts.down.shape[1], dtype=torch.float64, device=hidden.device)
+    for gu, dn, wt, q in rows + [(shared.gate_up[0], shared.down[0], 1.0, shared_q)]:
+        y = q(hidden) @ gu.double().t()
+        gate, up = y[:, :i].to(torch.bfloat16).double(), y[:, i:].to(torch.bfloat16).double()
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         act = (gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16)
         out += (q(act) @ dn.double().t()) * wt
     return out
+
+
+def test_clamped_shared_expert_folded_matches_reference():
+    """DeepSeek-V4's SwiGLU clamp: every row of the fold, the shared expert's too, clamped as
+    its ClampedMLP does (a limit the values cross, so the clamp matters)."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(17)
+    experts, shared = _weights(g, False)
+    experts = ExpertWeights(experts.gate_up * 8, experts.down)  # pre-activations well past the limit
+    shared = ExpertWeights(shared.gate_up * 8, shared.down)
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", swiglu_limit=1.5)
+    hidden = torch.randn(1, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(1, E, generator=g).to(DEVICE))
+    got = TritonMoEDispatcher().forward_with_shared(spec, hidden, ids, w, experts, shared)
+    assert got is not None
+    f64 = (experts.dequantized(torch.float64), shared.dequantized(torch.float64))
+    want = reference(hidden, ids, w, *f64, False, limit=1.5)
+    unclamped = reference(hidden, ids, w, *f64, False)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < 6e-3, f"relative error {err:.2e}"
+    assert ((unclamped - want).norm() / want.norm()).item() > 5e-2  # the clamp changed the result
+    wider = replace(spec, swiglu_limit=None)
+    assert TritonMoEDispatcher().forward_with_shared(wider, hidden, ids, w, experts, shared) is not None
+
+
+def test_fp8_shared_expert_beside_mxfp4_experts_folded_matches_reference():
+    """DeepSeek-V4's release: routed experts MXFP4, the shared expert FP8 with 128 x 128 scales,
+    in the same two GEMV launches (each row decoded in its own format), clamped."""
+    from test_mxfp4_moe import packed_experts  # same directory
+
+    from deepinfer_core.quant import quant_fp8_block
+
+    g = torch.Generator().manual_seed(23)
+    routed = packed_experts(E, D, I, seed=23)
+    gu = torch.randn(2 * I, D, generator=g) / D**0.5
+    dn = torch.randn(D, I, generator=g) / I**0.5
+    (qg, sg), (qd, sd) = quant_fp8_block(gu), quant_fp8_block(dn)
+    shared = ExpertWeights(
+        qg[None].to(DEVICE), qd[None].to(DEVICE), sg.float()[None].to(DEVICE), sd.float()[None].to(DEVICE)
+    )
+    spec = MoESpec(0, num_experts=E, top_k=K, hidden_size=D, intermediate_size=I, scoring="sigmoid", swiglu_limit=2.0)
+    hidden = torch.randn(1, D, generator=g).to(DEVICE, torch.bfloat16)
+    ids, w = TorchMoEDispatcher().select_experts(spec, torch.randn(1, E, generator=g).to(DEVICE))
+    ours = TritonMoEDispatcher()
+    got = ours.forward_with_shared(spec, hidden, ids, w, routed, shared)
+    assert got is not None and got.shape == (1, D)
+    f64 = (routed.dequantized(torch.float64), shared.dequantized(torch.float64))
+    want = reference(hidden, ids, w, *f64, False, limit=2.0, shared_fp8=True)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err < 6e-3, f"relative error {err:.2e}"
+    separate = ours.forward(spec, hidden, ids, w, routed).double()
+    assert ((got.double() - separate).norm() / separate.norm()).item() > 1e-3  # the shared expert is in the sum
+    assert ours.forward_with_shared(spec, hidden.repeat(3, 1), ids.repeat(3, 1), w.repeat(3, 1), routed, shared) is None
 
 
 @pytest.mark.parametrize("T", [3, 40])
@@ -98,8 +158,9 @@ def test_shared_expert_added_in_the_grouped_sum_matches_reference(T):
 
 
 def test_fold_declines_where_it_does_not_apply():
-    """float32 rows, batch-invariant forwards, a SwiGLU clamp, a shared expert of another width
-    (one row) or an FP8 one (more rows): None (the caller then runs the shared expert itself)."""
+    """float32 rows, batch-invariant forwards, a SwiGLU clamp past the GEMV rows (the grouped
+    path's shared MLP has none), a shared expert of another width (one row) or an FP8 one (more
+    rows): None (the caller then runs the shared expert itself)."""
     from dataclasses import replace
 
     from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
@@ -114,7 +175,7 @@ def test_fold_declines_where_it_does_not_apply():
     assert ours.forward_with_shared(spec, x, ids, w, experts, fp8_shared) is None  # 3 x 3 rows > MOE_GEMV_ROWS
     assert ours.forward_with_shared(spec, x, ids, w, fp8_experts, fp8_shared) is None
     assert ours.forward_with_shared(spec, x[:1].float(), ids[:1], w[:1], experts, shared) is None
-    assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x[:1], ids[:1], w[:1], experts, shared) is None
+    assert ours.forward_with_shared(replace(spec, swiglu_limit=1.0), x, ids, w, experts, shared) is None  # grouped
     narrow = ExpertWeights(shared.gate_up[:, :I, :], shared.down[:, :, : I // 2].contiguous())
     assert ours.forward_with_shared(spec, x[:1], ids[:1], w[:1], experts, narrow) is None
     token = INVARIANT.set(True)
@@ -165,3 +226,38 @@ def test_deepseek_v3_moe_layer_folds_its_shared_expert(T):
     assert not separate  # folded: the shared MLP module never ran
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     assert ours.dispatcher.expert_load().sum().item() == K * T  # counted once, by the folded path
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_deepseek_v4_moe_layer_folds_its_clamped_shared_expert(hashed):
+    """The V4 wiring: a bf16 V4MoE layer (learned or hash routing, clamped SwiGLU) on the Triton
+    dispatcher for one decode token, its ClampedMLP shared expert folded into the routed GEMVs,
+    against the same layer on the core reference dispatcher (routed experts, then the shared
+    MLP module)."""
+    from deepinfer_core.models.deepseek_v4.config import parse_config
+    from deepinfer_core.models.deepseek_v4.layers import V4MoE, keep_float32, moe_spec
+    from deepinfer_core.testing.v4_tiny import tiny_v4_config
+
+    cfg = parse_config(tiny_v4_config().to_dict())
+    layer = 0 if hashed else cfg.num_layers - 1
+    spec = moe_spec(cfg, layer)
+    assert (spec.scoring == "hash") == hashed and spec.swiglu_limit is not None
+    g = torch.Generator().manual_seed(31 + hashed)
+    ours = V4MoE(cfg, spec, TritonMoEDispatcher())
+    for name, p in ours.named_parameters():
+        p.data = torch.randn(p.shape, generator=g) * (3.0 if "gate_up" in name else 1.0) / p.shape[-1] ** 0.5
+    if hashed:
+        ours.gate.tid2eid.copy_(torch.randint(0, spec.num_experts, ours.gate.tid2eid.shape, generator=g))
+    ref = V4MoE(cfg, spec, TorchMoEDispatcher())
+    ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.to(DEVICE, torch.bfloat16), ref.to(DEVICE, torch.bfloat16)
+    for m in (ours, ref):
+        keep_float32(m)  # as the model does (the correction bias)
+        m.bind_shared()
+    x = torch.randn(1, cfg.hidden_size, generator=g).to(DEVICE, torch.bfloat16)
+    token = torch.randint(0, cfg.vocab_size, (1,), generator=g).to(DEVICE)
+    separate = []
+    ours.shared_experts.register_forward_hook(lambda *_: separate.append(1))
+    got, want = ours(x, token), ref(x, token)
+    assert not separate  # folded: the shared MLP module never ran
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
