@@ -236,9 +236,9 @@ def test_deepseek_v4_moe_layer_folds_its_clamped_shared_expert(hashed):
     MLP module)."""
     from deepinfer_core.models.deepseek_v4.config import parse_config
     from deepinfer_core.models.deepseek_v4.layers import V4MoE, keep_float32, moe_spec
-    from deepinfer_core.testing.v4_tiny import tiny_v4_config
+    from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG  # a plain dict: no transformers here
 
-    cfg = parse_config(tiny_v4_config().to_dict())
+    cfg = parse_config(dict(TINY_V4_CONFIG))
     layer = 0 if hashed else cfg.num_layers - 1
     spec = moe_spec(cfg, layer)
     assert (spec.scoring == "hash") == hashed and spec.swiglu_limit is not None
