@@ -96,7 +96,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(2)
     with tempfile.TemporaryDirectory() as path:
         hf = build(path)
-        llm = LLM(path, device="cpu", max_num_seqs=max(levels), enable_prefix_caching=False)
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=max(levels), enable_prefix_caching=False)
         rows = []
         for n in levels:
             prompts = [
