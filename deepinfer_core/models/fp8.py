@@ -101,25 +101,6 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 128x128 blocks"
 
 
-def shared_expert_weights(gate_up: nn.Module, down: nn.Module):
-    """A shared expert's two projections as a one-expert stack (``moe.ExpertWeights`` of views of
-    their weights: FP8 with their scales, else the plain 16/32-bit weights), for a dispatcher's
-    ``forward_with_shared``; None where they are not bias-free plain linears or FP8 modules
-    (e.g. packed low-bit modules)."""
-    from ..moe import ExpertWeights
-
-    if isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear):
-        return ExpertWeights(
-            gate_up.weight_fp8[None], down.weight_fp8[None], gate_up.scale_inv[None], down.scale_inv[None]
-        )
-    w1, w2 = getattr(gate_up, "weight", None), getattr(down, "weight", None)
-    plain = type(gate_up).forward is FusedLinear.forward and type(down).forward is nn.Linear.forward
-    if plain and isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor):
-        if gate_up.bias is None and down.bias is None:
-            return ExpertWeights(w1[None], w2[None])
-    return None
-
-
 class PackedExperts(nn.Module):
     """Routed experts kept in a checkpoint's quantized format in four integer buffers
     (``qgate_up``, ``qdown`` and their scales), seen as ``gate_up_proj`` / ``down_proj`` /

@@ -35,6 +35,7 @@ from .. import ModelContext
 from ..fast_init import allocate
 from ..hf_weights import load_hf_weights
 from ..layers import GatedMLP, PreNormDecoderLayer, RMSNorm, StackedExperts
+from ..shared_expert import SharedExpertFold
 from .mla import MLAAttention, build_rotary, mla_spec
 
 
@@ -73,7 +74,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(SharedExpertFold, nn.Module):
     def __init__(self, config: dict, spec: MoESpec, dispatcher: MoEDispatcher) -> None:
         super().__init__()
         self.spec, self.dispatcher = spec, dispatcher
@@ -84,14 +85,7 @@ class DeepseekV3MoE(nn.Module):
             if spec.num_shared_experts
             else None
         )
-        self._shared: tuple[ExpertWeights | None] | None = None  # (shared_weights(),) once derived
         self.expert_load = None  # ModelContext.expert_load, set by the model once built
-
-    def bind_shared(self) -> None:
-        """Derive :meth:`shared_weights` once the weights are in place (``load_weights`` calls
-        it), instead of rebuilding its views on every forward; call it again after replacing the
-        shared expert's weights (its views would still read the old ones)."""
-        self._shared = (self.shared_weights(),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         router = getattr(self.dispatcher, "router_logits", None)  # optional (TorchMoEDispatcher's)
@@ -106,26 +100,13 @@ class DeepseekV3MoE(nn.Module):
             gate_up_scale=getattr(self.experts, "gate_up_scale", None),
             down_scale=getattr(self.experts, "down_scale", None),
         )  # fmt: skip
-        both = getattr(self.dispatcher, "forward_with_shared", None)  # optional: the shared expert folded in
-        if both is not None and self._shared is None:  # a layer used without load_weights
-            self.bind_shared()
-        shared = self._shared[0] if both is not None else None
-        out = both(self.spec, x, ids, weights, experts, shared) if shared is not None else None
+        out = self.forward_folded(x, ids, weights, experts)  # optional: the shared expert folded in
         if out is not None:
             return out
         out = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-    def shared_weights(self) -> ExpertWeights | None:
-        """The shared expert as a one-expert stack (views of its weights, FP8 with scales), for a
-        dispatcher's ``forward_with_shared``; None without one or where its projections are not
-        plain bias-free linears (e.g. packed low-bit modules)."""
-        from ..fp8 import shared_expert_weights
-
-        mlp = self.shared_experts
-        return None if mlp is None else shared_expert_weights(mlp.gate_up_proj, mlp.down_proj)
 
 
 class LayerKernels(NamedTuple):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ...moe import ExpertWeights, MoEDispatcher, MoESpec
 from ..layers import FusedLinear, yarn_rope_inv_freq
+from ..shared_expert import SharedExpertFold
 from .config import V4Config
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ class V4Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
 
-class V4MoE(nn.Module):
+class V4MoE(SharedExpertFold, nn.Module):
     """Routed experts through the MoE hook (learned sqrtsoftplus or hash routing) + shared expert."""
 
     def __init__(self, cfg: V4Config, spec: MoESpec, dispatcher: MoEDispatcher) -> None:
@@ -262,15 +263,6 @@ class V4MoE(nn.Module):
         self.experts = V4Experts(spec)
         self.shared_experts = ClampedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
         self.expert_load = None  # ModelContext.expert_load, set by the model once built
-        self._shared: tuple[ExpertWeights | None] | None = None  # (shared_weights,) once derived
-
-    def bind_shared(self) -> None:
-        """Derive the shared expert's one-expert stack once the weights are in place (the model's
-        ``load_weights`` calls it; again after replacing the shared expert's weights)."""
-        from ..fp8 import shared_expert_weights
-
-        mlp = self.shared_experts
-        self._shared = (shared_expert_weights(mlp.gate_up_proj, mlp.down_proj),)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, D]
         logits = F.linear(x, self.gate.weight)  # model dtype, as the reference
@@ -287,15 +279,10 @@ class V4MoE(nn.Module):
             gate_up_scale=getattr(self.experts, "gate_up_scale", None),  # adds its scales
             down_scale=getattr(self.experts, "down_scale", None),
         )  # fmt: skip
-        # optional: the shared expert as one more row of the routed experts' launches (it is
-        # clamped by spec.swiglu_limit as they are, ClampedMLP's rule)
-        both = getattr(self.dispatcher, "forward_with_shared", None)
-        if both is not None:
-            if self._shared is None:  # a layer used without load_weights
-                self.bind_shared()
-            if self._shared[0] is not None:
-                out = both(self.spec, x, ids, weights, experts, self._shared[0])
-                if out is not None:
-                    return out
+        # optional: the shared expert in the routed experts' launches (clamped by spec.swiglu_limit
+        # as they are: ClampedMLP's rule)
+        out = self.forward_folded(x, ids, weights, experts)
+        if out is not None:
+            return out
         routed = self.dispatcher.forward(self.spec, x, ids, weights, experts)
         return routed + self.shared_experts(x)

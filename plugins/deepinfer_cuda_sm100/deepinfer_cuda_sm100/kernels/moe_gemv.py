@@ -148,28 +148,28 @@ def _gate_up_gemv_kernel(
     j = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
+    t = j // SLOTS
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
     if SH_FP8:
-        t = j // SLOTS
         c = j % SLOTS
         if c < top_k:
             e = tl.load(ids_ptr + t * top_k + c).to(tl.int64)
             acc_g, acc_u = _gate_up_row(
-                x_ptr + t.to(tl.int64) * stride_xt, w_ptr + e * stride_we, s_ptr + e * stride_se, rn, n_ok, D, I,
-                stride_wn, stride_sn, BLOCK_N, GROUPS, False, UPCAST, True,
+                x_row, w_ptr + e * stride_we, s_ptr + e * stride_se, rn, n_ok, D, I, stride_wn, stride_sn,
+                BLOCK_N, GROUPS, False, UPCAST, True,
             )  # fmt: skip
         else:
             acc_g, acc_u = _gate_up_row(
-                x_ptr + t.to(tl.int64) * stride_xt, sh_w_ptr, sh_s_ptr, rn, n_ok, D, I, sh_stride_wn, sh_stride_sn,
-                BLOCK_N, GROUPS, True, UPCAST, False,
+                x_row, sh_w_ptr, sh_s_ptr, rn, n_ok, D, I, sh_stride_wn, sh_stride_sn, BLOCK_N, GROUPS, True, UPCAST,
+                False,
             )  # fmt: skip
     else:
-        t, flat, w_base, s_base = _expert_base(
+        _, _, w_base, s_base = _expert_base(
             j, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, top_k, stride_we, stride_se, SLOTS
         )
         acc_g, acc_u = _gate_up_row(
-            x_ptr + t.to(tl.int64) * stride_xt, w_base, s_base, rn, n_ok, D, I, stride_wn, stride_sn,
-            BLOCK_N, GROUPS, FP8, UPCAST, MXFP4,
-        )  # fmt: skip
+            x_row, w_base, s_base, rn, n_ok, D, I, stride_wn, stride_sn, BLOCK_N, GROUPS, FP8, UPCAST, MXFP4
+        )
     a_ty = act_ptr.dtype.element_ty
     gate = _round(acc_g, a_ty)  # rounded to the activation dtype first, as the reference does
     up = _round(acc_u, a_ty)
