@@ -97,10 +97,9 @@ def main() -> None:
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     g = torch.Generator().manual_seed(11)
-    probe = engine(enable_prefix_caching=False)
-    vocab, layout = probe.engine.model.vocab_size, probe.engine.model.kv_layout(block)
-    exact_n = layout.exact_replay_tokens
-    del probe
+    writer = engine(kv_store=store)
+    vocab = writer.engine.model.vocab_size
+    exact_n = writer.engine.model.kv_layout(block).exact_replay_tokens
 
     def rand(n: int) -> list[int]:
         return torch.randint(2, vocab, (n,), generator=g).tolist()
@@ -108,7 +107,6 @@ def main() -> None:
     # per context: a warm-up prompt then the timed ones, each written to the store as C + suffix tokens
     bases = {c: [rand(c + args.suffix) for _ in range(args.reps + 1)] for c in contexts}
     queries = {c: [b[:c] + rand(args.suffix) for b in bases[c]] for c in contexts}
-    writer = engine(kv_store=store)
     t = time.perf_counter()
     writer.generate([b for c in contexts for b in bases[c]], one, use_tqdm=False)
     writer.engine.tiers.flush()
