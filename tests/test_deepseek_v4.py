@@ -188,3 +188,27 @@ def test_chunked_prefill_with_tied_index_scores_matches_transformers(tmp_path, b
             for p in ps
         ]
     assert got == want
+
+
+def test_each_forward_computes_a_rope_once_per_positions(llm, monkeypatch):
+    # The layers of one forward share their cos / sin (StepRope): no (rope, positions, dtype)
+    # is computed twice in a forward, and the logits are the per-layer ones bit for bit.
+    from deepinfer_core.models.deepseek_v4 import layers as v4_layers
+    from deepinfer_core.models.deepseek_v4 import model as v4_model
+
+    p = prompts([600], seed=19)[0]
+    want = llm.engine.prompt_logits(p)
+    calls = []
+    original = v4_layers.V4Rope.cos_sin
+
+    def counted(self, positions, dtype):
+        calls.append((id(self), tuple(positions.tolist()), dtype))
+        return original(self, positions, dtype)
+
+    monkeypatch.setattr(v4_layers.V4Rope, "cos_sin", counted)
+    assert torch.equal(llm.engine.prompt_logits(p), want)
+    assert calls and len(calls) == len(set(calls)), "a forward computed the same rope twice"
+    calls.clear()
+    monkeypatch.setattr(v4_model, "step_ropes", lambda ropes: ropes)  # every layer its own (as before)
+    assert torch.equal(llm.engine.prompt_logits(p), want)
+    assert len(calls) > len(set(calls))  # the count above can fail: without the views it repeats

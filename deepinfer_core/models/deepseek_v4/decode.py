@@ -60,7 +60,7 @@ def decode_update_entries(
     s = batch.positions
     ratio = compressors[0][0].ratio
     window = torch.div(s, ratio, rounding_mode="floor")
-    cos, sin = rope.cos_sin(window * ratio, raw[0].dtype)  # each entry is roped at its window's first position
+    cos, sin = rope.window_cos_sin(s, ratio, raw[0].dtype)  # each entry is roped at its window's first position
     tail_col = 0
     for (comp, entry_col), new in zip(compressors, raw):
         r, d, W = comp.ratio, comp.dim, comp.width

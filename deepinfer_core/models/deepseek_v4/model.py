@@ -42,6 +42,7 @@ from .layers import (  # fmt: skip
     V4Rope,
     keep_float32,
     moe_spec,
+    step_ropes,
     unweighted_rms_norm,
 )
 from .mtp import NO_MTP_IN_CHECKPOINT, NO_MTP_IN_CONFIG, with_mtp_layers
@@ -298,10 +299,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         norm: what the MTP blocks consume. ``batch``: the layout, else built from ``meta``."""
         batch = self._batch(meta) if batch is None else batch
         plans = StepPlans()  # this forward's index plans, shared by the layers of each kind
+        ropes = step_ropes(self.ropes)  # and its cos/sin, computed once per positions tensor
         e = self.model.embed_tokens(input_ids)
         h = e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, input_ids, positions, self.ropes, cache, meta, batch, plans)
+            h = layer(h, input_ids, positions, ropes, cache, meta, batch, plans)
         return h
 
     def forward(self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -359,7 +361,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
         embeds = self.model.embed_tokens(next_token_ids)
         hidden, out = self.mtp[block].draft(
-            streams, embeds, next_token_ids, positions, self.ropes, cache, meta, self._batch(meta)
+            streams, embeds, next_token_ids, positions, step_ropes(self.ropes), cache, meta, self._batch(meta)
         )
         return self.compute_logits(hidden), out
 
