@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..layers import FusedLinear
 from .batch import StepPlans, V4Batch
 from .config import V4Config
 from .kv import V4LayerCache
@@ -29,13 +30,14 @@ class Compressor(nn.Module):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.dim, self.ratio, self.overlap, self.width = dim, ratio, overlap, width
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        # kv_proj and gate_proj (the checkpoint's two tensors) as one product: one GEMV a
+        # compressor and decode step instead of two and the concatenation
+        self.proj = FusedLinear(hidden, {"kv_proj": width, "gate_proj": width})
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
         self.kv_norm = V4RMSNorm(dim, eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, 2 * width] (kv | gate)
-        return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
+        return self.proj(x)
 
     def pool(self, src: torch.Tensor, positions: torch.Tensor, rope: V4Rope) -> torch.Tensor:
         """Entries from windows of raw rows ``src`` [N, span, 2 * width] (span = ``2 * ratio``

@@ -29,7 +29,7 @@ def _setup(overlap: bool, ratio: int, dim: int, dtype, seed: int):
         for p in comp.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
     comp = comp.to(DEVICE)
-    comp.kv_proj.to(dtype), comp.gate_proj.to(dtype)
+    comp.proj.to(dtype)
     width = 2 * comp.width
     tail_rows = 2 * ratio if overlap else ratio
     slots, blocks = 6, 16
