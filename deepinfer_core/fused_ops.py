@@ -72,6 +72,11 @@ class FusedOps:
     # -> (post [T, hc], comb [T, hc, hc], collapsed [T, D]): like
     # models.deepseek_v4_layers.hc_mix_reference (DeepSeek-V4's hyper-connection weights, Sinkhorn included)
     hc_mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # (streams [T, hc, D], fn [(2 + hc) * hc, hc * D] float32, base, scale, iters, eps, norm_eps)
+    # -> hc_mix's triple, or None to decline (the torch ops and hc_mix run): like
+    # models.deepseek_v4_layers.HyperConnection.forward whole (the input norm, the mixing
+    # projection, hc_mix_reference); a platform's decode path in fewer launches
+    hc_pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None = None
     # (streams [T, hc, D], out [T, D], post [T, hc] float32, comb [T, hc, hc] float32) -> [T, hc, D]:
     # like models.deepseek_v4_layers.hc_merge (a V4 block's output expanded into the mixed streams)
     hc_merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None

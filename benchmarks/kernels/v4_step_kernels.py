@@ -6,8 +6,9 @@ what a GPU would launch - every non-view torch op, plus one per Triton kernel ca
 
 * ``eager``: the general forward (what every V4 step ran before CUDA graphs);
 * ``static torch``: ``forward_decode`` (the fixed-shape step the graphs capture), torch ops only;
-* ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_mix``, ``hc_merge``, ``compress_decode``,
-  ``v4_rms_norm``, ``v4_rope``; run here in Triton's interpreter, each call counted as one launch).
+* ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_pre``, ``hc_mix``, ``hc_merge``,
+  ``compress_decode``, ``v4_rms_norm``, ``v4_rope``; run here in Triton's interpreter, each call
+  counted as its launches: one, ``hc_pre`` two).
 
 The model is V4-mini's layer layout (sliding, then CSA / HCA alternating, 20 Sinkhorn
 iterations, 4 streams) at tiny widths: the counts do not depend on the widths. Attention and MoE
@@ -54,15 +55,16 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tagged(fn, part: str, counter_of, launch: bool = False):
-    """``fn`` with its ops counted under ``part`` (a Triton kernel: one launch, ops not counted)."""
+def tagged(fn, part: str, counter_of, launch: int = 0):
+    """``fn`` with its ops counted under ``part`` (a Triton kernel: ``launch`` launches a call,
+    its ops not counted)."""
 
     def inner(*args, **kwargs):
         counter = counter_of()
         if counter is None:
             return fn(*args, **kwargs)
         if launch:
-            counter.by_part[part] += 1
+            counter.by_part[part] += launch
             with _disable_current_modes():
                 return fn(*args, **kwargs)
         outer, counter.part = counter.part, part
@@ -156,19 +158,20 @@ def main() -> None:
 def install_kernels(model, counter_of) -> list:
     """The plugin's hc_mix and compress_decode on every layer; returns the undo callables."""
     from deepinfer_cuda_sm100.attention import TritonV4Attention
-    from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix
+    from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix, hc_pre
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
 
-    mix = tagged(hc_mix, "hyper-connections", counter_of, launch=True)
-    merge = tagged(hc_merge, "hyper-connections", counter_of, launch=True)
-    compress = tagged(TritonV4Attention().compress_decode, "compressors", counter_of, launch=True)
-    norm = tagged(v4_rms_norm, "norms", counter_of, launch=True)
-    rope = tagged(v4_rope, "rope", counter_of, launch=True)
+    pre = tagged(hc_pre, "hyper-connections", counter_of, launch=2)  # the split-K product, then the mix
+    mix = tagged(hc_mix, "hyper-connections", counter_of, launch=1)
+    merge = tagged(hc_merge, "hyper-connections", counter_of, launch=1)
+    compress = tagged(TritonV4Attention().compress_decode, "compressors", counter_of, launch=1)
+    norm = tagged(v4_rms_norm, "norms", counter_of, launch=1)
+    rope = tagged(v4_rope, "rope", counter_of, launch=1)
     undo = []
     for module in model.modules():
         if isinstance(module, m4.HyperConnection):
-            module.fused_mix, module.fused_merge = mix, merge
-            undo.append(lambda m=module: (setattr(m, "fused_mix", None), setattr(m, "fused_merge", None)))
+            module.fused_mix, module.fused_merge, module.fused_pre = mix, merge, pre
+            undo.append(lambda m=module: [setattr(m, a, None) for a in ("fused_mix", "fused_merge", "fused_pre")])
         elif isinstance(module, m4.V4RMSNorm):
             module.fused = norm
             undo.append(lambda m=module: setattr(m, "fused", None))

@@ -160,8 +160,13 @@ class HyperConnection(nn.Module):
         self.fused_mix = None  # FusedOps.hc_mix (one kernel for hc_mix_reference), set by fused_ops.install
         self.fused_merge = None  # FusedOps.hc_merge (one kernel for hc_merge), set by fused_ops.install
         self.fused_norm = None  # FusedOps.v4_unweighted_rms_norm (one kernel for unweighted_rms_norm), likewise
+        self.fused_pre = None  # FusedOps.hc_pre (this whole forward, may decline), likewise
 
     def forward(self, streams: torch.Tensor):  # [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]
+        if self.fused_pre is not None:
+            out = self.fused_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
+            if out is not None:
+                return out
         flat = (self.fused_norm or unweighted_rms_norm)(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
         mix = self.fused_mix if self.fused_mix is not None else hc_mix_reference
@@ -172,10 +177,11 @@ class HyperConnection(nn.Module):
         return (self.fused_merge if self.fused_merge is not None else hc_merge)(streams, out, post, comb)
 
     def use_fused_ops(self, ops: FusedOps) -> bool:
-        """Take a platform's hyper-connection mix, merge and input norm kernels (``fused_ops.install``)."""
-        if ops.hc_mix is None and ops.hc_merge is None and ops.v4_unweighted_rms_norm is None:
+        """Take a platform's hyper-connection kernels (``fused_ops.install``)."""
+        if ops.hc_mix is None and ops.hc_merge is None and ops.v4_unweighted_rms_norm is None and ops.hc_pre is None:
             return False
         self.fused_mix, self.fused_merge, self.fused_norm = ops.hc_mix, ops.hc_merge, ops.v4_unweighted_rms_norm
+        self.fused_pre = ops.hc_pre
         return True
 
 

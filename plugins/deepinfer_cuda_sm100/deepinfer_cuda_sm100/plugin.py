@@ -91,7 +91,7 @@ def deepinfer_fused_ops(platform: Platform):
     from .kernels.fp8_gemm import SplitCounters, fp8_linear, fp8_supported
     from .kernels.fused_elementwise import FUSED_OPS
     from .kernels.fused_moe import mxfp4_moe
-    from .kernels.hyper_connection import hc_merge, hc_mix
+    from .kernels.hyper_connection import hc_merge, hc_mix, hc_pre
     from .kernels.logits import lm_logits
     from .kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
@@ -99,6 +99,7 @@ def deepinfer_fused_ops(platform: Platform):
         FUSED_OPS,
         hc_mix=hc_mix,
         hc_merge=hc_merge,
+        hc_pre=hc_pre,  # decode batches: the input norm and the mixing projection inside hc_mix's launch pair
         logits=lm_logits,
         v4_rms_norm=v4_rms_norm,
         v4_rope=v4_rope,

@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install deepi
 from deepinfer_core.models.deepseek_v4.layers import hc_merge as hc_merge_reference  # noqa: E402
 from deepinfer_core.models.deepseek_v4.layers import hc_mix_reference
 from deepinfer_cuda_sm100 import CudaSM100Platform, plugin  # noqa: E402
-from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix  # noqa: E402
+from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix, hc_pre  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -80,9 +80,10 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
     ops = plugin.deepinfer_fused_ops(CudaSM100Platform())
-    assert (ops.hc_mix, ops.hc_merge, ops.v4_rms_norm, ops.v4_rope, ops.v4_unweighted_rms_norm) == (
+    assert (ops.hc_mix, ops.hc_merge, ops.hc_pre, ops.v4_rms_norm, ops.v4_rope, ops.v4_unweighted_rms_norm) == (
         hc_mix,
         hc_merge,
+        hc_pre,
         v4_rms_norm,
         v4_rope,
         v4_unweighted_rms_norm,
@@ -101,6 +102,7 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     every = FusedOps(
         hc_mix=hc_mix,
         hc_merge=hc_merge,
+        hc_pre=hc_pre,
         v4_rms_norm=v4_rms_norm,
         v4_rope=v4_rope,
         v4_unweighted_rms_norm=v4_unweighted_rms_norm,
@@ -108,3 +110,59 @@ def test_the_plugin_offers_it_and_a_tiny_v4_keeps_transformers_tokens(tmp_path):
     assert install(llm.engine.model, every) == fused > 2 * model.config.num_hidden_layers
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
     assert got == want[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "hc,D,T,dtype",
+    [(4, 96, 5, torch.float32), (3, 64, 2, torch.bfloat16), (4, 2048, 1, torch.bfloat16), (4, 200, 3, torch.float32)],
+)
+def test_hc_pre_equals_the_hyper_connection_forward(hc, D, T, dtype):
+    # the input norm and mixing projection as split-K partials summed in hc_mix's kernel: the
+    # module's torch forward, float32 rounding apart; K = hc * D not a multiple of the 256-wide slices too
+    from deepinfer_core.models.deepseek_v4.config import parse_config
+    from deepinfer_core.models.deepseek_v4.layers import HyperConnection
+    from deepinfer_core.testing.v4_checkpoint import TINY_V4_CONFIG  # a plain dict: no transformers here
+
+    cfg = parse_config(dict(TINY_V4_CONFIG, hidden_size=D, hc_mult=hc))
+    module = HyperConnection(cfg)
+    g = torch.Generator().manual_seed(hc * 7 + D)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() == 2 else 1.0))
+    module = module.to(DEVICE)
+    streams = (torch.randn(T, hc, D, generator=g) * 3).to(DEVICE, dtype)
+    want = module(streams)
+    got = hc_pre(streams, module.fn, module.base, module.scale, module.iters, module.eps, module.norm_eps)
+    for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        tol = 2e-5 if a.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    # each token alone gives its row of the batch, bit for bit (batch invariance)
+    alone = [hc_pre(streams[t : t + 1], module.fn, module.base, module.scale, module.iters, module.eps,
+                    module.norm_eps) for t in range(T)]  # fmt: skip
+    for i, name in enumerate(("post", "comb", "collapsed")):
+        assert torch.equal(torch.cat([a[i] for a in alone]), got[i]), name
+
+
+def test_hc_pre_declines_prefill_and_batch_invariant_forwards():
+    from deepinfer_cuda_sm100.kernels.hyper_connection import HC_PRE_MAX_TOKENS, hc_pre
+    from deepinfer_cuda_sm100.kernels.invariant import INVARIANT
+
+    hc, D = 2, 16
+    args = (
+        torch.zeros(8, hc * D, device=DEVICE),
+        torch.zeros(8, device=DEVICE),
+        torch.ones(3, device=DEVICE),
+        2,
+        1e-6,
+        1e-6,
+    )
+    assert hc_pre(torch.zeros(HC_PRE_MAX_TOKENS + 1, hc, D, device=DEVICE), *args) is None
+    assert hc_pre(torch.zeros(1, hc, D, device=DEVICE), *args) is not None
+    token = INVARIANT.set(True)
+    try:
+        assert hc_pre(torch.zeros(1, hc, D, device=DEVICE), *args) is None
+    finally:
+        INVARIANT.reset(token)
+    with pytest.raises(ValueError, match=r"hc_pre: fn must be \[8, 32\]"):
+        hc_pre(torch.zeros(1, hc, D, device=DEVICE), torch.zeros(8, 30, device=DEVICE), *args[1:])

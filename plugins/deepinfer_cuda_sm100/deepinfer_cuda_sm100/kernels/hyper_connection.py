@@ -17,14 +17,29 @@ import triton
 import triton.language as tl
 
 from .fused_elementwise import _round
+from .invariant import INVARIANT
 from .paged_attention import _pow2
+
+
+@triton.jit
+def _mixed_at(row, idx, mask, stride_p, S, r, PARTIAL: tl.constexpr):
+    """The mixing projection's values at ``idx``: read from its row, or (``PARTIAL``) summed
+    over the ``S`` split-K partial rows :func:`_hc_project_kernel` wrote, in a fixed order, and
+    scaled by the input norm's ``r``."""
+    if PARTIAL:
+        acc = tl.load(row + idx, mask=mask, other=0.0)
+        for s in range(1, S):
+            acc += tl.load(row + s * stride_p + idx, mask=mask, other=0.0)
+        return acc * r
+    else:
+        return tl.load(row + idx, mask=mask, other=0.0)
 
 
 @triton.jit
 def _hc_mix_kernel(
     mixed_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr,
-    stride_m, stride_st, stride_sh, stride_o, D, iters, eps,
-    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_m, stride_st, stride_sh, stride_o, D, iters, eps, S, K, norm_eps,
+    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HC)
@@ -33,14 +48,22 @@ def _hc_mix_kernel(
     post_s = tl.load(scale_ptr + 1)
     comb_s = tl.load(scale_ptr + 2)
     row = mixed_ptr + t * stride_m
-    pre = tl.sigmoid(tl.load(row + i, mask=ok, other=0.0) * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0)) + eps
+    r = 1.0
+    if PARTIAL:  # rows of S partials [(2 + hc) * hc dots, sum of squares]: the input norm's rsqrt
+        row = mixed_ptr + t * S * stride_m
+        ss = tl.load(row + (2 + HC) * HC)
+        for s in range(1, S):
+            ss += tl.load(row + s * stride_m + (2 + HC) * HC)
+        r = 1.0 / tl.sqrt(ss / K + norm_eps)
+    pre = tl.sigmoid(_mixed_at(row, i, ok, stride_m, S, r, PARTIAL) * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0))
+    pre = pre + eps
     post = 2 * tl.sigmoid(
-        tl.load(row + HC + i, mask=ok, other=0.0) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0)
+        _mixed_at(row, HC + i, ok, stride_m, S, r, PARTIAL) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0)
     )
     tl.store(post_ptr + t * HC + i, post, mask=ok)
     cell = i[:, None] * HC + i[None, :]
     both = ok[:, None] & ok[None, :]
-    logits = tl.load(row + 2 * HC + cell, mask=both, other=0.0) * comb_s + tl.load(
+    logits = _mixed_at(row, 2 * HC + cell, both, stride_m, S, r, PARTIAL) * comb_s + tl.load(
         base_ptr + 2 * HC + cell, mask=both, other=0.0
     )
     logits = tl.where(both, logits, float("-inf"))
@@ -78,8 +101,72 @@ def hc_mix(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams
     if T:
         _hc_mix_kernel[(T,)](
             mixed, base, scale, streams, post, comb, out, mixed.stride(0), streams.stride(0), streams.stride(1),
-            out.stride(0), D, int(iters), float(eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)),
-            BLOCK_D=min(1024, max(16, _pow2(D))), num_warps=4,
+            out.stride(0), D, int(iters), float(eps), 1, 1, 0.0, HC=hc, BLOCK_HC=max(2, _pow2(hc)),
+            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=False, num_warps=4,
+        )  # fmt: skip
+    return post, comb, out
+
+
+# Up to this many tokens (decode batches) hc_pre runs; a longer call (prefill) declines, as the
+# split-K products would read ``fn`` once per token where a GEMM reads it once.
+HC_PRE_MAX_TOKENS = 256
+HC_PRE_BLOCK_K = 256
+
+
+@triton.jit
+def _hc_project_kernel(
+    x_ptr, fn_ptr, part_ptr, stride_x, stride_p, K, M, S,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token's flattened streams against ``fn``'s rows over one ``BLOCK_K`` slice of K:
+    the slice's M dot products and its sum of squares, as a partial row."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    km = k < K
+    x = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
+    m = tl.arange(0, BLOCK_M)
+    mm = m < M
+    w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+    out = part_ptr + (t * S + s) * stride_p
+    tl.store(out + m, tl.sum(w * x[None, :], axis=1), mask=mm)
+    tl.store(out + M, tl.sum(x * x, axis=0))
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float):  # fmt: skip
+    """``HyperConnection.forward`` in two launches for a decode batch: the input norm and the
+    mixing projection as split-K partial products (one program per token and 256 columns of
+    ``hc * D``, each with its slice's sum of squares), then :func:`hc_mix`'s kernel summing the
+    partials in a fixed order and scaling them by the norm's rsqrt (``r * (x . fn)`` for the
+    reference's ``(r * x) . fn``: float32 rounding apart). Each token's result depends on that
+    token alone. Returns None (the caller runs the torch ops) for more than
+    ``HC_PRE_MAX_TOKENS`` tokens and inside a batch-invariant forward (whose GEMMs are the
+    invariant kernels, so a request's numbers do not depend on which path its batch took)."""
+    T, hc, D = streams.shape
+    M, K = (2 + hc) * hc, hc * D
+    if T > HC_PRE_MAX_TOKENS or INVARIANT.get():
+        return None
+    if fn.shape != (M, K) or base.shape != (M,) or scale.shape != (3,):
+        raise ValueError(f"hc_pre: fn must be [{M}, {K}], base [{M}], scale [3] for streams [T, {hc}, {D}]; got "
+                         f"{tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}")  # fmt: skip
+    fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
+    if not streams.is_contiguous():
+        streams = streams.contiguous()
+    post = torch.empty(T, hc, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=streams.device)
+    out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)
+    if T:
+        S = -(-K // HC_PRE_BLOCK_K)
+        parts = torch.empty(T * S, M + 1, dtype=torch.float32, device=streams.device)
+        _hc_project_kernel[(T, S)](
+            streams, fn, parts, streams.stride(0), parts.stride(0), K, M, S, BLOCK_M=_pow2(M),
+            BLOCK_K=HC_PRE_BLOCK_K, num_warps=4,
+        )  # fmt: skip
+        _hc_mix_kernel[(T,)](
+            parts, base, scale, streams, post, comb, out, parts.stride(0), streams.stride(0), streams.stride(1),
+            out.stride(0), D, int(iters), float(eps), S, K, float(norm_eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)),
+            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=True, num_warps=4,
         )  # fmt: skip
     return post, comb, out
 
