@@ -509,8 +509,9 @@ def main() -> int:
     ap.add_argument(
         "--ab-fold",
         action="store_true",
-        help="DeepSeek-V4: also time decode (levels <= 64) on an engine whose MoE layers run the clamped shared expert "
-        "as its own MLP (before 2026-12-07), alternated with the default (shared expert folded into the routed GEMVs)",
+        help="DeepSeek-V4: also time decode (levels <= 64) on an engine as before 2026-12-07's launch cuts (the MoE "
+        "layers' clamped shared expert as its own MLP, the hyper-connections' input as torch ops + hc_mix instead of "
+        "hc_pre), alternated with the default",
     )
     ap.add_argument(
         "--prefill-runs",
@@ -860,20 +861,24 @@ def main() -> int:
 
 @contextlib.contextmanager
 def shared_expert_apart():
-    """The cuda_sm100 MoE dispatcher as before 2026-12-07: a layer with a SwiGLU clamp (DeepSeek-V4)
-    runs its shared expert as its own MLP instead of one more row of the routed GEMVs."""
+    """The cuda_sm100 plugin as before 2026-12-07's launch cuts: a MoE layer with a SwiGLU clamp
+    (DeepSeek-V4) runs its shared expert as its own MLP instead of one more row of the routed
+    GEMVs, and ``hc_pre`` declines (the hyper-connections' input norm and projection as torch ops,
+    then ``hc_mix``). An engine built inside captures its graphs so."""
+    from deepinfer_cuda_sm100.kernels import hyper_connection
     from deepinfer_cuda_sm100.moe import TritonMoEDispatcher
 
-    fold = TritonMoEDispatcher.forward_with_shared
+    fold, pre = TritonMoEDispatcher.forward_with_shared, hyper_connection.hc_pre
 
     def apart(self, spec, *args, **kwargs):
         return None if spec.swiglu_limit is not None else fold(self, spec, *args, **kwargs)
 
     TritonMoEDispatcher.forward_with_shared = apart
+    hyper_connection.hc_pre = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        TritonMoEDispatcher.forward_with_shared = fold
+        TritonMoEDispatcher.forward_with_shared, hyper_connection.hc_pre = fold, pre
 
 
 def ab_fold(llm: LLM, path: str, levels: list[int], vocab: int, steps: int) -> dict:
@@ -891,8 +896,8 @@ def ab_fold(llm: LLM, path: str, levels: list[int], vocab: int, steps: int) -> d
             ab["apart"].append(di_speed(old, vocab, ab_levels, steps, 128))
     del old
     free()
-    log("A/B decode ms/step, shared expert folded into the routed GEMVs vs its own MLP, two alternations:")
-    log("| requests | folded | apart | apart / folded |\n|---:|---|---|---:|")
+    log("A/B decode ms/step, now vs without the shared-expert fold and hc_pre (graphs re-captured), two alternations:")
+    log("| requests | now | before | before / now |\n|---:|---|---|---:|")
     for n in ab_levels:
         a, b = [r[n] for r in ab["folded"]], [r[n] for r in ab["apart"]]
         log(f"| {n} | {a[0]:.3f}, {a[1]:.3f} | {b[0]:.3f}, {b[1]:.3f} | {min(b) / min(a):.3f}x |")
