@@ -20,7 +20,8 @@ tensors (:class:`V4DecodeBatch`); nothing here calls ``.item()``, ``.tolist()`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,15 @@ class V4DecodeBatch:
     slots: torch.Tensor  # [R] int64, state-KV slot of each request
     block_tables: torch.Tensor  # [R, max_blocks] int
     block_size: int
+    # what the layers of one kind compute alike from the positions, computed once (shared())
+    _shared: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shared(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``'s result, built by the first layer that asks for ``key`` in this step and
+        reused by the others (the batch is made per forward and dropped with it)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
 
     def entries_cap(self, ratio: int) -> int:
         """Entry slots a block table row addresses: the fixed width of the indexer's scores."""
@@ -59,7 +69,7 @@ def decode_update_entries(
     tail, tail_rows = cache.tail, cache.tail.shape[1]
     s = batch.positions
     ratio = compressors[0][0].ratio
-    window = torch.div(s, ratio, rounding_mode="floor")
+    window = batch.shared(("window", ratio), lambda: torch.div(s, ratio, rounding_mode="floor"))
     cos, sin = rope.window_cos_sin(s, ratio, raw[0].dtype)  # each entry is roped at its window's first position
     tail_col = 0
     for (comp, entry_col), new in zip(compressors, raw):
@@ -100,9 +110,7 @@ def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBa
     same values, not computed twice) and ``apply`` its rope function (a platform's kernel)."""
     R, ratio, k = x.shape[0], indexer.ratio, indexer.topk
     positions = batch.positions
-    visible = torch.div(positions + 1, ratio, rounding_mode="floor")  # [R]
-    ids = torch.arange(k, device=x.device)
-    every_visible = torch.where(ids[None, :] < visible[:, None], ids[None, :], -1)  # rows with <= k entries
+    visible, every_visible, ranks = batch.shared(("visible", ratio, k), lambda: _visible(positions, ratio, k))
     cap = batch.entries_cap(ratio)
     if cap <= k:  # no row can see more than k entries
         return every_visible
@@ -119,4 +127,13 @@ def decode_select(indexer, x, q_residual, cache: V4LayerCache, batch: V4DecodeBa
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         scores = scores.masked_fill(slots >= visible[:, None], float("-inf"))
     top = scores.topk(k, dim=-1).indices
-    return torch.where((visible > k)[:, None], top, every_visible)
+    return torch.where(ranks, top, every_visible)
+
+
+def _visible(positions: torch.Tensor, ratio: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entries each request sees [R], every visible id for rows with <= k of them [R, k] (-1
+    padded), whether a row ranks [R, 1]): the same for every indexer layer of a ratio."""
+    visible = torch.div(positions + 1, ratio, rounding_mode="floor")  # [R]
+    ids = torch.arange(k, device=positions.device)
+    every_visible = torch.where(ids[None, :] < visible[:, None], ids[None, :], -1)  # rows with <= k entries
+    return visible, every_visible, (visible > k)[:, None]

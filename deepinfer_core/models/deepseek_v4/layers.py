@@ -93,6 +93,11 @@ class V4Rope:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [T, rope/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
+    def cos_neg_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, -sin)``: the inverse rotation (attention's output, un-roped at the query)."""
+        cos, sin = self.cos_sin(positions, dtype)
+        return cos, -sin
+
     def window_cos_sin(self, positions: torch.Tensor, ratio: int, dtype: torch.dtype):
         """cos/sin at the first position of each position's ``ratio``-wide window (where a
         compressor ropes the entry that window makes)."""
@@ -132,6 +137,14 @@ class StepRope:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self._get((id(positions), dtype), positions, lambda: self.rope.cos_sin(positions, dtype))
+
+    def cos_neg_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, -sin)``: the inverse rotation (attention's output, un-roped at the query)."""
+        return self._get(("neg", id(positions), dtype), positions, lambda: self._neg(positions, dtype))
+
+    def _neg(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, dtype)
+        return cos, -sin
 
     def window_cos_sin(self, positions: torch.Tensor, ratio: int, dtype: torch.dtype):
         return self._get(

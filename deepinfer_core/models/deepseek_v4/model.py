@@ -146,7 +146,7 @@ class V4Attention(nn.Module):
                 if indexer is not None:
                     selected = indexer.select(x, q_residual, positions, cache, batch, rope, D, scorer, plans)
         out = self.backend.forward_v4(self.spec, q, kv, self.sinks, cache, meta, selected)  # [T, H, D]
-        out = apply(out, cos, -sin)  # undo the values' rope at the query position
+        out = apply(out, *rope.cos_neg_sin(positions, x.dtype))  # undo the values' rope at the query position
         grouped = self.o_a_proj(out.reshape(T, self.cfg.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
