@@ -7,8 +7,8 @@ what a GPU would launch - every non-view torch op, plus one per Triton kernel ca
 * ``eager``: the general forward (what every V4 step ran before CUDA graphs);
 * ``static torch``: ``forward_decode`` (the fixed-shape step the graphs capture), torch ops only;
 * ``static + kernels``: the same with cuda_sm100's V4 kernels (``hc_pre``, ``hc_mix``, ``hc_merge``,
-  ``compress_decode``, ``v4_rms_norm``, ``v4_rope``; run here in Triton's interpreter, each call
-  counted as its launches: one, ``hc_pre`` two).
+  ``compress_decode``, ``v4_rms_norm``, ``v4_unweighted_rms_norm``, ``v4_rope``; run here in
+  Triton's interpreter, each call counted as its launches: one, ``hc_pre`` two).
 
 The model is V4-mini's layer layout (sliding, then CSA / HCA alternating, 20 Sinkhorn
 iterations, 4 streams) at tiny widths: the counts do not depend on the widths. Attention and MoE
@@ -159,7 +159,7 @@ def install_kernels(model, counter_of) -> list:
     """The plugin's hc_mix and compress_decode on every layer; returns the undo callables."""
     from deepinfer_cuda_sm100.attention import TritonV4Attention
     from deepinfer_cuda_sm100.kernels.hyper_connection import hc_merge, hc_mix, hc_pre
-    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope
+    from deepinfer_cuda_sm100.kernels.v4_elementwise import v4_rms_norm, v4_rope, v4_unweighted_rms_norm
 
     pre = tagged(hc_pre, "hyper-connections", counter_of, launch=2)  # the split-K product, then the mix
     mix = tagged(hc_mix, "hyper-connections", counter_of, launch=1)
@@ -167,6 +167,7 @@ def install_kernels(model, counter_of) -> list:
     compress = tagged(TritonV4Attention().compress_decode, "compressors", counter_of, launch=1)
     norm = tagged(v4_rms_norm, "norms", counter_of, launch=1)
     rope = tagged(v4_rope, "rope", counter_of, launch=1)
+    qnorm = tagged(v4_unweighted_rms_norm, "norms", counter_of, launch=1)
     undo = []
     for module in model.modules():
         if isinstance(module, m4.HyperConnection):
@@ -176,8 +177,8 @@ def install_kernels(model, counter_of) -> list:
             module.fused = norm
             undo.append(lambda m=module: setattr(m, "fused", None))
         elif isinstance(module, m4.V4Attention):
-            module.rope_kernel = rope
-            undo.append(lambda m=module: setattr(m, "rope_kernel", None))
+            module.rope_kernel, module.norm_kernel = rope, qnorm
+            undo.append(lambda m=module: (setattr(m, "rope_kernel", None), setattr(m, "norm_kernel", None)))
     for layer in model.model.layers:
         attn = layer.self_attn
         inner = attn.backend
