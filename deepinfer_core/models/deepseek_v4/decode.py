@@ -39,7 +39,7 @@ class V4DecodeBatch:
     block_tables: torch.Tensor  # [R, max_blocks] int
     block_size: int
     # what the layers of one kind compute alike from the positions, computed once (shared())
-    _shared: dict = field(default_factory=dict, compare=False, repr=False)
+    _shared: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def shared(self, key: tuple, build: Callable[[], Any]) -> Any:
         """``build()``'s result, built by the first layer that asks for ``key`` in this step and
