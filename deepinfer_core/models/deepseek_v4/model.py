@@ -321,6 +321,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         """:meth:`forward` for a batch of one new token per request, with shapes fixed by the
         batch's size and block-table width and no host synchronisation (what a CUDA graph
         captures; see :mod:`.deepseek_v4_decode`). Not for replays or prefill rows."""
+        return self.forward_decode_hidden(input_ids, positions, kv_caches, meta)[0]
+
+    def forward_decode_hidden(
+        self, input_ids, positions, kv_caches: list[V4LayerCache], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_decode` ([T, D]) and the last layer's streams before ``hc_head`` and the
+        final norm ([T, hc, D]), as :meth:`forward_hidden`: a captured decode step that also
+        keeps what the MTP drafter reads."""
         if meta.state_slots is None:
             raise ValueError("DeepSeek-V4 needs per-request state KV: AttentionMetadata.state_slots is missing")
         if meta.max_query_len != 1 or meta.replay or input_ids.shape[0] != meta.state_slots.shape[0]:
@@ -331,7 +339,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         batch = V4DecodeBatch(
             positions=positions, slots=meta.state_slots, block_tables=meta.block_tables, block_size=meta.block_size
         )
-        return self.model.norm(self.model.hc_head(self.hidden_streams(input_ids, positions, kv_caches, meta, batch)))
+        streams = self.hidden_streams(input_ids, positions, kv_caches, meta, batch)
+        return self.model.norm(self.model.hc_head(streams)), streams
 
     def mtp_forward(
         self,

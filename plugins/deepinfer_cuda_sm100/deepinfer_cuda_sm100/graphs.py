@@ -121,9 +121,9 @@ class CudaDecodeGraphs:
         """``(hidden [N, D], the last layer's output before the final norm [N, D])`` of a decode
         step (a speculative step whose drafter reads the target's hidden: its verify steps run as
         decode rows), or None. The pre-norm rows are a copy: the drafter reads them after the
-        bucket's next replay may have begun."""
+        bucket's next replay may have begun. DeepSeek-V4: its streams [N, hc, D] (v4_graphs)."""
         if self.v4 is not None:
-            return None
+            return self.v4.run_hidden(input_ids, meta)
         bucket = self._bucket(meta)
         if bucket is None or bucket not in self.pres:
             return None

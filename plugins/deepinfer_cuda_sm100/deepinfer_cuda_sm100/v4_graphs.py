@@ -44,6 +44,7 @@ class V4DecodeGraphs:
         self.buckets = bucket_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pres: dict[int, torch.Tensor] = {}  # bucket -> the last layer's streams (what the MTP drafter reads)
         self.heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, greedy ids), as graphs.py
         self.enabled = False
         dev = kv_caches[0].window.device
@@ -64,9 +65,13 @@ class V4DecodeGraphs:
             self._capture_all()
 
     def _step(self, n: int) -> torch.Tensor:
-        return self.model.forward_decode(
-            self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n)
-        )
+        args = (self.inputs.input_ids[:n], self.inputs.positions[:n], self.kv_caches, self.inputs.meta(n))
+        if not hasattr(self.model, "forward_decode_hidden"):
+            return self.model.forward_decode(*args)
+        # the same step, keeping the streams before hc_head (run_hidden): no extra kernel, the
+        # capture's tensor is what a replay refills
+        hidden, self.pres[n] = self.model.forward_decode_hidden(*args)
+        return hidden
 
     def _head(self, n: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The LM head and the greedy argmax the engine would run on these rows, where bucket ``n`` has them."""
@@ -98,6 +103,23 @@ class V4DecodeGraphs:
                 return self._step(bucket)[:n]
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+    def run_hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hidden [N, D], the last layer's streams [N, hc, D])`` of a decode step (a
+        speculative engine whose drafter reads the target's streams: MTP), or None
+        (``DecodeGraphs.run_hidden``). The streams are a copy: the drafter reads them after the
+        bucket's next replay may have begun."""
+        bucket = self._bucket(input_ids, meta)
+        if bucket is None or (self.capture and bucket not in self.pres):
+            return None
+        n = meta.num_requests
+        self._fill(bucket, input_ids, meta)
+        if not self.capture:
+            with torch.inference_mode():
+                hidden = self._step(bucket)
+            return hidden[:n], self.pres[bucket][:n]
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n], self.pres[bucket][:n].clone()
 
     def run_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(logits [N, V] float32, greedy ids [N])`` where the bucket captured the LM head too

@@ -144,3 +144,40 @@ def test_v4_graph_replay_matches_eager(checkpoint):
     )  # max_num_seqs 8 <= HEAD_ROWS: every bucket replays the LM head + argmax
     eager = LLM(path, device="cuda", dtype="float32", kv_cache_blocks=16, max_num_seqs=8, enforce_eager=True)
     assert _generate(graphed, prompts) == _generate(eager, prompts)
+
+
+def test_static_decode_step_keeps_the_streams_the_mtp_drafter_reads(checkpoint):
+    # run_hidden: the same static step, returning the last layer's streams too (an MTP engine's
+    # plain and drafted steps replay graphs instead of running the general forward eagerly)
+    from deepinfer_cuda_sm100.v4_graphs import V4DecodeGraphs
+
+    path, prompts = checkpoint
+    torch.set_num_threads(1)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
+    engine = llm.engine
+    model, caches = engine.model, engine.runner.kv_caches
+    for m in model.modules():
+        if getattr(m, "dispatcher", None) is not None:
+            m.dispatcher = Unguarded(m.dispatcher)
+    static = V4DecodeGraphs(model, caches, block_size=128, scratch_block=7, max_num_seqs=4, max_blocks=4, capture=False)
+    checked = []
+
+    class Checked:
+        def run_hidden(self, input_ids, meta):
+            copy = [type(c)(c.entries.clone(), c.window.clone(), c.tail.clone()) for c in caches]
+            want_hidden, want_streams = model.forward_hidden(input_ids, meta.positions, copy, meta)
+            with NoHostSync("the V4 decode step"):
+                got = static.run_hidden(input_ids, meta)
+            assert got is not None
+            hidden, streams = got
+            assert streams.shape == want_streams.shape == (meta.num_requests, model.cfg.hc_mult, model.cfg.hidden_size)
+            torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(streams, want_streams, rtol=1e-4, atol=1e-4)
+            checked.append(int(meta.num_requests))
+            return got
+
+    engine.runner.graphs, engine.runner.keep_hidden = Checked(), True
+    tokens = _generate(llm, prompts)
+    assert {3, 2, 1} <= set(checked)
+    plain = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
+    assert tokens == _generate(plain, prompts)
