@@ -38,6 +38,10 @@ class DecodeGraphs(Protocol):
 # ``forward_hidden`` eagerly. A speculative verify step of a model with ``verify_as_decode_rows``
 # arrives here as decode rows (one per token), so the captured buckets serve it too.
 #
+# Optional too: ``run_logits_hidden(input_ids, meta) -> (logits, ids, pre) | None``: both at once
+# (``run_logits``' pair and ``run_hidden``'s ``pre``), so a speculative engine's decode steps keep
+# the LM head and argmax inside the replay as a plain engine's do. None: ``run_hidden``.
+#
 # Optional too: ``capture_draft(fn, example) -> replay | None`` captures a speculative drafter's
 # proposal: ``fn(*inputs)`` is a pure tensor function of row-independent inputs (``example``: one
 # tensor per input, ``[max_rows, ...]``, valid values) returning a tuple of ``[rows, ...]``

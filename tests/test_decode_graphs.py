@@ -162,3 +162,34 @@ def test_speculative_verify_steps_are_offered_as_decode_rows(tiny_llama):
     assert max(graphs.offered) > len(prompts)  # a verify step: more rows than requests
     plain = LLM(tiny_llama, device="cpu", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True, host=host)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+
+
+class HiddenHeadRecorder(HeadRecorder):
+    """Also offers ``run_logits_hidden`` (the head, the argmax and the pre-norm rows of one
+    replay), run eagerly."""
+
+    def run_logits_hidden(self, input_ids, meta):
+        self.offered.append(("all", meta.num_requests))
+        hidden, pre = self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.argmax(logits, dim=-1), pre
+
+
+def test_an_engine_keeping_hidden_rows_takes_the_head_from_the_replay_too(tiny_llama):
+    """A speculative engine whose drafter reads the target's hidden rows (keep_hidden) takes
+    logits, greedy ids and pre-norm rows from one offered replay, as a plain engine takes the
+    head (it used to run the LM head eagerly after run_hidden); tokens are the eager engine's."""
+    from deepinfer_core import LLM, SamplingParams
+
+    host = PluginHost(load_entry_points=False, extra_plugins={"graphs": head_plugin(HiddenHeadRecorder)})
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama, device="cpu", kv_cache_blocks=8, max_num_seqs=4, host=host, speculative_config=spec)
+    llm.engine.runner.keep_hidden = True  # as for a drafter that reads the hidden rows
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    offered = llm.engine.runner.graphs.offered
+    assert any(isinstance(o, tuple) and o[0] == "all" for o in offered)
+    assert not any(isinstance(o, int) and o < 0 for o in offered)  # never run_logits without the rows
+    plain = LLM(tiny_llama, device="cpu", kv_cache_blocks=8, max_num_seqs=4, enforce_eager=True)
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

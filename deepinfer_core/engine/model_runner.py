@@ -138,11 +138,19 @@ class ModelRunner:
         verifying = any(s.num_spec for s in out.requests)
         decode_shaped = meta.max_query_len == 1 and input_ids.shape[0] == meta.num_requests
         if self.keep_hidden:  # the drafter reads the pre-norm hidden states: a graph that keeps them, or the layers
-            with_pre = getattr(self.graphs, "run_hidden", None) if decode_shaped else None
-            got = with_pre(input_ids, meta) if with_pre is not None else None
-            hidden, pre = (
-                got if got is not None else self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
-            )
+            with_all = getattr(self.graphs, "run_logits_hidden", None) if decode_shaped else None
+            if with_all is not None and batch.sample_index is None and batch.sample_rows:
+                got = with_all(input_ids, meta)  # the LM head and argmax in the replay too, as run_logits
+                if got is not None:
+                    logits, greedy, pre = got
+            if logits is None:
+                with_pre = getattr(self.graphs, "run_hidden", None) if decode_shaped else None
+                got = with_pre(input_ids, meta) if with_pre is not None else None
+                hidden, pre = (
+                    got
+                    if got is not None
+                    else self.model.forward_hidden(input_ids, meta.positions, self.kv_caches, meta)
+                )
         elif self.graphs is not None and decode_shaped:
             with_head = getattr(self.graphs, "run_logits", None)  # the LM head and argmax captured too
             got = (

@@ -146,6 +146,21 @@ class CudaDecodeGraphs:
         n = meta.num_requests
         return logits[:n], ids[:n].clone()
 
+    def run_logits_hidden(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`run_logits`' pair and :meth:`run_hidden`'s pre-norm rows from one replay (a
+        speculative engine's decode step keeps the LM head in the graph), or None."""
+        if self.v4 is not None:
+            return self.v4.run_logits_hidden(input_ids, meta)
+        bucket = self._bucket(meta)
+        if bucket is None or bucket not in self.heads or bucket not in self.pres:
+            return None
+        self._replay(bucket, input_ids, meta)
+        logits, ids = self.heads[bucket]
+        n = meta.num_requests
+        return logits[:n], ids[:n].clone(), self.pres[bucket][:n].clone()
+
     def _bucket(self, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]

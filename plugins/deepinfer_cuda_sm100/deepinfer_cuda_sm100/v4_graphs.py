@@ -133,6 +133,19 @@ class V4DecodeGraphs:
         n = meta.num_requests
         return logits[:n], ids[:n].clone()
 
+    def run_logits_hidden(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`run_logits`' pair and :meth:`run_hidden`'s streams from one replay, or None."""
+        bucket = self._bucket(input_ids, meta)
+        if bucket is None or bucket not in self.heads or bucket not in self.pres:
+            return None
+        self._fill(bucket, input_ids, meta)
+        self.graphs[bucket].replay()
+        logits, ids = self.heads[bucket]
+        n = meta.num_requests
+        return logits[:n], ids[:n].clone(), self.pres[bucket][:n].clone()
+
     def _bucket(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests
         width = meta.block_tables.shape[1]
