@@ -22,24 +22,30 @@ from .paged_attention import _pow2
 
 
 @triton.jit
-def _mixed_at(row, idx, mask, stride_p, S, r, PARTIAL: tl.constexpr):
-    """The mixing projection's values at ``idx``: read from its row, or (``PARTIAL``) summed
-    over the ``S`` split-K partial rows :func:`_hc_project_kernel` wrote, in a fixed order, and
-    scaled by the input norm's ``r``."""
-    if PARTIAL:
-        acc = tl.load(row + idx, mask=mask, other=0.0)
-        for s in range(1, S):
-            acc += tl.load(row + s * stride_p + idx, mask=mask, other=0.0)
-        return acc * r
-    else:
-        return tl.load(row + idx, mask=mask, other=0.0)
+def _partial_sum_1d(row, idx, mask, stride_p, S, BLOCK_S: tl.constexpr):
+    """Sum over the ``S`` split-K partial rows at ``row`` (stride ``stride_p``) of the values at
+    ``idx`` [B]: one load of [BLOCK_S, B], then a fixed-shape reduction (the same order for
+    every token: batch-invariant)."""
+    s = tl.arange(0, BLOCK_S)
+    v = tl.load(row + s[:, None] * stride_p + idx[None, :], mask=(s < S)[:, None] & mask[None, :], other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _partial_sum_2d(row, idx, mask, stride_p, S, BLOCK_S: tl.constexpr):
+    """:func:`_partial_sum_1d` for ``idx`` [B, B]."""
+    s = tl.arange(0, BLOCK_S)
+    v = tl.load(
+        row + s[:, None, None] * stride_p + idx[None, :, :], mask=(s < S)[:, None, None] & mask[None, :, :], other=0.0
+    )
+    return tl.sum(v, axis=0)
 
 
 @triton.jit
 def _hc_mix_kernel(
     mixed_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr,
     stride_m, stride_st, stride_sh, stride_o, D, iters, eps, S, K, norm_eps,
-    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
+    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HC)
@@ -47,25 +53,25 @@ def _hc_mix_kernel(
     pre_s = tl.load(scale_ptr)
     post_s = tl.load(scale_ptr + 1)
     comb_s = tl.load(scale_ptr + 2)
-    row = mixed_ptr + t * stride_m
-    r = 1.0
-    if PARTIAL:  # rows of S partials [(2 + hc) * hc dots, sum of squares]: the input norm's rsqrt
-        row = mixed_ptr + t * S * stride_m
-        ss = tl.load(row + (2 + HC) * HC)
-        for s in range(1, S):
-            ss += tl.load(row + s * stride_m + (2 + HC) * HC)
-        r = 1.0 / tl.sqrt(ss / K + norm_eps)
-    pre = tl.sigmoid(_mixed_at(row, i, ok, stride_m, S, r, PARTIAL) * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0))
-    pre = pre + eps
-    post = 2 * tl.sigmoid(
-        _mixed_at(row, HC + i, ok, stride_m, S, r, PARTIAL) * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0)
-    )
-    tl.store(post_ptr + t * HC + i, post, mask=ok)
     cell = i[:, None] * HC + i[None, :]
     both = ok[:, None] & ok[None, :]
-    logits = _mixed_at(row, 2 * HC + cell, both, stride_m, S, r, PARTIAL) * comb_s + tl.load(
-        base_ptr + 2 * HC + cell, mask=both, other=0.0
-    )
+    if PARTIAL:  # rows of S partials [(2 + hc) * hc dots, sum of squares]: summed, times the input norm's rsqrt
+        row = mixed_ptr + t * S * stride_m
+        si = tl.arange(0, BLOCK_S)
+        ss = tl.sum(tl.load(row + si * stride_m + (2 + HC) * HC, mask=si < S, other=0.0), axis=0)
+        r = 1.0 / tl.sqrt(ss / K + norm_eps)
+        pre_w = _partial_sum_1d(row, i, ok, stride_m, S, BLOCK_S) * r
+        post_w = _partial_sum_1d(row, HC + i, ok, stride_m, S, BLOCK_S) * r
+        comb_w = _partial_sum_2d(row, 2 * HC + cell, both, stride_m, S, BLOCK_S) * r
+    else:
+        row = mixed_ptr + t * stride_m
+        pre_w = tl.load(row + i, mask=ok, other=0.0)
+        post_w = tl.load(row + HC + i, mask=ok, other=0.0)
+        comb_w = tl.load(row + 2 * HC + cell, mask=both, other=0.0)
+    pre = tl.sigmoid(pre_w * pre_s + tl.load(base_ptr + i, mask=ok, other=0.0)) + eps
+    post = 2 * tl.sigmoid(post_w * post_s + tl.load(base_ptr + HC + i, mask=ok, other=0.0))
+    tl.store(post_ptr + t * HC + i, post, mask=ok)
+    logits = comb_w * comb_s + tl.load(base_ptr + 2 * HC + cell, mask=both, other=0.0)
     logits = tl.where(both, logits, float("-inf"))
     top = tl.where(ok, tl.max(logits, axis=1), 0.0)  # padding rows (hc not a power of two): no inf - inf
     e = tl.where(both, tl.exp(logits - top[:, None]), 0.0)
@@ -102,7 +108,7 @@ def hc_mix(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams
         _hc_mix_kernel[(T,)](
             mixed, base, scale, streams, post, comb, out, mixed.stride(0), streams.stride(0), streams.stride(1),
             out.stride(0), D, int(iters), float(eps), 1, 1, 0.0, HC=hc, BLOCK_HC=max(2, _pow2(hc)),
-            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=False, num_warps=4,
+            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=False, BLOCK_S=1, num_warps=4,
         )  # fmt: skip
     return post, comb, out
 
@@ -138,11 +144,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """``HyperConnection.forward`` in two launches for a decode batch: the input norm and the
     mixing projection as split-K partial products (one program per token and 256 columns of
     ``hc * D``, each with its slice's sum of squares), then :func:`hc_mix`'s kernel summing the
-    partials in a fixed order and scaling them by the norm's rsqrt (``r * (x . fn)`` for the
-    reference's ``(r * x) . fn``: float32 rounding apart). Each token's result depends on that
-    token alone. Returns None (the caller runs the torch ops) for more than
-    ``HC_PRE_MAX_TOKENS`` tokens and inside a batch-invariant forward (whose GEMMs are the
-    invariant kernels, so a request's numbers do not depend on which path its batch took)."""
+    partials (one load of every partial row, a fixed-shape reduction) and scaling them by the
+    norm's rsqrt (``r * (x . fn)`` for the reference's ``(r * x) . fn``: float32 rounding
+    apart). Each token's result depends on that token alone. Returns None (the caller runs the
+    torch ops) for more than ``HC_PRE_MAX_TOKENS`` tokens and inside a batch-invariant forward
+    (whose GEMMs are the invariant kernels, so a request's numbers do not depend on which path
+    its batch took)."""
     T, hc, D = streams.shape
     M, K = (2 + hc) * hc, hc * D
     if T > HC_PRE_MAX_TOKENS or INVARIANT.get():
@@ -166,7 +173,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         _hc_mix_kernel[(T,)](
             parts, base, scale, streams, post, comb, out, parts.stride(0), streams.stride(0), streams.stride(1),
             out.stride(0), D, int(iters), float(eps), S, K, float(norm_eps), HC=hc, BLOCK_HC=max(2, _pow2(hc)),
-            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=True, num_warps=4,
+            BLOCK_D=min(1024, max(16, _pow2(D))), PARTIAL=True, BLOCK_S=max(2, _pow2(S)), num_warps=4,
         )  # fmt: skip
     return post, comb, out
 
