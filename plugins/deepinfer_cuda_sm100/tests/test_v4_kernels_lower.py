@@ -1,9 +1,10 @@
 """The DeepSeek-V4 kernels (attention, ring write, indexer scores, compressor decode step,
-hyper-connection mix and merge, V4 norm and rope, sqrt-softplus routing) lower to machine code
-for SM90 (H100/H200) and SM100 (B200) at V4's shapes (head_dim 512, 16 heads, bf16): Triton's
-ahead-of-time compile with an explicit target needs no GPU, so CI, which runs the kernels only
-in the interpreter, also proves they compile (the interpreter accepts code that the compiler
-rejects, e.g. branches yielding different types).
+hyper-connection mix (with and without hc_pre's split-K partials), projection and merge, V4
+norm and rope, sqrt-softplus routing) lower to machine code for SM90 (H100/H200) and SM100
+(B200) at V4's shapes (head_dim 512, 16 heads, bf16): Triton's ahead-of-time compile with an
+explicit target needs no GPU, so CI, which runs the kernels only in the interpreter, also proves
+they compile (the interpreter accepts code that the compiler rejects, e.g. branches yielding
+different types).
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ for arch in (90, 100):
     for ratio, width, dh, overlap in ((4, 1024, 256, True), (128, 512, 256, False), (4, 256, 64, True)):
         lower(vc._compress_decode_kernel, cd, dict(RATIO=ratio, W=width, DH=dh, ROPE2=32, OVERLAP=overlap, BLOCK_R=8),
               arch, 4)
-    lower(hc._hc_mix_kernel,
-          {"mixed_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "streams_ptr": "*bf16", "post_ptr": "*fp32",
-           "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"}, dict(HC=4, BLOCK_HC=4, BLOCK_D=1024), arch, 4)
+    # hc_mix on a projection row, and (hc_pre) summing split-K partials: V4-mini's 32 slices, V4's 112
+    for partial, block_s in ((False, 1), (True, 32), (True, 128)):
+        lower(hc._hc_mix_kernel,
+              {"mixed_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "streams_ptr": "*bf16",
+               "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32", "norm_eps": "fp32"},
+              dict(HC=4, BLOCK_HC=4, BLOCK_D=1024, PARTIAL=partial, BLOCK_S=block_s), arch, 4)
+    lower(hc._hc_project_kernel, {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32"},
+          dict(BLOCK_M=32, BLOCK_K=256), arch, 4)
     lower(hc._hc_merge_kernel,
           {"s_ptr": "*bf16", "o_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16"},
           dict(HC=4, BLOCK_HC=4, BLOCK_D=512), arch, 4)
