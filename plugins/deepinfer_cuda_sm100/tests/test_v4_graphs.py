@@ -81,10 +81,9 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoint):
-    from deepinfer_cuda_sm100.v4_graphs import V4DecodeGraphs
-
-    path, prompts = checkpoint
+def _cpu_engine(path):
+    """A float32 CPU engine of the tiny V4, its MoE's expert computation outside the host-sync
+    guard (:class:`Unguarded`): (llm, engine, model, caches)."""
     torch.set_num_threads(1)
     llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
     engine = llm.engine
@@ -92,6 +91,14 @@ def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoin
     for m in model.modules():
         if getattr(m, "dispatcher", None) is not None:
             m.dispatcher = Unguarded(m.dispatcher)
+    return llm, engine, model, caches
+
+
+def test_static_decode_step_equals_the_general_step_without_host_syncs(checkpoint):
+    from deepinfer_cuda_sm100.v4_graphs import V4DecodeGraphs
+
+    path, prompts = checkpoint
+    llm, engine, model, caches = _cpu_engine(path)
     # the kernel on this CPU model needs Triton's interpreter (conftest sets it where there is no
     # GPU; on a GPU machine the kernel runs compiled in test_v4_compressor_kernel and the graph test)
     interpreted = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
@@ -152,13 +159,7 @@ def test_static_decode_step_keeps_the_streams_the_mtp_drafter_reads(checkpoint):
     from deepinfer_cuda_sm100.v4_graphs import V4DecodeGraphs
 
     path, prompts = checkpoint
-    torch.set_num_threads(1)
-    llm = LLM(path, device="cpu", dtype="float32", kv_cache_blocks=8, max_num_seqs=4)
-    engine = llm.engine
-    model, caches = engine.model, engine.runner.kv_caches
-    for m in model.modules():
-        if getattr(m, "dispatcher", None) is not None:
-            m.dispatcher = Unguarded(m.dispatcher)
+    llm, engine, model, caches = _cpu_engine(path)
     static = V4DecodeGraphs(model, caches, block_size=128, scratch_block=7, max_num_seqs=4, max_blocks=4, capture=False)
     checked = []
 
