@@ -21,6 +21,36 @@ from ..speculative import DraftBatch, DrafterContext
 __all__ = ["MTPDrafter", "NgramDrafter", "mtp_drafter", "ngram_drafter"]
 
 
+class _SuffixIndex:
+    """One request's n-grams (``min_n`` .. ``max_n`` tokens) -> the end position of their latest
+    occurrence that something follows, grown by the tokens committed since the last call: a
+    lookup costs O(max_n) and the history is indexed once (scanning it at every proposal cost
+    ~90 us a request on a 200-token history, 5.6 ms a 64-request step on an H100)."""
+
+    __slots__ = ("min_n", "max_n", "ends", "done")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.done = 0  # end positions 0 .. done - 1 are indexed
+
+    def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        L = len(tokens)
+        if L - 1 < self.done:  # a shorter history than indexed (not one request's growth): start over
+            self.ends.clear()
+            self.done = 0
+        ends = self.ends
+        for e in range(self.done, L - 1):  # an n-gram ending at e <= L - 2 has a token after it
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                ends[tuple(tokens[e - n + 1 : e + 1])] = e
+        self.done = max(self.done, L - 1)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            e = ends.get(tuple(tokens[L - n :]))
+            if e is not None:
+                return n, list(tokens[e + 1 : e + 1 + k])
+        return 0, []
+
+
 class NgramDrafter:
     name = "ngram"
     needs_token_ids = True
@@ -31,6 +61,7 @@ class NgramDrafter:
         self.hits = np.zeros((max_n + 1, gamma), np.int64)
         self.seen = np.zeros((max_n + 1, gamma), np.int64)
         self._last: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (position, match length, drafts)
+        self._index: dict[str, _SuffixIndex] = {}  # request id -> its n-grams' latest occurrences
 
     def _learn(self, request_id: str, tokens: list[int]) -> None:
         prev = self._last.pop(request_id, None)
@@ -44,18 +75,12 @@ class NgramDrafter:
                 break
             self.hits[n, j] += 1
 
-    def _match(self, arr: np.ndarray, k: int) -> tuple[int, list[int]]:
+    def _match(self, request_id: str, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(match length, up to k continuation tokens) of the longest suffix seen before."""
-        L = len(arr)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = arr[L - n :]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # starts 0 .. L-1-n
-            found = np.flatnonzero((windows == suffix).all(axis=1))
-            found = found[found + n < L]  # something follows it
-            if found.size:
-                start = int(found[-1]) + n
-                return n, arr[start : start + k].tolist()
-        return 0, []
+        index = self._index.get(request_id)
+        if index is None:
+            index = self._index[request_id] = _SuffixIndex(self.min_n, self.max_n)
+        return index.match(tokens, k)
 
     def propose(self, batch: DraftBatch, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         R = len(batch.request_ids)
@@ -68,7 +93,7 @@ class NgramDrafter:
         rate = (self.hits + 1) / (self.seen + 2)  # P(draft k matches | drafts < k did), per match length
         for r, (request_id, tokens) in enumerate(zip(batch.request_ids, batch.token_ids)):
             self._learn(request_id, tokens)
-            n, drafts = self._match(np.asarray(tokens, np.int64), num_tokens)
+            n, drafts = self._match(request_id, tokens, num_tokens)
             if not drafts:
                 continue
             ids[r, : len(drafts)] = drafts
@@ -80,6 +105,7 @@ class NgramDrafter:
 
     def release(self, request_id: str) -> None:
         self._last.pop(request_id, None)
+        self._index.pop(request_id, None)
 
 
 def ngram_drafter(config: dict, ctx: DrafterContext | None = None) -> NgramDrafter:
