@@ -337,3 +337,69 @@ def test_dspark_plain_streaks_run_overlapped_and_keep_the_output(tiny_llama):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done[i] for i in ids] == expected
+
+
+def test_probes_draft_for_a_few_requests_and_cost_a_bounded_share(monkeypatch):
+    """A drafter the rule never verifies (survivals ~0) in a batch of 16: the two warm-up
+    proposals and every probe draft for PROBE_REQUESTS requests, taken in turn, except the
+    bucket's first probe after the rule starts, which drafts for all 16 (a whole speculative
+    cycle timed). A probe whose cycle costs 0.1 s more than a plain one holds the next probe
+    off for 0.1 / PROBE_SHARE seconds of plain steps, whatever the step count says."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.engine import spec_decode
+    from deepinfer_core.engine.spec_config import SpecConfig
+    from deepinfer_core.engine.spec_decode import PROBE_REQUESTS, PROBE_SHARE, SpecDecoder
+    from deepinfer_core.speculative import ConfidenceScheduledVerification
+
+    now = [0.0]
+    monkeypatch.setattr(spec_decode.time, "perf_counter", lambda: now[0])
+
+    class Unlikely:
+        def __init__(self):
+            self.batches = []
+
+        def propose(self, batch, num_tokens):
+            self.batches.append(batch.request_ids)
+            n = len(batch.request_ids)
+            return torch.ones(n, num_tokens, dtype=torch.long), torch.full((n, num_tokens), 0.01)
+
+    drafter = Unlikely()
+    cfg = SpecConfig(method="ngram", num_speculative_tokens=4, verification="confidence")
+    dec = SpecDecoder(cfg, drafter, ConfidenceScheduledVerification(), device="cpu", max_num_batched_tokens=512,
+                      max_model_len=10_000, rate=StepRate([(1, 100.0), (512, 20.0)]))  # fmt: skip
+    reqs = [
+        SimpleNamespace(request_id=str(i), finished=False, num_computed_tokens=9, num_tokens=10, max_tokens=10_000,
+                        output_token_ids=[3], prompt_token_ids=[1] * 9, draft_token_ids=[])
+        for i in range(16)
+    ]  # fmt: skip
+    probe_extra = [0.0]
+
+    def step():  # one serial engine cycle: 10 ms, a probe's cycle probe_extra more
+        before = len(drafter.batches)
+        dec.propose(reqs, None, {})
+        now[0] += 0.01 + (probe_extra[0] if len(drafter.batches) > before else 0.0)
+
+    for _ in range(80):
+        step()
+    sizes = [len(b) for b in drafter.batches]
+    assert sizes[:2] == [PROBE_REQUESTS] * 2  # the warm-up
+    assert sizes[2] == 16 and all(s == PROBE_REQUESTS for s in sizes[3:]) and len(sizes) >= 4, sizes
+    small = [b for b in drafter.batches if len(b) == PROBE_REQUESTS]
+    assert len({r for b in small for r in b}) == min(16, PROBE_REQUESTS * len(small))  # in turn
+
+    # a probe costing 0.1 s over a plain 10 ms cycle: the next waits 0.1 / PROBE_SHARE seconds
+    probe_extra[0] = 0.1
+    dec._probe_every = spec_decode.PROBE_FIRST  # step counts allow a probe every 8 steps
+    calls = len(drafter.batches)
+    while len(drafter.batches) == calls:
+        step()
+    started = now[0]
+    for _ in range(int(0.1 / PROBE_SHARE / 0.01) - 20):
+        dec._probe_every = spec_decode.PROBE_FIRST
+        step()
+    assert len(drafter.batches) == calls + 1, "a probe before its cost's share of time passed"
+    while len(drafter.batches) == calls + 1:
+        dec._probe_every = spec_decode.PROBE_FIRST
+        step()
+    assert now[0] - started >= 0.1 / PROBE_SHARE - 0.02

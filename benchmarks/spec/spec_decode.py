@@ -6,8 +6,10 @@ a DeepSeek model with an MTP block, ``--model`` of one): mean accepted length (t
 step commits: accepted drafts + 1), verified drafts per step, expected calibration error of the
 drafter's confidences (10 bins; a draft counts where every earlier draft of its proposal matched
 the output), and output tok/s at each concurrency for no-spec, fixed-k and DSpark, with ratios
-to no-spec measured in the same run. Prompts are held out (written here, never used to train a
-drafter): chat questions and grounded edits (rewrite a given passage with one change).
+to no-spec measured in the same run (no-spec runs each level first and again after each
+drafter's DSpark run of it; its better run is the ratios' base). Prompts are held out (written
+here, never used to train a drafter): chat questions and grounded edits (rewrite a given passage
+with one change).
 
     nice -n 10 python benchmarks/spec/spec_decode.py --concurrency 1,16,64,96 --new-tokens 48
     python benchmarks/spec/spec_decode.py --method draft --draft-model DIR   # the learned head
@@ -141,8 +143,12 @@ def run_level(llm, pool, n: int, new_tokens: int, counter: list[int] | None = No
     return tokens / wall, outs, (1e3 * wall / steps if steps else None)
 
 
-def measure_method(args, row, spec, common, levels, pool, base_rate, base_step_ms, reference, warm) -> None:
-    """Fixed-k then DSpark engines of one drafter, every level, into ``row``."""
+def measure_method(args, row, spec, common, levels, pool, base, reference, warm) -> None:
+    """Fixed-k then DSpark engines of one drafter, every level, into ``row``; after each DSpark
+    level the engine without speculation (``base``: engine, step counter, best tok/s and its ms
+    per step by level) runs that level again, and keeps its better run: a machine's drift over
+    the benchmark (clocks, other tenants) does not land on one side of the ratio."""
+    base_llm, base_counter, base_rate, base_step_ms = base
     from deepinfer_core import LLM
 
     for verification in ("fixed", "confidence"):
@@ -164,8 +170,7 @@ def measure_method(args, row, spec, common, levels, pool, base_rate, base_step_m
             drafts = after["num_drafts"] - before["num_drafts"]
             drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
             accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-            cell = row["levels"].setdefault(str(n), {"no_spec": round(base_rate[n], 1)})
-            cell["no_spec_step_ms"] = base_step_ms[n] and round(base_step_ms[n], 3)
+            cell = row["levels"].setdefault(str(n), {})
             cell[verification] = round(rate, 1)
             # where a step's time goes: wall ms per engine step, and host ms drafting per proposal
             cell[f"{verification}_step_ms"] = step_ms and round(step_ms, 3)
@@ -173,7 +178,10 @@ def measure_method(args, row, spec, common, levels, pool, base_rate, base_step_m
             cell[f"{verification}_draft_ms"] = round(
                 1e3 * (after["draft_seconds"] - before["draft_seconds"]) / max(proposals, 1), 3
             )
-            cell[f"{verification}_ratio"] = round(rate / base_rate[n], 3)
+            if verification == "confidence":
+                again, _, again_ms = run_level(base_llm, pool, n, args.new_tokens, base_counter)
+                if again > base_rate[n]:
+                    base_rate[n], base_step_ms[n] = again, again_ms
             cell[f"{verification}_accepted_len"] = round((accepted + drafts) / max(drafts, 1), 3)
             cell[f"{verification}_verified_per_step"] = round(drafted / max(drafts, 1), 3)
             # proposals DSpark skipped (K = 0 decided before drafting: plain decoding steps)
@@ -241,7 +249,6 @@ def main() -> None:
         run_level(base, pool, n, args.new_tokens) if warm else run_level(base, pool[:2], min(n, 2), 8)
         base_rate[n], outs, base_step_ms[n] = run_level(base, pool, n, args.new_tokens, counter)
     reference = [o.outputs[0].token_ids for o in outs]
-    del base
 
     rows = []
     for method in args.method.split(","):
@@ -254,7 +261,8 @@ def main() -> None:
             spec["model"] = args.draft_model
         row = {"drafter": method, "gamma": args.gamma, "levels": {}}
         try:
-            measure_method(args, row, spec, common, levels, pool, base_rate, base_step_ms, reference, warm)
+            measure_method(args, row, spec, common, levels, pool, (base, counter, base_rate, base_step_ms), reference,
+                           warm)  # fmt: skip
         except Exception:  # one drafter's failure is reported, the others still run
             import traceback
 
@@ -262,6 +270,13 @@ def main() -> None:
             row["error"] = traceback.format_exc(limit=1).strip().splitlines()[-1]
         if row["levels"] or "error" in row:
             rows.append(row)
+    for row in rows:  # against no-spec's best run of each level (measure_method)
+        for n, cell in row["levels"].items():
+            cell["no_spec"] = round(base_rate[int(n)], 1)
+            cell["no_spec_step_ms"] = base_step_ms[int(n)] and round(base_step_ms[int(n)], 3)
+            for verification in ("fixed", "confidence"):
+                if verification in cell:
+                    cell[f"{verification}_ratio"] = round(cell[verification] / base_rate[int(n)], 3)
 
     print(f"\n{args.model} on {args.device}, {args.new_tokens} new tokens, gamma {args.gamma}, greedy, "
           f"verify layout {args.verify_layout}")  # fmt: skip

@@ -46,6 +46,17 @@ decoding). Every so many such steps one proposal is drafted and verified as fixe
 probe that refreshes the survivals, the drafting time and the observed acceptance; the interval
 doubles while probes keep giving K = 0 (8 up to 256 steps), so a drafter that does not pay costs
 a few percent, and one that starts paying (another batch size, easier text) is found again.
+
+What a probe costs is bounded two more ways (on an H100, 64-token runs, the probes and the two
+warm-up proposals were the whole of DSpark's loss to plain decoding: 0.77-0.90x while drafting on
+1-3 steps of 64, each a fixed-k step of 2-7x a plain one):
+
+- a probe, and a warm-up proposal before the rule has survivals, drafts for at most
+  :data:`PROBE_REQUESTS` requests of the batch (taken in turn), except a batch-size bucket's first
+  probe, which drafts for all to time a whole speculative cycle (what the rule prices K > 0 by);
+  survivals from fewer requests than the batch stand for the batch (repeated over its rows);
+- the next probe waits until the last one's cost (its cycle over a plain cycle) is at most
+  :data:`PROBE_SHARE` of the time since it started.
 """
 
 from __future__ import annotations
@@ -69,6 +80,9 @@ __all__ = ["SpecDecoder", "StepRate", "build_spec_decoder", "choose_budget"]
 
 #: DSpark's probes while K = 0 skips drafting: after this many skipped proposals, doubling to the max
 PROBE_FIRST, PROBE_MAX = 8, 256
+#: a probe's and a warm-up proposal's requests (a batch bucket's first probe: all of them), and the
+#: most of the wall time probes may cost
+PROBE_REQUESTS, PROBE_SHARE = 4, 0.02
 #: plain steps run to time a plain cycle for a batch size that has none measured (two are needed
 #: where plain steps run overlapped: a cycle is timed from one step's start to the next's)
 EXPLORE_STEPS = 4
@@ -170,7 +184,12 @@ class SpecDecoder:
         self._plain_s: dict[int, float] = {}
         self._spec_extra_s: dict[int, float] = {}
         self._explored: set[int] = set()  # buckets whose plain cycle a short plain streak went to time
-        self._cycle: tuple[float, int, int, str] | None = None  # (start, requests, K verified, source) running
+        # (start, requests, K verified (-1: not a whole speculative cycle), source, a probe) running
+        self._cycle: tuple[float, int, int, str, bool] | None = None
+        self._probe_at, self._probe_cost = -float("inf"), 0.0  # the last probe's start and its measured cost
+        self._probe_turn = 0  # where in the batch the next small probe starts
+        self._full_probed: set[int] = set()  # buckets whose whole-batch probe ran
+        self._exploring = False  # a plain streak timing a plain cycle runs
         self._streak: int | None = None  # requests when DSpark last skipped drafting (a plain streak)
         self.num_plain_overlapped = 0  # plain steps of a streak the engine ran overlapped
         # totals since start (vLLM's spec_decode counters)
@@ -210,6 +229,8 @@ class SpecDecoder:
             # rule, whose inputs only the next probe refreshes (~0.25 ms a step, 4% of a CPU step)
             self._skip_plain(R)
             return
+        # DSpark's warm-up (no survivals yet) drafts as a probe does
+        probe = self.policy.name == "confidence" and not self._dspark_ready()
         if self.policy.name == "confidence" and self._dspark_ready():
             b = self._bucket(R)
             if b not in self._plain_s and b not in self._explored:
@@ -219,21 +240,35 @@ class SpecDecoder:
                 # where the batch changes size every step no cycle is ever timed, and the rule then
                 # goes by the curve as before rather than exploring again and again
                 self._explored.add(b)
+                self._exploring = True  # the streak ends for the rule, however far the next probe is
                 k = 0
                 self._skipped = max(self._skipped, self._probe_every - EXPLORE_STEPS)
             else:
+                self._exploring = False
                 k = self._dspark_budget(R, budget)
             if k == 0:
-                if self._skipped < self._probe_every:  # not worth drafting: a plain decoding step
-                    self._skip_plain(R)
+                if self._skipped < self._probe_every or now - self._probe_at < self._probe_cost / PROBE_SHARE:
+                    self._skip_plain(R)  # not worth drafting: a plain decoding step
                     return
                 # a probe: draft and verify as fixed-k (the whole budget), to see again whether it pays
                 self._skipped = 0
                 self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+                probe = True
             else:
                 budget = k
                 self._skipped, self._probe_every = 0, PROBE_FIRST
         self._streak = None
+        whole = True  # a whole speculative cycle: what the rule prices K > 0 by
+        if probe:
+            self._probe_at = now
+            b = self._bucket(R)
+            if R > PROBE_REQUESTS and (b in self._full_probed or not self._dspark_ready()):
+                first = self._probe_turn % R
+                reqs = [reqs[(first + i) % R] for i in range(PROBE_REQUESTS)]
+                self._probe_turn = first + PROBE_REQUESTS
+                whole = False
+            elif self._dspark_ready():
+                self._full_probed.add(b)
         started = time.perf_counter()
         last = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs])
         positions = torch.tensor([r.num_tokens - 1 for r in reqs])
@@ -260,23 +295,29 @@ class SpecDecoder:
         ids_host = draft_ids.to("cpu", torch.long).tolist()
         len_host = lengths.to("cpu").tolist()
         surv_host = survivals.to("cpu").numpy()
-        self._old_survivals.append(surv_host.ravel())
+        self._old_survivals.append(surv_host)
         for r, ids, n, sv in zip(reqs, ids_host, len_host, surv_host):
             r.draft_token_ids = ids[:n]
             if n:
                 self._predicted[r.request_id] = sv[:n]
-        self._cycle = (now, R, int(sum(len_host)) or -1, "serial")  # drafted, nothing verified: neither kind
+        # drafted and nothing verified, or a probe of part of the batch: neither kind of cycle
+        self._cycle = (now, R, (int(sum(len_host)) if whole else 0) or -1, "serial", probe)
         seconds = time.perf_counter() - started
-        self._note_draft_time(R, seconds)
+        self._note_draft_time(len(reqs), seconds)
         self.draft_seconds_total += seconds
         self.num_steps += 1
 
     # -- plain streaks ---------------------------------------------------------------------------
     def plain_ahead(self, num_running: int) -> bool:
         """Whether DSpark's next proposal is already known to skip drafting: it skipped the last
-        one, the batch has as many requests, and the next probe is more than one step away. The
-        engine then runs the step overlapped, without proposing (``note_plain_step``)."""
-        return self._streak is not None and self._streak == num_running and self._skipped + 1 < self._probe_every
+        one, the batch has as many requests, and the next probe is more than one step away (in
+        steps, or in time: :data:`PROBE_SHARE`). The engine then runs the step overlapped, without
+        proposing (``note_plain_step``)."""
+        if self._streak is None or self._streak != num_running:
+            return False
+        return self._skipped + 1 < self._probe_every or (
+            not self._exploring and time.perf_counter() - self._probe_at < self._probe_cost / PROBE_SHARE
+        )
 
     def note_plain_step(self, num_running: int) -> None:
         """A step of the streak that ran without a proposal: counted as a skipped one, and timed
@@ -299,7 +340,11 @@ class SpecDecoder:
     def _dspark_budget(self, num_reqs: int, budget: int) -> int:
         """K from the survivals two proposals back, scaled by the observed acceptance, and the
         measured drafting time."""
-        survivals = np.clip(self._old_survivals[0] * self.calibration(), 0.0, 1.0)
+        old = self._old_survivals[0]
+        old = old.reshape(-1, old.shape[-1] if old.ndim == 2 else self.gamma)
+        if old.shape[0] and old.shape[0] != num_reqs:  # a probe's few requests, or another batch: as this one
+            old = old[np.arange(num_reqs) % old.shape[0]]
+        survivals = np.clip(old.ravel() * self.calibration(), 0.0, 1.0)
         b = self._bucket(num_reqs)
         plain = self._plain_s.get(b)
         extra = self._spec_extra_s.get(b) if plain is not None else None
@@ -316,7 +361,9 @@ class SpecDecoder:
         now = time.perf_counter()
         if self._cycle is not None and self._cycle[1] == num_reqs and self._cycle[3] == source:
             self._note_cycle(num_reqs, self._cycle[2], now - self._cycle[0])
-        self._cycle = (now, num_reqs, 0, source) if num_reqs else None
+            if self._cycle[4]:  # a probe's cost: its cycle over a plain one
+                self._probe_cost = max(0.0, now - self._cycle[0] - self._plain_s.get(self._bucket(num_reqs), 0.0))
+        self._cycle = (now, num_reqs, 0, source, False) if num_reqs else None
         return now
 
     def _note_cycle(self, num_reqs: int, k: int, seconds: float) -> None:
