@@ -1,0 +1,102 @@
+"""Tilings of the fused MoE on packed MXFP4 experts at decode sizes (DeepSeek-V4-mini's shape:
+64 experts, top-6, hidden 2048, width 1024), each alone on a GPU, timed as a CUDA graph replays it
+(``triton.testing.do_bench_cudagraph``, median), beside the peers in the same run: the same call
+on the experts dequantized to bf16 (the 16-bit decode tiles) and the weight-read floor (bytes of
+the experts the batch touches over the measured copy bandwidth).
+
+Gate/up tilings with the down GEMM at its default, then down tilings with gate/up at its
+default; ``split``: the even and odd inputs decoded apart (``MoEConfig.mx_split``). Each result
+is checked against the reference on dequantized weights.
+
+    python benchmarks/kernels/mxfp4_moe_tiles.py [--tokens 16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from decode64_sweep import bench  # this folder is first on sys.path when run as a script
+
+from deepinfer_core.quant import quant_fp4
+from deepinfer_cuda_sm100.kernels import fused_moe as fm
+from deepinfer_cuda_sm100.kernels.moe_gemv import MOE_GEMV_ROWS
+
+GRID = [  # (block_n, block_k, warps, stages, split)
+    (bn, bk, w, st, sp)
+    for bn in (64, 128)
+    for bk in (64, 128, 256)
+    for w in (4, 8)
+    for st in (2, 3)
+    for sp in (False, True)
+]
+
+
+def packed_case(T: int, E: int, k: int, D: int, I: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    (gu, gus), (dn, dns) = (
+        quant_fp4(torch.randn(E, 2 * I, D, device="cuda", generator=g) * D**-0.5),
+        quant_fp4(torch.randn(E, D, I, device="cuda", generator=g) * I**-0.5),
+    )
+    gu, gus, dn, dns = (t.view(torch.uint8).contiguous() for t in (gu, gus, dn, dns))
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+    w = torch.rand(T, k, device="cuda", generator=g)
+    return x, (gu, gus, dn, dns), ids, w
+
+
+def copy_tbps() -> float:
+    a = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> None:
+    from deepinfer_core.moe import ExpertWeights
+
+    x, (gu, gus, dn, dns), ids, w = packed_case(T, E, k, D, I)
+    plain = ExpertWeights(gu, dn, gus, dns).dequantized(torch.bfloat16)
+    scales = dict(gate_up_scale=gus, down_scale=dns)
+    touched = ids.unique().numel()
+    floor = touched * (gu[0].numel() + dn[0].numel() + gus[0].numel() + dns[0].numel()) / (bw * 1e12) * 1e3
+    ref, _ = fm.fused_moe(x, plain.gate_up, plain.down, ids, w)
+    bf16 = bench(lambda: fm.fused_moe(x, plain.gate_up, plain.down, ids, w))
+    gemv = T * k <= MOE_GEMV_ROWS
+    default = bench(lambda: fm.fused_moe(x, gu, dn, ids, w, **scales))
+    base_cfg = fm.choose_config(T * k, E)
+    print(f"\nMXFP4 MoE T={T} ({T * k} rows, {touched} experts touched): default {'GEMV' if gemv else base_cfg} "
+          f"{default:.4f} ms | bf16 experts {bf16:.4f} ms | floor {floor:.4f} ms at {bw:.2f} TB/s "
+          f"(default {default / floor:.2f}x floor)", flush=True)  # fmt: skip
+    for name in ("gate/up", "down"):
+        rows = []
+        for bn, bk, warps, stages, split in GRID:
+            cfg = fm.MoEConfig(16, bn, bk, warps, stages, mx_split=split)
+            gu_cfg, dn_cfg = (cfg, base_cfg) if name == "gate/up" else (base_cfg, cfg)
+            try:
+                out, _ = fm.fused_moe(x, gu, dn, ids, w, None, gu_cfg, down_config=dn_cfg, **scales)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = bench(lambda: fm.fused_moe(x, gu, dn, ids, w, None, gu_cfg, down_config=dn_cfg, **scales))
+            except Exception as exc:  # a tiling past the shared memory
+                print(f"  {name} {cfg}: {type(exc).__name__} {str(exc)[:80]}")
+                continue
+            rows.append((ms, cfg, err))
+        rows.sort(key=lambda r: r[0])
+        print(f"MXFP4 T={T} {name} tilings (other GEMM at {base_cfg}), whole fused_moe ms, best 12:")
+        for ms, c, err in rows[:12]:
+            print(f"  {ms:.4f} ({default / ms:.2f}x default)  bn={c.block_n} bk={c.block_k} w={c.num_warps} "
+                  f"s={c.num_stages} split={c.mx_split}  rel.err {err:.1e}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="64")
+    args = ap.parse_args()
+    bw = copy_tbps()
+    print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s (read + write)")
+    for T in (int(t) for t in args.tokens.split(",")):
+        sweep(T, bw=bw)
+
+
+if __name__ == "__main__":
+    main()
