@@ -91,35 +91,6 @@ def test_packed_experts_equal_the_reference_on_dequantized_weights(T, E, D, I, l
         assert torch.equal(out, same)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("T, E, D, I, limit", SHAPES, ids=[f"T{s[0]}-E{s[1]}" for s in SHAPES])
-def test_even_and_odd_inputs_decoded_apart_give_the_reference(T, E, D, I, limit, dtype):
-    """``mx_split`` tiles (two half-depth dots over the even and the odd inputs, no interleave of
-    the decoded tile): the reference MoE on dequantized weights, as the interleaved tiles do, in
-    both GEMMs."""
-    from dataclasses import replace
-
-    from deepinfer_cuda_sm100.kernels.fused_moe import MoEConfig
-
-    experts = packed_experts(E, D, I, seed=T + 7)
-    spec = MoESpec(0, E, 2, D, I, swiglu_limit=limit)
-    g = torch.Generator().manual_seed(200 + T)
-    x = torch.randn(T, D, generator=g).to(DEVICE, dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).to(DEVICE)
-    weights = torch.rand(T, 2, generator=g).to(DEVICE)
-    ref = TorchMoEDispatcher().forward(spec, x, ids, weights, experts.dequantized(dtype))
-    tiles = MoEConfig(16, 32, 64, 4, 2)
-    args = (x, experts.gate_up, experts.down, ids, weights, limit)
-    scales = dict(gate_up_scale=experts.gate_up_scale, down_scale=experts.down_scale)
-    split, _ = fused_moe(*args, replace(tiles, mx_split=True), down_config=replace(tiles, mx_split=True), **scales)
-    whole, _ = fused_moe(*args, tiles, down_config=tiles, **scales)
-    if dtype == torch.float32:
-        assert torch.allclose(split, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
-        assert torch.allclose(split, whole, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
-    else:
-        assert torch.allclose(split.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-
-
 def test_the_fused_op_is_the_dispatcher_forward_and_refuses_plain_experts():
     experts = packed_experts(4, 64, 64, seed=3)
     g = torch.Generator().manual_seed(4)

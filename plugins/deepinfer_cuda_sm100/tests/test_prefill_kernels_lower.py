@@ -55,19 +55,17 @@ for arch in (90, 100):
               dict(flags, TMA=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m),
               arch, c.num_warps, c.num_stages)
     sizes.append(k.metadata.shared)
-    # MXFP4 experts (uint8 pairs + UE8M0 bytes, no TMA): prefill and decode tiles, and the decode
-    # tiles with the even and odd inputs decoded apart (MX_SPLIT)
-    for c, split in ((gu, False), (DECODE_GATE_UP, False), (DECODE_GATE_UP, True)):
+    for c in (gu, DECODE_GATE_UP):  # MXFP4 experts (uint8 pairs + UE8M0 bytes, no TMA): prefill and decode tiles
         types = dict(ptrs, x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", w_desc="*u8")
         k = lower(_gate_up_kernel, types,
-                  dict(flags, TMA=False, MXFP4=True, MX_SPLIT=split, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                       BLOCK_K=c.block_k, GROUP_M=c.group_m, HAS_LIMIT=True), arch, c.num_warps, c.num_stages)
+                  dict(flags, TMA=False, MXFP4=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                       GROUP_M=c.group_m, HAS_LIMIT=True), arch, c.num_warps, c.num_stages)
         sizes.append(k.metadata.shared)
-    for c, split in ((dn, False), (DECODE_DOWN, False), (DECODE_DOWN, True)):
+    for c in (dn, DECODE_DOWN):
         types = dict(ptrs, h_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", h_desc="*bf16", w_desc="*u8")
         k = lower(_down_kernel, types,
-                  dict(flags, TMA=False, MXFP4=True, MX_SPLIT=split, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                       BLOCK_K=c.block_k, GROUP_M=c.group_m), arch, c.num_warps, c.num_stages)
+                  dict(flags, TMA=False, MXFP4=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                       GROUP_M=c.group_m), arch, c.num_warps, c.num_stages)
         sizes.append(k.metadata.shared)
     types = {"ids_ptr": "*i64", "sorted_ptr": "*i32", "expert_ptr": "*i32", "total_ptr": "*i32", "counts_ptr": "*i64"}
     lower(_align_kernel, types, dict(BLOCK_M=16, E_P=64, CHUNK=128, FILL=256), arch, 4)

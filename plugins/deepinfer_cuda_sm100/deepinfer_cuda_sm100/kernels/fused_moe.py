@@ -24,7 +24,7 @@ import triton.language as tl
 from .fp8_gemm import PREQUANT_ROWS, act_quant
 from .fused_elementwise import _round
 from .gemm_parts import _quant_rows
-from .mxfp4 import MXFP4_GROUP, _mxfp4_halves, _mxfp4_tile
+from .mxfp4 import MXFP4_GROUP, _mxfp4_tile
 from .paged_attention import interpreting
 from .pdl import gdc_enter, launch_kw
 
@@ -42,32 +42,6 @@ def _tile_of(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(num_tiles_m - first, GROUP_M)
     return first + (pid % per_group) % size, (pid % per_group) // size
-
-
-@triton.jit
-def _even_odd_cols(x_ptr, rows, row_ok, stride, k0, K, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``k0, k0 + 2, ...`` and ``k0 + 1, k0 + 3, ...`` (``BLOCK_K / 2`` each) of the rows
-    ``rows`` (int64) of a row-major activation: the inputs :func:`_mxfp4_halves` decodes apart."""
-    ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    m = row_ok[:, None] & (ke < K)[None, :]
-    base = x_ptr + rows[:, None] * stride + ke[None, :]
-    ae = tl.load(base, mask=m, other=0.0)
-    ao = tl.load(base + 1, mask=m, other=0.0)
-    if UPCAST:
-        ae, ao = ae.to(tl.float32), ao.to(tl.float32)
-    return ae, ao
-
-
-@triton.jit
-def _dot2(ae, we, ao, wo, IEEE: tl.constexpr):
-    """``ae @ we + ao @ wo``, the second product accumulated onto the first."""
-    if IEEE:
-        acc = tl.dot(ae, we, input_precision="ieee")
-        acc = tl.dot(ao, wo, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(ae, we)
-        acc = tl.dot(ao, wo, acc)
-    return acc
 
 
 @triton.jit
@@ -106,7 +80,6 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
     MXFP4: tl.constexpr = False,
-    MX_SPLIT: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -124,69 +97,56 @@ def _gate_up_kernel(
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < D
-            if MXFP4 and MX_SPLIT:  # even and odd inputs apart (_mxfp4_halves): two dots of half the depth
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # the copy engine fetches the weight tiles ([E * 2I, D] rows; I % BLOCK_N == 0)
+                row0 = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
+                wg = w_desc.load([row0, k0]).T
+                wu = w_desc.load([row0 + I, k0]).T
+            elif MXFP4:  # packed e2m1 pairs + UE8M0 per 32 inputs, decoded exactly (kernels/mxfp4.py)
                 s_e = s_ptr + e * stride_se
                 n64 = n.to(tl.int64)
-                ge, go = _mxfp4_halves(w_base, s_e, n64, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-                ue, uo = _mxfp4_halves(w_base, s_e, n64 + I, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-                ae, ao = _even_odd_cols(x_ptr, tok, row_ok, stride_xt, k0, D, UPCAST, BLOCK_K)
-                pg = _dot2(ae, ge.T.to(ae.dtype), ao, go.T.to(ao.dtype), IEEE)
-                pu = _dot2(ae, ue.T.to(ae.dtype), ao, uo.T.to(ao.dtype), IEEE)
+                wg = _mxfp4_tile(w_base, s_e, n64, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
+                wu = _mxfp4_tile(w_base, s_e, n64 + I, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
             else:
-                a = tl.load(
-                    x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+                wg = tl.load(
+                    w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
                 )
-                if TMA:  # the copy engine fetches the weight tiles ([E * 2I, D] rows; I % BLOCK_N == 0)
-                    row0 = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
-                    wg = w_desc.load([row0, k0]).T
-                    wu = w_desc.load([row0 + I, k0]).T
-                elif MXFP4:  # packed e2m1 pairs + UE8M0 per 32 inputs, decoded exactly (kernels/mxfp4.py)
-                    s_e = s_ptr + e * stride_se
-                    n64 = n.to(tl.int64)
-                    wg = _mxfp4_tile(w_base, s_e, n64, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
-                    wu = _mxfp4_tile(w_base, s_e, n64 + I, n_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
+                wu = tl.load(
+                    w_base + (I + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
+            if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
+                s_base = s_ptr + e * stride_se + k0 // 128
+                if PREQ:  # x already e4m3 (act_quant), one scale per token and group
+                    q = a
+                    sa = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
                 else:
-                    wg = tl.load(
-                        w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-                    )
-                    wu = tl.load(
-                        w_base + (I + n)[None, :] * stride_wn + kk[:, None],
-                        mask=n_ok[None, :] & k_ok[:, None],
-                        other=0.0,
-                    )
-                if FP8 and QUANT_A:  # e4m3 activations per (row, 128 channels), FP8 MMAs
+                    q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if UPCAST:
+                    q, wg, wu = q.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                pg = (
+                    tl.dot(q, wg)
+                    * sa[:, None]
+                    * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                )
+                pu = (
+                    tl.dot(q, wu)
+                    * sa[:, None]
+                    * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                )
+            else:
+                if UPCAST:
+                    a = a.to(tl.float32)
+                wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 / MXFP4 values: exact in any activation dtype
+                if IEEE:
+                    pg = tl.dot(a, wg, input_precision="ieee")
+                    pu = tl.dot(a, wu, input_precision="ieee")
+                else:
+                    pg = tl.dot(a, wg)
+                    pu = tl.dot(a, wu)
+                if FP8:  # this K step's tile scales of each output column (BLOCK_K divides 128)
                     s_base = s_ptr + e * stride_se + k0 // 128
-                    if PREQ:  # x already e4m3 (act_quant), one scale per token and group
-                        q = a
-                        sa = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=row_ok, other=0.0)
-                    else:
-                        q, sa = _quant_rows(a.to(tl.float32), UPCAST)
-                    if UPCAST:
-                        q, wg, wu = q.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-                    pg = (
-                        tl.dot(q, wg)
-                        * sa[:, None]
-                        * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
-                    )
-                    pu = (
-                        tl.dot(q, wu)
-                        * sa[:, None]
-                        * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
-                    )
-                else:
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                    wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # FP8 / MXFP4 values: exact in any activation dtype
-                    if IEEE:
-                        pg = tl.dot(a, wg, input_precision="ieee")
-                        pu = tl.dot(a, wu, input_precision="ieee")
-                    else:
-                        pg = tl.dot(a, wg)
-                        pu = tl.dot(a, wu)
-                    if FP8:  # this K step's tile scales of each output column (BLOCK_K divides 128)
-                        s_base = s_ptr + e * stride_se + k0 // 128
-                        pg = pg * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
-                        pu = pu * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                    pg = pg * tl.load(s_base + (n // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
+                    pu = pu * tl.load(s_base + ((I + n) // 128) * stride_sn, mask=n_ok, other=0.0)[None, :]
             acc_g += pg
             acc_u += pu
         # round to the activation dtype first, as the unfused reference does
@@ -237,7 +197,6 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
     MXFP4: tl.constexpr = False,
-    MX_SPLIT: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_of(num_tiles_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     total = tl.load(total_ptr)
@@ -253,56 +212,48 @@ def _down_kernel(
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < I
-            if MXFP4 and MX_SPLIT:  # even and odd inputs apart (_mxfp4_halves)
-                s_e = s_ptr + e * stride_se
-                we, wo = _mxfp4_halves(w_base, s_e, n.to(tl.int64), n_ok, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
-                ae, ao = _even_odd_cols(h_ptr, rows.to(tl.int64), row_ok, stride_ht, k0, I, UPCAST, BLOCK_K)
-                part = _dot2(ae, we.T.to(ae.dtype), ao, wo.T.to(ao.dtype), IEEE)
+            if TMA:  # both tiles by the copy engine: the sorted rows are contiguous (a padding row's
+                # unwritten values reach only its own output row, which is never stored)
+                a = h_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+                w = w_desc.load([(e * D + pid_n * BLOCK_N).to(tl.int32), k0]).T
             else:
-                if TMA:  # both tiles by the copy engine: the sorted rows are contiguous (a padding row's
-                    # unwritten values reach only its own output row, which is never stored)
-                    a = h_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
-                    w = w_desc.load([(e * D + pid_n * BLOCK_N).to(tl.int32), k0]).T
+                a = tl.load(
+                    h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                if MXFP4:
+                    s_e = s_ptr + e * stride_se
+                    w = _mxfp4_tile(w_base, s_e, n.to(tl.int64), n_ok, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K).T
                 else:
-                    a = tl.load(
-                        h_ptr + rows[:, None].to(tl.int64) * stride_ht + kk[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0,
+                    w = tl.load(
+                        w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
                     )
-                    if MXFP4:
-                        s_e = s_ptr + e * stride_se
-                        w = _mxfp4_tile(
-                            w_base, s_e, n.to(tl.int64), n_ok, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K
-                        ).T
-                    else:
-                        w = tl.load(
-                            w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-                        )
-                if FP8 and QUANT_A:
-                    if PREQ:
-                        q = a
-                        sa = tl.load(hs_ptr + rows.to(tl.int64) * stride_hs + k0 // 128, mask=row_ok, other=0.0)
-                    else:
-                        q, sa = _quant_rows(a.to(tl.float32), UPCAST)
-                    if UPCAST:
-                        q, w = q.to(tl.float32), w.to(tl.float32)
-                    ws = tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-                    part = tl.dot(q, w) * sa[:, None] * ws[None, :]
+            if FP8 and QUANT_A:
+                if PREQ:
+                    q = a
+                    sa = tl.load(hs_ptr + rows.to(tl.int64) * stride_hs + k0 // 128, mask=row_ok, other=0.0)
                 else:
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                    w = w.to(a.dtype)
-                    if IEEE:
-                        part = tl.dot(a, w, input_precision="ieee")
-                    else:
-                        part = tl.dot(a, w)
-                    if FP8:
-                        part = (
-                            part
-                            * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[
-                                None, :
-                            ]
-                        )
+                    q, sa = _quant_rows(a.to(tl.float32), UPCAST)
+                if UPCAST:
+                    q, w = q.to(tl.float32), w.to(tl.float32)
+                ws = tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+                part = tl.dot(q, w) * sa[:, None] * ws[None, :]
+            else:
+                if UPCAST:
+                    a = a.to(tl.float32)
+                w = w.to(a.dtype)
+                if IEEE:
+                    part = tl.dot(a, w, input_precision="ieee")
+                else:
+                    part = tl.dot(a, w)
+                if FP8:
+                    part = (
+                        part
+                        * tl.load(s_ptr + e * stride_se + (n // 128) * stride_sn + k0 // 128, mask=n_ok, other=0.0)[
+                            None, :
+                        ]
+                    )
             acc += part
         # the product rounded to the activation dtype, as the unfused reference rounds it; the
         # routing weight is applied in the sum (half the bytes of float32 rows in 16-bit models)
@@ -356,7 +307,6 @@ class MoEConfig:
     num_stages: int
     group_m: int = 0  # program order (_tile_of): 0 row tiles fastest, else groups of this many row tiles
     tma: bool = False  # 16-bit weights: tiles fetched by the copy engine (_descriptors says where it applies)
-    mx_split: bool = False  # MXFP4 weights: even and odd inputs decoded apart, two dots (kernels/mxfp4.py)
 
 
 def choose_config(num_rows: int, num_experts: int) -> MoEConfig:
@@ -615,8 +565,7 @@ def fused_moe(
         gs.stride(1) if scaled else 0, x_scale.stride(0), float(swiglu_limit or 0.0), tiles,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_LIMIT=swiglu_limit is not None, UPCAST=upcast, IEEE=ieee, FP8=fp8, QUANT_A=quant_a, PREQ=preq,
-        GROUP_M=config.group_m, TMA=gu_desc is not None, MXFP4=mxfp4, MX_SPLIT=mxfp4 and config.mx_split,
-        num_warps=config.num_warps,
+        GROUP_M=config.group_m, TMA=gu_desc is not None, MXFP4=mxfp4, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     # each (token, choice) row's expert output in the activation dtype (rounded as the reference
@@ -634,7 +583,7 @@ def fused_moe(
         h_in.stride(0), down.stride(0), down.stride(1), rows_out.stride(0), ds.stride(0), ds.stride(1) if scaled else 0,
         h_scale.stride(0), tiles, BLOCK_M=dc.block_m, BLOCK_N=dc.block_n, BLOCK_K=dc.block_k, UPCAST=upcast, IEEE=ieee,
         FP8=fp8, QUANT_A=quant_a, PREQ=preq, GROUP_M=dc.group_m, TMA=dn_desc is not None and h_desc is not None,
-        MXFP4=mxfp4, MX_SPLIT=mxfp4 and dc.mx_split, num_warps=dc.num_warps, num_stages=dc.num_stages,
+        MXFP4=mxfp4, num_warps=dc.num_warps, num_stages=dc.num_stages,
     )  # fmt: skip
     return _sum_rows(rows_out, hidden, k, topk_weights, addend), align.counts
 

@@ -61,22 +61,6 @@ def _mxfp4_tile(
 
 
 @triton.jit
-def _mxfp4_halves(
-    w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """The same inputs as :func:`_mxfp4_tile` as two float32 ``[BLOCK_N, BLOCK_K / 2]`` tiles, the
-    even inputs (low nibbles) and the odd ones (high nibbles), not interleaved back: a kernel
-    multiplies them with the activations' even and odd columns (two dots of half the depth), and
-    no register shuffle of the decoded tile is needed. Each byte's exponent is loaded for it (its
-    group's, from cache)."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ok = row_ok[:, None] & (kb < K // 2)[None, :]
-    packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=ok, other=0).to(tl.int32)
-    scale = _ue8m0(tl.load(s_base + rows[:, None] * stride_sn + (kb // 16)[None, :], mask=ok, other=127).to(tl.int32))
-    return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
-
-
-@triton.jit
 def _mxfp4_tile_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The decoded weight ``[N, K]`` float32, tile by tile (tests check :func:`_mxfp4_tile`
     against the core's dequantization here)."""
