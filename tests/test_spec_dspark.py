@@ -403,3 +403,63 @@ def test_probes_draft_for_a_few_requests_and_cost_a_bounded_share(monkeypatch):
         dec._probe_every = spec_decode.PROBE_FIRST
         step()
     assert now[0] - started >= 0.1 / PROBE_SHARE - 0.02
+
+
+def test_a_new_batch_size_is_explored_even_when_a_probe_is_due(monkeypatch):
+    """After a long plain streak at one request (a probe long due by step count), a batch of 16
+    arrives: its first proposals are plain steps that time its plain cycle, not a probe, and the
+    rule then prices drafting by that cycle, not by the start-up curve (here 15 ms a bare
+    forward against 1.2 ms engine steps, which would verify every draft at a loss): drafting for
+    the 16 happens at most in the one whole probe. Where no cycle of a size is timed, the nearest
+    size's stands in, scaled by the curve."""
+    from types import SimpleNamespace
+
+    from deepinfer_core.engine import spec_decode
+    from deepinfer_core.engine.spec_config import SpecConfig
+    from deepinfer_core.engine.spec_decode import SpecDecoder
+    from deepinfer_core.speculative import ConfidenceScheduledVerification
+
+    now = [0.0]
+    monkeypatch.setattr(spec_decode.time, "perf_counter", lambda: now[0])
+    drafted = []
+
+    class Head:  # right half the time, drafting 1.8 ms
+        def propose(self, batch, num_tokens):
+            n = len(batch.request_ids)
+            drafted.append(n)
+            now[0] += 0.0018
+            return torch.ones(n, num_tokens, dtype=torch.long), torch.full((n, num_tokens), 0.7)
+
+    cfg = SpecConfig(method="draft", num_speculative_tokens=4, verification="confidence")
+    dec = SpecDecoder(cfg, Head(), ConfidenceScheduledVerification(), device="cpu", max_num_batched_tokens=2048,
+                      max_model_len=10_000, rate=StepRate([(1, 66.0), (512, 60.0)]))  # fmt: skip
+
+    def request(i):
+        return SimpleNamespace(
+            request_id=str(i), finished=False, num_computed_tokens=9, num_tokens=10, max_tokens=10_000,
+            output_token_ids=[3], prompt_token_ids=[1] * 9, draft_token_ids=[],
+        )  # fmt: skip
+
+    def run(reqs, steps):
+        for _ in range(steps):
+            if dec.plain_ahead(len(reqs)):  # an overlapped plain step: 1.2 ms
+                dec.note_plain_step(len(reqs))
+                now[0] += 0.0012
+                continue
+            dec.propose(reqs, None, {})
+            k = sum(len(r.draft_token_ids) for r in reqs)
+            now[0] += 0.0017 + 0.00002 * k  # a serial step (verify rows cost little)
+            for r in reqs:
+                if r.draft_token_ids:
+                    dec.record(r, len(r.draft_token_ids), [3, 3])  # one draft of four accepted
+
+    run([request(0)], 300)
+    assert dec._skipped > dec._probe_every  # a probe is due by step count
+    now[0] += 1.0  # and by time: the engine idled a second before the batch came
+    drafted.clear()
+    batch = [request(i) for i in range(1, 17)]
+    run(batch, 200)
+    assert 16 in dec._plain_s and dec._plain_s[16] < 0.002
+    assert drafted.count(16) <= 1 and sum(drafted) <= 16 + 4 * 10, drafted
+    # no cycle of 8 timed: the 16's stands in, scaled by the curve (flat here)
+    assert dec._dspark_budget(8, 512) == 0

@@ -215,7 +215,13 @@ def main() -> None:
         "of rows per request (the eager forward), for comparison",
     )
     ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
+    ap.add_argument("--trace", action="store_true", help="log DSpark's decisions (its rule's inputs and K)")
     args = ap.parse_args()
+    if args.trace:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d ms %(message)s")
+        logging.getLogger("deepinfer_core.engine.spec_decode").setLevel(logging.DEBUG)
 
     import torch
 
