@@ -159,13 +159,16 @@ class DrafterContext:
     ``model``: the loaded target (a :class:`~deepinfer_core.models.CausalLM`: its ``config``
     dict, ``embed_tokens``/``lm_head`` style modules for drafters that share them);
     ``model_path``: the target's resolved path or alias; ``device`` / ``dtype``: where and in
-    what the target computes; ``tokenizer``: the target's tokenizer or None."""
+    what the target computes; ``tokenizer``: the target's tokenizer or None; ``draft_dtype``:
+    the dtype the engine suggests for a drafter's own float weights on this device (on a CPU:
+    bfloat16 where it has bf16 dot-product instructions, else float32), or None."""
 
     model: Any
     model_path: str = ""
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     tokenizer: Any = None
+    draft_dtype: torch.dtype | None = None
 
 
 #: ``factory(config, ctx) -> Drafter``: ``config`` is the whole ``speculative_config`` dict

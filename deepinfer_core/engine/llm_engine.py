@@ -172,7 +172,12 @@ class LLMEngine:
     def _spec_decoder(self, spec_cfg) -> spec_decode.SpecDecoder:
         from ..speculative import DrafterContext
 
-        ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer)
+        draft_dtype = self.dtype
+        if self.device.type == "cpu":  # a drafter's float weights: bf16 only where the CPU multiplies it natively
+            from ..builtin.cpu_features import cpu_features
+
+            draft_dtype = cpu_features().auto_dtype
+        ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer, draft_dtype)
         spec = spec_decode.build_spec_decoder(
             spec_cfg, self.host, ctx, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, measure=self._time_forward,
