@@ -19,6 +19,8 @@ bounds the call.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 from decode64_sweep import bench  # this folder is first on sys.path when run as a script
@@ -57,7 +59,7 @@ def copy_tbps() -> float:
     return 2 * a.numel() * 2 / (ms * 1e-3) / 1e12
 
 
-def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> None:
+def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> list[dict]:
     from deepinfer_core.moe import ExpertWeights
 
     x, (gu, gus, dn, dns), ids, w = packed_case(T, E, k, D, I)
@@ -73,6 +75,11 @@ def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> None:
     print(f"\nMXFP4 MoE T={T} ({T * k} rows, {touched} experts touched): default {'GEMV' if gemv else base_cfg} "
           f"{default:.4f} ms | bf16 experts {bf16:.4f} ms | floor {floor:.4f} ms at {bw:.2f} TB/s "
           f"(default {default / floor:.2f}x floor)", flush=True)  # fmt: skip
+    table = [
+        {"tokens": T, "call": "default tiling, MXFP4", "ms": round(default, 4), "x_floor": round(default / floor, 2)},
+        {"tokens": T, "call": "bf16 experts (peer)", "ms": round(bf16, 4), "x_floor": round(bf16 / floor, 2)},
+        {"tokens": T, "call": "weight-read floor (peer)", "ms": round(floor, 4), "x_floor": 1.0},
+    ]
     for name in ("gate/up", "down"):
         rows = []
         for bn, bk, warps, stages in GRID:
@@ -87,20 +94,33 @@ def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> None:
                 continue
             rows.append((ms, cfg, err))
         rows.sort(key=lambda r: r[0])
+        if rows:
+            ms, c, _ = rows[0]
+            table.append({"tokens": T, "call": f"best {name} tiling: bn={c.block_n} bk={c.block_k} w={c.num_warps} "
+                          f"s={c.num_stages}", "ms": round(ms, 4), "x_floor": round(ms / floor, 2)})  # fmt: skip
         print(f"MXFP4 T={T} {name} tilings (other GEMM at {base_cfg}), whole fused_moe ms, best 12:")
         for ms, c, err in rows[:12]:
             print(f"  {ms:.4f} ({default / ms:.2f}x default)  bn={c.block_n} bk={c.block_k} w={c.num_warps} "
                   f"s={c.num_stages}  rel.err {err:.1e}")  # fmt: skip
+    return table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="64")
+    ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
     args = ap.parse_args()
     bw = copy_tbps()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s (read + write)")
-    for T in (int(t) for t in args.tokens.split(",")):
-        sweep(T, bw=bw)
+    rows = [row for T in (int(t) for t in args.tokens.split(",")) for row in sweep(T, bw=bw)]
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import bench_json
+
+        bench_json.write(
+            args.json, "mxfp4_moe_tiles", rows, peer="bf16 experts in the same call; the weight-read floor",
+            accelerator=torch.cuda.get_device_name(0), notes=f"copy {bw:.2f} TB/s (read + write)",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
