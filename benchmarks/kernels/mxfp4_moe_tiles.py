@@ -25,6 +25,9 @@ import sys
 import torch
 from decode64_sweep import bench  # this folder is first on sys.path when run as a script
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+from gpu_throughput import copy_bandwidth  # noqa: E402
+
 from deepinfer_cuda_sm100.kernels import fused_moe as fm
 from deepinfer_cuda_sm100.kernels.moe_gemv import MOE_GEMV_ROWS
 
@@ -50,13 +53,6 @@ def packed_case(T: int, E: int, k: int, D: int, I: int):
     ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
     w = torch.rand(T, k, device="cuda", generator=g)
     return x, (gu, gus, dn, dns), ids, w
-
-
-def copy_tbps() -> float:
-    a = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 2 / (ms * 1e-3) / 1e12
 
 
 def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> list[dict]:
@@ -110,7 +106,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="64")
     ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
     args = ap.parse_args()
-    bw = copy_tbps()
+    bw = copy_bandwidth() / 1e12
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s (read + write)")
     rows = [row for T in (int(t) for t in args.tokens.split(",")) for row in sweep(T, bw=bw)]
     if args.json:
