@@ -216,7 +216,7 @@ def test_the_engines_measured_cycles_price_a_speculative_step():
     and then K = 0. Where speculative cycles cost what the curve says, the same survivals keep
     K > 0. Cycles of another batch size leave a bucket's figures alone."""
     flat = StepRate([(1, 500.0), (512, 500.0)])  # 2 ms a step at any width
-    surv = np.cumprod(np.full((16, 4), 0.6), axis=1).ravel()  # 1.3 accepted drafts a request expected
+    surv = np.cumprod(np.full((16, 4), 0.6), axis=1)  # 1.3 accepted drafts a request expected
     for spec_s, verifies in ((0.006, False), (0.0021, True)):
         dec = _decoder(flat)
         dec._old_survivals.extend([surv, surv])
@@ -277,7 +277,7 @@ def test_a_batch_size_is_explored_once_then_the_curve_decides():
     flat = StepRate([(1, 10.0), (512, 10.0)])  # 100 ms a step, verifying free by the curve: drafting pays
     dec = SpecDecoder(cfg, Right(), ConfidenceScheduledVerification(), device="cpu", max_num_batched_tokens=512,
                       max_model_len=1000, rate=flat)  # fmt: skip
-    dec._old_survivals.extend([np.full(4, 0.9), np.full(4, 0.9)])  # past the warm-up
+    dec._old_survivals.extend([np.full((1, 4), 0.9), np.full((1, 4), 0.9)])  # past the warm-up
 
     def request(i):
         return SimpleNamespace(

@@ -169,7 +169,7 @@ class SpecDecoder:
         self.rate = rate
         self.needs_hidden = bool(getattr(drafter, "needs_hidden", False))
         self.needs_token_ids = bool(getattr(drafter, "needs_token_ids", False))
-        self._old_survivals: deque[np.ndarray] = deque(maxlen=2)  # DSpark: K from two proposals back
+        self._old_survivals: deque[np.ndarray] = deque(maxlen=2)  # DSpark: K from two proposals back, [R, γ]
         self.last_budget: int | None = None
         # DSpark's corrections (module docstring): drafting seconds per batch-size bucket, the
         # observed / predicted acceptance, and the probes while K = 0 skips drafting
@@ -229,9 +229,10 @@ class SpecDecoder:
             # rule, whose inputs only the next probe refreshes (~0.25 ms a step, 4% of a CPU step)
             self._skip_plain(R)
             return
-        # DSpark's warm-up (no survivals yet) drafts as a probe does
-        probe = self.policy.name == "confidence" and not self._dspark_ready()
-        if self.policy.name == "confidence" and self._dspark_ready():
+        dspark = self.policy.name == "confidence"
+        ready = dspark and self._dspark_ready()
+        probe = dspark and not ready  # DSpark's warm-up (no survivals yet) drafts as a probe does
+        if ready:
             b = self._bucket(R)
             if b not in self._plain_s and b not in self._explored:
                 # no plain cycle of this batch size measured yet (without one the rule prices a plain
@@ -251,7 +252,7 @@ class SpecDecoder:
                 self._exploring = False
                 k = self._dspark_budget(R, budget)
             if k == 0:
-                if self._skipped < self._probe_every or now - self._probe_at < self._probe_cost / PROBE_SHARE:
+                if self._skipped < self._probe_every or self._probe_held(now):
                     self._skip_plain(R)  # not worth drafting: a plain decoding step
                     return
                 # a probe: draft and verify as fixed-k (the whole budget), to see again whether it pays
@@ -266,12 +267,12 @@ class SpecDecoder:
         if probe:
             self._probe_at = now
             b = self._bucket(R)
-            if R > PROBE_REQUESTS and (b in self._full_probed or not self._dspark_ready()):
+            if R > PROBE_REQUESTS and (b in self._full_probed or not ready):
                 first = self._probe_turn % R
                 reqs = [reqs[(first + i) % R] for i in range(PROBE_REQUESTS)]
                 self._probe_turn = first + PROBE_REQUESTS
                 whole = False
-            elif self._dspark_ready():
+            elif ready:
                 self._full_probed.add(b)
         log.debug(
             "DSpark drafts for %d of %d requests (probe %s, whole %s, budget %d)", len(reqs), R, probe, whole, budget
@@ -322,9 +323,12 @@ class SpecDecoder:
         proposing (``note_plain_step``)."""
         if self._streak is None or self._streak != num_running:
             return False
-        return self._skipped + 1 < self._probe_every or (
-            not self._exploring and time.perf_counter() - self._probe_at < self._probe_cost / PROBE_SHARE
-        )
+        return self._skipped + 1 < self._probe_every or (not self._exploring and self._probe_held(time.perf_counter()))
+
+    def _probe_held(self, now: float) -> bool:
+        """Whether the last probe's measured cost is still more than :data:`PROBE_SHARE` of the
+        time since it started (the next probe waits)."""
+        return now - self._probe_at < self._probe_cost / PROBE_SHARE
 
     def note_plain_step(self, num_running: int) -> None:
         """A step of the streak that ran without a proposal: counted as a skipped one, and timed
@@ -347,8 +351,7 @@ class SpecDecoder:
     def _dspark_budget(self, num_reqs: int, budget: int) -> int:
         """K from the survivals two proposals back, scaled by the observed acceptance, and the
         measured drafting time."""
-        old = self._old_survivals[0]
-        old = old.reshape(-1, old.shape[-1] if old.ndim == 2 else self.gamma)
+        old = self._old_survivals[0]  # [requests drafted, γ]
         if old.shape[0] and old.shape[0] != num_reqs:  # a probe's few requests, or another batch: as this one
             old = old[np.arange(num_reqs) % old.shape[0]]
         survivals = np.clip(old.ravel() * self.calibration(), 0.0, 1.0)
