@@ -13,7 +13,7 @@ decoding the even and odd inputs apart (two half-depth dots, no interleave; trie
 slower than every interleaved tiling: the decode's arithmetic, not the tiling or the bytes,
 bounds the call.
 
-    python benchmarks/kernels/mxfp4_moe_tiles.py [--tokens 16,64]
+    python benchmarks/kernels/mxfp4_moe_tiles.py [--tokens 16,64] [--no-tilings]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def packed_case(T: int, E: int, k: int, D: int, I: int):
     return x, (gu, gus, dn, dns), ids, w
 
 
-def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> list[dict]:
+def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0, tilings: bool = True) -> list[dict]:
     from deepinfer_core.moe import ExpertWeights
 
     x, (gu, gus, dn, dns), ids, w = packed_case(T, E, k, D, I)
@@ -76,7 +76,7 @@ def sweep(T: int, E=64, k=6, D=2048, I=1024, bw=1.0) -> list[dict]:
         {"tokens": T, "call": "bf16 experts (peer)", "ms": round(bf16, 4), "x_floor": round(bf16 / floor, 2)},
         {"tokens": T, "call": "weight-read floor (peer)", "ms": round(floor, 4), "x_floor": 1.0},
     ]
-    for name in ("gate/up", "down"):
+    for name in ("gate/up", "down") if tilings else ():
         rows = []
         for bn, bk, warps, stages in GRID:
             cfg = fm.MoEConfig(16, bn, bk, warps, stages)
@@ -105,10 +105,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="64")
     ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
+    ap.add_argument("--tilings", action=argparse.BooleanOptionalAction, default=True,
+                    help="sweep the tilings (--no-tilings: the default call and its peers only, seconds)")  # fmt: skip
     args = ap.parse_args()
     bw = copy_bandwidth() / 1e12
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s (read + write)")
-    rows = [row for T in (int(t) for t in args.tokens.split(",")) for row in sweep(T, bw=bw)]
+    rows = [row for T in (int(t) for t in args.tokens.split(",")) for row in sweep(T, bw=bw, tilings=args.tilings)]
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import bench_json

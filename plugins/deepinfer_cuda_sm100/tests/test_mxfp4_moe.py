@@ -55,7 +55,10 @@ def test_tile_decode_equals_the_core_dequantization():
     codes = torch.arange(256, dtype=torch.uint8).reshape(4, 64).to(DEVICE)
     scales = torch.tensor([[0, 1, 127, 250], [126, 128, 100, 150], [127] * 4, [3, 250, 60, 190]], dtype=torch.uint8)
     scales = scales.to(DEVICE)
-    assert torch.equal(dequant_mxfp4(codes, scales), dequant_fp4(codes, scales))
+    assert torch.equal(dequant_mxfp4(codes, scales), dequant_fp4(codes, scales))  # exponents past 128: two multiplies
+    low = torch.tensor([[0, 1, 2, 128], [126, 128, 100, 12], [127] * 4, [3, 127, 60, 0]], dtype=torch.uint8)
+    low = low.to(DEVICE)  # every exponent at most 128: the one-multiply path, to its edges (2^-1 and 2^127)
+    assert torch.equal(dequant_mxfp4(codes, low), dequant_fp4(codes, low))
     w = packed_experts(1, 96, 32, seed=1)
     got = dequant_mxfp4(w.gate_up[0], w.gate_up_scale[0], block_n=16, block_k=64)  # 96 inputs: a partial K tile
     assert torch.equal(got, dequant_fp4(w.gate_up[0], w.gate_up_scale[0]))

@@ -3,11 +3,18 @@ engine where this plugin offers ``FusedOps.mxfp4_moe``; layout in ``deepinfer_co
 
 A weight row of K inputs is K/2 bytes (the even input in the low nibble) and K/32 UE8M0
 exponents. :func:`_mxfp4_tile` loads ``[BLOCK_N, BLOCK_K]`` of it as float32: one load of the
-``BLOCK_K / 2`` bytes of each row, both nibbles decoded by bit arithmetic (no table), interleaved
-back into input order (``join`` + ``reshape``), each group of 32 times ``2^(b - 127)``. Every
-value is exact in float32, bf16 and fp16 (e2m1 has one mantissa bit), so casting the tile to the
-activation dtype before a ``tl.dot`` loses nothing: the product is the reference's product on
-weights dequantized at load.
+``BLOCK_K / 2`` bytes of each row. A nibble's magnitude bits ``(e, m)`` shifted to bits 22-24 of
+a float32 (two exponent bits, one mantissa bit) with its sign at bit 31 are the float32
+``e2m1 * 2^-126`` for every code (e = 0 gives the subnormal ``m * 2^-127``, the
+0.5 of e2m1 scaled alike), so one multiply by ``2^(b - 1)`` (the group's ``2^(b - 127)`` times
+``2^126``) gives the value: five integer operations and a multiply a weight, no table, no compare
+(the decode bounds the MoE call at decode batch sizes: ``benchmarks/kernels/mxfp4_moe_tiles.py``).
+A tile whose exponents pass 128 (``2^(b - 1)`` past float32's range: weights of magnitude 12 and
+more, which trained checkpoints do not hold) multiplies twice, by ``2^126`` and by ``2^(b - 127)``.
+The nibbles are interleaved back into input order (``join`` + ``reshape``). Every value is exact
+in float32, bf16 and fp16 (e2m1 has one mantissa bit), so casting the tile to the activation dtype
+before a ``tl.dot`` loses nothing: the product is the reference's product on weights dequantized
+at load.
 
 Plain Triton (integer ops, bitcasts, ``join``): the same code on SM90 and SM100. SM100's native
 block-scaled MMAs (``tl.dot_scaled``) are not used yet; they would go behind the platform's
@@ -20,16 +27,6 @@ import triton
 import triton.language as tl
 
 MXFP4_GROUP = 32  # inputs per UE8M0 scale
-
-
-@triton.jit
-def _e2m1(code):
-    """4-bit e2m1 codes (int32 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32:
-    0, 0.5 (subnormal), else 2^(e - 1) * (1 + m / 2), whose float32 bits are ((e, m) + 252) << 22."""
-    mag = code & 7
-    bits = tl.where(mag >= 2, (mag + 252) << 22, tl.where(mag == 1, 0x3F000000, 0))  # 1: 0.5
-    bits = bits | ((code & 8) << 28)  # the sign
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -50,14 +47,22 @@ def _mxfp4_tile(
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     ok = row_ok[:, None] & (kb < K // 2)[None, :]
     packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=ok, other=0).to(tl.int32)
-    lo = _e2m1(packed & 15)  # input 2j
-    hi = _e2m1(packed >> 4)  # input 2j + 1
-    values = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
     G: tl.constexpr = BLOCK_K // 32
     kg = k0 // 32 + tl.arange(0, G)
     s_ok = row_ok[:, None] & (kg < K // 32)[None, :]
-    scale = _ue8m0(tl.load(s_base + rows[:, None] * stride_sn + kg[None, :], mask=s_ok, other=127).to(tl.int32))
-    return tl.reshape(tl.reshape(values, [BLOCK_N, G, 32]) * scale[:, :, None], [BLOCK_N, BLOCK_K])
+    b = tl.load(s_base + rows[:, None] * stride_sn + kg[None, :], mask=s_ok, other=127).to(tl.int32)
+    # e2m1 * 2^-126 (see the module docstring): magnitude bits to 22-24, the sign to 31
+    lo = (((packed & 7) << 22) | ((packed & 8) << 28)).to(tl.float32, bitcast=True)  # input 2j
+    hi = (((packed & 0x70) << 18) | ((packed & 0x80) << 24)).to(tl.float32, bitcast=True)  # input 2j + 1
+    lo = tl.reshape(lo, [BLOCK_N, G, 16])
+    hi = tl.reshape(hi, [BLOCK_N, G, 16])
+    if tl.max(b) <= 128:  # 2^(b - 1) is a normal float32: one exact multiply
+        scale = ((b + 126) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        lo, hi = lo * scale, hi * scale
+    else:
+        scale = _ue8m0(b)[:, :, None]
+        lo, hi = (lo * 8.507059173023462e37) * scale, (hi * 8.507059173023462e37) * scale  # 2^126, then 2^(b - 127)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
