@@ -42,6 +42,11 @@ class DecodeGraphs(Protocol):
 # (``run_logits``' pair and ``run_hidden``'s ``pre``), so a speculative engine's decode steps keep
 # the LM head and argmax inside the replay as a plain engine's do. None: ``run_hidden``.
 #
+# Optional too: ``replay_idle(rows) -> bool`` replays the captured step of the smallest bucket
+# holding ``rows`` rows with every row a padding row (reading and writing the scratch block only),
+# asynchronously; False where there is none. The engine times it for speculative decoding's
+# steps-per-second curve (DSpark), so the curve is what a replayed step costs, not an eager forward.
+#
 # Optional too: ``capture_draft(fn, example) -> replay | None`` captures a speculative drafter's
 # proposal: ``fn(*inputs)`` is a pure tensor function of row-independent inputs (``example``: one
 # tensor per input, ``[max_rows, ...]``, valid values) returning a tuple of ``[rows, ...]``

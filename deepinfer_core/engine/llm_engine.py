@@ -178,10 +178,13 @@ class LLMEngine:
 
             draft_dtype = cpu_features().auto_dtype
         ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer, draft_dtype)
+        replayed = None  # the curve times graph replays (_time_forward): their buckets depend on these
+        if self.runner.graphs is not None and self.runner.verify_as_decode_rows:
+            replayed = (self.config.max_num_seqs, spec_cfg.num_speculative_tokens)
         spec = spec_decode.build_spec_decoder(
             spec_cfg, self.host, ctx, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, measure=self._time_forward,
-            curve_key=(self.files.fingerprint, str(self.device), str(self.dtype), self.weights_choice),
+            curve_key=(self.files.fingerprint, str(self.device), str(self.dtype), self.weights_choice, replayed),
         )  # fmt: skip
         self.runner.keep_hidden = spec.needs_hidden
         self.scheduler.on_release = spec.release
@@ -200,7 +203,14 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _time_forward(self, num_tokens: int) -> None:
-        """One target forward over ``num_tokens`` new tokens (DSpark's steps/s curve)."""
+        """One target step of ``num_tokens`` tokens (DSpark's steps/s curve), as the engine would
+        run it: a captured decode graph of that many padding rows where verify steps replay the
+        graphs (a GPU: an eager forward there costs 10x a replayed step, H100), else one eager
+        forward over ``num_tokens`` new tokens. Returns when the device is done."""
+        idle = getattr(self.runner.graphs, "replay_idle", None) if self.runner.verify_as_decode_rows else None
+        if idle is not None and idle(num_tokens):
+            self.platform.synchronize()
+            return
         n = min(num_tokens, self.max_model_len - 1, self.num_blocks * self.config.block_size - 1)
         span = max(1, min(97, self.model.vocab_size - 1))  # ids 1..span: valid in any vocabulary
         self._prompt_logits([1 + (i % span) for i in range(max(1, n))])

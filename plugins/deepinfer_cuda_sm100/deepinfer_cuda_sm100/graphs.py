@@ -27,6 +27,9 @@ from .decode_capture import HEAD_ROWS, StaticInputs, bucket_sizes, capture_bucke
 
 log = logging.getLogger(__name__)
 
+#: the context every row of an idle replay attends over (replay_idle; a chat turn's order of size)
+IDLE_CONTEXT = 256
+
 
 class CudaDecodeGraphs:
     def __init__(
@@ -160,6 +163,31 @@ class CudaDecodeGraphs:
         logits, ids = self.heads[bucket]
         n = meta.num_requests
         return logits[:n], ids[:n].clone(), self.pres[bucket][:n].clone()
+
+    def replay_idle(self, rows: int) -> bool:
+        """Replay the smallest bucket of at least ``rows`` rows with every row a padding row
+        (:meth:`_fill_idle`: nothing of any request is read or written), for timing what a
+        decode or decode-rows verify step of that many rows costs (DSpark's start-up curve);
+        False where no captured bucket holds them (DeepSeek-V4's graphs: its padding repeats a
+        live row's state, so it is not replayed idle). Asynchronous, as a step's replay is."""
+        if self.v4 is not None or not self.graphs or rows > self.buckets[-1]:
+            return False
+        bucket = smallest_bucket(self.buckets, rows)
+        self._fill_idle(bucket)
+        self.graphs[bucket].replay()
+        return True
+
+    def _fill_idle(self, bucket: int) -> None:
+        """Every row of ``bucket`` a padding row with a context of :data:`IDLE_CONTEXT` tokens
+        (at most the tables' width), its whole block table the scratch block: the attention reads
+        that many positions and the step writes one position of the scratch block a row."""
+        ctx = min(IDLE_CONTEXT, self.max_blocks * self.block_size)
+        inputs = self.inputs
+        inputs.input_ids[:bucket].zero_()
+        inputs.positions[:bucket].fill_(ctx - 1)
+        inputs.slots[:bucket].fill_(self.scratch_slot + (ctx - 1) % self.block_size)
+        inputs.seq_lens[:bucket].fill_(ctx)
+        inputs.tables[:bucket].fill_(self.scratch_slot // self.block_size)
 
     def _bucket(self, meta: AttentionMetadata) -> int | None:
         n = meta.num_requests

@@ -86,6 +86,96 @@ def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_bloc
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
 
 
+def _tiny_llama(path, hidden: int = 32):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def test_an_idle_step_reads_and_writes_only_the_scratch_block(tmp_path):
+    """What ``replay_idle`` replays, run eagerly over the static inputs on any machine: every row
+    a padding row attending over IDLE_CONTEXT positions of the scratch block. Every other block of
+    a cache holding a live request's KV is untouched, and the request decodes after it as without;
+    with nothing captured (this CPU) the call declines."""
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_cuda_sm100.graphs import IDLE_CONTEXT, CudaDecodeGraphs
+
+    _tiny_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=24, block_size=16, max_num_seqs=8)
+    want = llm.generate([[5, 6, 7] * 20], params)[0].outputs[0].token_ids
+    engine = llm.engine
+    caches = engine.runner.kv_caches
+    scratch = engine.num_blocks  # the engine holds no graphs here: a block past its own, as with graphs
+    caches = [torch.cat([c, torch.zeros_like(c[:, :, :1])], dim=2) for c in caches]
+    graphs = CudaDecodeGraphs(engine.model, caches, block_size=16, scratch_block=scratch, max_num_seqs=8,
+                              max_blocks=IDLE_CONTEXT // 16 + 2)  # fmt: skip
+    assert not graphs.graphs and graphs.replay_idle(3) is False  # nothing captured on a CPU
+    before = [c.clone() for c in caches]
+    graphs._fill_idle(4)
+    with torch.inference_mode():
+        hidden = graphs._step(4)
+    assert torch.isfinite(hidden).all()
+    assert graphs.inputs.seq_lens[:4].tolist() == [IDLE_CONTEXT] * 4
+    for ours, old in zip(caches, before):  # [planes, heads, blocks, block, width]
+        assert torch.equal(ours[:, :, :scratch], old[:, :, :scratch])
+        assert not torch.equal(ours[:, :, scratch], old[:, :, scratch])  # the step wrote its one position there
+    assert llm.generate([[5, 6, 7] * 20], params)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_dspark_times_its_curve_from_graph_replays_and_stays_exact(tmp_path):
+    """A speculative engine with DSpark measures its steps/s curve by replaying its captured
+    buckets idle (at most the largest bucket's rows; eager forwards past it), the live requests
+    decode the tokens of an engine without speculation, and a replayed point costs less than the
+    eager forward of as many tokens (a GPU launches a bare forward's kernels one by one)."""
+    pytest.importorskip("triton")
+    import time
+
+    import numpy as np
+
+    from deepinfer_core import LLM, SamplingParams
+    from deepinfer_core.engine import spec_decode
+    from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
+
+    _tiny_llama(tmp_path, hidden=64)
+    calls: list[tuple[int, bool]] = []
+    real = CudaDecodeGraphs.replay_idle
+
+    def spy(self, rows):
+        got = real(self, rows)
+        calls.append((rows, got))
+        return got
+
+    spec_decode._CURVES.clear()
+    CudaDecodeGraphs.replay_idle = spy
+    try:
+        cfg = {"method": "ngram", "num_speculative_tokens": 3, "verification": "confidence"}
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=8,
+                  speculative_config=cfg)  # fmt: skip
+    finally:
+        CudaDecodeGraphs.replay_idle = real
+    largest = llm.engine.runner.graphs.buckets[-1]
+    assert largest == 32  # 8 requests x (3 drafts + 1)
+    assert calls and all(got == (rows <= largest) for rows, got in calls)
+    assert {rows for rows, got in calls if got} == {1, 2, 4, 8, 16, 32}
+    rate = llm.engine.spec.rate
+    eager = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=8, enforce_eager=True)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        eager.engine._time_forward(8)
+    eager_s = (time.perf_counter() - t0) / 3
+    assert 1.0 / rate(np.array([8]))[0] < eager_s
+    prompts = [[5, 6, 7] * 10, [8, 9, 10, 11, 12] * 30, [13]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in eager.generate(prompts, params)
+    ]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_matches_eager(tmp_path):
     transformers = pytest.importorskip("transformers")
