@@ -11,7 +11,8 @@ H100, 2026-12-07 (copy 2.45 TB/s): 0.313 ms the whole call at 64 tokens (384 row
 bf16 experts 0.276 ms, the floor 0.087 ms; the best of 48 tilings 1.02x the default, and
 decoding the even and odd inputs apart (two half-depth dots, no interleave; tried and removed)
 slower than every interleaved tiling: the decode's arithmetic, not the tiling or the bytes,
-bounds the call.
+bounded the call. The cheaper decode of 320b157 (kernels/mxfp4.py): 0.274 ms at 64 tokens,
+0.207 at 16, 0.0237 at 1 (0.88x / 0.84x / 0.64x the decode before, H100, 2026-12-08).
 
     python benchmarks/kernels/mxfp4_moe_tiles.py [--tokens 16,64] [--no-tilings]
 """
