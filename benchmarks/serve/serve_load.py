@@ -97,24 +97,28 @@ def start_server(engine: str, threads: int, max_seqs: int, context: int) -> tupl
             MODEL,
         ]
         eos = 2  # <|im_end|> / the GGUF's EOS id for SmolLM2
+    import httpx  # before the server starts: a missing client must not leave a server behind
+
     log = tempfile.TemporaryFile("w+")  # not a pipe: llama.cpp logs enough to fill one and block
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{engine} server exited: {log.read()[-300:]!r}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return proc, url, eos
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{engine} server did not start")
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"{engine} server exited: {log.read()[-300:]!r}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    return proc, url, eos
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{engine} server did not start")
+    except BaseException:  # whatever stops the wait (an interrupt too) stops the server
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def one_request(client, prompt: str, new_tokens: int, eos: int | None) -> dict:
