@@ -179,9 +179,11 @@ class CudaDecodeGraphs:
 
     def _fill_idle(self, bucket: int) -> None:
         """Every row of ``bucket`` a padding row with a context of :data:`IDLE_CONTEXT` tokens
-        (at most the tables' width), its whole block table the scratch block: the attention reads
-        that many positions and the step writes one position of the scratch block a row."""
-        ctx = min(IDLE_CONTEXT, self.max_blocks * self.block_size)
+        (fewer where the tables are narrower: at most ``(max_blocks - 1) * block_size + 1``, a
+        position below the engine's ``max_model_len``, which ``max_blocks`` covers rounded up),
+        its whole block table the scratch block: the attention reads that many positions and the
+        step writes one position of the scratch block a row."""
+        ctx = min(IDLE_CONTEXT, (self.max_blocks - 1) * self.block_size + 1)
         inputs = self.inputs
         inputs.input_ids[:bucket].zero_()
         inputs.positions[:bucket].fill_(ctx - 1)
