@@ -133,6 +133,7 @@ def main() -> None:
     )
     ap.add_argument("--dtypes", default="auto,float32", help="deepinfer --dtype values to time (comma-separated)")
     ap.add_argument("--caches", default="cold,warm", help="start-up cache states to time (comma-separated)")
+    ap.add_argument("--json", default=None, help="write the result file (benchmarks/bench_json.py's schema)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="deepinfer-startup-")
     try:
@@ -218,6 +219,25 @@ def report(args: argparse.Namespace, timings: dict[Config, list[Timing]]) -> Non
         if loads:
             print(f"\nllama.cpp's own model load (the Llama constructor): median {statistics.median(loads):.3f} s")
     print("first tokens: " + "; ".join(f"{c.label}: {ts[0].text!r}" for c, ts in timings.items()))
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import bench_json
+
+        rows = [
+            {
+                "engine": config.label,
+                "first_token_s": round(median[config], 2),
+                "exit_s": round(statistics.median(t.exit_s for t in ts), 2),
+                "last_token_to_exit_s": round(statistics.median(t.exit_s - t.last_output_s for t in ts), 2),
+                "runs_first_token_s": [round(t.first_token_s, 2) for t in ts],
+                "x_llamacpp": round(median[config] / median[peer], 2) if peer is not None else None,
+            }
+            for config, ts in timings.items()
+        ]
+        bench_json.write(
+            args.json, "startup", rows, peer="llama.cpp (llama-cpp-python) opening the same GGUF in a fresh process",
+            notes=f"{args.threads} thread(s), median of {args.repeats}, load {load:.1f} at the end",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
