@@ -166,6 +166,9 @@ def test_dspark_stops_drafting_when_it_does_not_pay_and_keeps_the_output(tiny_ll
     sequences = [p + e for p, e in zip(prompts, expected)]
     drafter = _CountingDrafter(sequences, 96, wrong=case == "overconfident", sleep_s=0.2 if case == "slow" else 0.0)
     llm = _counting_llm(tiny_llama, drafter, [[1, 50.0], [512, 50.0]])  # 20 ms a step, verifying costs nothing extra
+    if case == "pays":  # the rule by the given curve alone, not by wall-clock cycles: on a loaded CI
+        # machine the timed cycles once gave K = 0 for 43 proposals here (cycle timing: tests below)
+        llm.engine.spec._note_cycle = lambda num_reqs, k, seconds: None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.stats()["spec_decode"]
