@@ -206,14 +206,24 @@ def report(args: argparse.Namespace, timings: dict[Config, list[Timing]]) -> Non
         f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} thread(s), "
         f"load {load:.1f} at the end, median of {args.repeats}; model {os.path.basename(args.model)}"
     )
+    rows = [  # the table's rows, printed and (--json) written
+        {
+            "engine": config.label,
+            "first_token_s": round(median[config], 2),
+            "exit_s": round(statistics.median(t.exit_s for t in ts), 2),
+            "last_token_to_exit_s": round(statistics.median(t.exit_s - t.last_output_s for t in ts), 2),
+            "runs_first_token_s": [round(t.first_token_s, 2) for t in ts],
+            "x_llamacpp": round(median[config] / median[peer], 2) if peer is not None else None,
+        }
+        for config, ts in timings.items()
+    ]
     print("| configuration | first token s | exit s | last token -> exit s | runs (first token s) | / llama.cpp |")
     print("|---|---:|---:|---:|---|---:|")
-    for config, ts in timings.items():
-        runs = ", ".join(f"{t.first_token_s:.2f}" for t in ts)
-        ratio = f"{median[config] / median[peer]:.2f}x" if peer is not None else "-"
-        exit_s = statistics.median(t.exit_s for t in ts)
-        tail_s = statistics.median(t.exit_s - t.last_output_s for t in ts)
-        print(f"| {config.label} | {median[config]:.2f} | {exit_s:.2f} | {tail_s:.2f} | {runs} | {ratio} |")
+    for r in rows:
+        runs = ", ".join(f"{t:.2f}" for t in r["runs_first_token_s"])
+        ratio = "-" if r["x_llamacpp"] is None else f"{r['x_llamacpp']:.2f}x"
+        print(f"| {r['engine']} | {r['first_token_s']:.2f} | {r['exit_s']:.2f} | {r['last_token_to_exit_s']:.2f} | "
+              f"{runs} | {ratio} |")  # fmt: skip
     if peer is not None:
         loads = [t.load_s for t in timings[peer] if t.load_s is not None]
         if loads:
@@ -223,17 +233,6 @@ def report(args: argparse.Namespace, timings: dict[Config, list[Timing]]) -> Non
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import bench_json
 
-        rows = [
-            {
-                "engine": config.label,
-                "first_token_s": round(median[config], 2),
-                "exit_s": round(statistics.median(t.exit_s for t in ts), 2),
-                "last_token_to_exit_s": round(statistics.median(t.exit_s - t.last_output_s for t in ts), 2),
-                "runs_first_token_s": [round(t.first_token_s, 2) for t in ts],
-                "x_llamacpp": round(median[config] / median[peer], 2) if peer is not None else None,
-            }
-            for config, ts in timings.items()
-        ]
         bench_json.write(
             args.json, "startup", rows, peer="llama.cpp (llama-cpp-python) opening the same GGUF in a fresh process",
             notes=f"{args.threads} thread(s), median of {args.repeats}, load {load:.1f} at the end",
