@@ -178,9 +178,8 @@ class LLMEngine:
 
             draft_dtype = cpu_features().auto_dtype
         ctx = DrafterContext(self.model, self.config.model, self.device, self.dtype, self.tokenizer, draft_dtype)
-        replayed = None  # the curve times graph replays (_time_forward): their buckets depend on these
-        if self.runner.graphs is not None and self.runner.verify_as_decode_rows:
-            replayed = (self.config.max_num_seqs, spec_cfg.num_speculative_tokens)
+        # the curve times graph replays (_time_forward) where it can: their buckets depend on these
+        replayed = (self.config.max_num_seqs, spec_cfg.num_speculative_tokens) if self._idle_replay() else None
         spec = spec_decode.build_spec_decoder(
             spec_cfg, self.host, ctx, max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, measure=self._time_forward,
@@ -207,13 +206,18 @@ class LLMEngine:
         run it: a captured decode graph of that many padding rows where verify steps replay the
         graphs (a GPU: an eager forward there costs 10x a replayed step, H100), else one eager
         forward over ``num_tokens`` new tokens. Returns when the device is done."""
-        idle = getattr(self.runner.graphs, "replay_idle", None) if self.runner.verify_as_decode_rows else None
+        idle = self._idle_replay()
         if idle is not None and idle(num_tokens):
             self.platform.synchronize()
             return
         n = min(num_tokens, self.max_model_len - 1, self.num_blocks * self.config.block_size - 1)
         span = max(1, min(97, self.model.vocab_size - 1))  # ids 1..span: valid in any vocabulary
         self._prompt_logits([1 + (i % span) for i in range(max(1, n))])
+
+    def _idle_replay(self):
+        """The decode graphs' ``replay_idle`` where verify steps replay the graphs (decode rows),
+        else None: what DSpark's curve times instead of an eager forward (_time_forward)."""
+        return getattr(self.runner.graphs, "replay_idle", None) if self.runner.verify_as_decode_rows else None
 
     def _default_num_blocks(self, block_bytes: int, reserved_bytes: int = 0) -> int:
         free, _total = self.platform.memory_info()
