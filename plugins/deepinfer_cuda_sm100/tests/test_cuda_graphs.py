@@ -18,24 +18,29 @@ def test_hook_answers_for_cuda_platforms_only():
     assert plugin.deepinfer_batch_invariant_ops(TorchPlatform("cpu", "cpu")) is None
 
 
+def _tiny_llama(path, hidden: int = 32):
+    """A 2-layer Llama of the given width, seed 0, saved to ``path`` (the tests' checkpoint)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+
+
 def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_block(tmp_path):
     """What a replay reads, on any machine: each decode step's rows copied into the static
     inputs and padded to its bucket (token 0 at position 0 in the scratch block), the model run
     eagerly over them (the torch reference attention: nothing is captured). The real rows give
     the eager step's hidden states and KV; the padded rows write into the scratch block only; the
     tokens are the eager engine's."""
-    transformers = pytest.importorskip("transformers")
     from deepinfer_core import LLM, SamplingParams
     from deepinfer_core.hookspecs import hookimpl
     from deepinfer_core.plugin_host import PluginHost
     from deepinfer_cuda_sm100.decode_capture import smallest_bucket
     from deepinfer_cuda_sm100.graphs import CudaDecodeGraphs
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path)
     checked: list[tuple[int, int]] = []
 
     class Static:
@@ -84,15 +89,6 @@ def test_padded_static_step_equals_the_eager_step_and_pads_into_the_scratch_bloc
         enforce_eager=True,
     )
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-
-
-def _tiny_llama(path, hidden: int = 32):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=512, bos_token_id=0, eos_token_id=1)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
 
 
 def test_an_idle_step_reads_and_writes_only_the_scratch_block(tmp_path):
@@ -178,15 +174,10 @@ def test_dspark_times_its_curve_from_graph_replays_and_stays_exact(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_matches_eager(tmp_path):
-    transformers = pytest.importorskip("transformers")
     pytest.importorskip("triton")
     from deepinfer_core import LLM, SamplingParams
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path, hidden=64)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12] * 30, [13]]  # 3 requests: replayed in the bucket of 4
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     graphed = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=8, max_num_seqs=8)
